@@ -1,0 +1,87 @@
+"""Make ``import torchvision`` work when its compiled ops cannot load.
+
+torchvision ships a C++ extension (``torchvision/_C``) that defines the
+``torchvision::*`` operators. When that extension does not match the installed
+torch (a CUDA build of torchvision beside a CPU-only torch, for instance), the
+extension fails to load and ``import torchvision`` then raises
+``RuntimeError: operator torchvision::nms does not exist``, because
+``torchvision/_meta_registrations.py`` registers fake kernels for ``nms`` and
+``qnms`` without checking that the ops exist (pytorch/vision#9085).
+
+featcache needs only torchvision's models, transforms and datasets, none of
+which call those ops, so declaring the two schemas is enough for the import to
+succeed. The declared ops have no kernels: calling them raises torch's usual
+"could not run ... with arguments from the 'CPU' backend" error, which is the
+honest answer when the extension is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+
+import torch
+
+# Op schemas that torchvision registers fake kernels for at import time, unconditionally.
+UNCONDITIONAL_OPS: dict[str, str] = {
+    "nms": "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "qnms": "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+}
+
+_declared: list[torch.library.Library] = []
+
+
+def _has_schema(name: str) -> bool:
+    try:
+        torch._C._get_schema(f"torchvision::{name}", "")
+    except RuntimeError:
+        return False
+    return True
+
+
+def _extension_path() -> str | None:
+    """Path of torchvision's compiled extension, or None when torchvision has none."""
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            candidate = os.path.join(folder, "_C" + suffix)
+            if os.path.exists(candidate):
+                return candidate
+    return None
+
+
+def torchvision_extension_loads() -> bool:
+    """Try to load torchvision's compiled ops into torch; return whether they loaded."""
+    path = _extension_path()
+    if path is None:
+        return False
+    try:
+        torch.ops.load_library(path)
+    except (OSError, RuntimeError):
+        return False
+    return True
+
+
+def declare_torchvision_ops() -> list[str]:
+    """Declare the schemas of :data:`UNCONDITIONAL_OPS` that do not exist yet.
+
+    Returns the names declared (empty when all were already there).
+    """
+    missing = [name for name in UNCONDITIONAL_OPS if not _has_schema(name)]
+    if missing:
+        lib = torch.library.Library("torchvision", "FRAGMENT")
+        for name in missing:
+            lib.define(name + UNCONDITIONAL_OPS[name])
+        _declared.append(lib)  # a Library deregisters its ops when garbage-collected
+    return missing
+
+
+def ensure_torchvision_importable() -> None:
+    """Call before the first ``import torchvision``; a no-op when its extension loads."""
+    if importlib.util.find_spec("torchvision") is None:
+        return
+    if not torchvision_extension_loads():
+        declare_torchvision_ops()
