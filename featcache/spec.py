@@ -351,3 +351,17 @@ def _type_name(kind: Any) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true/false"}.get(
         kind, getattr(kind, "__name__", str(kind))
     )
+
+
+def parse_layers(layers: Iterable[LayerSpec | str | Mapping[str, Any]]) -> list[LayerSpec]:
+    """Normalise layer selectors given as names, mappings or :class:`LayerSpec`."""
+    if isinstance(layers, (str, LayerSpec, Mapping)):
+        layers = [layers]
+    parsed = []
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, LayerSpec):
+            raw = dict(layer) if isinstance(layer, Mapping) else layer
+            layer = _build(LayerSpec, raw, f"layers[{i}]")
+        validate_layer(layer, f"layers[{i}]")
+        parsed.append(layer)
+    return parsed
