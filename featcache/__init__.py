@@ -5,3 +5,17 @@ from featcache._compat import ensure_torchvision_importable
 ensure_torchvision_importable()  # before any featcache module imports torchvision
 
 __version__ = "0.1.0"
+
+from featcache.dataset import FeatureDataset  # noqa: E402
+from featcache.errors import ConfigError, FeatcacheError  # noqa: E402
+from featcache.pipeline import extract, extract_from_config  # noqa: E402
+from featcache.store import FeatureStore  # noqa: E402
+
+__all__ = [
+    "ConfigError",
+    "FeatcacheError",
+    "FeatureDataset",
+    "FeatureStore",
+    "extract",
+    "extract_from_config",
+]

@@ -1,0 +1,3 @@
+from featcache.cli import main
+
+main()

@@ -1,0 +1,68 @@
+"""List a model's modules with their output shapes, to choose layers to capture."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    name: str  # module name, as used in a layer selector
+    type: str  # module class name, as used in "type:<name>"
+    output: str  # output shape per sample, e.g. "[256, 14, 14]"; "-" if never called
+    params: int  # parameters owned by the module and its children
+
+
+def describe_layers(
+    model: nn.Module, input_size: int = 224, channels: int = 3, device: str = "cpu"
+) -> list[LayerInfo]:
+    """Run one ``[2, channels, input_size, input_size]`` batch and record every module's output.
+
+    Shapes are reported per sample (without the batch dimension). The model's
+    train/eval flag is restored afterwards and all hooks are removed.
+    """
+    shapes: dict[str, str] = {}
+    handles = []
+
+    def recorder(name: str):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            shapes.setdefault(name, _describe(output))
+
+        return hook
+
+    was_training = model.training
+    try:
+        for name, module in model.named_modules():
+            if name:
+                handles.append(module.register_forward_hook(recorder(name)))
+        model.eval()
+        with torch.inference_mode():
+            model(torch.zeros(2, channels, input_size, input_size, device=device))
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    return [
+        LayerInfo(
+            name,
+            type(module).__name__,
+            shapes.get(name, "-"),
+            sum(p.numel() for p in module.parameters()),
+        )
+        for name, module in model.named_modules()
+        if name
+    ]
+
+
+def _describe(output: Any) -> str:
+    if isinstance(output, torch.Tensor):
+        return str(list(output.shape[1:]))
+    if isinstance(output, (tuple, list)):
+        return "(" + ", ".join(_describe(item) for item in output) + ")"
+    if isinstance(output, dict):
+        return "{" + ", ".join(f"{k}: {_describe(v)}" for k, v in output.items()) + "}"
+    return type(output).__name__
