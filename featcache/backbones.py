@@ -183,31 +183,34 @@ def load_checkpoint(
     if strip_prefix:
         state = {k.removeprefix(strip_prefix): v for k, v in state.items()}
     own = module.state_dict()
-    # strict=False and our own check of what it reports is exactly strict=True, with a
+    # strict=False plus our own check of what it reports is exactly strict=True, with a
     # one-line message instead of torch's multi-line one.
+    wrong: list[str] = []
     try:
         result = module.load_state_dict(state, strict=False)
-    except RuntimeError as exc:  # tensors with the wrong shape
+    except RuntimeError as exc:  # tensors of the wrong shape; load the rest to list the keys
         wrong = [k for k in state if k in own and state[k].shape != own[k].shape]
-        shapes = ", ".join(
-            f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in wrong[:3]
+        if not wrong:
+            raise ConfigError(f"checkpoint {path} does not load into the model: {exc}") from exc
+        result = module.load_state_dict({k: state[k] for k in state if k not in wrong}, False)
+    missing = [k for k in result.missing_keys if k not in wrong]
+    problems = [
+        _some_keys(keys, what)
+        for keys, what in (
+            (
+                [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in wrong],
+                "tensors of the wrong shape",
+            ),
+            (missing, "missing keys"),
+            (result.unexpected_keys, "unexpected keys"),
         )
+        if keys
+    ]
+    if problems:
+        hint = "; check model.kwargs (e.g. num_classes) and the architecture" if wrong else ""
         raise ConfigError(
-            f"checkpoint {path} does not fit the model: {len(wrong)} tensors have the wrong "
-            f"shape ({shapes}); check model.kwargs (e.g. num_classes) and the architecture"
-        ) from exc
-    if result.missing_keys or result.unexpected_keys:
-        counts = [
-            _some_keys(keys, what)
-            for keys, what in (
-                (result.missing_keys, "missing"),
-                (result.unexpected_keys, "unexpected"),
-            )
-            if keys
-        ]
-        raise ConfigError(
-            f"checkpoint {path} does not match the model: {', '.join(counts)}"
-            f"{_prefix_hint(stored_keys, own, strip_prefix)}"
+            f"checkpoint {path} does not match the model: {', '.join(problems)}"
+            f"{_prefix_hint(stored_keys, own, strip_prefix)}{hint}"
         )
     return file_sha256(path)
 
@@ -324,7 +327,7 @@ def _find_state_dict(obj: Any, path: Path) -> Mapping[str, torch.Tensor]:
 
 def _some_keys(keys: list[str], what: str, shown: int = 3) -> str:
     more = ", ..." if len(keys) > shown else ""
-    return f"{len(keys)} {what} keys ({', '.join(keys[:shown])}{more})"
+    return f"{len(keys)} {what} ({', '.join(keys[:shown])}{more})"
 
 
 def _prefix_hint(keys: list[str], own: Mapping[str, Any], strip_prefix: str | None) -> str:

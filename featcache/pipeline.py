@@ -17,7 +17,7 @@ import platform
 import queue
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -130,22 +130,32 @@ def extract(
     )
     if class_names is not None:
         attrs["class_names"] = [str(name) for name in class_names]
-    writer = StoreWriter(
-        path,
-        num_rows,
-        dtype=run.store.dtype,
-        compression=run.store.compression,
-        chunk_rows=run.store.chunk_rows,
-        has_labels=has_labels,
-        attrs=attrs,
-        overwrite=run.overwrite,
+    check_output_path(Path(path), run.overwrite)  # before any work starts
+    pin = device.type == "cuda" if run.loader.pin_memory == "auto" else bool(run.loader.pin_memory)
+    loader = DataLoader(
+        _Indexed(dataset),
+        batch_size=run.loader.batch_size,
+        shuffle=False,
+        num_workers=_num_workers(run.loader.num_workers, num_rows, run.loader.batch_size),
+        pin_memory=pin,
     )
-    with writer:
-        seconds = _run_loop(model, dataset, taps, writer, ids, run, device)
-        writer.close(
-            complete=True,
-            attrs={"seconds": seconds, "images_per_second": num_rows / max(seconds, 1e-9)},
+    with _started(loader) as batches:
+        writer = StoreWriter(
+            path,
+            num_rows,
+            dtype=run.store.dtype,
+            compression=run.store.compression,
+            chunk_rows=run.store.chunk_rows,
+            has_labels=has_labels,
+            attrs=attrs,
+            overwrite=run.overwrite,
         )
+        with writer:
+            seconds = _run_loop(model, batches, taps, writer, ids, run, device, pin)
+            writer.close(
+                complete=True,
+                attrs={"seconds": seconds, "images_per_second": num_rows / max(seconds, 1e-9)},
+            )
     return FeatureStore(path)
 
 
@@ -268,26 +278,34 @@ def _num_workers(setting: int | str, num_rows: int, batch_size: int) -> int:
     return min(4, cpus or 1)
 
 
+@contextlib.contextmanager
+def _started(loader: DataLoader) -> Iterator[Iterator[Any]]:
+    """The loader's iterator, with its workers started now and always shut down.
+
+    Workers start before the store file is opened, so forked workers never inherit its
+    descriptor (which would keep the file locked after a failure).
+    """
+    batches = iter(loader)
+    try:
+        yield batches
+    finally:
+        shutdown = getattr(batches, "_shutdown_workers", None)  # multi-process iterators
+        if shutdown is not None:
+            shutdown()
+
+
 def _run_loop(
     model: nn.Module,
-    dataset: Dataset,
+    batches: Iterator[Any],
     taps: Sequence[Tap],
     writer: StoreWriter,
     ids: Sequence[str],
     run: RunOptions,
     device: torch.device,
+    pin: bool,
 ) -> float:
     """Runs every batch; returns the seconds the loop took."""
-    loader_spec, runtime = run.loader, run.runtime
-    pin = loader_spec.pin_memory
-    pin = device.type == "cuda" if pin == "auto" else bool(pin)
-    loader = DataLoader(
-        _Indexed(dataset),
-        batch_size=loader_spec.batch_size,
-        shuffle=False,
-        num_workers=_num_workers(loader_spec.num_workers, writer.num_rows, loader_spec.batch_size),
-        pin_memory=pin,
-    )
+    runtime = run.runtime
     memory_format = torch.channels_last if runtime.channels_last else torch.contiguous_format
     was_training = model.training
     model.eval()
@@ -307,7 +325,7 @@ def _run_loop(
     start = time.perf_counter()
     try:
         with TapSet(model, taps) as tapset, _WriterThread(writer) as sink:
-            for images, labels, index in loader:
+            for images, labels, index in batches:
                 images = images.to(device, non_blocking=pin, memory_format=memory_format)
                 autocast = (
                     torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()

@@ -191,7 +191,7 @@ class _TorchvisionSource(SourceDataset):
         classes = getattr(dataset, "classes", None)
         # ImageNet's classes are tuples of synonyms; keep the first.
         names = [c[0] if isinstance(c, tuple) and c else str(c) for c in classes or []]
-        ids = [f"{name}:{i}" for i in range(len(dataset))]  # type: ignore[arg-type]
+        ids = [f"{name}:{i}" for i in range(len(dataset))]
         super().__init__(ids, names or None, True, transform)
         self.dataset = dataset
         self.name = name
@@ -243,7 +243,8 @@ class _SyntheticSource(SourceDataset):
         coords = torch.linspace(-1.0, 1.0, n)
         y, x = torch.meshgrid(coords, coords, indexing="ij")
         along = x * math.cos(theta) + y * math.sin(theta)
-        wave = torch.sin(math.pi * (2 + 2 * freq) * along + 2 * math.pi * phase)  # 2-4 cycles across
+        # 2 to 4 cycles across the image.
+        wave = torch.sin(math.pi * (2 + 2 * freq) * along + 2 * math.pi * phase)
         tint = torch.tensor(colorsys.hsv_to_rgb(k / self.num_classes, 0.6, 1.0))
         image = (0.5 + (0.2 + 0.15 * contrast) * wave) * (0.5 + 0.5 * tint)[:, None, None]
         image = image + 0.05 * torch.randn(3, n, n, generator=gen)

@@ -29,6 +29,7 @@ STORE_DTYPES = ("float16", "bfloat16", "float32")
 COMPRESSIONS = (None, "lzf", "gzip")
 SOURCES = ("imagefolder", "manifest", "torchvision", "synthetic")
 AMP_DTYPES = (None, "fp16", "bf16")
+INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
 
 
 @dataclass
@@ -284,6 +285,7 @@ def _validate(spec: Spec) -> None:
         value = getattr(p, name)
         if value is not None and len(value) != 3:
             raise ConfigError(f"preprocess.{name} must list 3 numbers (R, G, B)")
+    _choice("preprocess.interpolation", p.interpolation, INTERPOLATIONS)
     _positive("preprocess.resize", p.resize)
     _positive("preprocess.crop", p.crop)
 

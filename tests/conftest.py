@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny seeded models and datasets, and the real data beside the repo."""
+
+from __future__ import annotations
+
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import featcache  # noqa: F401  (makes torchvision importable before the tests import it)
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def shared_file(name: str) -> Path:
+    """A file from ../shared/data, or skip the test with the reason."""
+    path = SHARED_DATA / name
+    if not path.exists():
+        pytest.skip(f"real data {path} is not present (it lives beside the repo, not in it)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def hymenoptera_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """../shared/data/hymenoptera.tar extracted once per session; the hymenoptera_data folder."""
+    archive = shared_file("hymenoptera.tar")
+    target = tmp_path_factory.mktemp("hymenoptera")
+    with tarfile.open(archive) as tar:
+        tar.extractall(target, filter="data")
+    return target / "hymenoptera_data"
+
+
+@pytest.fixture
+def resnet18() -> torch.nn.Module:
+    """A seeded, randomly initialised torchvision resnet18 in eval mode."""
+    import torchvision
+
+    torch.manual_seed(0)
+    return torchvision.models.resnet18().eval()
+
+
+@pytest.fixture
+def images() -> torch.utils.data.TensorDataset:
+    """20 random 32x32 images with labels 0..4."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(20, 3, 32, 32, generator=generator)
+    return torch.utils.data.TensorDataset(x, torch.arange(20) % 5)

@@ -1,0 +1,146 @@
+"""Every CLI command end to end on tiny inputs; errors are one line with the right code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from featcache.cli import app
+from featcache.store import FeatureStore
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def config_file(tmp_path) -> Path:
+    config = {
+        "model": {"name": "resnet18"},
+        "layers": [{"name": "layer3", "reduce": "avg"}],
+        "data": {
+            "source": "synthetic",
+            "kwargs": {"image_size": 32, "num_classes": 3},
+            "splits": {"train": {"size": 12}},
+        },
+        "loader": {"batch_size": 6},
+        "output": {"dir": str(tmp_path / "out")},
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _error_line(result) -> str:
+    """The one error line; progress bars may share stderr, tracebacks may not."""
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("featcache: error: ")
+    return lines[0]
+
+
+def test_help_for_every_command():
+    for args in ([], ["extract"], ["layers"], ["info"], ["demo"]):
+        result = runner.invoke(app, [*args, "--help"])
+        assert result.exit_code == 0, result.output
+        assert "Usage" in result.output
+
+
+def test_extract_then_info(config_file, tmp_path):
+    result = runner.invoke(app, ["extract", str(config_file), "--set", "store.dtype=float32"])
+    assert result.exit_code == 0, result.output
+    path = tmp_path / "out" / "train.h5"
+    assert f"wrote {path}: 12 rows; layer3 [256]" in result.stdout
+    assert FeatureStore(path).dtype("layer3").is_floating_point
+    info = runner.invoke(app, ["info", str(path)])
+    assert info.exit_code == 0, info.output
+    assert "complete, 12 rows" in info.stdout
+    assert "layer3" in info.stdout and "[256]" in info.stdout and "float32" in info.stdout
+    as_json = json.loads(runner.invoke(app, ["info", str(path), "--json"]).stdout)
+    assert as_json["complete"] is True
+    assert as_json["layers"]["layer3"]["shape"] == [256]
+    assert as_json["config"]["store"]["dtype"] == "float32"
+
+
+def test_existing_output_needs_overwrite(config_file):
+    assert runner.invoke(app, ["extract", str(config_file)]).exit_code == 0
+    again = runner.invoke(app, ["extract", str(config_file)])
+    assert again.exit_code == 2
+    assert "already exists" in _error_line(again) and "--overwrite" in _error_line(again)
+    assert runner.invoke(app, ["extract", str(config_file), "--overwrite"]).exit_code == 0
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("layers=[layer5]", "unknown layer 'layer5'; close matches: layer4"),
+        ("model.name=resnet181", "resnet18"),
+        ("loader.batch_sise=4", "unknown config key loader.batch_sise"),
+    ],
+)
+def test_config_errors_exit_2_with_one_line(config_file, override, expected):
+    result = runner.invoke(app, ["extract", str(config_file), "--set", override])
+    assert result.exit_code == 2
+    assert expected in _error_line(result)
+
+
+def test_runtime_errors_exit_1_and_debug_shows_traceback(tmp_path):
+    root = tmp_path / "images" / "train" / "cats"
+    root.mkdir(parents=True)
+    (root / "broken.jpg").write_bytes(b"")
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"name": "resnet18"},
+                "layers": ["layer1"],
+                "data": {"root": str(tmp_path / "images"), "splits": ["train"]},
+                "preprocess": {"resize": 32},
+                "output": {"dir": str(tmp_path / "out")},
+            }
+        )
+    )
+    result = runner.invoke(app, ["extract", str(config)])
+    assert result.exit_code == 1
+    assert "broken.jpg" in _error_line(result)
+    debug = runner.invoke(app, ["--debug", "extract", str(config), "--overwrite"])
+    assert debug.exit_code == 1 and "Traceback" in debug.stderr
+
+
+def test_layers_lists_names_types_and_shapes(config_file):
+    result = runner.invoke(app, ["layers", "resnet18", "--input-size", "32"])
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[0]: line.split(None, 2)[1:] for line in result.stdout.splitlines()[1:]}
+    assert rows["layer4"] == ["Sequential", "[512, 1, 1]"]
+    assert rows["layer2.0.conv1"] == ["Conv2d", "[128, 4, 4]"]
+    assert rows["fc"] == ["Linear", "[1000]"]
+    from_config = runner.invoke(app, ["layers", str(config_file), "--input-size", "32"])
+    assert from_config.exit_code == 0 and "layer3" in from_config.stdout
+    unknown = runner.invoke(app, ["layers", "resnet181"])
+    assert unknown.exit_code == 2 and "resnet18" in _error_line(unknown)
+
+
+def test_info_errors(tmp_path):
+    result = runner.invoke(app, ["info", str(tmp_path / "missing.h5")])
+    assert result.exit_code == 2 and "store not found" in _error_line(result)
+
+
+def test_demo_via_python_m(tmp_path):
+    """The demo as a user runs it: a real process, `python -m featcache`."""
+    result = subprocess.run(
+        [sys.executable, "-m", "featcache", "demo", "--output", str(tmp_path / "demo")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "wrote" in result.stdout and "train.h5: 512 rows" in result.stdout
+    assert "status     complete" in result.stdout
+    train = FeatureStore(tmp_path / "demo" / "train.h5")
+    assert train.layers == ["layer3", "layer4", "avgpool"]
+    assert len(FeatureStore(tmp_path / "demo" / "val.h5")) == 256

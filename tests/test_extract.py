@@ -1,0 +1,296 @@
+"""End-to-end extraction: stored values, rows, attributes, errors, reproducibility."""
+
+from __future__ import annotations
+
+import errno
+
+import h5py
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import featcache
+from featcache.errors import ConfigError, FeatcacheError
+from featcache.spec import fingerprint, load_config, to_dict
+from featcache.store import FeatureStore, StoreWriter
+
+
+def resnet_outputs(model, x):
+    """Every top-level stage of a torchvision ResNet, computed by hand."""
+    out = {}
+    x = model.maxpool(model.relu(model.bn1(model.conv1(x))))
+    for name in ("layer1", "layer2", "layer3", "layer4"):
+        x = getattr(model, name)(x)
+        out[name] = x
+    out["avgpool"] = model.avgpool(x)
+    out["fc"] = model.fc(out["avgpool"].flatten(1))
+    return out
+
+
+LAYERS = [
+    {"name": "layer1"},  # reduce none
+    {"name": "layer2", "reduce": "adaptive_avg", "size": 2},
+    {"name": "layer3", "reduce": "avg"},
+    {"name": "layer3", "reduce": "max", "key": "layer3_max"},
+    {"name": "layer4", "capture": "input", "reduce": "flatten"},
+    {"name": "avgpool", "reduce": "flatten"},
+]
+
+
+def expected(model, x):
+    with torch.no_grad():
+        o = resnet_outputs(model, x)
+    return {
+        "layer1": o["layer1"],
+        "layer2": F.adaptive_avg_pool2d(o["layer2"], 2),
+        "layer3": o["layer3"].mean((2, 3)),
+        "layer3_max": o["layer3"].amax((2, 3)),
+        "layer4@input": o["layer3"].flatten(1),
+        "avgpool": o["avgpool"].flatten(1),
+    }
+
+
+def test_stored_features_equal_direct_computation(resnet18, images, tmp_path):
+    store = featcache.extract(
+        resnet18, images, LAYERS, tmp_path / "s.h5", dtype="float32", batch_size=8, progress=False
+    )
+    want = expected(resnet18, images.tensors[0])
+    assert store.layers == list(want)
+    for key, value in want.items():
+        got = store.read(key)
+        assert got.dtype == torch.float32 and got.shape == value.shape, key
+        torch.testing.assert_close(got, value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize(
+    "dtype, torch_dtype", [("float16", torch.float16), ("bfloat16", torch.bfloat16)]
+)
+def test_half_precision_stores(resnet18, images, tmp_path, dtype, torch_dtype):
+    store = featcache.extract(
+        resnet18, images, ["layer3"], tmp_path / "s.h5", dtype=dtype, progress=False
+    )
+    with torch.no_grad():
+        want = resnet_outputs(resnet18, images.tensors[0])["layer3"]
+    got = store.read("layer3")
+    assert got.dtype == torch_dtype
+    torch.testing.assert_close(got.float(), want.to(torch_dtype).float(), rtol=2e-2, atol=2e-2)
+    with h5py.File(store.path) as f:  # bfloat16 is kept as its raw 16 bits
+        raw = f["features/layer3"]
+        assert raw.dtype == (np.uint16 if dtype == "bfloat16" else np.float16)
+        assert raw.attrs["dtype"] == dtype
+
+
+def test_rows_order_labels_ids_and_chunking(resnet18, images, tmp_path):
+    ids = [f"img/{i:03d}.png" for i in range(20)]
+    store = featcache.extract(
+        resnet18,
+        images,
+        [{"name": "layer2", "reduce": "avg"}],
+        tmp_path / "s.h5",
+        ids=ids,
+        class_names=["a", "b", "c", "d", "e"],
+        batch_size=3,  # batches straddle chunk boundaries
+        chunk_rows=4,
+        num_workers=2,
+        progress=False,
+    )
+    assert len(store) == 20 and store.complete and store.rows_written == 20
+    assert store.ids == ids
+    np.testing.assert_array_equal(store.index, np.arange(20))
+    np.testing.assert_array_equal(store.labels, np.arange(20) % 5)
+    assert store.class_names == ["a", "b", "c", "d", "e"]
+    with h5py.File(store.path) as f:
+        assert f["features/layer2"].chunks == (4, 128)
+    with torch.no_grad():
+        want = resnet_outputs(resnet18, images.tensors[0])["layer2"].mean((2, 3))
+    torch.testing.assert_close(
+        store.read("layer2", [19, 0, 7, 7]).float(), want[[19, 0, 7, 7]], rtol=1e-2, atol=1e-2
+    )
+
+
+def test_h5py_alone_reads_the_store(resnet18, images, tmp_path):
+    path = tmp_path / "s.h5"
+    featcache.extract(resnet18, images, ["avgpool"], path, progress=False)
+    with h5py.File(path, "r") as f:
+        assert set(f) == {"features", "ids", "index", "labels"}
+        assert f["features/avgpool"].shape == (20, 512, 1, 1)
+        assert f["features/avgpool"].dtype == np.float16
+        assert f["labels"].dtype == np.int64 and f["index"].dtype == np.int64
+        assert f["ids"].asstr()[0] == "TensorDataset:0"
+        attrs = dict(f.attrs)
+    for key in (
+        "featcache_format",
+        "complete",
+        "rows_written",
+        "num_rows",
+        "created",
+        "versions",
+        "device",
+        "dataset_fingerprint",
+        "taps",
+    ):
+        assert key in attrs, key
+    assert bool(attrs["complete"]) and attrs["num_rows"] == 20
+
+
+def test_unlabeled_dataset_has_no_labels(resnet18, tmp_path):
+    data = torch.utils.data.TensorDataset(torch.randn(5, 3, 32, 32))
+    store = featcache.extract(resnet18, data, ["layer1"], tmp_path / "s.h5", progress=False)
+    assert store.labels is None and not store.has_labels
+
+
+def test_existing_store_is_never_overwritten_silently(resnet18, images, tmp_path):
+    path = tmp_path / "s.h5"
+    featcache.extract(resnet18, images, ["layer1"], path, progress=False)
+    before = path.read_bytes()
+    with pytest.raises(ConfigError, match="already exists.*--overwrite"):
+        featcache.extract(resnet18, images, ["layer2"], path, progress=False)
+    assert path.read_bytes() == before
+    store = featcache.extract(resnet18, images, ["layer2"], path, overwrite=True, progress=False)
+    assert store.layers == ["layer2"]
+
+
+def test_unusable_output_path(resnet18, images, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="cannot create output folder"):
+        featcache.extract(resnet18, images, ["layer1"], blocker / "s.h5", progress=False)
+
+
+def test_unknown_option_is_named(resnet18, images, tmp_path):
+    with pytest.raises(ConfigError, match="unknown option 'batchsize'"):
+        featcache.extract(resnet18, images, ["layer1"], tmp_path / "s.h5", batchsize=3)
+
+
+class Failing(torch.utils.data.Dataset):
+    def __init__(self, fail_at: int):
+        self.fail_at = fail_at
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        if i == self.fail_at:
+            raise RuntimeError(f"cannot read sample {i}")
+        return torch.full((3, 32, 32), float(i) / 40), i % 3
+
+
+def test_failure_leaves_an_incomplete_store_and_no_hooks(resnet18, tmp_path):
+    path = tmp_path / "s.h5"
+    with pytest.raises(RuntimeError, match="cannot read sample 30"):
+        featcache.extract(
+            resnet18, Failing(30), ["layer1"], path, batch_size=4, chunk_rows=8, progress=False
+        )
+    assert all(not m._forward_hooks for m in resnet18.modules())
+    with pytest.raises(FeatcacheError, match="incomplete .* rows written.*allow_incomplete"):
+        FeatureStore(path)
+    store = FeatureStore(path, allow_incomplete=True)
+    assert not store.complete
+    durable = store.rows_written
+    assert durable == 24  # whole chunks of 8 rows before the batch at row 28 failed
+    np.testing.assert_array_equal(store.index[:durable], np.arange(durable))
+    with pytest.raises(FeatcacheError, match="incomplete"):
+        featcache.FeatureDataset(path, "layer1")
+
+
+def test_writer_errors_reach_the_caller(resnet18, images, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    original = StoreWriter.append
+
+    def append(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(StoreWriter, "append", append)
+    path = tmp_path / "s.h5"
+    with pytest.raises(FeatcacheError, match="disk full while writing"):
+        featcache.extract(resnet18, images, ["layer1"], path, batch_size=2, progress=False)
+    assert not FeatureStore(path, allow_incomplete=True).complete
+
+
+def test_model_mode_is_restored(resnet18, images, tmp_path):
+    resnet18.train()
+    featcache.extract(resnet18, images, ["layer1"], tmp_path / "s.h5", progress=False)
+    assert resnet18.training
+
+
+def demo_like(tmp_path, **extra):
+    config = {
+        "model": {"name": "resnet18"},
+        "layers": [{"name": "layer4", "reduce": "avg"}, "avgpool"],
+        "data": {
+            "source": "synthetic",
+            "kwargs": {"image_size": 32, "num_classes": 4},
+            "splits": {"train": {"size": 24}, "val": {"size": 12}},
+        },
+        "loader": {"batch_size": 8},
+        "output": {"dir": str(tmp_path / "out")},
+        "runtime": {"progress": False},
+    }
+    config.update(extra)
+    return config
+
+
+def test_extract_from_config_writes_one_store_per_split_with_provenance(tmp_path):
+    config = demo_like(tmp_path)
+    stores = featcache.extract_from_config(config, ["store.dtype=float32"])
+    assert set(stores) == {"train", "val"}
+    train, val = stores["train"], stores["val"]
+    assert len(train) == 24 and len(val) == 12
+    spec = load_config(config, ["store.dtype=float32"])
+    attrs = train.attrs
+    assert train.config == to_dict(spec)
+    assert attrs["config_fingerprint"] == fingerprint(spec)
+    assert attrs["weights"] == {"model": "resnet18", "source": "random", "seed": 0}
+    assert attrs["split"] == "train" and train.class_names == [f"class_{k}" for k in range(4)]
+    assert train.ids[:2] == ["synthetic:0", "synthetic:1"]
+    assert train.shape("layer4") == (512,) and train.shape("avgpool") == (512, 1, 1)
+    assert not np.array_equal(train.read("layer4")[:12].numpy(), val.read("layer4").numpy())
+
+
+def test_same_config_twice_gives_identical_bytes(tmp_path):
+    first = featcache.extract_from_config(demo_like(tmp_path / "a"))["train"]
+    second = featcache.extract_from_config(demo_like(tmp_path / "b"))["train"]
+    for layer in first.layers:
+        assert torch.equal(first.read(layer), second.read(layer))
+    assert first.attrs["config_fingerprint"] == second.attrs["config_fingerprint"]
+    assert first.attrs["dataset_fingerprint"] == second.attrs["dataset_fingerprint"]
+
+
+def test_config_refuses_existing_outputs_before_any_work(tmp_path):
+    config = demo_like(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "val.h5").write_bytes(b"precious")
+    with pytest.raises(ConfigError, match="val.h5; pass --overwrite"):
+        featcache.extract_from_config(config)
+    assert not (tmp_path / "out" / "train.h5").exists()
+    assert (tmp_path / "out" / "val.h5").read_bytes() == b"precious"
+
+
+def test_hymenoptera_photos_end_to_end(hymenoptera_root, tmp_path):
+    config = {
+        "model": {"name": "resnet18"},
+        "layers": [{"name": "layer4", "reduce": "avg"}],
+        "data": {"source": "imagefolder", "root": str(hymenoptera_root), "splits": ["val"]},
+        "preprocess": {"resize": 40, "crop": 32},
+        "loader": {"batch_size": 32},
+        "output": {"dir": str(tmp_path)},
+        "runtime": {"progress": False},
+    }
+    store = featcache.extract_from_config(config)["val"]
+    files = sorted(
+        p.relative_to(hymenoptera_root / "val").as_posix()
+        for p in (hymenoptera_root / "val").rglob("*")
+        if p.is_file()
+    )
+    assert store.ids == files
+    assert store.class_names == ["ants", "bees"]
+    np.testing.assert_array_equal(
+        store.labels, [0 if name.startswith("ants/") else 1 for name in files]
+    )
+    features = store.read("layer4").float()
+    assert features.shape == (len(files), 512) and torch.isfinite(features).all()
+    assert features.std(0).mean() > 0  # real, varied activations

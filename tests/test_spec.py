@@ -1,0 +1,117 @@
+"""Config loading, overrides, validation errors and fingerprints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from featcache.demo import demo_config_path
+from featcache.errors import ConfigError
+from featcache.spec import apply_override, fingerprint, load_config, parse_layers, to_dict
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = {
+    "model": {"name": "resnet18"},
+    "layers": ["layer1"],
+    "data": {"source": "synthetic", "splits": ["train"]},
+}
+
+
+def test_defaults_and_layer_shorthand():
+    spec = load_config(BASE)
+    assert spec.layers[0].name == "layer1" and spec.layers[0].reduce == "none"
+    assert spec.data.splits == {"train": "train"}
+    assert spec.store.dtype == "float16" and spec.runtime.device == "auto"
+    assert spec.store_path("train") == Path("features/train.h5")
+
+
+def test_overrides_are_parsed_as_yaml():
+    spec = load_config(
+        BASE,
+        [
+            "loader.batch_size=8",
+            "preprocess.mean=[0.5, 0.5, 0.5]",
+            "store.compression=lzf",
+            "model.weights=null",
+            "data.kwargs.size=12",
+            "runtime.channels_last=true",
+        ],
+    )
+    assert spec.loader.batch_size == 8
+    assert spec.preprocess.mean == [0.5, 0.5, 0.5]
+    assert spec.store.compression == "lzf"
+    assert spec.data.kwargs == {"size": 12}
+    assert spec.runtime.channels_last is True
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("data.spilts=[a]", "unknown config key data.spilts"),
+        ("loader.batch_sise=3", "unknown config key loader.batch_sise"),
+        ("bogus.key=1", "unknown config key bogus"),
+        ("loader.batch_size=many", "loader.batch_size must be an integer"),
+        ("loader.batch_size=0", "loader.batch_size must be a whole number >= 1"),
+        ("store.dtype=int8", "store.dtype is 'int8'; choose one of"),
+        ("store.compression=zstd", "store.compression is 'zstd'"),
+        ("model.factory=pkg.mod:make", "set exactly one of model.name"),
+        ("layers=[]", "name at least one layer"),
+        ("layers=[{name: a, reduce: pool}]", "layers[0].reduce is 'pool'"),
+        ("layers=[{name: a, reduce: adaptive_avg}]", "needs size"),
+        ("layers=[{name: a, wat: 1}]", "unknown config key layers[0].wat"),
+        ("preprocess.mean=[1, 2]", "preprocess.mean must list 3 numbers"),
+        ("data.source=webdataset", "data.source is 'webdataset'"),
+        ("data.source=imagefolder", "data.root is required"),
+        ("nokey", "not of the form key.sub=value"),
+    ],
+)
+def test_config_errors_name_the_key(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(BASE, [override])
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_yaml_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(listy)
+
+
+def test_apply_override_refuses_to_descend_into_a_scalar():
+    raw = {"loader": {"batch_size": 4}}
+    with pytest.raises(ConfigError, match="loader.batch_size is not a mapping"):
+        apply_override(raw, "loader.batch_size.x=1")
+
+
+def test_fingerprint_ignores_output_and_progress_only():
+    a = load_config(BASE)
+    b = load_config(BASE, ["output.dir=elsewhere", "runtime.progress=false"])
+    c = load_config(BASE, ["store.dtype=float32"])
+    assert fingerprint(a) == fingerprint(b)
+    assert fingerprint(a) != fingerprint(c)
+    assert load_config(to_dict(a)) == a  # the stored config rebuilds the same spec
+
+
+def test_parse_layers_accepts_names_mappings_and_specs():
+    layers = parse_layers(["a", {"name": "b", "reduce": "avg"}, *parse_layers("c")])
+    assert [layer.name for layer in layers] == ["a", "b", "c"]
+    with pytest.raises(ConfigError, match=r"layers\[0\].capture"):
+        parse_layers([{"name": "a", "capture": "grad"}])
+
+
+def test_shipped_configs_load_and_demo_copy_matches_package():
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        load_config(path)
+    shipped = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    embedded = yaml.safe_load(demo_config_path().read_text())
+    assert shipped == embedded
