@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import hashlib
 import os
 import platform
@@ -324,7 +325,8 @@ def _run_loop(
     )
     start = time.perf_counter()
     try:
-        with TapSet(model, taps) as tapset, _WriterThread(writer) as sink:
+        convert = functools.partial(to_store_dtype, dtype=run.store.dtype)
+        with TapSet(model, taps, convert=convert) as tapset, _WriterThread(writer) as sink:
             for images, labels, index in batches:
                 images = images.to(device, non_blocking=pin, memory_format=memory_format)
                 autocast = (
@@ -332,8 +334,7 @@ def _run_loop(
                 )
                 with torch.inference_mode(), autocast:
                     captured = tapset.run(images)
-                    stored = {k: to_store_dtype(v, run.store.dtype) for k, v in captured.items()}
-                    host = {k: v.to("cpu", non_blocking=True) for k, v in stored.items()}
+                    host = {k: v.to("cpu", non_blocking=True) for k, v in captured.items()}
                 ready = None
                 if device.type == "cuda":
                     ready = torch.cuda.Event()

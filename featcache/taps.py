@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,17 +203,25 @@ class TapSet:
     """Forward hooks for a list of taps, as a context manager.
 
     Inside the ``with`` block, :meth:`run` feeds one batch through the model and
-    returns ``{tap.key: reduced tensor [B, ...]}`` (on the model's device). The first
-    call of a module in a forward is the one captured. Hooks are removed when the
-    block exits, whatever the exit path.
+    returns ``{tap.key: reduced tensor [B, ...]}`` (on the model's device), passed
+    through ``convert`` (a dtype cast, say) when given. Captured values never alias the
+    model's own tensors. The first call of a module in a forward is the one captured.
+    Hooks are removed when the block exits, whatever the exit path.
     """
 
-    def __init__(self, model: nn.Module, taps: Sequence[Tap], stop_early: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        taps: Sequence[Tap],
+        stop_early: bool = True,
+        convert: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
         if not taps:
             raise ConfigError("no layers to capture; name at least one layer")
         self.model = model
         self.taps = list(taps)
         self.stop_early = stop_early
+        self.convert = convert  # applied to each reduced value inside the hook
         self._values: dict[str, torch.Tensor] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -256,7 +264,15 @@ class TapSet:
     def _record(self, tap: Tap, value: Any) -> None:
         if tap.key in self._values:
             return
-        self._values[tap.key] = reduce_tensor(_pick(value, tap), tap)
+        raw = _pick(value, tap)
+        out = reduce_tensor(raw, tap)
+        if self.convert is not None:
+            out = self.convert(out)
+        if out.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr():
+            # Still the module's own tensor (or a view of it): an in-place op later in the
+            # forward, such as ReLU(inplace=True), would change the captured values.
+            out = out.clone()
+        self._values[tap.key] = out
         if self.stop_early and len(self._values) == len(self.taps):
             raise _StopForward
 

@@ -166,3 +166,15 @@ def test_run_outside_with_block_is_an_error(resnet18):
     taps = TapSet(resnet18, resolve_taps(resnet18, ["layer1"]))
     with pytest.raises(RuntimeError, match="inside its `with` block"):
         taps.run(torch.randn(1, 3, 32, 32))
+
+
+def test_captures_survive_later_inplace_ops(resnet18):
+    # torchvision's ResNet applies ReLU(inplace=True) right after bn1: the stored bn1
+    # output must be the pre-ReLU values, negatives included.
+    x = torch.randn(2, 3, 32, 32)
+    with TapSet(resnet18, resolve_taps(resnet18, ["bn1", "layer1"])) as taps:
+        out = taps.run(x)
+    with torch.no_grad():
+        want = resnet18.bn1(resnet18.conv1(x))
+    assert (out["bn1"] < 0).any()
+    torch.testing.assert_close(out["bn1"], want)
