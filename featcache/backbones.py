@@ -41,7 +41,7 @@ from torch import nn
 from torchvision import transforms as T
 
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.spec import ModelSpec, PreprocessSpec
+from featcache.spec import ModelSpec, PreprocessSpec, validate_model
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -73,10 +73,7 @@ def build_backbone(model: ModelSpec, preprocess: PreprocessSpec, seed: int = 0) 
     ``preprocess`` and torchvision weights, the transform is the weights' own
     ``transforms()``; otherwise it is :func:`build_transform`.
     """
-    if (model.name is None) == (model.factory is None):
-        raise ConfigError("model: set exactly one of model.name (torchvision) and model.factory")
-    if model.factory is not None and model.weights is not None:
-        raise ConfigError("model.weights names torchvision weights; with a factory use checkpoint")
+    validate_model(model)
     enum = resolve_weights(model.name, model.weights) if model.name is not None else None
     # Built before the model so that a bad option fails before any download.
     if enum is not None and not preprocess.is_set():

@@ -248,13 +248,7 @@ def _is_instance(value: Any, kind: Any) -> bool:
 
 
 def _validate(spec: Spec) -> None:
-    m = spec.model
-    if (m.name is None) == (m.factory is None):
-        raise ConfigError("model: set exactly one of model.name (torchvision) and model.factory")
-    if m.factory is not None and ":" not in m.factory:
-        raise ConfigError(f"model.factory {m.factory!r} must look like 'package.module:callable'")
-    if m.factory is not None and m.weights is not None:
-        raise ConfigError("model.weights names torchvision weights; with a factory use checkpoint")
+    validate_model(spec.model)
     if not spec.layers:
         raise ConfigError("layers: name at least one layer to capture (see `featcache layers`)")
     for i, layer in enumerate(spec.layers):
@@ -288,6 +282,16 @@ def _validate(spec: Spec) -> None:
     _choice("preprocess.interpolation", p.interpolation, INTERPOLATIONS)
     _positive("preprocess.resize", p.resize)
     _positive("preprocess.crop", p.crop)
+
+
+def validate_model(m: ModelSpec) -> None:
+    """Check that a model spec names exactly one way to build the model."""
+    if (m.name is None) == (m.factory is None):
+        raise ConfigError("model: set exactly one of model.name (torchvision) and model.factory")
+    if m.factory is not None and ":" not in m.factory:
+        raise ConfigError(f"model.factory {m.factory!r} must look like 'package.module:callable'")
+    if m.factory is not None and m.weights is not None:
+        raise ConfigError("model.weights names torchvision weights; with a factory use checkpoint")
 
 
 def validate_layer(layer: LayerSpec, where: str) -> None:

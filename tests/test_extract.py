@@ -294,3 +294,25 @@ def test_hymenoptera_photos_end_to_end(hymenoptera_root, tmp_path):
     features = store.read("layer4").float()
     assert features.shape == (len(files), 512) and torch.isfinite(features).all()
     assert features.std(0).mean() > 0  # real, varied activations
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"compression": "lzf"}, {"compression": "gzip"}, {"channels_last": True}, {"amp": "bf16"}],
+)
+def test_runtime_and_store_options_keep_values(resnet18, images, tmp_path, options):
+    store = featcache.extract(
+        resnet18,
+        images,
+        [{"name": "layer3", "reduce": "avg"}],
+        tmp_path / "s.h5",
+        dtype="float32",
+        progress=False,
+        **options,
+    )
+    with torch.no_grad():
+        want = resnet_outputs(resnet18, images.tensors[0])["layer3"].mean((2, 3))
+    tolerance = 5e-2 if "amp" in options else 1e-4  # bf16 autocast keeps ~3 significant digits
+    torch.testing.assert_close(store.read("layer3"), want, rtol=tolerance, atol=tolerance)
+    with h5py.File(store.path) as f:
+        assert f["features/layer3"].compression == options.get("compression")
