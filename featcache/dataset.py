@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import Dataset
 
 from featcache.errors import ConfigError
-from featcache.store import FeatureStore, read_rows
+from featcache.store import FeatureStore, open_for_reading, read_rows
 
 Features = torch.Tensor | dict[str, torch.Tensor]
 
@@ -74,7 +74,7 @@ class FeatureDataset(Dataset):
 
     def _h5(self) -> h5py.File:
         if self._file is None or self._pid != os.getpid():
-            self._file = h5py.File(self.path, "r")
+            self._file = open_for_reading(self.path)
             self._pid = os.getpid()
         return self._file
 

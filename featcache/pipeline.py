@@ -114,9 +114,15 @@ def extract(
         raise ConfigError(f"{len(ids)} ids given for a dataset of {num_rows} rows")
     if class_names is None:
         class_names = getattr(dataset, "class_names", None) or getattr(dataset, "classes", None)
+    first_image, first_label = _split_sample(dataset[0])
+    if not isinstance(first_image, torch.Tensor) or first_image.dim() != 3:
+        raise ConfigError(
+            f"dataset items must be image tensors [C, H, W], got {_describe(first_image)}; "
+            "give the dataset a transform that ends in a tensor (e.g. weights.transforms())"
+        )
     has_labels = getattr(dataset, "has_labels", None)
     if has_labels is None:
-        has_labels = _split_sample(dataset[0])[1] is not None
+        has_labels = first_label is not None
     device = resolve_device(run.runtime.device)
     attrs = dict(provenance or {})
     attrs.update(
@@ -248,6 +254,12 @@ def _length(dataset: Dataset) -> int:
         return len(dataset)  # type: ignore[arg-type]
     except TypeError:
         raise ConfigError("the dataset has no len(); featcache needs a map-style dataset") from None
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    return f"a {type(value).__name__}"
 
 
 def _split_sample(sample: Any) -> tuple[Any, Any]:

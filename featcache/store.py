@@ -32,6 +32,7 @@ from featcache.errors import ConfigError, FeatcacheError
 FORMAT_VERSION = 1
 TARGET_CHUNK_BYTES = 1 << 20  # about 1 MiB per chunk: big sequential reads, small waste
 MAX_META_CHUNK_ROWS = 4096
+READ_CACHE_BYTES = 16 << 20  # HDF5 chunk cache per open dataset: holds several whole chunks
 _NUMPY_DTYPES = {"float16": np.float16, "float32": np.float32, "bfloat16": np.uint16}
 _TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 _JSON_ATTRS = ("config", "weights", "versions", "class_names", "source", "taps")
@@ -261,7 +262,7 @@ class FeatureStore:
     def file(self) -> h5py.File:
         """The open ``h5py.File`` for this process (read-only)."""
         if self._file is None or self._pid != os.getpid() or not self._file.id.valid:
-            self._file = h5py.File(self.path, "r")
+            self._file = open_for_reading(self.path)
             self._pid = os.getpid()
         return self._file
 
@@ -366,6 +367,11 @@ class FeatureStore:
         the file is read in increasing order and the result put back in the order asked.
         """
         return read_rows(self._features(layer), rows)
+
+
+def open_for_reading(path: str | os.PathLike) -> h5py.File:
+    """Open a store read-only with a chunk cache that holds whole chunks."""
+    return h5py.File(path, "r", rdcc_nbytes=READ_CACHE_BYTES)
 
 
 def read_rows(dataset: h5py.Dataset, rows: slice | Sequence[int] | np.ndarray) -> torch.Tensor:

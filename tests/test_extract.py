@@ -316,3 +316,18 @@ def test_runtime_and_store_options_keep_values(resnet18, images, tmp_path, optio
     torch.testing.assert_close(store.read("layer3"), want, rtol=tolerance, atol=tolerance)
     with h5py.File(store.path) as f:
         assert f["features/layer3"].compression == options.get("compression")
+
+
+def test_dataset_of_pil_images_gets_a_clear_error(resnet18, tmp_path):
+    from PIL import Image
+
+    class Pictures(torch.utils.data.Dataset):
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            return Image.new("RGB", (32, 32)), 0
+
+    with pytest.raises(ConfigError, match="must be image tensors .* got a Image.*transform"):
+        featcache.extract(resnet18, Pictures(), ["layer1"], tmp_path / "s.h5")
+    assert not (tmp_path / "s.h5").exists()
