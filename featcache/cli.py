@@ -174,7 +174,7 @@ def _summary(fs: Any) -> str:
     attrs = fs.attrs
     shapes = ", ".join(f"{layer} {list(fs.shape(layer))}" for layer in fs.layers)
     return (
-        f"wrote {fs.path}: {len(fs)} rows; {shapes}; {_bytes(fs.path.stat().st_size)}; "
+        f"{fs.path}: {len(fs)} rows; {shapes}; {_bytes(fs.path.stat().st_size)}; "
         f"{attrs.get('seconds', 0):.1f} s, {attrs.get('images_per_second', 0):.0f} images/s"
     )
 

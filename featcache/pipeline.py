@@ -18,6 +18,7 @@ import platform
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,8 +41,18 @@ from featcache.spec import (
     fingerprint,
     load_config,
     to_dict,
+    validate_options,
 )
-from featcache.store import FeatureStore, StoreWriter, check_output_path, to_store_dtype
+from featcache.store import (
+    FORMAT_VERSION,
+    FeatureStore,
+    StoreWriter,
+    check_output_path,
+    plan_resume,
+    remove_store,
+    stored_resume_key,
+    to_store_dtype,
+)
 from featcache.taps import Tap, TapSet, resolve_taps
 
 MAX_PENDING_BATCHES = 4  # batches between the forward and the writer thread
@@ -74,6 +85,7 @@ class RunOptions:
                 f"unknown option {sorted(kwargs)[0]!r}; known options: overwrite, "
                 + ", ".join(known)
             )
+        validate_options(options.loader, options.store, options.runtime)
         return options
 
 
@@ -86,6 +98,7 @@ def extract(
     ids: Sequence[str] | None = None,
     class_names: Sequence[str] | None = None,
     provenance: Mapping[str, Any] | None = None,
+    dataset_fingerprint: str | None = None,
     **options: Any,
 ) -> FeatureStore:
     """Run ``model`` over ``dataset`` and store the activations of ``layers`` at ``path``.
@@ -93,13 +106,19 @@ def extract(
     ``dataset`` is a map-style dataset yielding ``(image_tensor [3, H, W], label)`` like
     torchvision datasets (a bare tensor, or a label of None, means no labels). Rows keep
     the dataset's order. ``ids`` (default: the dataset's ``ids`` attribute, else
-    ``"<DatasetClass>:<index>"``) and ``class_names`` go into the store. ``options`` are
-    the config keys of the loader, store and runtime sections (``batch_size``,
-    ``num_workers``, ``dtype``, ``compression``, ``chunk_rows``, ``device``, ``amp``,
-    ``channels_last``, ``progress`` ...) plus ``overwrite``.
+    ``"<DatasetClass>:<index>"``) and ``class_names`` go into the store;
+    ``dataset_fingerprint`` defaults to a hash of the sorted ids. ``options`` are the
+    config keys of the loader, store and runtime sections (``batch_size``,
+    ``num_workers``, ``on_error``, ``dtype``, ``compression``, ``chunk_rows``,
+    ``on_nonfinite``, ``device``, ``amp``, ``channels_last``, ``progress`` ...) plus
+    ``overwrite``.
 
-    The model is put in eval mode and moved to the device (its train/eval flag is
-    restored afterwards). Returns the complete store, opened for reading.
+    The store is written to ``<path>.partial`` and moved to ``path`` when complete. If an
+    earlier run with the same settings, data and model was interrupted, this one resumes
+    it and the result is the same as an uninterrupted run; a partial store made
+    differently is refused with the difference named. The model is put in eval mode and
+    moved to the device (its train/eval flag is restored afterwards). Returns the
+    complete store, opened for reading.
     """
     run = RunOptions.from_kwargs(**options)
     if isinstance(layers, (str, LayerSpec, Mapping)):
@@ -114,55 +133,86 @@ def extract(
         raise ConfigError(f"{len(ids)} ids given for a dataset of {num_rows} rows")
     if class_names is None:
         class_names = getattr(dataset, "class_names", None) or getattr(dataset, "classes", None)
-    first_image, first_label = _split_sample(dataset[0])
-    if not isinstance(first_image, torch.Tensor) or first_image.dim() != 3:
-        raise ConfigError(
-            f"dataset items must be image tensors [C, H, W], got {_describe(first_image)}; "
-            "give the dataset a transform that ends in a tensor (e.g. weights.transforms())"
-        )
     has_labels = getattr(dataset, "has_labels", None)
-    if has_labels is None:
-        has_labels = first_label is not None
+    first = _first_sample(dataset)
+    if first is not None:
+        if not isinstance(first[0], torch.Tensor) or first[0].dim() != 3:
+            raise ConfigError(
+                f"dataset items must be image tensors [C, H, W], got {_describe(first[0])}; "
+                "give the dataset a transform that ends in a tensor (e.g. weights.transforms())"
+            )
+        if has_labels is None:
+            has_labels = first[1] is not None
+    has_labels = True if has_labels is None else bool(has_labels)
     device = resolve_device(run.runtime.device)
-    attrs = dict(provenance or {})
-    attrs.update(
-        {
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "versions": library_versions(),
-            "device": str(device),
-            "dataset_fingerprint": ids_fingerprint(ids),
-            "store_dtype": run.store.dtype,
-            "taps": [dataclasses.asdict(tap) for tap in taps],
-        }
-    )
+    path = Path(path)
+    provenance = dict(provenance or {})
+    resume_key = {
+        "featcache_format": FORMAT_VERSION,
+        "config_fingerprint": provenance.get("config_fingerprint"),
+        "dataset_fingerprint": dataset_fingerprint or ids_fingerprint(ids),
+        "source_rows": num_rows,
+        "taps": [dataclasses.asdict(tap) for tap in taps],
+        "store_dtype": run.store.dtype,
+        "chunk_rows": run.store.chunk_rows,
+        "compression": run.store.compression,
+        "batch_size": run.loader.batch_size,
+        "on_error": run.loader.on_error,
+        "on_nonfinite": run.store.on_nonfinite,
+    }
+    if run.overwrite:
+        remove_store(path)
+    elif path.exists() and stored_resume_key(path) == resume_key:
+        return FeatureStore(path)  # a rerun after this store completed: nothing left to do
+    check_output_path(path, run.overwrite)  # before any work starts
+    resume = plan_resume(path, resume_key, run.loader.batch_size)
+    attrs = {
+        **provenance,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "versions": library_versions(),
+        "device": str(device),
+        "dataset_fingerprint": resume_key["dataset_fingerprint"],
+        "store_dtype": run.store.dtype,
+        "taps": resume_key["taps"],
+        "resume_key": resume_key,
+    }
     if class_names is not None:
         attrs["class_names"] = [str(name) for name in class_names]
-    check_output_path(Path(path), run.overwrite)  # before any work starts
+    start = resume.position if resume else 0
     pin = device.type == "cuda" if run.loader.pin_memory == "auto" else bool(run.loader.pin_memory)
     loader = DataLoader(
-        _Indexed(dataset),
+        _Indexed(dataset, start),
         batch_size=run.loader.batch_size,
         shuffle=False,
-        num_workers=_num_workers(run.loader.num_workers, num_rows, run.loader.batch_size),
+        num_workers=_num_workers(run.loader.num_workers, num_rows - start, run.loader.batch_size),
         pin_memory=pin,
+        collate_fn=_collate,
     )
     with _started(loader) as batches:
         writer = StoreWriter(
             path,
             num_rows,
+            ids_width=max((len(str(i).encode()) for i in ids), default=1),
             dtype=run.store.dtype,
             compression=run.store.compression,
             chunk_rows=run.store.chunk_rows,
             has_labels=has_labels,
             attrs=attrs,
-            overwrite=run.overwrite,
+            resume=resume,
         )
         with writer:
-            seconds = _run_loop(model, batches, taps, writer, ids, run, device, pin)
+            seconds = _run_loop(model, batches, taps, writer, ids, run, device, pin, start)
+            done = num_rows - start
             writer.close(
                 complete=True,
-                attrs={"seconds": seconds, "images_per_second": num_rows / max(seconds, 1e-9)},
+                attrs={"seconds": seconds, "images_per_second": done / max(seconds, 1e-9)},
             )
+    if writer.skipped:
+        warnings.warn(
+            f"{len(writer.skipped)} of {num_rows} samples skipped (first: "
+            f"{writer.skipped[0]['reason']}); the store lists them under /skipped",
+            stacklevel=2,
+        )
     return FeatureStore(path)
 
 
@@ -179,8 +229,11 @@ def extract_from_config(
     from featcache.sources import build_source
 
     spec = config if isinstance(config, Spec) else load_config(config, overrides)
-    for split in spec.data.splits:
-        check_output_path(spec.store_path(split), spec.output.overwrite)
+    for split in spec.data.splits:  # fail before any work on a store made differently
+        path = spec.store_path(split)
+        key = stored_resume_key(path) if path.exists() else None
+        if key is None or key.get("config_fingerprint") != fingerprint(spec):
+            check_output_path(path, spec.output.overwrite)
     backbone = build_backbone(spec.model, spec.preprocess, seed=spec.runtime.seed)
     sources = {
         split: build_source(spec.data, split, backbone.transform) for split in spec.data.splits
@@ -206,6 +259,7 @@ def extract_from_config(
             spec.layers,
             spec.store_path(split),
             provenance=provenance,
+            dataset_fingerprint=source.fingerprint(content=spec.data.content_hash),
             **options,
         )
     return stores
@@ -241,10 +295,10 @@ def library_versions() -> dict[str, str]:
 
 
 def ids_fingerprint(ids: Sequence[str]) -> str:
-    """sha256 over the row ids in order: same rows, same order, same fingerprint."""
+    """sha256 over the sorted sample ids: the same samples give the same fingerprint."""
     digest = hashlib.sha256()
-    for sample_id in ids:
-        digest.update(str(sample_id).encode())
+    for sample_id in sorted(str(i) for i in ids):
+        digest.update(sample_id.encode())
         digest.update(b"\n")
     return digest.hexdigest()
 
@@ -268,18 +322,54 @@ def _split_sample(sample: Any) -> tuple[Any, Any]:
     return sample, None
 
 
-class _Indexed(Dataset):
-    """Wraps a dataset so each item carries its row number and an int label (-1: none)."""
+def _first_sample(dataset: Dataset) -> tuple[Any, Any] | None:
+    """The first item, to check its type; None when it cannot be read (the run reports it)."""
+    try:
+        return _split_sample(dataset[0])
+    except Exception:
+        return None
 
-    def __init__(self, dataset: Dataset):
+
+class _Indexed(Dataset):
+    """Source rows from ``start`` on, as ``(image or None, label, row, error)``.
+
+    A sample that cannot be read comes back with image None and the reason in ``error``
+    instead of raising in a worker process, so the policy is applied in one place (the
+    run loop) and the message stays one line. ``label`` is -1 when there is none.
+    """
+
+    def __init__(self, dataset: Dataset, start: int = 0):
         self.dataset = dataset
+        self.start = start
 
     def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
+        return len(self.dataset) - self.start  # type: ignore[arg-type]
 
-    def __getitem__(self, i: int) -> tuple[Any, int, int]:
-        image, label = _split_sample(self.dataset[i])
-        return image, -1 if label is None else int(label), i
+    def __getitem__(self, j: int) -> tuple[Any, int, int, str]:
+        i = self.start + j
+        try:
+            image, label = _split_sample(self.dataset[i])
+            return image, -1 if label is None else int(label), i, ""
+        except Exception as exc:
+            reason = str(exc) if isinstance(exc, FeatcacheError) else _one_line(exc)
+            return None, -1, i, reason or type(exc).__name__
+
+
+def _one_line(exc: BaseException) -> str:
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _collate(samples: list[tuple[Any, int, int, str]]) -> tuple[Any, ...]:
+    """Stack the readable samples; list the unreadable ones as ``(row, reason)``."""
+    good = [s for s in samples if not s[3]]
+    failed = [(s[2], s[3]) for s in samples if s[3]]
+    if not good:
+        return None, torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), failed
+    images = torch.utils.data.default_collate([s[0] for s in good])
+    labels = torch.tensor([s[1] for s in good], dtype=torch.long)
+    rows = torch.tensor([s[2] for s in good], dtype=torch.long)
+    return images, labels, rows, failed
 
 
 def _num_workers(setting: int | str, num_rows: int, batch_size: int) -> int:
@@ -316,8 +406,9 @@ def _run_loop(
     run: RunOptions,
     device: torch.device,
     pin: bool,
+    first_row: int = 0,
 ) -> float:
-    """Runs every batch; returns the seconds the loop took."""
+    """Runs every batch from source row ``first_row`` on; returns the seconds it took."""
     runtime = run.runtime
     memory_format = torch.channels_last if runtime.channels_last else torch.contiguous_format
     was_training = model.training
@@ -329,7 +420,8 @@ def _run_loop(
         for tap in taps
     }
     bar = tqdm(
-        total=writer.num_rows,
+        total=writer.capacity,
+        initial=first_row,
         unit="img",
         desc=writer.path.name,
         disable=not runtime.progress,
@@ -339,30 +431,84 @@ def _run_loop(
     try:
         convert = functools.partial(to_store_dtype, dtype=run.store.dtype)
         with TapSet(model, taps, convert=convert) as tapset, _WriterThread(writer) as sink:
-            for images, labels, index in batches:
-                images = images.to(device, non_blocking=pin, memory_format=memory_format)
-                autocast = (
-                    torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()
-                )
-                with torch.inference_mode(), autocast:
-                    captured = tapset.run(images)
-                    host = {k: v.to("cpu", non_blocking=True) for k, v in captured.items()}
+            for images, labels, index, failed in batches:
+                skipped = [_skip_record(i, ids[i], reason) for i, reason in failed]
+                if failed and run.loader.on_error == "fail":
+                    i, reason = failed[0]
+                    raise FeatcacheError(
+                        f"{reason} (sample {ids[i]}); set loader.on_error=skip to skip "
+                        "unreadable samples"
+                    )
+                host: dict[str, torch.Tensor] = {}
                 ready = None
-                if device.type == "cuda":
-                    ready = torch.cuda.Event()
-                    ready.record()
+                if images is not None:
+                    images = images.to(device, non_blocking=pin, memory_format=memory_format)
+                    autocast = (
+                        torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()
+                    )
+                    with torch.inference_mode(), autocast:
+                        captured = tapset.run(images)
+                        keep = _check_finite(captured, index, ids, run.store, skipped)
+                        if keep is not None:
+                            captured = {k: v[keep.to(v.device)] for k, v in captured.items()}
+                            index, labels = index[keep], labels[keep]
+                        host = {k: v.to("cpu", non_blocking=True) for k, v in captured.items()}
+                    if device.type == "cuda":
+                        ready = torch.cuda.Event()
+                        ready.record()
                 rows = index.numpy()
                 sink.put(
-                    _Batch(rows, [ids[i] for i in rows], labels.numpy(), host, ready),
+                    _Batch(rows, [ids[i] for i in rows], labels.numpy(), host, ready, skipped),
                     feature_attrs,
                 )
-                bar.update(len(rows))
+                bar.update(len(rows) + len(skipped))
+                if writer.skipped or skipped:
+                    bar.set_postfix_str(f"skipped {len(writer.skipped)}", refresh=False)
                 if sink.waited > 1.0:
                     bar.set_postfix_str(f"waiting on disk {sink.waited:.0f}s", refresh=False)
     finally:
         bar.close()
         model.train(was_training)
     return time.perf_counter() - start
+
+
+def _skip_record(row: int, sample_id: str, reason: str) -> dict[str, Any]:
+    return {"index": int(row), "id": str(sample_id), "reason": reason}
+
+
+def _check_finite(
+    captured: Mapping[str, torch.Tensor],
+    index: torch.Tensor,
+    ids: Sequence[str],
+    store: StoreSpec,
+    skipped: list[dict[str, Any]],
+) -> torch.Tensor | None:
+    """Apply ``store.on_nonfinite``; returns a row mask when rows must be dropped."""
+    if store.on_nonfinite == "keep":
+        return None
+    bad_by_layer = {}
+    for key, value in captured.items():
+        if store.dtype == "bfloat16":
+            value = value.view(torch.bfloat16)
+        bad = ~torch.isfinite(value.flatten(1)).all(dim=1)
+        bad_by_layer[key] = bad.cpu()
+    bad_rows = torch.stack(list(bad_by_layer.values())).any(dim=0)
+    if not bad_rows.any():
+        return None
+    first = int(bad_rows.nonzero()[0])
+    layers = [key for key, bad in bad_by_layer.items() if bad[first]]
+    if store.on_nonfinite == "fail":
+        hint = " (float16 overflows above 65504: bfloat16 or float32 may fit)"
+        raise FeatcacheError(
+            f"non-finite values (NaN or Inf) in layer {layers[0]} for sample "
+            f"{ids[int(index[first])]}{hint if store.dtype == 'float16' else ''}; set "
+            "store.on_nonfinite=skip to leave such rows out or keep to store them"
+        )
+    for j in bad_rows.nonzero().flatten().tolist():
+        names = ", ".join(key for key, bad in bad_by_layer.items() if bad[j])
+        row = int(index[j])
+        skipped.append(_skip_record(row, ids[row], f"non-finite values in layer {names}"))
+    return ~bad_rows
 
 
 @dataclasses.dataclass
@@ -372,6 +518,7 @@ class _Batch:
     labels: np.ndarray
     features: dict[str, torch.Tensor]
     ready: Any  # a CUDA event to wait on before reading ``features``, or None
+    skipped: list[dict[str, Any]]  # samples of this batch left out, with the reason
 
 
 class _WriterThread:
@@ -420,7 +567,14 @@ class _WriterThread:
                 if batch.ready is not None:
                     batch.ready.synchronize()
                 features = {key: _to_numpy(value) for key, value in batch.features.items()}
-                self.writer.append(batch.index, batch.ids, batch.labels, features, feature_attrs)
+                self.writer.append(
+                    batch.index,
+                    batch.ids,
+                    batch.labels,
+                    features,
+                    feature_attrs,
+                    skipped=batch.skipped,
+                )
             except BaseException as exc:  # handed to the main thread
                 self.error = _writer_error(exc, self.writer.path)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import colorsys
 import csv
 import difflib
+import hashlib
 import inspect
 import json
 import math
@@ -96,9 +97,30 @@ class SourceDataset(Dataset):
         """Row ``i`` (already in range) as a PIL RGB image and its label."""
         raise NotImplementedError
 
+    def fingerprint(self, content: bool = False) -> str:
+        """sha256 identifying the samples: their sorted ids (file sources add sizes, and
+        with ``content=True`` the bytes of every file)."""
+        return _digest(sorted(self.ids))
+
     def __repr__(self) -> str:
         classes = "unlabeled" if not self.has_labels else f"classes={len(self.class_names or [])}"
         return f"{type(self).__name__}(rows={len(self)}, {classes})"
+
+
+def _digest(lines: list[str]) -> str:
+    digest = hashlib.sha256()
+    for line in lines:
+        digest.update(line.encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def _file_sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def load_rgb(path: str | os.PathLike) -> Image.Image:
@@ -182,6 +204,16 @@ class _FileSource(SourceDataset):
     def _load(self, i: int) -> tuple[Image.Image, int]:
         label = -1 if self.labels is None else self.labels[i]
         return load_rgb(self.paths[i]), label
+
+    def fingerprint(self, content: bool = False) -> str:
+        entries = []
+        for sample_id, path in sorted(zip(self.ids, self.paths, strict=True)):
+            size = os.path.getsize(path) if os.path.exists(path) else -1
+            entry = f"{sample_id}\t{size}"
+            if content and size >= 0:
+                entry += "\t" + _file_sha256(path)
+            entries.append(entry)
+        return _digest(entries)
 
 
 class _TorchvisionSource(SourceDataset):

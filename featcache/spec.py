@@ -29,6 +29,8 @@ STORE_DTYPES = ("float16", "bfloat16", "float32")
 COMPRESSIONS = (None, "lzf", "gzip")
 SOURCES = ("imagefolder", "manifest", "torchvision", "synthetic")
 AMP_DTYPES = (None, "fp16", "bf16")
+ON_ERROR = ("fail", "skip")
+ON_NONFINITE = ("fail", "skip", "keep")
 INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
 
 
@@ -67,6 +69,7 @@ class DataSpec:
     # split name -> subfolder (imagefolder), manifest file (manifest), or a mapping of
     # keyword arguments (torchvision, synthetic). A list of names means {name: name}.
     splits: dict[str, Any] = field(default_factory=lambda: {"train": "train"})
+    content_hash: bool = False  # dataset fingerprint hashes file contents, not only sizes
 
 
 @dataclass
@@ -88,6 +91,7 @@ class LoaderSpec:
     batch_size: int = 64
     num_workers: int | str = "auto"  # "auto": up to 4, bounded by the CPUs available
     pin_memory: bool | str = "auto"  # "auto": on when the device is CUDA
+    on_error: str = "fail"  # a sample that cannot be read: "fail" (stop) or "skip" (record)
 
 
 @dataclass
@@ -95,6 +99,7 @@ class StoreSpec:
     dtype: str = "float16"  # one of STORE_DTYPES
     compression: str | None = None  # null, "lzf" or "gzip"
     chunk_rows: int | None = None  # rows per HDF5 chunk; null: about 1 MiB per chunk
+    on_nonfinite: str = "fail"  # NaN/Inf in captured features: "fail", "skip" or "keep"
 
 
 @dataclass
@@ -263,17 +268,7 @@ def _validate(spec: Spec) -> None:
         raise ConfigError("data.dataset must name a torchvision dataset class, e.g. CIFAR10")
     if spec.data.source in ("imagefolder", "manifest") and not spec.data.root:
         raise ConfigError(f"data.root is required for data.source={spec.data.source}")
-    _choice("store.dtype", spec.store.dtype, STORE_DTYPES)
-    _choice("store.compression", spec.store.compression, COMPRESSIONS)
-    _choice("runtime.amp", spec.runtime.amp, AMP_DTYPES)
-    _positive("loader.batch_size", spec.loader.batch_size)
-    _positive("store.chunk_rows", spec.store.chunk_rows)
-    if spec.loader.num_workers != "auto" and (
-        isinstance(spec.loader.num_workers, str) or spec.loader.num_workers < 0
-    ):
-        raise ConfigError("loader.num_workers must be 'auto' or a whole number >= 0")
-    if isinstance(spec.loader.pin_memory, str) and spec.loader.pin_memory != "auto":
-        raise ConfigError("loader.pin_memory must be true, false or 'auto'")
+    validate_options(spec.loader, spec.store, spec.runtime)
     p = spec.preprocess
     for name in ("mean", "std"):
         value = getattr(p, name)
@@ -282,6 +277,23 @@ def _validate(spec: Spec) -> None:
     _choice("preprocess.interpolation", p.interpolation, INTERPOLATIONS)
     _positive("preprocess.resize", p.resize)
     _positive("preprocess.crop", p.crop)
+
+
+def validate_options(loader: LoaderSpec, store: StoreSpec, runtime: RuntimeSpec) -> None:
+    """Check the loader, store and runtime sections (config entries or API keywords)."""
+    _choice("loader.on_error", loader.on_error, ON_ERROR)
+    _choice("store.on_nonfinite", store.on_nonfinite, ON_NONFINITE)
+    _choice("store.dtype", store.dtype, STORE_DTYPES)
+    _choice("store.compression", store.compression, COMPRESSIONS)
+    _choice("runtime.amp", runtime.amp, AMP_DTYPES)
+    _positive("loader.batch_size", loader.batch_size)
+    _positive("store.chunk_rows", store.chunk_rows)
+    if loader.num_workers != "auto" and (
+        isinstance(loader.num_workers, str) or loader.num_workers < 0
+    ):
+        raise ConfigError("loader.num_workers must be 'auto' or a whole number >= 0")
+    if isinstance(loader.pin_memory, str) and loader.pin_memory != "auto":
+        raise ConfigError("loader.pin_memory must be true, false or 'auto'")
 
 
 def validate_model(m: ModelSpec) -> None:

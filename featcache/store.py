@@ -17,9 +17,12 @@ HDF5 in whole chunks; :class:`FeatureStore` reads a store back.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +35,13 @@ from featcache.errors import ConfigError, FeatcacheError
 FORMAT_VERSION = 1
 TARGET_CHUNK_BYTES = 1 << 20  # about 1 MiB per chunk: big sequential reads, small waste
 MAX_META_CHUNK_ROWS = 4096
+MARK_SECONDS = 0.5  # how often durable progress is recorded while writing
+PARTIAL_SUFFIX = ".partial"
+SKIPPED_SUFFIX = ".skipped.jsonl"
 READ_CACHE_BYTES = 16 << 20  # HDF5 chunk cache per open dataset: holds several whole chunks
 _NUMPY_DTYPES = {"float16": np.float16, "float32": np.float32, "bfloat16": np.uint16}
 _TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
-_JSON_ATTRS = ("config", "weights", "versions", "class_names", "source", "taps")
+_JSON_ATTRS = ("config", "weights", "versions", "class_names", "source", "taps", "resume_key")
 
 
 def to_store_dtype(x: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -52,7 +58,7 @@ def chunk_rows_for(row_shape: Sequence[int], dtype: str, num_rows: int) -> int:
 
 
 def check_output_path(path: Path, overwrite: bool) -> None:
-    """Refuse to clobber a store, and fail early when the folder cannot take one."""
+    """Refuse to clobber a complete store, and fail early when the folder cannot take one."""
     if path.exists() and not overwrite:
         raise ConfigError(f"store already exists: {path}; pass --overwrite to replace it")
     if path.exists() and path.is_dir():
@@ -66,79 +72,195 @@ def check_output_path(path: Path, overwrite: bool) -> None:
         raise ConfigError(f"output folder {folder} is not writable; choose another output dir")
 
 
-class StoreWriter:
-    """Writes one store. Datasets for features are created on the first batch.
+def partial_path(path: str | os.PathLike) -> Path:
+    """Where the store at ``path`` lives while it is being written."""
+    path = Path(path)
+    return path.with_name(path.name + PARTIAL_SUFFIX)
 
-    ``append`` takes rows in order. Each dataset stages rows in a preallocated buffer of
-    one chunk and writes whole chunks, so memory stays flat and HDF5 never rewrites a
-    chunk. ``rows_written`` in the file attributes is the count of rows durably written
-    to every dataset. ``close(complete=True)`` flushes the tail and marks the store
-    complete; any other exit leaves ``complete=False``.
+
+def skipped_log_path(path: str | os.PathLike) -> Path:
+    """The append-only log of skipped samples kept beside a partial store."""
+    path = Path(path)
+    return path.with_name(path.name + SKIPPED_SUFFIX)
+
+
+def remove_store(path: str | os.PathLike) -> None:
+    """Delete a store and any partial state of it (``--overwrite``)."""
+    for candidate in (Path(path), partial_path(path), skipped_log_path(path)):
+        if candidate.exists():
+            candidate.unlink()
+
+
+def stored_resume_key(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The settings a store (complete or partial) was made with; None if unreadable."""
+    try:
+        with h5py.File(path, "r") as f:
+            return json.loads(f.attrs["resume_key"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+@dataclass
+class ResumePoint:
+    """Where an interrupted extraction continues: rows ``[0, row)`` are kept and the
+    source is read again from ``position`` (a multiple of the batch size)."""
+
+    row: int
+    position: int
+    skipped: list[dict[str, Any]]  # skip records of source positions before ``position``
+
+
+def plan_resume(
+    path: str | os.PathLike, resume_key: Mapping[str, Any], batch_size: int
+) -> ResumePoint | None:
+    """Check a partial store left by an earlier run; None when there is none.
+
+    Raises :class:`ConfigError` naming the first difference when the partial store was
+    made with other settings, data or model, and when it cannot be read.
+    """
+    partial = partial_path(path)
+    if not partial.exists():
+        return None
+    try:
+        with h5py.File(partial, "r") as f:
+            stored_key = json.loads(f.attrs["resume_key"])
+            durable = int(f["progress"][0])
+            index = f["index"][:durable]
+    except (OSError, KeyError, ValueError) as exc:
+        raise ConfigError(
+            f"cannot resume from {partial}: it is not readable ({_first_line(exc)}); "
+            "pass --overwrite to start over"
+        ) from exc
+    for key in sorted(set(stored_key) | set(resume_key)):
+        if stored_key.get(key) != resume_key.get(key):
+            raise ConfigError(
+                f"cannot resume {partial}: its {key.replace('_', ' ')} differs from this "
+                f"run's ({_short(stored_key.get(key))} vs {_short(resume_key.get(key))}); "
+                "pass --overwrite to start over"
+            )
+    next_position = int(index[-1]) + 1 if durable else 0
+    # Restart on the batch grid of the first run, so that every batch is made of the same
+    # samples as in an uninterrupted run (batch composition can change the last bits).
+    position = next_position // batch_size * batch_size
+    row = int(np.searchsorted(index, position))
+    log = skipped_log_path(path)
+    skipped = []
+    if log.exists():
+        for line in log.read_text().splitlines():
+            with contextlib.suppress(ValueError):  # a line torn by a crash
+                record = json.loads(line)
+                if isinstance(record, dict) and record.get("index", position) < position:
+                    skipped.append(record)
+    return ResumePoint(row, position, skipped)
+
+
+class StoreWriter:
+    """Writes one store, crash-safely, to ``<path>.partial``; renamed to ``path`` when complete.
+
+    The file is created on the first batch, when feature shapes are known, with every
+    dataset allocated to its full size up front: afterwards the run only writes raw data
+    into space that already exists and never changes HDF5 metadata, so a crash at any
+    instant cannot corrupt the file's structure. Each dataset stages rows in a one-chunk
+    buffer and writes whole chunks. At most every ``mark_seconds`` the writer flushes and
+    fsyncs the file and then records in ``/progress`` how many rows are durable in every
+    dataset; a rerun resumes from there (:func:`plan_resume`). Skipped samples go to an
+    append-only log beside the file until the store completes.
+
+    ``close(complete=True)`` writes the tail, the skip records and the final attributes,
+    compresses if asked (a copy into a new file), and renames the store into place.
     """
 
     def __init__(
         self,
         path: str | os.PathLike,
-        num_rows: int,
+        capacity: int,
         *,
+        ids_width: int,
         dtype: str = "float16",
         compression: str | None = None,
         chunk_rows: int | None = None,
         has_labels: bool = True,
         attrs: Mapping[str, Any] | None = None,
-        overwrite: bool = False,
+        resume: ResumePoint | None = None,
+        mark_seconds: float = MARK_SECONDS,
     ):
         self.path = Path(path)
-        check_output_path(self.path, overwrite)
-        if num_rows < 1:
-            raise ConfigError("the dataset is empty; there is nothing to extract")
-        self.num_rows = num_rows
+        self.partial = partial_path(self.path)
+        self.capacity = capacity
+        self.ids_width = max(1, ids_width)
         self.dtype = dtype
         self.compression = compression
         self.chunk_rows = chunk_rows
-        self.rows_appended = 0
+        self.has_labels = has_labels
+        self.attrs = dict(attrs or {})
+        self.mark_seconds = mark_seconds
+        self.start_row = resume.row if resume else 0
+        self.rows_appended = self.start_row
+        self.skipped: list[dict[str, Any]] = list(resume.skipped) if resume else []
+        self.file: h5py.File | None = None
         self._staging: dict[str, _Staged] = {}
-        self.file = h5py.File(self.path, "w")
+        self._marked = self.start_row
+        self._last_mark = time.monotonic()
+        log = skipped_log_path(self.path)
+        if resume is not None:
+            # Keep only the records before the resume point; later ones are redone.
+            _write_atomically(log, "".join(json.dumps(r) + "\n" for r in self.skipped))
+            self._open_partial()
+        elif log.exists():
+            log.unlink()
+        self._log = None
+
+    # -- creation and resume -------------------------------------------------------------
+
+    def _create(self, features: Mapping[str, np.ndarray], feature_attrs: Mapping) -> None:
+        """Create the whole file under a temporary name, then rename it to ``.partial``."""
+        creating = self.partial.with_name(self.partial.name + ".creating")
+        f = h5py.File(creating, "w")
         try:
-            self._init_file(has_labels, attrs or {})
+            f.attrs["featcache_format"] = FORMAT_VERSION
+            f.attrs["complete"] = False
+            f.attrs["capacity"] = self.capacity
+            for key, value in self.attrs.items():
+                f.attrs[key] = json.dumps(value) if key in _JSON_ATTRS else value
+            _allocate(f, "progress", (1,), np.int64, None)
+            meta_rows = self.chunk_rows or min(self.capacity, MAX_META_CHUNK_ROWS)
+            for name, dtype in self._meta_dtypes().items():
+                _allocate(f, name, (self.capacity,), dtype, meta_rows)
+            group = f.create_group("features", track_order=True)
+            for key, array in features.items():
+                shape = array.shape[1:]
+                chunk = self.chunk_rows or chunk_rows_for(shape, self.dtype, self.capacity)
+                dataset = _allocate(
+                    group, key, (self.capacity, *shape), _NUMPY_DTYPES[self.dtype], chunk
+                )
+                for attr, value in dict(feature_attrs.get(key, {}), dtype=self.dtype).items():
+                    dataset.attrs[attr] = value
+            f.flush()
+            os.fsync(f.id.get_vfd_handle())
         except BaseException:
-            self.file.close()
+            f.close()
+            creating.unlink(missing_ok=True)
             raise
+        os.replace(creating, self.partial)  # the open handle follows the rename
+        self.file = f
+        self._stage()
 
-    def _init_file(self, has_labels: bool, attrs: Mapping[str, Any]) -> None:
-        f = self.file
-        f.attrs["featcache_format"] = FORMAT_VERSION
-        f.attrs["complete"] = False
-        f.attrs["rows_written"] = 0
-        f.attrs["num_rows"] = self.num_rows
-        for key, value in attrs.items():
-            f.attrs[key] = json.dumps(value) if key in _JSON_ATTRS else value
-        meta_rows = self.chunk_rows or min(self.num_rows, MAX_META_CHUNK_ROWS)
-        self._add("index", (), np.int64, meta_rows)
-        self._add("ids", (), h5py.string_dtype("utf-8"), meta_rows)
-        if has_labels:
-            self._add("labels", (), np.int64, meta_rows)
-        f.create_group("features", track_order=True)
+    def _meta_dtypes(self) -> dict[str, Any]:
+        dtypes = {"index": np.int64, "ids": h5py.string_dtype("utf-8", self.ids_width)}
+        if self.has_labels:
+            dtypes["labels"] = np.int64
+        return dtypes
 
-    def _add(
-        self,
-        name: str,
-        row_shape: tuple,
-        dtype: Any,
-        chunk_rows: int,
-        attrs: Mapping[str, Any] | None = None,
-    ) -> None:
-        chunk_rows = min(chunk_rows, self.num_rows)
-        dataset = self.file.create_dataset(
-            name,
-            shape=(self.num_rows, *row_shape),
-            dtype=dtype,
-            chunks=(chunk_rows, *row_shape),
-            compression=self.compression,
-        )
-        for key, value in (attrs or {}).items():
-            dataset.attrs[key] = value
-        self._staging[name] = _Staged(dataset, chunk_rows)
+    def _open_partial(self) -> None:
+        self.file = h5py.File(self.partial, "r+")
+        self._stage()
+
+    def _stage(self) -> None:
+        assert self.file is not None
+        names = [*self._meta_dtypes(), *(f"features/{k}" for k in self.file["features"])]
+        self._staging = {name: _Staged(self.file[name], self.start_row) for name in names}
+
+    # -- appending ---------------------------------------------------------------------------
 
     def append(
         self,
@@ -147,52 +269,107 @@ class StoreWriter:
         labels: np.ndarray | None,
         features: Mapping[str, np.ndarray],
         feature_attrs: Mapping[str, Mapping[str, Any]] | None = None,
+        skipped: Sequence[Mapping[str, Any]] = (),
     ) -> None:
-        """Append ``len(index)`` rows; ``features[key]`` has shape ``[rows, *shape]``."""
+        """Append ``len(index)`` rows (``features[key]``: ``[rows, *shape]``) and the skip
+        records of source positions among them."""
+        for record in skipped:
+            self._log_skip(dict(record))
         rows = len(index)
-        if self.rows_appended + rows > self.num_rows:
-            raise FeatcacheError(f"more rows than the {self.num_rows} the store was sized for")
+        if rows == 0:
+            return
+        if self.file is None:
+            self._create(features, feature_attrs or {})
+        if self.rows_appended + rows > self.capacity:
+            raise FeatcacheError(f"more rows than the {self.capacity} the store was sized for")
         for key, array in features.items():
-            name = f"features/{key}"
-            if name not in self._staging:
-                chunk = self.chunk_rows or chunk_rows_for(
-                    array.shape[1:], self.dtype, self.num_rows
-                )
-                extra = dict((feature_attrs or {}).get(key, {}), dtype=self.dtype)
-                self._add(name, array.shape[1:], _NUMPY_DTYPES[self.dtype], chunk, extra)
-            self._staging[name].push(array)
+            self._staging[f"features/{key}"].push(array)
         self._staging["index"].push(np.asarray(index, dtype=np.int64))
-        self._staging["ids"].push(np.asarray(ids, dtype=object))
-        if "labels" in self._staging:
+        self._staging["ids"].push(np.char.encode(np.asarray(ids, dtype=str), "utf-8"))
+        if self.has_labels:
             self._staging["labels"].push(np.asarray(labels, dtype=np.int64))
         self.rows_appended += rows
-        self._mark_progress()
+        if time.monotonic() - self._last_mark >= self.mark_seconds:
+            self.mark()
 
-    def _mark_progress(self) -> None:
-        durable = min(staged.flushed for staged in self._staging.values())
-        if durable != self.file.attrs["rows_written"]:
-            self.file.attrs["rows_written"] = durable
+    def _log_skip(self, record: dict[str, Any]) -> None:
+        if self._log is None:
+            self._log = open(skipped_log_path(self.path), "a", encoding="utf-8")  # noqa: SIM115
+        self._log.write(json.dumps(record) + "\n")
+        self.skipped.append(record)
+
+    @property
+    def durable_rows(self) -> int:
+        """Rows written to every dataset (staged rows not included)."""
+        if not self._staging:
+            return self.start_row
+        return min(staged.flushed for staged in self._staging.values())
+
+    def mark(self) -> None:
+        """Make every flushed row durable, then record the count in ``/progress``."""
+        self._last_mark = time.monotonic()
+        if self._log is not None:
+            self._log.flush()
+            os.fsync(self._log.fileno())
+        durable = self.durable_rows
+        if self.file is None or durable == self._marked:
+            return
+        self.file.flush()
+        os.fsync(self.file.id.get_vfd_handle())  # the data is on disk before the mark is
+        self.file["progress"][0] = durable
+        self.file.flush()
+        self._marked = durable
+
+    # -- closing ---------------------------------------------------------------------------
 
     def close(self, complete: bool = False, attrs: Mapping[str, Any] | None = None) -> None:
-        """Close the file. With ``complete=True``, flush all rows, set ``attrs`` (a run
-        summary, say) and mark the store complete."""
-        if not self.file.id.valid:
-            return
+        """Close. With ``complete=True``, finish the store and move it into place; otherwise
+        keep what was appended (best effort) so that a rerun resumes."""
         try:
             if complete:
-                if self.rows_appended != self.num_rows:
-                    raise FeatcacheError(
-                        f"store {self.path} got {self.rows_appended} of {self.num_rows} rows"
-                    )
-                for staged in self._staging.values():
-                    staged.flush()
-                self._mark_progress()
-                for key, value in (attrs or {}).items():
-                    self.file.attrs[key] = value
-                self.file.flush()  # every row on disk before the flag says so
-                self.file.attrs["complete"] = True
+                self._finish(attrs or {})
+            else:
+                with contextlib.suppress(Exception):  # e.g. the disk that just filled up
+                    for staged in self._staging.values():
+                        staged.flush()
+                    self.mark()
         finally:
-            self.file.close()
+            if self._log is not None:
+                self._log.close()
+                self._log = None
+            if self.file is not None and self.file.id.valid:
+                self.file.close()
+
+    def _finish(self, attrs: Mapping[str, Any]) -> None:
+        if self.file is None:
+            raise FeatcacheError(
+                f"no rows to write to {self.path}: every sample was skipped "
+                f"({len(self.skipped)} skipped; see the messages above)"
+            )
+        for staged in self._staging.values():
+            staged.flush()
+        self.mark()
+        f = self.file
+        rows = self.rows_appended
+        if rows < self.capacity:  # samples were skipped
+            for name in self._staging:
+                f[name].resize(rows, axis=0)
+        if self.skipped:
+            _write_skipped(f, sorted(self.skipped, key=lambda r: r["index"]))
+        for key, value in attrs.items():
+            f.attrs[key] = json.dumps(value) if key in _JSON_ATTRS else value
+        f.attrs["num_rows"] = rows
+        f.attrs["rows_written"] = rows
+        f.attrs["skipped"] = len(self.skipped)
+        f.flush()  # every row is on disk before the flag says so
+        f.attrs["complete"] = True
+        f.close()
+        if self.compression is not None:
+            _copy_compressed(self.partial, self.path, self.compression)
+            self.partial.unlink()
+        else:
+            os.replace(self.partial, self.path)
+        skipped_log_path(self.path).unlink(missing_ok=True)
 
     def __enter__(self) -> StoreWriter:
         return self
@@ -201,24 +378,96 @@ class StoreWriter:
         self.close(complete=False)
 
 
-class _Staged:
-    """One dataset plus a one-chunk staging buffer; writes happen only in whole chunks."""
+def _allocate(
+    group: h5py.Group, name: str, shape: tuple, dtype: Any, chunk_rows: int | None
+) -> h5py.Dataset:
+    """A dataset whose storage is allocated now (no fill), so writes never add metadata."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    options: dict[str, Any] = {}
+    if chunk_rows is not None:
+        options["chunks"] = (min(chunk_rows, shape[0]), *shape[1:])
+        options["maxshape"] = (None, *shape[1:])  # shrinks at the end if samples were skipped
+    return group.create_dataset(
+        name, shape=shape, dtype=dtype, dcpl=dcpl, fill_time="never", **options
+    )
 
-    def __init__(self, dataset: h5py.Dataset, chunk_rows: int):
+
+def _write_skipped(f: h5py.File, records: Sequence[Mapping[str, Any]]) -> None:
+    group = f.create_group("skipped")
+    text = h5py.string_dtype("utf-8")
+    group.create_dataset("index", data=np.array([r["index"] for r in records], dtype=np.int64))
+    group.create_dataset("ids", data=[str(r["id"]) for r in records], dtype=text)
+    group.create_dataset("reasons", data=[str(r["reason"]) for r in records], dtype=text)
+
+
+def _copy_compressed(source: Path, target: Path, compression: str) -> None:
+    """Copy a finished store into a compressed one, chunk by chunk, then move it into place."""
+    tmp = target.with_name(target.name + ".compressing")
+    with h5py.File(source, "r") as src, h5py.File(tmp, "w") as dst:
+        for key, value in src.attrs.items():
+            dst.attrs[key] = value
+
+        def copy(name: str, obj: Any) -> None:
+            if isinstance(obj, h5py.Group):
+                dst.require_group(name)
+                return
+            chunks = obj.chunks
+            out = dst.create_dataset(
+                name,
+                shape=obj.shape,
+                dtype=obj.dtype,
+                chunks=chunks,
+                compression=compression if chunks else None,
+            )
+            for key, value in obj.attrs.items():
+                out.attrs[key] = value
+            step = chunks[0] if chunks else max(len(obj), 1)
+            for start in range(0, len(obj), step):
+                out[start : start + step] = obj[start : start + step]
+
+        src.visititems(copy)
+    os.replace(tmp, target)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
+    return text if len(text) <= 40 else text[:16] + "..." + text[-8:]
+
+
+class _Staged:
+    """One dataset plus a one-chunk staging buffer; writes whole chunks (the first write
+    after a resume may complete a chunk that was partly written)."""
+
+    def __init__(self, dataset: h5py.Dataset, start_row: int):
         self.dataset = dataset
-        self.chunk_rows = chunk_rows
-        self.buffer = np.empty((chunk_rows, *dataset.shape[1:]), dtype=_buffer_dtype(dataset))
+        self.chunk_rows = dataset.chunks[0] if dataset.chunks else len(dataset)
+        self.buffer = np.empty((self.chunk_rows, *dataset.shape[1:]), dtype=dataset.dtype)
         self.filled = 0  # rows in the buffer
-        self.flushed = 0  # rows written to the file
+        self.flushed = start_row  # rows written to the file
 
     def push(self, rows: np.ndarray) -> None:
         start = 0
         while start < len(rows):
-            take = min(self.chunk_rows - self.filled, len(rows) - start)
+            room = self.chunk_rows - (self.flushed + self.filled) % self.chunk_rows
+            take = min(room, len(rows) - start)
             self.buffer[self.filled : self.filled + take] = rows[start : start + take]
             self.filled += take
             start += take
-            if self.filled == self.chunk_rows:
+            if (self.flushed + self.filled) % self.chunk_rows == 0:
                 self.flush()
 
     def flush(self) -> None:
@@ -228,22 +477,29 @@ class _Staged:
             self.filled = 0
 
 
-def _buffer_dtype(dataset: h5py.Dataset) -> Any:
-    return object if h5py.check_string_dtype(dataset.dtype) else dataset.dtype
-
-
 class FeatureStore:
     """Read access to a store written by featcache.
 
     Metadata (layers, shapes, labels, ids, provenance) is read when needed; the file is
     opened lazily and reopened in a new process, so instances can be sent to workers.
-    An incomplete store raises :class:`FeatcacheError` unless ``allow_incomplete=True``.
+    A store that is still being written (or whose run was interrupted) lives at
+    ``<path>.partial``; opening it raises :class:`FeatcacheError` unless
+    ``allow_incomplete=True``, and then only its durable rows are visible.
     """
 
     def __init__(self, path: str | os.PathLike, *, allow_incomplete: bool = False):
         self.path = Path(path)
         if not self.path.is_file():
-            raise ConfigError(f"store not found: {self.path}")
+            partial = partial_path(self.path)
+            if not partial.is_file():
+                raise ConfigError(f"store not found: {self.path}")
+            if not allow_incomplete:
+                rows = _durable_rows(partial)
+                raise FeatcacheError(
+                    f"store {self.path} is incomplete ({rows} rows written, in {partial.name}); "
+                    "rerun the extraction to resume it, or pass allow_incomplete=True to read it"
+                )
+            self.path = partial
         self._file: h5py.File | None = None
         self._pid: int | None = None
         try:
@@ -252,11 +508,6 @@ class FeatureStore:
                 raise ConfigError(f"{self.path} is an HDF5 file but not a featcache store")
         except OSError as exc:
             raise ConfigError(f"{self.path} is not a readable HDF5 store: {exc}") from exc
-        if not self.complete and not allow_incomplete:
-            raise FeatcacheError(
-                f"store {self.path} is incomplete ({self.rows_written} of {len(self)} rows "
-                "written); rerun the extraction, or pass allow_incomplete=True to read it"
-            )
 
     @property
     def file(self) -> h5py.File:
@@ -281,10 +532,11 @@ class FeatureStore:
         return {"path": self.path, "_file": None, "_pid": None}
 
     def __len__(self) -> int:
-        return int(self.file.attrs["num_rows"])
+        """Rows that can be read: all of them, or the durable ones of an incomplete store."""
+        return int(self.file.attrs["num_rows"]) if self.complete else self.rows_written
 
     def __repr__(self) -> str:
-        state = "complete" if self.complete else f"incomplete, {self.rows_written} rows written"
+        state = "complete" if self.complete else "incomplete"
         return f"FeatureStore({str(self.path)!r}, rows={len(self)}, layers={self.layers}, {state})"
 
     @property
@@ -293,7 +545,26 @@ class FeatureStore:
 
     @property
     def rows_written(self) -> int:
-        return int(self.file.attrs["rows_written"])
+        """Rows durably written (all of them once the store is complete)."""
+        if self.complete:
+            return int(self.file.attrs["rows_written"])
+        return int(self.file["progress"][0])
+
+    @property
+    def skipped(self) -> list[dict[str, Any]]:
+        """Samples left out under ``on_error: skip``: ``{"index", "id", "reason"}`` each."""
+        if "skipped" not in self.file:
+            return []
+        group = self.file["skipped"]
+        return [
+            {"index": int(i), "id": sample_id, "reason": reason}
+            for i, sample_id, reason in zip(
+                group["index"][:],
+                group["ids"].asstr()[:],
+                group["reasons"].asstr()[:],
+                strict=True,
+            )
+        ]
 
     @property
     def layers(self) -> list[str]:
@@ -326,16 +597,16 @@ class FeatureStore:
     @property
     def labels(self) -> np.ndarray | None:
         """``[N]`` int64 labels, or None when the source had none."""
-        return self.file["labels"][:] if self.has_labels else None
+        return self.file["labels"][: len(self)] if self.has_labels else None
 
     @property
     def index(self) -> np.ndarray:
         """``[N]`` int64 position of each row in the source dataset."""
-        return self.file["index"][:]
+        return self.file["index"][: len(self)]
 
     @property
     def ids(self) -> list[str]:
-        return [s.decode() if isinstance(s, bytes) else s for s in self.file["ids"][:]]
+        return list(self.file["ids"].asstr()[: len(self)])
 
     @property
     def attrs(self) -> dict[str, Any]:
@@ -366,7 +637,17 @@ class FeatureStore:
         ``rows`` is a slice or any sequence of row numbers (any order, repeats allowed);
         the file is read in increasing order and the result put back in the order asked.
         """
+        if isinstance(rows, slice):
+            rows = slice(*rows.indices(len(self)))
         return read_rows(self._features(layer), rows)
+
+
+def _durable_rows(partial: Path) -> int:
+    try:
+        with h5py.File(partial, "r") as f:
+            return int(f["progress"][0])
+    except (OSError, KeyError):
+        return 0
 
 
 def open_for_reading(path: str | os.PathLike) -> h5py.File:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from typer.testing import CliRunner
 
@@ -55,7 +56,7 @@ def test_extract_then_info(config_file, tmp_path):
     result = runner.invoke(app, ["extract", str(config_file), "--set", "store.dtype=float32"])
     assert result.exit_code == 0, result.output
     path = tmp_path / "out" / "train.h5"
-    assert f"wrote {path}: 12 rows; layer3 [256]" in result.stdout
+    assert f"{path}: 12 rows; layer3 [256]" in result.stdout
     assert FeatureStore(path).dtype("layer3").is_floating_point
     info = runner.invoke(app, ["info", str(path)])
     assert info.exit_code == 0, info.output
@@ -67,12 +68,21 @@ def test_extract_then_info(config_file, tmp_path):
     assert as_json["config"]["store"]["dtype"] == "float32"
 
 
-def test_existing_output_needs_overwrite(config_file):
+def test_rerun_of_a_finished_config_is_a_no_op_and_changes_need_overwrite(config_file, tmp_path):
     assert runner.invoke(app, ["extract", str(config_file)]).exit_code == 0
-    again = runner.invoke(app, ["extract", str(config_file)])
-    assert again.exit_code == 2
-    assert "already exists" in _error_line(again) and "--overwrite" in _error_line(again)
-    assert runner.invoke(app, ["extract", str(config_file), "--overwrite"]).exit_code == 0
+    path = tmp_path / "out" / "train.h5"
+    before = path.stat().st_mtime_ns
+    again = runner.invoke(app, ["extract", str(config_file)])  # resumes: nothing left to do
+    assert again.exit_code == 0 and path.stat().st_mtime_ns == before
+    changed = runner.invoke(app, ["extract", str(config_file), "--set", "store.dtype=float32"])
+    assert changed.exit_code == 2
+    assert "already exists" in _error_line(changed) and "--overwrite" in _error_line(changed)
+    assert path.stat().st_mtime_ns == before
+    replaced = runner.invoke(
+        app, ["extract", str(config_file), "--set", "store.dtype=float32", "--overwrite"]
+    )
+    assert replaced.exit_code == 0
+    assert FeatureStore(path).dtype("layer3") == torch.float32
 
 
 @pytest.mark.parametrize(
@@ -139,7 +149,7 @@ def test_demo_via_python_m(tmp_path):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    assert "wrote" in result.stdout and "train.h5: 512 rows" in result.stdout
+    assert "train.h5: 512 rows" in result.stdout
     assert "status     complete" in result.stdout
     train = FeatureStore(tmp_path / "demo" / "train.h5")
     assert train.layers == ["layer3", "layer4", "avgpool"]

@@ -113,7 +113,7 @@ def test_h5py_alone_reads_the_store(resnet18, images, tmp_path):
     path = tmp_path / "s.h5"
     featcache.extract(resnet18, images, ["avgpool"], path, progress=False)
     with h5py.File(path, "r") as f:
-        assert set(f) == {"features", "ids", "index", "labels"}
+        assert set(f) == {"features", "ids", "index", "labels", "progress"}
         assert f["features/avgpool"].shape == (20, 512, 1, 1)
         assert f["features/avgpool"].dtype == np.float16
         assert f["labels"].dtype == np.int64 and f["index"].dtype == np.int64
@@ -178,7 +178,7 @@ class Failing(torch.utils.data.Dataset):
 
 def test_failure_leaves_an_incomplete_store_and_no_hooks(resnet18, tmp_path):
     path = tmp_path / "s.h5"
-    with pytest.raises(RuntimeError, match="cannot read sample 30"):
+    with pytest.raises(FeatcacheError, match="cannot read sample 30 .sample Failing:30.; set"):
         featcache.extract(
             resnet18, Failing(30), ["layer1"], path, batch_size=4, chunk_rows=8, progress=False
         )
@@ -188,7 +188,7 @@ def test_failure_leaves_an_incomplete_store_and_no_hooks(resnet18, tmp_path):
     store = FeatureStore(path, allow_incomplete=True)
     assert not store.complete
     durable = store.rows_written
-    assert durable == 24  # whole chunks of 8 rows before the batch at row 28 failed
+    assert durable == 28  # every row appended before the batch with the bad sample
     np.testing.assert_array_equal(store.index[:durable], np.arange(durable))
     with pytest.raises(FeatcacheError, match="incomplete"):
         featcache.FeatureDataset(path, "layer1")
