@@ -157,7 +157,6 @@ def extract(
         "chunk_rows": run.store.chunk_rows,
         "compression": run.store.compression,
         "batch_size": run.loader.batch_size,
-        "on_error": run.loader.on_error,
         "on_nonfinite": run.store.on_nonfinite,
     }
     if run.overwrite:
@@ -525,8 +524,8 @@ class _WriterThread:
     """A thread that appends queued batches to a :class:`StoreWriter`.
 
     ``put`` blocks only while :data:`MAX_PENDING_BATCHES` batches are waiting, and
-    re-raises in the caller any error the thread hit. Leaving the ``with`` block
-    drains the queue (or, after an error, abandons it) and joins the thread.
+    re-raises in the caller any error the thread hit. Leaving the ``with`` block writes
+    what is queued (unless the thread itself failed) and joins the thread.
     """
 
     def __init__(self, writer: StoreWriter, max_pending: int = MAX_PENDING_BATCHES):
@@ -579,8 +578,8 @@ class _WriterThread:
                 self.error = _writer_error(exc, self.writer.path)
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is not None and self.error is None:
-            self.error = FeatcacheError("stopped")  # tells the thread to drain only
+        # Batches already queued are still written when the forward side fails: they are
+        # good rows, and keeping them shortens the resume.
         self.queue.put(None)
         self.thread.join()
         if exc_type is None:

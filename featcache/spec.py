@@ -133,7 +133,13 @@ class Spec:
 
 
 # Sections that do not change what a store contains, left out of the fingerprint.
-_NOT_FINGERPRINTED = {"output": None, "runtime": ("progress",), "loader": ("num_workers",)}
+_NOT_FINGERPRINTED = {
+    "output": None,
+    "runtime": ("progress",),
+    # on_error only decides which rows are left out, and the store lists those; so a run
+    # stopped by a bad sample can be resumed with on_error=skip.
+    "loader": ("num_workers", "pin_memory", "on_error"),
+}
 
 
 def load_config(config: str | Path | Mapping[str, Any], overrides: Iterable[str] = ()) -> Spec:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -68,8 +69,13 @@ def check_output_path(path: Path, overwrite: bool) -> None:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"cannot create output folder {folder}: {exc.strerror}") from exc
-    if not os.access(folder, os.W_OK):
-        raise ConfigError(f"output folder {folder} is not writable; choose another output dir")
+    try:  # a real write: permission bits alone say nothing for root or read-only mounts
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"output folder {folder} is not writable ({exc.strerror}); choose another output dir"
+        ) from exc
 
 
 def partial_path(path: str | os.PathLike) -> Path:
@@ -329,10 +335,11 @@ class StoreWriter:
             if complete:
                 self._finish(attrs or {})
             else:
-                with contextlib.suppress(Exception):  # e.g. the disk that just filled up
-                    for staged in self._staging.values():
+                for staged in self._staging.values():
+                    with contextlib.suppress(Exception):  # e.g. the disk that just filled up
                         staged.flush()
-                    self.mark()
+                with contextlib.suppress(Exception):
+                    self.mark()  # counts only the datasets that did flush
         finally:
             if self._log is not None:
                 self._log.close()

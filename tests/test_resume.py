@@ -1,0 +1,203 @@
+"""Crash safety: killed runs resume to exactly the store an uninterrupted run writes."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+import yaml
+
+import featcache
+from featcache.errors import ConfigError, FeatcacheError
+from featcache.store import FeatureStore, partial_path
+
+KILL_CONFIG = {
+    "model": {"name": "resnet18"},
+    "layers": [{"name": "layer1"}, {"name": "layer3", "reduce": "avg"}],
+    "data": {
+        "source": "synthetic",
+        "kwargs": {"image_size": 32, "num_classes": 7},
+        "splits": {"train": {"size": 2400}},
+    },
+    "loader": {"batch_size": 16, "num_workers": 0},
+    "store": {"chunk_rows": 24},  # not a multiple of the batch: resumes split chunks
+    "runtime": {"progress": False},
+}
+
+
+def _config_file(folder: Path) -> Path:
+    config = dict(KILL_CONFIG, output={"dir": str(folder / "out")})
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _extract_command(config: Path) -> list[str]:
+    return [sys.executable, "-m", "featcache", "extract", str(config)]
+
+
+def assert_same_store(a: Path, b: Path) -> None:
+    """Every dataset equal, byte for byte, and the same fingerprints."""
+    with h5py.File(a, "r") as fa, h5py.File(b, "r") as fb:
+        names: list[str] = []
+        fa.visit(lambda name: names.append(name) if isinstance(fa[name], h5py.Dataset) else None)
+        other: list[str] = []
+        fb.visit(lambda name: other.append(name) if isinstance(fb[name], h5py.Dataset) else None)
+        assert sorted(names) == sorted(other)
+        for name in names:
+            if name == "progress":
+                continue
+            assert fa[name].dtype == fb[name].dtype, name
+            np.testing.assert_array_equal(fa[name][()], fb[name][()], err_msg=name)
+        for key in ("config_fingerprint", "dataset_fingerprint", "num_rows", "complete"):
+            assert fa.attrs.get(key) == fb.attrs.get(key), key
+
+
+def _progress(partial: Path) -> int:
+    """Durable rows of a partial store, read while another process writes it."""
+    if not partial.exists():
+        return 0
+    with h5py.File(partial, "r", locking=False) as f:
+        return int(f["progress"][0])
+
+
+def test_sigkill_at_random_moments_then_resume_equals_uninterrupted(tmp_path):
+    reference = _config_file(tmp_path / "reference")
+    subprocess.run(_extract_command(reference), check=True, capture_output=True, timeout=300)
+    config = _config_file(tmp_path / "killed")
+    store = tmp_path / "killed" / "out" / "train.h5"
+    partial = partial_path(store)
+    total = KILL_CONFIG["data"]["splits"]["train"]["size"]
+    rng = random.Random(20261121)
+    kills, progress_seen = 0, []
+    while kills < 4 and not store.exists():
+        done = _progress(partial)
+        target = rng.randint(done + 1, done + (total - done) // 2)
+        process = subprocess.Popen(
+            _extract_command(config), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + 120
+        while process.poll() is None and time.monotonic() < deadline:
+            if _progress(partial) >= target:
+                break
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.3))  # a random moment, mostly mid-write
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+            kills += 1
+        process.wait(timeout=60)
+        if not store.exists():
+            progress_seen.append(_progress(partial))  # readable after every kill
+    assert kills >= 3, f"only {kills} kills landed during the run; the test proves nothing"
+    assert progress_seen[-1] > progress_seen[0] > 0, progress_seen  # each rerun resumed
+    if not store.exists():
+        subprocess.run(_extract_command(config), check=True, capture_output=True, timeout=300)
+    assert not partial.exists()
+    assert_same_store(store, tmp_path / "reference" / "out" / "train.h5")
+
+
+class Flaky(torch.utils.data.Dataset):
+    """40 deterministic images; reading row ``fail_at`` raises, as a crash mid-run would."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.fail_at = fail_at
+        self.ids = [f"flaky/{i}" for i in range(40)]
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        if i == self.fail_at:
+            raise RuntimeError("simulated crash")
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(3, 32, 32, generator=g), i % 3
+
+
+LAYERS = [{"name": "layer2"}, {"name": "layer4", "reduce": "avg"}]
+OPTIONS = {"batch_size": 6, "chunk_rows": 4, "progress": False, "num_workers": 0}
+
+
+def test_resume_after_failure_equals_uninterrupted(resnet18, tmp_path):
+    reference = featcache.extract(resnet18, Flaky(), LAYERS, tmp_path / "ref.h5", **OPTIONS)
+    path = tmp_path / "s.h5"
+    with pytest.raises(FeatcacheError, match="simulated crash"):
+        featcache.extract(resnet18, Flaky(fail_at=27), LAYERS, path, **OPTIONS)
+    assert not path.exists() and partial_path(path).exists()
+    partial = FeatureStore(path, allow_incomplete=True)
+    assert not partial.complete and partial.rows_written == 24  # four batches of 6
+    assert len(partial) == 24 and partial.ids == [f"flaky/{i}" for i in range(24)]
+    partial.close()
+    resumed = featcache.extract(resnet18, Flaky(), LAYERS, path, **OPTIONS)
+    assert resumed.complete and not partial_path(path).exists()
+    assert_same_store(path, reference.path)
+
+
+def test_resume_refuses_a_partial_store_made_differently(resnet18, tmp_path):
+    path = tmp_path / "s.h5"
+    with pytest.raises(FeatcacheError):
+        featcache.extract(resnet18, Flaky(fail_at=20), LAYERS, path, **OPTIONS)
+    with pytest.raises(ConfigError, match="cannot resume .*store dtype differs.*--overwrite"):
+        featcache.extract(resnet18, Flaky(), LAYERS, path, **{**OPTIONS, "dtype": "float32"})
+    with pytest.raises(ConfigError, match="cannot resume .*taps differs"):
+        featcache.extract(resnet18, Flaky(), ["layer1"], path, **OPTIONS)
+    other = Flaky()
+    other.ids = [f"other/{i}" for i in range(40)]
+    with pytest.raises(ConfigError, match="cannot resume .*dataset fingerprint differs"):
+        featcache.extract(resnet18, other, LAYERS, path, **OPTIONS)
+    store = featcache.extract(
+        resnet18, Flaky(), LAYERS, path, **{**OPTIONS, "dtype": "float32", "overwrite": True}
+    )
+    assert store.complete and store.dtype("layer2") == torch.float32
+
+
+def test_full_disk_keeps_a_resumable_store(resnet18, tmp_path, monkeypatch):
+    reference = featcache.extract(resnet18, Flaky(), LAYERS, tmp_path / "ref.h5", **OPTIONS)
+    writes = {"n": 0}
+    original = h5py.Dataset.__setitem__
+
+    def setitem(self, key, value):
+        if self.name.startswith("/features/"):
+            writes["n"] += 1
+            if writes["n"] > 9:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return original(self, key, value)
+
+    monkeypatch.setattr(h5py.Dataset, "__setitem__", setitem)
+    path = tmp_path / "s.h5"
+    with pytest.raises(FeatcacheError, match="disk full while writing .*s.h5; free space"):
+        featcache.extract(resnet18, Flaky(), LAYERS, path, **OPTIONS)
+    monkeypatch.setattr(h5py.Dataset, "__setitem__", original)
+    durable = FeatureStore(path, allow_incomplete=True).rows_written
+    assert 0 < durable < 40
+    featcache.extract(resnet18, Flaky(), LAYERS, path, **OPTIONS)
+    assert_same_store(path, reference.path)
+
+
+def test_partial_store_is_found_by_readers_and_info(resnet18, tmp_path):
+    path = tmp_path / "s.h5"
+    with pytest.raises(FeatcacheError):
+        featcache.extract(resnet18, Flaky(fail_at=13), LAYERS, path, **OPTIONS)
+    with pytest.raises(
+        FeatcacheError, match="incomplete .12 rows written, in s.h5.partial.; rerun"
+    ):
+        FeatureStore(path)
+    dataset = featcache.FeatureDataset(path, "layer2", allow_incomplete=True)
+    assert len(dataset) == 12
+    from typer.testing import CliRunner
+
+    from featcache.cli import app
+
+    result = CliRunner().invoke(app, ["info", str(path)])
+    assert result.exit_code == 0 and "INCOMPLETE (12 rows durable)" in result.stdout
+    assert os.path.basename(partial_path(path)) in result.stdout
