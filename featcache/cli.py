@@ -6,6 +6,7 @@ import functools
 import json
 import sys
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -39,7 +40,14 @@ def _friendly(command: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return command(*args, **kwargs)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", UserWarning)
+                try:
+                    return command(*args, **kwargs)
+                finally:
+                    for warning in caught:
+                        if issubclass(warning.category, UserWarning):
+                            typer.echo(f"featcache: warning: {warning.message}", err=True)
         except typer.Exit:
             raise
         except KeyboardInterrupt:
@@ -143,6 +151,39 @@ def info(
 
 @app.command()
 @_friendly
+def verify(
+    store: Annotated[Path, typer.Argument(help="A store made by `featcache extract`.")],
+    samples: Annotated[
+        int,
+        typer.Option(
+            "--samples",
+            "-k",
+            help="Random rows to recompute besides the first and last; -1 for every row.",
+        ),
+    ] = 8,
+    seed: Annotated[int, typer.Option("--seed", help="Seed for choosing the rows.")] = 0,
+    device: Annotated[
+        str | None, typer.Option("--device", help="Device to recompute on (default: the config's).")
+    ] = None,
+) -> None:
+    """Recompute rows from the store's own config and check everything it records.
+
+    Exit code 0 when every check passes, 1 when any fails.
+    """
+    from featcache.verify import verify_store
+
+    result = verify_store(store, samples, seed=seed, device=device)
+    for check in result.checks:
+        typer.echo(f"{'ok' if check.ok else 'FAIL':<5} {check.name:<10} {check.detail}")
+    failed = [check.name for check in result.checks if not check.ok]
+    if failed:
+        typer.echo(f"verify: FAIL ({', '.join(failed)}): {result.path}")
+        raise typer.Exit(1)
+    typer.echo(f"verify: PASS ({len(result.rows)} rows recomputed): {result.path}")
+
+
+@app.command()
+@_friendly
 def demo(
     output: Annotated[
         Path, typer.Option("--output", "-o", help="Folder for the demo stores.")
@@ -156,6 +197,93 @@ def demo(
         typer.echo(_summary(store))
     typer.echo("")
     typer.echo(_describe_store(stores["train"]))
+
+
+@app.command()
+@_friendly
+def probe(
+    train: Annotated[Path, typer.Argument(help="Store to fit the probes on (.h5).")],
+    layer: Annotated[
+        str, typer.Option("--layer", "-l", help="A stored layer, a comma-separated list, or all.")
+    ],
+    val: Annotated[
+        Path | None, typer.Option("--val", help="Store that chooses the regularisation.")
+    ] = None,
+    val_fraction: Annotated[
+        float | None,
+        typer.Option("--val-fraction", help="Share of TRAIN held out instead (default 0.2)."),
+    ] = None,
+    test: Annotated[
+        Path | None, typer.Option("--test", help="Held-out store to report accuracy on.")
+    ] = None,
+    trainer: Annotated[
+        str,
+        typer.Option("--trainer", help="auto, full (L-BFGS in memory) or streaming (batches)."),
+    ] = "auto",
+    max_memory: Annotated[
+        str, typer.Option("--max-memory", help="Bigger features stream from disk (auto).")
+    ] = "4GiB",
+    lambdas: Annotated[
+        str | None,
+        typer.Option("--lambdas", help="Comma-separated L2 grid (default 1e-6 ... 1e2)."),
+    ] = None,
+    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda, ...")] = "auto",
+    epochs: Annotated[
+        int | None, typer.Option("--epochs", help="Streaming: passes per fit.")
+    ] = None,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", help="Streaming: rows per step.")
+    ] = 1024,
+    num_workers: Annotated[
+        int, typer.Option("--num-workers", help="Streaming: DataLoader workers.")
+    ] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the split and batch order.")] = 0,
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", "-o", help="Results JSON (default: beside TRAIN)."),
+    ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option("--plot", help="PNG of top-1 per layer (default with several layers)."),
+    ] = None,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
+) -> None:
+    """Fit linear probes: lambda chosen on validation, accuracy reported on test."""
+    from featcache.probe import (
+        ProbeOptions,
+        default_output,
+        format_result,
+        format_table,
+        parse_bytes,
+        plot_layers,
+        probe_layers,
+        save_results,
+    )
+
+    grid = None
+    if lambdas is not None:
+        try:
+            grid = [float(value) for value in lambdas.split(",") if value.strip()]
+        except ValueError:
+            raise ConfigError(f"--lambdas {lambdas!r} is not a list like 1e-4,1e-3,1e-2") from None
+    options = ProbeOptions(
+        val_fraction=val_fraction,
+        trainer=trainer,
+        lambdas=grid,
+        max_memory=parse_bytes(max_memory),
+        epochs=epochs,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        device=device,
+        seed=seed,
+        progress=progress,
+    )
+    results = probe_layers(train, layer, val=val, test=test, options=options)
+    typer.echo(format_result(results[0]) if len(results) == 1 else format_table(results))
+    path = save_results(results, output or default_output(train, [r.layer for r in results]))
+    typer.echo(f"wrote {path}")
+    if plot is not None or len(results) > 1:
+        typer.echo(f"wrote {plot_layers(results, plot or path.with_suffix('.png'))}")
 
 
 def store_info(fs: Any) -> dict[str, Any]:
@@ -197,6 +325,11 @@ def _describe_store(fs: Any) -> str:
         shown = ", ".join(classes[:8]) + (" ..." if len(classes) > 8 else "")
         labels += f" ({shown})"
     lines.append(f"labels     {labels}")
+    skipped = fs.skipped
+    if skipped:
+        shown = "; ".join(f"{r['reason']}" for r in skipped[:3])
+        more = f"; and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+        lines.append(f"skipped    {len(skipped)} samples: {shown}{more}")
     weights = attrs.get("weights")
     if weights:
         lines.append(f"weights    {json.dumps(weights, sort_keys=True)}")

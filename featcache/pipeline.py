@@ -359,16 +359,36 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
-def _collate(samples: list[tuple[Any, int, int, str]]) -> tuple[Any, ...]:
-    """Stack the readable samples; list the unreadable ones as ``(row, reason)``."""
+@dataclasses.dataclass
+class _Loaded:
+    """One batch from the loader: the readable samples stacked, the others listed."""
+
+    images: torch.Tensor | None  # [B, C, H, W], None when no sample of the batch was read
+    labels: torch.Tensor  # [B] int64, -1 where there is no label
+    rows: torch.Tensor  # [B] int64 source positions
+    failed: list[tuple[int, str]]  # (source position, reason)
+    error: str = ""  # a problem with the batch as a whole (set in a worker, raised in main)
+
+
+def _collate(samples: list[tuple[Any, int, int, str]]) -> _Loaded:
     good = [s for s in samples if not s[3]]
     failed = [(s[2], s[3]) for s in samples if s[3]]
-    if not good:
-        return None, torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), failed
-    images = torch.utils.data.default_collate([s[0] for s in good])
-    labels = torch.tensor([s[1] for s in good], dtype=torch.long)
     rows = torch.tensor([s[2] for s in good], dtype=torch.long)
-    return images, labels, rows, failed
+    labels = torch.tensor([s[1] for s in good], dtype=torch.long)
+    if not good:
+        return _Loaded(None, labels, rows, failed)
+    shapes = {tuple(s[0].shape) for s in good if isinstance(s[0], torch.Tensor)}
+    if len(shapes) > 1:
+        a, b = sorted(shapes)[:2]
+        return _Loaded(
+            None,
+            labels,
+            rows,
+            failed,
+            f"images of different sizes in one batch ({list(a)} and {list(b)}); set "
+            "preprocess.crop (or give the dataset a transform with a fixed output size)",
+        )
+    return _Loaded(torch.utils.data.default_collate([s[0] for s in good]), labels, rows, failed)
 
 
 def _num_workers(setting: int | str, num_rows: int, batch_size: int) -> int:
@@ -430,7 +450,15 @@ def _run_loop(
     try:
         convert = functools.partial(to_store_dtype, dtype=run.store.dtype)
         with TapSet(model, taps, convert=convert) as tapset, _WriterThread(writer) as sink:
-            for images, labels, index, failed in batches:
+            for loaded in batches:
+                if loaded.error:
+                    raise ConfigError(loaded.error)
+                images, labels, index, failed = (
+                    loaded.images,
+                    loaded.labels,
+                    loaded.rows,
+                    loaded.failed,
+                )
                 skipped = [_skip_record(i, ids[i], reason) for i, reason in failed]
                 if failed and run.loader.on_error == "fail":
                     i, reason = failed[0]

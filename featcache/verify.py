@@ -1,0 +1,249 @@
+"""Prove a store matches the model and data it claims to come from.
+
+``verify_store`` rebuilds the backbone and the source from the config recorded in the
+store, recomputes a sample of rows (always the first and the last) and compares them
+within the tolerance of the stored dtype, and checks completeness, alignment (every
+source sample is either a row or a recorded skip), ids, labels, fingerprints and
+finiteness.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Subset
+
+from featcache.errors import ConfigError
+from featcache.spec import fingerprint, load_config
+from featcache.store import FeatureStore, to_store_dtype
+from featcache.taps import TapSet, resolve_taps
+
+# |stored - recomputed| <= TOLERANCE * max(|recomputed| over the row): a few units in the
+# last place of the stored dtype, with room for batch-composition effects in float32.
+TOLERANCE = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}
+CHUNK_ROWS_FOR_SCAN = 1024
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class VerifyResult:
+    path: Path
+    checks: list[Check] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)  # rows recomputed
+
+    @property
+    def passed(self) -> bool:
+        return all(check.ok for check in self.checks)
+
+    def add(self, name: str, ok: bool, detail: str) -> None:
+        self.checks.append(Check(name, bool(ok), detail))
+
+
+def verify_store(
+    path: str | os.PathLike,
+    samples: int = 8,
+    *,
+    seed: int = 0,
+    device: str | None = None,
+) -> VerifyResult:
+    """Check the store at ``path``; ``samples`` random rows are recomputed besides the
+    first and last (``samples < 0``: every row). ``device`` defaults to the config's."""
+    from featcache.backbones import build_backbone
+    from featcache.pipeline import resolve_device
+    from featcache.sources import build_source
+
+    store = FeatureStore(path, allow_incomplete=True)
+    result = VerifyResult(store.path)
+    result.add(
+        "complete",
+        store.complete,
+        f"{len(store)} rows" if store.complete else f"only {store.rows_written} rows written",
+    )
+    config = store.config
+    if config is None:
+        raise ConfigError(
+            f"{store.path} records no config (it was made from Python); verify needs a store "
+            "made by `featcache extract` or extract_from_config"
+        )
+    spec = load_config(config)
+    attrs = store.attrs
+    result.add(
+        "config",
+        fingerprint(spec) == attrs.get("config_fingerprint"),
+        f"fingerprint {attrs.get('config_fingerprint', '?')[:12]}",
+    )
+    backbone = build_backbone(spec.model, spec.preprocess, seed=spec.runtime.seed)
+    result.add("weights", backbone.weights == attrs.get("weights"), _weights_text(backbone.weights))
+    split = attrs["split"]
+    source = build_source(spec.data, split, backbone.transform)
+    dataset_fp = source.fingerprint(content=spec.data.content_hash)
+    result.add(
+        "dataset",
+        dataset_fp == attrs.get("dataset_fingerprint"),
+        f"{len(source)} samples, fingerprint {dataset_fp[:12]}"
+        + ("" if dataset_fp == attrs.get("dataset_fingerprint") else " (the data changed)"),
+    )
+    index = store.index
+    _check_alignment(result, store, index, len(source))
+    ids = store.ids
+    wrong_ids = [r for r, i in enumerate(index) if i >= len(source) or ids[r] != source.ids[i]]
+    result.add("ids", not wrong_ids, _rows_text(wrong_ids, "ids match the source"))
+    labels = store.labels
+    source_labels = getattr(source, "labels", None)
+    if labels is not None and source_labels is not None:
+        wrong = [r for r, i in enumerate(index) if labels[r] != source_labels[i]]
+        result.add("labels", not wrong, _rows_text(wrong, "labels match the source"))
+    if spec.store.on_nonfinite != "keep":
+        bad = _nonfinite(store)
+        result.add("finite", not bad, _layers_text(bad, "no NaN or Inf"))
+    _recompute(
+        result,
+        store,
+        spec,
+        backbone.model,
+        source,
+        index,
+        labels,
+        samples,
+        seed,
+        resolve_device(device or spec.runtime.device),
+    )
+    store.close()
+    return result
+
+
+def _check_alignment(result: VerifyResult, store: FeatureStore, index: np.ndarray, n: int) -> None:
+    skipped = [record["index"] for record in store.skipped]
+    covered = np.sort(np.concatenate([index, np.asarray(skipped, dtype=np.int64)]))
+    ordered = bool(np.all(np.diff(index) > 0))
+    complete_cover = len(covered) == n and np.array_equal(covered, np.arange(n))
+    ok = ordered and (complete_cover or not store.complete)
+    detail = (
+        f"{len(index)} rows + {len(skipped)} skipped = {n} source samples, in order"
+        if ok
+        else f"rows and skips do not cover the {n} source samples exactly once, in order"
+    )
+    result.add("alignment", ok, detail)
+
+
+def _nonfinite(store: FeatureStore) -> list[str]:
+    bad = []
+    for layer in store.layers:
+        for start in range(0, len(store), CHUNK_ROWS_FOR_SCAN):
+            block = store.read(layer, slice(start, start + CHUNK_ROWS_FOR_SCAN)).float()
+            if not torch.isfinite(block).all():
+                bad.append(layer)
+                break
+    return bad
+
+
+def _recompute(
+    result: VerifyResult,
+    store: FeatureStore,
+    spec,
+    model: torch.nn.Module,
+    source,
+    index: np.ndarray,
+    labels: np.ndarray | None,
+    samples: int,
+    seed: int,
+    device: torch.device,
+) -> None:
+    n = len(store)
+    if n == 0:
+        return
+    if samples < 0 or samples + 2 >= n:
+        rows = list(range(n))
+    else:
+        chosen = random.Random(seed).sample(range(1, n - 1), samples)
+        rows = sorted({0, n - 1, *chosen})
+    result.rows = rows
+    taps = resolve_taps(model, spec.layers)
+    dtype = spec.store.dtype
+    model.eval().to(device)
+    subset = Subset(source, [int(index[r]) for r in rows])
+    loader = DataLoader(subset, batch_size=spec.loader.batch_size, shuffle=False)
+    amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.runtime.amp or "")
+    mismatches: dict[str, list[int]] = {}
+    worst: dict[str, float] = {}
+    wrong_labels = []
+    done = 0
+    with TapSet(model, taps) as tapset, torch.inference_mode():
+        for images, batch_labels in loader:
+            batch_rows = rows[done : done + len(images)]
+            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+                values = tapset.run(images.to(device))
+            for key, value in values.items():
+                expected = _as_stored(value, dtype).float().cpu()
+                stored = store.read(key, batch_rows).float()
+                if stored.shape != expected.shape:
+                    result.add(
+                        "shapes",
+                        False,
+                        f"{key}: stored {list(stored.shape[1:])}, "
+                        f"recomputed {list(expected.shape[1:])}",
+                    )
+                    return
+                error = (stored - expected).abs().flatten(1)
+                scale = expected.abs().flatten(1).amax(dim=1, keepdim=True).clamp_min(1e-6)
+                relative = (error / scale).amax(dim=1)
+                worst[key] = max(worst.get(key, 0.0), float(relative.max()))
+                for j, r in enumerate(batch_rows):
+                    if not relative[j] <= TOLERANCE[dtype]:  # NaN counts as a mismatch
+                        mismatches.setdefault(key, []).append(r)
+            if labels is not None:
+                wrong_labels += [
+                    r for j, r in enumerate(batch_rows) if int(batch_labels[j]) != labels[r]
+                ]
+            done += len(images)
+    if labels is not None and getattr(source, "labels", None) is None:
+        result.add("labels", not wrong_labels, _rows_text(wrong_labels, "labels match"))
+    if mismatches:
+        parts = [f"{key}: rows {_list(found)}" for key, found in mismatches.items()]
+        detail = "; ".join(parts) + f" differ (largest relative error {max(worst.values()):.3g}"
+        detail += f", tolerance {TOLERANCE[dtype]:g})"
+    else:
+        largest = max(worst.values()) if worst else 0.0
+        detail = (
+            f"{len(rows)} rows recomputed, largest relative error {largest:.2g} "
+            f"(tolerance {TOLERANCE[dtype]:g})"
+        )
+    result.add("values", not mismatches, detail)
+
+
+def _as_stored(value: torch.Tensor, dtype: str) -> torch.Tensor:
+    stored = to_store_dtype(value, dtype)
+    return stored.view(torch.bfloat16) if dtype == "bfloat16" else stored
+
+
+def _weights_text(weights: dict) -> str:
+    if "sha256" in weights:
+        return f"checkpoint sha256 {weights['sha256'][:12]}"
+    if "enum" in weights:
+        return weights["enum"]
+    return f"{weights.get('source')} (seed {weights.get('seed')})"
+
+
+def _list(rows: Sequence[int], shown: int = 8) -> str:
+    text = ", ".join(str(r) for r in rows[:shown])
+    return text + (f" and {len(rows) - shown} more" if len(rows) > shown else "")
+
+
+def _rows_text(wrong: Sequence[int], good: str) -> str:
+    return good if not wrong else f"rows {_list(wrong)} differ from the source"
+
+
+def _layers_text(bad: Sequence[str], good: str) -> str:
+    return good if not bad else f"NaN or Inf in layer {', '.join(bad)}"

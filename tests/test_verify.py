@@ -1,0 +1,135 @@
+"""`featcache verify`: passes on good stores, names the rows of altered ones."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+import featcache
+from featcache.cli import app
+from featcache.errors import ConfigError
+from featcache.verify import verify_store
+
+runner = CliRunner()
+
+
+def _synthetic_store(tmp_path, dtype="float16"):
+    config = {
+        "model": {"name": "resnet18"},
+        "layers": [{"name": "layer2"}, {"name": "layer4", "reduce": "avg"}],
+        "data": {
+            "source": "synthetic",
+            "kwargs": {"image_size": 32, "num_classes": 4},
+            "splits": {"val": {"size": 30}},
+        },
+        "loader": {"batch_size": 8},
+        "store": {"dtype": dtype, "chunk_rows": 4},
+        "output": {"dir": str(tmp_path / "out")},
+        "runtime": {"progress": False},
+    }
+    return featcache.extract_from_config(config)["val"].path
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_verify_passes_on_a_good_store(tmp_path, dtype):
+    result = verify_store(_synthetic_store(tmp_path, dtype), samples=-1)
+    assert result.passed, [c for c in result.checks if not c.ok]
+    names = {check.name for check in result.checks}
+    assert {"complete", "config", "weights", "dataset", "alignment", "ids", "labels"} <= names
+    assert {"finite", "values"} <= names
+    assert result.rows == list(range(30))
+
+
+def _flip_bytes(path, layer: str, row: int) -> None:
+    """Overwrite the stored bytes of one row directly in the file."""
+    with h5py.File(path, "r") as f:
+        dataset = f[f"features/{layer}"]
+        chunk_rows = dataset.chunks[0]
+        row_bytes = int(np.prod(dataset.shape[1:])) * dataset.dtype.itemsize
+        info = dataset.id.get_chunk_info_by_coord(
+            (row // chunk_rows * chunk_rows,) + (0,) * (dataset.ndim - 1)
+        )
+        offset = info.byte_offset + (row % chunk_rows) * row_bytes
+    with open(path, "r+b") as handle:
+        handle.seek(offset + 16)
+        handle.write(bytes([0x7B]) * 64)
+
+
+def test_verify_fails_naming_the_altered_row(tmp_path):
+    path = _synthetic_store(tmp_path)
+    _flip_bytes(path, "layer2", 17)
+    result = verify_store(path, samples=-1)
+    assert not result.passed
+    (values,) = [c for c in result.checks if c.name == "values"]
+    assert not values.ok and "layer2: rows 17 differ" in values.detail
+    cli = runner.invoke(app, ["verify", str(path), "--samples", "-1"])
+    assert cli.exit_code == 1
+    assert "FAIL  values" in cli.stdout and "rows 17" in cli.stdout
+    assert "verify: FAIL (values)" in cli.stdout
+
+
+def test_verify_always_checks_first_and_last_rows(tmp_path):
+    path = _synthetic_store(tmp_path)
+    _flip_bytes(path, "layer2", 29)
+    result = verify_store(path, samples=2, seed=3)
+    assert 0 in result.rows and 29 in result.rows and len(result.rows) == 4
+    assert not result.passed
+
+
+def test_verify_cli_pass_and_altered_ids(tmp_path):
+    path = _synthetic_store(tmp_path)
+    ok = runner.invoke(app, ["verify", str(path)])
+    assert ok.exit_code == 0, ok.output
+    assert "verify: PASS (10 rows recomputed)" in ok.stdout
+    with h5py.File(path, "r+") as f:
+        f["ids"][5] = b"synthetic:99"
+    bad = runner.invoke(app, ["verify", str(path)])
+    assert bad.exit_code == 1 and "FAIL  ids        rows 5 differ" in bad.stdout
+
+
+def test_verify_sees_changed_data_and_skips(tmp_path):
+    root = tmp_path / "images" / "all" / "things"
+    root.mkdir(parents=True)
+    for i in range(5):
+        Image.new("RGB", (24, 24), (i * 40, 10, 10)).save(root / f"{i}.png")
+    (root / "2b.png").write_bytes(b"")  # skipped
+    config = {
+        "model": {"name": "resnet18"},
+        "layers": [{"name": "layer1", "reduce": "avg"}],
+        "data": {"root": str(tmp_path / "images"), "splits": ["all"]},
+        "preprocess": {"resize": 32},
+        "loader": {"on_error": "skip"},
+        "output": {"dir": str(tmp_path / "out")},
+        "runtime": {"progress": False},
+    }
+    with pytest.warns(UserWarning, match="1 of 6 samples skipped"):
+        path = featcache.extract_from_config(config)["all"].path
+    result = verify_store(path, samples=-1)
+    assert result.passed, [c for c in result.checks if not c.ok]
+    (alignment,) = [c for c in result.checks if c.name == "alignment"]
+    assert "5 rows + 1 skipped = 6 source samples" in alignment.detail
+    noise = np.random.default_rng(0).integers(0, 255, (24, 24, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(root / "3.png")  # the data changed
+    result = verify_store(path, samples=-1)
+    failed = {c.name for c in result.checks if not c.ok}
+    assert failed == {"dataset", "values"}
+
+
+def test_verify_needs_a_recorded_config(resnet18, images, tmp_path):
+    store = featcache.extract(resnet18, images, ["layer1"], tmp_path / "s.h5", progress=False)
+    with pytest.raises(ConfigError, match="records no config"):
+        verify_store(store.path)
+    assert runner.invoke(app, ["verify", str(store.path)]).exit_code == 2
+
+
+def test_same_config_twice_same_arrays_and_fingerprints(tmp_path):
+    a = featcache.FeatureStore(_synthetic_store(tmp_path / "a"))
+    b = featcache.FeatureStore(_synthetic_store(tmp_path / "b"))
+    for layer in a.layers:
+        assert torch.equal(a.read(layer), b.read(layer))
+    for key in ("config_fingerprint", "dataset_fingerprint", "weights"):
+        assert a.attrs[key] == b.attrs[key]
