@@ -147,9 +147,12 @@ def extract(
     device = resolve_device(run.runtime.device)
     path = Path(path)
     provenance = dict(provenance or {})
+    if "weights" not in provenance:  # made from Python: identify the weights by their values
+        provenance["weights"] = {"source": "module", "sha256": module_fingerprint(model)}
     resume_key = {
         "featcache_format": FORMAT_VERSION,
         "config_fingerprint": provenance.get("config_fingerprint"),
+        "weights": provenance["weights"],
         "dataset_fingerprint": dataset_fingerprint or ids_fingerprint(ids),
         "source_rows": num_rows,
         "taps": [dataclasses.asdict(tap) for tap in taps],
@@ -291,6 +294,16 @@ def library_versions() -> dict[str, str]:
         "numpy": np.__version__,
         "python": platform.python_version(),
     }
+
+
+def module_fingerprint(model: nn.Module) -> str:
+    """sha256 over the names, dtypes, shapes and values of a module's parameters and buffers."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        value = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{value.dtype}:{list(value.shape)}".encode())
+        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def ids_fingerprint(ids: Sequence[str]) -> str:

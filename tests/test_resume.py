@@ -151,6 +151,12 @@ def test_resume_refuses_a_partial_store_made_differently(resnet18, tmp_path):
         featcache.extract(resnet18, Flaky(), LAYERS, path, **{**OPTIONS, "dtype": "float32"})
     with pytest.raises(ConfigError, match="cannot resume .*taps differs"):
         featcache.extract(resnet18, Flaky(), ["layer1"], path, **OPTIONS)
+    import torchvision
+
+    torch.manual_seed(1)
+    retrained = torchvision.models.resnet18().eval()
+    with pytest.raises(ConfigError, match="cannot resume .*weights differs"):
+        featcache.extract(retrained, Flaky(), LAYERS, path, **OPTIONS)
     other = Flaky()
     other.ids = [f"other/{i}" for i in range(40)]
     with pytest.raises(ConfigError, match="cannot resume .*dataset fingerprint differs"):
