@@ -18,6 +18,9 @@ from featcache.cli import app
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.store import FeatureStore, partial_path
 
+# The fixture lowers Pillow's pixel limit; images between the limit and twice it warn.
+pytestmark = pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+
 GOOD = {
     "cats/rgb.png": lambda: Image.new("RGB", (40, 36), (200, 30, 30)),
     "cats/palette.png": lambda: Image.new("RGB", (40, 40), (10, 200, 10)).convert("P"),
@@ -100,10 +103,11 @@ def test_fail_policy_is_one_line_and_resumable_with_skip(messy_folder):
     resumed = runner.invoke(app, ["extract", str(config), "--set", "loader.on_error=skip"])
     assert resumed.exit_code == 0, resumed.output
     assert len(FeatureStore(store).skipped) == 4
-    fresh = featcache.extract_from_config(
-        _config(messy_folder / "fresh", on_error="skip")
-        | {"data": {"root": str(messy_folder / "images"), "splits": ["train"]}}
-    )["train"]
+    with pytest.warns(UserWarning, match="4 of 10 samples skipped"):
+        fresh = featcache.extract_from_config(
+            _config(messy_folder / "fresh", on_error="skip")
+            | {"data": {"root": str(messy_folder / "images"), "splits": ["train"]}}
+        )["train"]
     assert torch.equal(FeatureStore(store).read("layer4"), fresh.read("layer4"))
     assert FeatureStore(store).ids == fresh.ids
 
