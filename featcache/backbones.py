@@ -63,6 +63,7 @@ class Backbone:
     model: nn.Module  # in eval() mode, on CPU
     transform: Callable[[Image.Image], torch.Tensor]  # PIL RGB -> float32 [3, H, W]
     weights: dict[str, Any]  # JSON-able identity of the weights (see the module docstring)
+    decode_size: int | None = None  # shorter side ``transform`` resizes to first, if any
 
 
 def build_backbone(model: ModelSpec, preprocess: PreprocessSpec, seed: int = 0) -> Backbone:
@@ -78,8 +79,10 @@ def build_backbone(model: ModelSpec, preprocess: PreprocessSpec, seed: int = 0) 
     # Built before the model so that a bad option fails before any download.
     if enum is not None and not preprocess.is_set():
         transform = enum.transforms()
+        decode_size = _first(getattr(transform, "resize_size", None))
     else:
         transform = build_transform(preprocess)
+        decode_size = preprocess.resize
 
     if model.name is not None:
         net = _build_torchvision(model.name, enum, model.kwargs, seed)
@@ -97,7 +100,7 @@ def build_backbone(model: ModelSpec, preprocess: PreprocessSpec, seed: int = 0) 
         identity.update(source="torchvision", enum=_enum_id(enum), url=enum.url)
     else:
         identity.update(source="random", seed=seed)
-    return Backbone(model=net.cpu().eval(), transform=transform, weights=identity)
+    return Backbone(net.cpu().eval(), transform, identity, decode_size)
 
 
 def resolve_weights(name: str, weights: str | None) -> torchvision.models.WeightsEnum | None:
@@ -247,6 +250,12 @@ def file_sha256(path: str | os.PathLike) -> str:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _first(value: Any) -> int | None:
+    if isinstance(value, (list, tuple)):
+        return int(value[0]) if len(value) == 1 else None
+    return int(value) if isinstance(value, int) else None
 
 
 def _check_model_name(name: str) -> None:

@@ -189,14 +189,30 @@ def demo(
         Path, typer.Option("--output", "-o", help="Folder for the demo stores.")
     ] = Path("featcache_demo"),
 ) -> None:
-    """Run the embedded demo config (offline, synthetic images) and show its stores."""
-    from featcache.demo import run_demo
+    """Run the embedded demo config (offline, synthetic images), show its stores, and
+    probe every layer."""
+    from featcache.demo import run_demo, run_demo_probe
+    from featcache.probe import format_table
 
     stores = run_demo(output)
     for store in stores.values():
         typer.echo(_summary(store))
     typer.echo("")
     typer.echo(_describe_store(stores["train"]))
+    results, json_path, png_path = run_demo_probe(stores, output)
+    typer.echo("")
+    typer.echo(
+        f"linear probes: lambda chosen on 20% of {stores['train'].path.name}, "
+        f"top-1 on the held-out {stores['val'].path.name}"
+    )
+    typer.echo(format_table(results))
+    best = max(results, key=lambda result: result.top1)
+    chance = best.test["chance_top1"] if best.test else best.val["chance_top1"]
+    typer.echo(
+        f"best layer {best.layer}: {100 * best.top1:.1f}% top-1 against {100 * chance:.1f}% "
+        f"for chance ({best.num_classes} classes)"
+    )
+    typer.echo(f"wrote {json_path} and {png_path}")
 
 
 @app.command()
@@ -344,10 +360,27 @@ def _describe_store(fs: Any) -> str:
             lines.append(f"{label:<10} {attrs[key]}")
     versions = attrs.get("versions") or {}
     lines.append("versions   " + ", ".join(f"{k} {v}" for k, v in versions.items()))
-    if "seconds" in attrs:
+    layout = attrs.get("layout")
+    if layout:
         lines.append(
-            f"run        {attrs['seconds']:.1f} s, {attrs['images_per_second']:.0f} images/s"
+            f"layout     {layout['device']}, channels_last={layout['channels_last']}, "
+            f"amp={layout['amp']}"
         )
+    if "seconds" in attrs:
+        run = f"run        {attrs['seconds']:.1f} s, {attrs['images_per_second']:.0f} images/s"
+        parts = [
+            (attrs.get(f"seconds_{key}"), name)
+            for key, name in (
+                ("waiting_for_data", "data"),
+                ("in_model", "model"),
+                ("waiting_for_disk", "disk"),
+            )
+        ]
+        if all(seconds is not None for seconds, _ in parts):
+            total = max(sum(seconds for seconds, _ in parts), 1e-9)
+            run += " (" + ", ".join(f"{name} {100 * sec / total:.0f}%" for sec, name in parts)
+            run += ")"
+        lines.append(run)
     return "\n".join(lines)
 
 

@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 import featcache
 from featcache.errors import ConfigError, FeatcacheError
+from featcache.runtime import Layout, choose_layout, resolve_device  # noqa: F401  (re-export)
 from featcache.spec import (
     LayerSpec,
     LoaderSpec,
@@ -144,7 +145,8 @@ def extract(
         if has_labels is None:
             has_labels = first[1] is not None
     has_labels = True if has_labels is None else bool(has_labels)
-    device = resolve_device(run.runtime.device)
+    layout = choose_layout(model, run.runtime)
+    device = layout.device
     path = Path(path)
     provenance = dict(provenance or {})
     if "weights" not in provenance:  # made from Python: identify the weights by their values
@@ -161,6 +163,7 @@ def extract(
         "compression": run.store.compression,
         "batch_size": run.loader.batch_size,
         "on_nonfinite": run.store.on_nonfinite,
+        "layout": layout.describe(),
     }
     if run.overwrite:
         remove_store(path)
@@ -173,6 +176,7 @@ def extract(
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "versions": library_versions(),
         "device": str(device),
+        "layout": layout.describe(),
         "dataset_fingerprint": resume_key["dataset_fingerprint"],
         "store_dtype": run.store.dtype,
         "taps": resume_key["taps"],
@@ -203,12 +207,10 @@ def extract(
             resume=resume,
         )
         with writer:
-            seconds = _run_loop(model, batches, taps, writer, ids, run, device, pin, start)
+            timing = _run_loop(model, batches, taps, writer, ids, run, layout, pin, start)
             done = num_rows - start
-            writer.close(
-                complete=True,
-                attrs={"seconds": seconds, "images_per_second": done / max(seconds, 1e-9)},
-            )
+            timing["images_per_second"] = done / max(timing["seconds"], 1e-9)
+            writer.close(complete=True, attrs=timing)
     if writer.skipped:
         warnings.warn(
             f"{len(writer.skipped)} of {num_rows} samples skipped (first: "
@@ -238,7 +240,8 @@ def extract_from_config(
             check_output_path(path, spec.output.overwrite)
     backbone = build_backbone(spec.model, spec.preprocess, seed=spec.runtime.seed)
     sources = {
-        split: build_source(spec.data, split, backbone.transform) for split in spec.data.splits
+        split: build_source(spec.data, split, backbone.transform, backbone.decode_size)
+        for split in spec.data.splits
     }
     options = {
         **dataclasses.asdict(spec.loader),
@@ -265,21 +268,6 @@ def extract_from_config(
             **options,
         )
     return stores
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` picks CUDA when present, else the CPU; anything else is checked."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as exc:
-        raise ConfigError(
-            f"runtime.device {name!r} is not a device name (auto, cpu, cuda)"
-        ) from exc
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"runtime.device is {name!r} but CUDA is not available; use auto or cpu")
-    return device
 
 
 def library_versions() -> dict[str, str]:
@@ -436,17 +424,16 @@ def _run_loop(
     writer: StoreWriter,
     ids: Sequence[str],
     run: RunOptions,
-    device: torch.device,
+    layout: Layout,
     pin: bool,
     first_row: int = 0,
-) -> float:
-    """Runs every batch from source row ``first_row`` on; returns the seconds it took."""
+) -> dict[str, float]:
+    """Runs every batch from source row ``first_row`` on; returns where the time went."""
     runtime = run.runtime
-    memory_format = torch.channels_last if runtime.channels_last else torch.contiguous_format
+    device, memory_format = layout.device, layout.memory_format
     was_training = model.training
     model.eval()
     model.to(device=device, memory_format=memory_format)
-    amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(runtime.amp or "")
     feature_attrs = {
         tap.key: {"module": tap.module_name, "capture": tap.capture, "reduce": tap.reduce}
         for tap in taps
@@ -459,57 +446,135 @@ def _run_loop(
         disable=not runtime.progress,
         dynamic_ncols=True,
     )
+    # On CUDA, captured batches are copied into reused pinned buffers without blocking.
+    host_buffers = (
+        _HostBuffers(MAX_PENDING_BATCHES + 2, pin=True) if device.type == "cuda" else None
+    )
+    timing = {"seconds_waiting_for_data": 0.0, "seconds_in_model": 0.0}
     start = time.perf_counter()
     try:
         convert = functools.partial(to_store_dtype, dtype=run.store.dtype)
         with TapSet(model, taps, convert=convert) as tapset, _WriterThread(writer) as sink:
+            waiting_since = time.perf_counter()
             for loaded in batches:
+                computing_since = time.perf_counter()
+                timing["seconds_waiting_for_data"] += computing_since - waiting_since
                 if loaded.error:
                     raise ConfigError(loaded.error)
-                images, labels, index, failed = (
-                    loaded.images,
-                    loaded.labels,
-                    loaded.rows,
-                    loaded.failed,
-                )
-                skipped = [_skip_record(i, ids[i], reason) for i, reason in failed]
-                if failed and run.loader.on_error == "fail":
-                    i, reason = failed[0]
+                skipped = [_skip_record(i, ids[i], reason) for i, reason in loaded.failed]
+                if loaded.failed and run.loader.on_error == "fail":
+                    i, reason = loaded.failed[0]
                     raise FeatcacheError(
                         f"{reason} (sample {ids[i]}); set loader.on_error=skip to skip "
                         "unreadable samples"
                     )
-                host: dict[str, torch.Tensor] = {}
-                ready = None
-                if images is not None:
-                    images = images.to(device, non_blocking=pin, memory_format=memory_format)
-                    autocast = (
-                        torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()
-                    )
-                    with torch.inference_mode(), autocast:
-                        captured = tapset.run(images)
-                        keep = _check_finite(captured, index, ids, run.store, skipped)
-                        if keep is not None:
-                            captured = {k: v[keep.to(v.device)] for k, v in captured.items()}
-                            index, labels = index[keep], labels[keep]
-                        host = {k: v.to("cpu", non_blocking=True) for k, v in captured.items()}
-                    if device.type == "cuda":
-                        ready = torch.cuda.Event()
-                        ready.record()
-                rows = index.numpy()
-                sink.put(
-                    _Batch(rows, [ids[i] for i in rows], labels.numpy(), host, ready, skipped),
-                    feature_attrs,
-                )
-                bar.update(len(rows) + len(skipped))
-                if writer.skipped or skipped:
-                    bar.set_postfix_str(f"skipped {len(writer.skipped)}", refresh=False)
-                if sink.waited > 1.0:
-                    bar.set_postfix_str(f"waiting on disk {sink.waited:.0f}s", refresh=False)
+                batch = _Batch(loaded.rows.numpy(), [], loaded.labels.numpy(), {}, None, skipped)
+                if loaded.images is not None:
+                    _forward(tapset, loaded, batch, layout, pin, run.store, ids, host_buffers)
+                batch.ids = [ids[i] for i in batch.index]
+                timing["seconds_in_model"] += time.perf_counter() - computing_since
+                sink.put(batch, feature_attrs)
+                bar.update(len(batch.index) + len(skipped))
+                bar.set_postfix_str(_bar_note(timing, sink.waited, len(writer.skipped)), False)
+                waiting_since = time.perf_counter()
     finally:
         bar.close()
         model.train(was_training)
-    return time.perf_counter() - start
+        if layout.channels_last:  # hand the model back in the layout it came in
+            model.to(memory_format=torch.contiguous_format)
+    timing["seconds_waiting_for_disk"] = sink.waited
+    timing["seconds"] = time.perf_counter() - start
+    return timing
+
+
+def _forward(
+    tapset: TapSet,
+    loaded: _Loaded,
+    batch: _Batch,
+    layout: Layout,
+    pin: bool,
+    store: StoreSpec,
+    ids: Sequence[str],
+    host_buffers: _HostBuffers | None,
+) -> None:
+    """Run one batch through the taps and fill ``batch`` with what goes to the writer."""
+    device, amp = layout.device, layout.amp
+    assert loaded.images is not None
+    images = loaded.images.to(device, non_blocking=pin, memory_format=layout.memory_format)
+    autocast = torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()
+    with torch.inference_mode(), autocast:
+        captured = tapset.run(images)
+        keep = _check_finite(captured, loaded.rows, ids, store, batch.skipped)
+        if keep is not None:
+            captured = {k: v[keep.to(v.device)] for k, v in captured.items()}
+            batch.index, batch.labels = batch.index[keep.numpy()], batch.labels[keep.numpy()]
+    if host_buffers is None:
+        batch.features = captured  # already fresh CPU tensors
+        return
+    batch.features, batch.release = host_buffers.copy(captured)
+    batch.ready = torch.cuda.Event()
+    batch.ready.record()
+
+
+def _bar_note(timing: Mapping[str, float], disk_wait: float, skipped: int) -> str:
+    """Where the time goes, so users see what bounds them (decoding, the model, the disk)."""
+    data, model = timing["seconds_waiting_for_data"], timing["seconds_in_model"]
+    total = max(data + model + disk_wait, 1e-9)
+    note = f"data {100 * data / total:.0f}% model {100 * model / total:.0f}%"
+    if disk_wait > 0.05 * total:
+        note += f" disk {100 * disk_wait / total:.0f}% (the disk is the bottleneck)"
+    if skipped:
+        note += f" skipped {skipped}"
+    return note
+
+
+class _HostBuffers:
+    """Reused host buffers (pinned on CUDA) that captured batches are copied into.
+
+    ``copy`` returns views of a free set of buffers and a callable that gives the set
+    back; the writer thread calls it once it has staged the rows. At most ``count`` sets
+    exist, so host memory for batches in flight stays bounded.
+    """
+
+    def __init__(self, count: int, pin: bool):
+        self.count = count
+        self.pin = pin
+        self.made = 0
+        self.free: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
+
+    def copy(
+        self, captured: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+        buffers = self._take(captured)
+        views = {}
+        for key, value in captured.items():
+            view = buffers[key][: len(value)]
+            view.copy_(value, non_blocking=self.pin)
+            views[key] = view
+        return views, lambda: self.free.put(buffers)
+
+    def _take(self, captured: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        try:
+            buffers = self.free.get_nowait()
+        except queue.Empty:
+            if self.made >= self.count:
+                buffers = self.free.get()  # every set is in flight: wait for the writer
+            else:
+                self.made += 1
+                return self._allocate(captured)
+        fits = all(
+            key in buffers
+            and buffers[key].shape[1:] == value.shape[1:]
+            and len(buffers[key]) >= len(value)
+            for key, value in captured.items()
+        )
+        return buffers if fits else self._allocate(captured)
+
+    def _allocate(self, captured: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {
+            key: torch.empty(value.shape, dtype=value.dtype, pin_memory=self.pin)
+            for key, value in captured.items()
+        }
 
 
 def _skip_record(row: int, sample_id: str, reason: str) -> dict[str, Any]:
@@ -559,6 +624,7 @@ class _Batch:
     features: dict[str, torch.Tensor]
     ready: Any  # a CUDA event to wait on before reading ``features``, or None
     skipped: list[dict[str, Any]]  # samples of this batch left out, with the reason
+    release: Callable[[], None] | None = None  # hands host buffers back once written
 
 
 class _WriterThread:
@@ -600,23 +666,23 @@ class _WriterThread:
             item = self.queue.get()
             if item is None:
                 return
-            if self.error is not None:
-                continue  # drain without writing after a failure
             batch, feature_attrs = item
             try:
-                if batch.ready is not None:
-                    batch.ready.synchronize()
-                features = {key: _to_numpy(value) for key, value in batch.features.items()}
-                self.writer.append(
-                    batch.index,
-                    batch.ids,
-                    batch.labels,
-                    features,
-                    feature_attrs,
-                    skipped=batch.skipped,
-                )
+                if self.error is None:  # after a failure, only drain
+                    self._write(batch, feature_attrs)
             except BaseException as exc:  # handed to the main thread
                 self.error = _writer_error(exc, self.writer.path)
+            finally:
+                if batch.release is not None:
+                    batch.release()  # the rows are staged: the host buffers can be reused
+
+    def _write(self, batch: _Batch, feature_attrs: Any) -> None:
+        if batch.ready is not None:
+            batch.ready.synchronize()
+        features = {key: _to_numpy(value) for key, value in batch.features.items()}
+        self.writer.append(
+            batch.index, batch.ids, batch.labels, features, feature_attrs, skipped=batch.skipped
+        )
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
         # Batches already queued are still written when the forward side fails: they are

@@ -123,11 +123,14 @@ def _file_sha256(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def load_rgb(path: str | os.PathLike) -> Image.Image:
+def load_rgb(path: str | os.PathLike, min_side: int | None = None) -> Image.Image:
     """Open and fully decode an image file as an 8-bit RGB PIL image.
 
     Alpha is dropped (palette transparency included); 16-bit and 32-bit integer grey
-    images are scaled from the 16-bit range to 8 bits, not clipped.
+    images are scaled from the 16-bit range to 8 bits, not clipped. With ``min_side``, a
+    JPEG is decoded at the smallest of its 1/2, 1/4 or 1/8 scales (Pillow's draft mode)
+    whose shorter side is still at least ``min_side``: much faster for photos that are
+    resized down afterwards, which then resize exactly to their final size.
 
     Raises:
         FeatcacheError: ``cannot decode image {path}: {reason}`` for missing, empty,
@@ -135,6 +138,8 @@ def load_rgb(path: str | os.PathLike) -> Image.Image:
     """
     try:
         with Image.open(path) as image:
+            if min_side and image.format == "JPEG" and min(image.size) >= 2 * min_side:
+                image.draft(image.mode, _draft_size(image.size, min_side))
             image.load()
             return _to_rgb(image)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
@@ -145,6 +150,13 @@ def load_rgb(path: str | os.PathLike) -> Image.Image:
         else:
             reason = _one_line(exc)
         raise FeatcacheError(f"cannot decode image {path}: {reason}") from exc
+
+
+def _draft_size(size: tuple[int, int], min_side: int) -> tuple[int, int]:
+    """The (w, h) a draft must cover so that the shorter side stays >= ``min_side``."""
+    width, height = size
+    shorter = min(width, height)
+    return (math.ceil(width * min_side / shorter), math.ceil(height * min_side / shorter))
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
@@ -200,10 +212,11 @@ class _FileSource(SourceDataset):
         super().__init__(ids, class_names, labels is not None, transform)
         self.paths = paths
         self.labels = labels
+        self.decode_size: int | None = None  # see build_source
 
     def _load(self, i: int) -> tuple[Image.Image, int]:
         label = -1 if self.labels is None else self.labels[i]
-        return load_rgb(self.paths[i]), label
+        return load_rgb(self.paths[i], self.decode_size), label
 
     def fingerprint(self, content: bool = False) -> str:
         entries = []
@@ -284,8 +297,13 @@ class _SyntheticSource(SourceDataset):
         return Image.fromarray(pixels.numpy()), k
 
 
-def build_source(data: DataSpec, split: str, transform: Transform | None) -> SourceDataset:
+def build_source(
+    data: DataSpec, split: str, transform: Transform | None, decode_size: int | None = None
+) -> SourceDataset:
     """The dataset of split ``split`` of ``data``; rows yield ``(transform(rgb), label)``.
+
+    ``decode_size`` is the shorter side ``transform`` resizes to first, if it does: JPEG
+    files are then decoded at a reduced scale that still covers it (see :func:`load_rgb`).
 
     Raises:
         ConfigError: unknown split or source, missing root/folder/manifest, an empty split,
@@ -302,7 +320,10 @@ def build_source(data: DataSpec, split: str, transform: Transform | None) -> Sou
     }
     if data.source not in builders:
         raise ConfigError(f"data.source is {data.source!r}; choose one of: {', '.join(SOURCES)}")
-    return builders[data.source](data, split, data.splits[split], transform)
+    source = builders[data.source](data, split, data.splits[split], transform)
+    if isinstance(source, _FileSource):
+        source.decode_size = decode_size
+    return source
 
 
 def _imagefolder(

@@ -28,7 +28,7 @@ CAPTURES = ("output", "input")
 STORE_DTYPES = ("float16", "bfloat16", "float32")
 COMPRESSIONS = (None, "lzf", "gzip")
 SOURCES = ("imagefolder", "manifest", "torchvision", "synthetic")
-AMP_DTYPES = (None, "fp16", "bf16")
+AMP_DTYPES = (None, "fp16", "bf16", "auto")
 ON_ERROR = ("fail", "skip")
 ON_NONFINITE = ("fail", "skip", "keep")
 INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
@@ -111,8 +111,8 @@ class OutputSpec:
 @dataclass
 class RuntimeSpec:
     device: str = "auto"  # "auto" (CUDA when present), "cpu", "cuda", "cuda:1", ...
-    channels_last: bool = False
-    amp: str | None = None  # null, "fp16" or "bf16": autocast dtype for the forward
+    channels_last: bool | str = "auto"  # true, false, or "auto" (see featcache/runtime.py)
+    amp: str | None = None  # null, "fp16", "bf16" or "auto": autocast dtype for the forward
     seed: int = 0  # seeds model initialisation when no weights are loaded
     progress: bool = True
 
@@ -292,6 +292,8 @@ def validate_options(loader: LoaderSpec, store: StoreSpec, runtime: RuntimeSpec)
     _choice("store.dtype", store.dtype, STORE_DTYPES)
     _choice("store.compression", store.compression, COMPRESSIONS)
     _choice("runtime.amp", runtime.amp, AMP_DTYPES)
+    if isinstance(runtime.channels_last, str) and runtime.channels_last != "auto":
+        raise ConfigError("runtime.channels_last must be true, false or 'auto'")
     _positive("loader.batch_size", loader.batch_size)
     _positive("store.chunk_rows", store.chunk_rows)
     if loader.num_workers != "auto" and (

@@ -42,7 +42,16 @@ SKIPPED_SUFFIX = ".skipped.jsonl"
 READ_CACHE_BYTES = 16 << 20  # HDF5 chunk cache per open dataset: holds several whole chunks
 _NUMPY_DTYPES = {"float16": np.float16, "float32": np.float32, "bfloat16": np.uint16}
 _TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
-_JSON_ATTRS = ("config", "weights", "versions", "class_names", "source", "taps", "resume_key")
+_JSON_ATTRS = (
+    "config",
+    "weights",
+    "versions",
+    "class_names",
+    "source",
+    "taps",
+    "resume_key",
+    "layout",
+)
 
 
 def to_store_dtype(x: torch.Tensor, dtype: str) -> torch.Tensor:

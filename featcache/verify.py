@@ -9,6 +9,7 @@ finiteness.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from featcache.errors import ConfigError
+from featcache.runtime import Layout, choose_layout
 from featcache.spec import fingerprint, load_config
 from featcache.store import FeatureStore, to_store_dtype
 from featcache.taps import TapSet, resolve_taps
@@ -61,7 +63,6 @@ def verify_store(
     """Check the store at ``path``; ``samples`` random rows are recomputed besides the
     first and last (``samples < 0``: every row). ``device`` defaults to the config's."""
     from featcache.backbones import build_backbone
-    from featcache.pipeline import resolve_device
     from featcache.sources import build_source
 
     store = FeatureStore(path, allow_incomplete=True)
@@ -87,7 +88,7 @@ def verify_store(
     backbone = build_backbone(spec.model, spec.preprocess, seed=spec.runtime.seed)
     result.add("weights", backbone.weights == attrs.get("weights"), _weights_text(backbone.weights))
     split = attrs["split"]
-    source = build_source(spec.data, split, backbone.transform)
+    source = build_source(spec.data, split, backbone.transform, backbone.decode_size)
     dataset_fp = source.fingerprint(content=spec.data.content_hash)
     result.add(
         "dataset",
@@ -108,18 +109,9 @@ def verify_store(
     if spec.store.on_nonfinite != "keep":
         bad = _nonfinite(store)
         result.add("finite", not bad, _layers_text(bad, "no NaN or Inf"))
-    _recompute(
-        result,
-        store,
-        spec,
-        backbone.model,
-        source,
-        index,
-        labels,
-        samples,
-        seed,
-        resolve_device(device or spec.runtime.device),
-    )
+    runtime = dataclasses.replace(spec.runtime, device=device or spec.runtime.device)
+    layout = choose_layout(backbone.model, runtime)
+    _recompute(result, store, spec, backbone.model, source, index, labels, samples, seed, layout)
     store.close()
     return result
 
@@ -159,7 +151,7 @@ def _recompute(
     labels: np.ndarray | None,
     samples: int,
     seed: int,
-    device: torch.device,
+    layout: Layout,
 ) -> None:
     n = len(store)
     if n == 0:
@@ -172,10 +164,10 @@ def _recompute(
     result.rows = rows
     taps = resolve_taps(model, spec.layers)
     dtype = spec.store.dtype
-    model.eval().to(device)
+    device, amp = layout.device, layout.amp
+    model.eval().to(device=device, memory_format=layout.memory_format)
     subset = Subset(source, [int(index[r]) for r in rows])
     loader = DataLoader(subset, batch_size=spec.loader.batch_size, shuffle=False)
-    amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.runtime.amp or "")
     mismatches: dict[str, list[int]] = {}
     worst: dict[str, float] = {}
     wrong_labels = []
@@ -184,7 +176,7 @@ def _recompute(
         for images, batch_labels in loader:
             batch_rows = rows[done : done + len(images)]
             with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-                values = tapset.run(images.to(device))
+                values = tapset.run(images.to(device, memory_format=layout.memory_format))
             for key, value in values.items():
                 expected = _as_stored(value, dtype).float().cpu()
                 stored = store.read(key, batch_rows).float()

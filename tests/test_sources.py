@@ -533,3 +533,26 @@ def test_hymenoptera(hymenoptera, transform):
     for i in (0, placeholder, len(train) // 2, len(train) - 1):
         _check_image(train[i][0])
     assert train[placeholder][1] == 0
+
+
+def test_jpeg_draft_decoding_keeps_the_shorter_side_covered(tmp_path):
+    from featcache.sources import load_rgb
+
+    Image.new("RGB", (1200, 900), (10, 200, 30)).save(tmp_path / "big.jpg")
+    Image.new("RGB", (1200, 900), (10, 200, 30)).save(tmp_path / "big.png")
+    Image.new("RGB", (300, 200), (10, 200, 30)).save(tmp_path / "small.jpg")
+    assert load_rgb(tmp_path / "big.jpg").size == (1200, 900)
+    assert load_rgb(tmp_path / "big.jpg", 256).size == (600, 450)  # 1/4 would go below 256
+    assert load_rgb(tmp_path / "big.jpg", 100).size == (150, 113)  # 1/8
+    assert load_rgb(tmp_path / "big.png", 100).size == (1200, 900)  # only JPEG has drafts
+    assert load_rgb(tmp_path / "small.jpg", 150).size == (300, 200)
+
+
+def test_decode_size_reaches_file_sources(tmp_path):
+    root = tmp_path / "train" / "a"
+    root.mkdir(parents=True)
+    Image.new("RGB", (800, 800), (1, 2, 3)).save(root / "x.jpg")
+    data = DataSpec(source="imagefolder", root=str(tmp_path), splits={"train": "train"})
+    source = build_source(data, "train", None, decode_size=200)
+    image, _ = source[0]
+    assert image.size == (200, 200)

@@ -1,0 +1,57 @@
+"""The runtime rule: channels_last for conv nets on the CPU, never a slower autocast dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import featcache
+from featcache.errors import ConfigError
+from featcache.runtime import choose_layout
+from featcache.spec import RuntimeSpec, load_config
+
+
+def test_auto_layout_on_cpu(resnet18):
+    layout = choose_layout(resnet18, RuntimeSpec(device="cpu"))
+    assert layout.channels_last and layout.amp is None
+    assert layout.memory_format == torch.channels_last
+    mlp = nn.Sequential(nn.Linear(4, 4))
+    assert not choose_layout(mlp, RuntimeSpec(device="cpu")).channels_last
+    assert choose_layout(resnet18, RuntimeSpec(device="cpu", amp="auto")).amp is None
+
+
+def test_explicit_choices_are_kept(resnet18):
+    layout = choose_layout(resnet18, RuntimeSpec(device="cpu", channels_last=False, amp="bf16"))
+    assert not layout.channels_last and layout.amp == torch.bfloat16
+    assert layout.describe() == {"device": "cpu", "channels_last": False, "amp": "bf16"}
+
+
+def test_bad_runtime_values_are_config_errors():
+    base = {"model": {"name": "resnet18"}, "layers": ["layer1"], "data": {"source": "synthetic"}}
+    with pytest.raises(ConfigError, match="runtime.channels_last must be true, false or 'auto'"):
+        load_config(base, ["runtime.channels_last=sometimes"])
+    with pytest.raises(ConfigError, match="runtime.device 'gpu0' is not a device"):
+        choose_layout(nn.Linear(1, 1), RuntimeSpec(device="gpu0"))
+
+
+def test_layout_is_recorded_and_model_handed_back_contiguous(resnet18, images, tmp_path):
+    store = featcache.extract(resnet18, images, ["layer2"], tmp_path / "s.h5", progress=False)
+    assert store.attrs["layout"] == {"device": "cpu", "channels_last": True, "amp": None}
+    assert resnet18.conv1.weight.is_contiguous()
+
+
+def test_host_buffers_are_reused_and_bounded():
+    from featcache.pipeline import _HostBuffers
+
+    pool = _HostBuffers(2, pin=False)
+    first = {"a": torch.arange(12.0).reshape(4, 3)}
+    views, release = pool.copy(first)
+    assert torch.equal(views["a"], first["a"])
+    second, release_second = pool.copy({"a": torch.ones(4, 3)})
+    release()
+    tail, _ = pool.copy({"a": torch.full((2, 3), 7.0)})  # a short last batch reuses a set
+    assert pool.made == 2 and tail["a"].shape == (2, 3)
+    assert tail["a"].data_ptr() == views["a"].data_ptr()
+    assert torch.equal(tail["a"], torch.full((2, 3), 7.0))
+    release_second()
