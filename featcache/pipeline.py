@@ -455,6 +455,8 @@ def _run_loop(
     try:
         convert = functools.partial(to_store_dtype, dtype=run.store.dtype)
         with TapSet(model, taps, convert=convert) as tapset, _WriterThread(writer) as sink:
+            if runtime.compile:
+                tapset.forward = torch.compile(model)
             waiting_since = time.perf_counter()
             for loaded in batches:
                 computing_since = time.perf_counter()

@@ -113,6 +113,7 @@ class RuntimeSpec:
     device: str = "auto"  # "auto" (CUDA when present), "cpu", "cuda", "cuda:1", ...
     channels_last: bool | str = "auto"  # true, false, or "auto" (see featcache/runtime.py)
     amp: str | None = None  # null, "fp16", "bf16" or "auto": autocast dtype for the forward
+    compile: bool = False  # torch.compile the forward (pays off on long runs only)
     seed: int = 0  # seeds model initialisation when no weights are loaded
     progress: bool = True
 

@@ -222,6 +222,9 @@ class TapSet:
         self.taps = list(taps)
         self.stop_early = stop_early
         self.convert = convert  # applied to each reduced value inside the hook
+        # What run() calls: the model, or a compiled wrapper of it. torch.compile traces the
+        # hooks registered when it first runs, so compile after entering the block.
+        self.forward: Callable[..., Any] = model
         self._values: dict[str, torch.Tensor] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -268,6 +271,7 @@ class TapSet:
         out = reduce_tensor(raw, tap)
         if self.convert is not None:
             out = self.convert(out)
+        out = out.detach()  # a compiled forward may hand back tensors that require grad
         if out.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr():
             # Still the module's own tensor (or a view of it): an in-place op later in the
             # forward, such as ReLU(inplace=True), would change the captured values.
@@ -282,7 +286,7 @@ class TapSet:
             raise RuntimeError("TapSet.run is only valid inside its `with` block")
         self._values = {}
         try:
-            self.model(*inputs, **kwargs)
+            self.forward(*inputs, **kwargs)
         except _StopForward:
             pass
         values, self._values = self._values, {}

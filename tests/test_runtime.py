@@ -55,3 +55,23 @@ def test_host_buffers_are_reused_and_bounded():
     assert tail["a"].data_ptr() == views["a"].data_ptr()
     assert torch.equal(tail["a"], torch.full((2, 3), 7.0))
     release_second()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside torch.compile
+def test_compiled_forward_matches_eager(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(512, 4),
+    ).eval()
+    data = torch.utils.data.TensorDataset(torch.randn(10, 3, 12, 12))
+    layers = [{"name": "1", "reduce": "avg"}, {"name": "3", "reduce": "flatten"}]
+    options = {"batch_size": 5, "dtype": "float32", "progress": False}
+    eager = featcache.extract(model, data, layers, tmp_path / "e.h5", **options)
+    compiled = featcache.extract(model, data, layers, tmp_path / "c.h5", compile=True, **options)
+    for layer in eager.layers:
+        torch.testing.assert_close(compiled.read(layer), eager.read(layer), rtol=1e-4, atol=1e-5)
