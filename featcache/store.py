@@ -55,10 +55,13 @@ _JSON_ATTRS = (
 
 
 def to_store_dtype(x: torch.Tensor, dtype: str) -> torch.Tensor:
-    """Cast a batch to the store's dtype, on its own device (bfloat16 as raw int16 bits)."""
-    if dtype == "bfloat16":
-        return x.to(torch.bfloat16).view(torch.int16)
-    return x.to(_TORCH_DTYPES[dtype])
+    """Cast a batch to the store's dtype, on its own device (bfloat16 as raw int16 bits).
+
+    The result is contiguous in the default layout (one pass on the device), whatever the
+    layout the model ran in, so rows copy to the host and into HDF5 as flat blocks.
+    """
+    out = x.to(dtype=_TORCH_DTYPES[dtype], memory_format=torch.contiguous_format)
+    return out.view(torch.int16) if dtype == "bfloat16" else out
 
 
 def chunk_rows_for(row_shape: Sequence[int], dtype: str, num_rows: int) -> int:

@@ -1,18 +1,33 @@
-"""Extraction throughput: featcache against the bare forward pass, in one process.
+"""Extraction speed and memory: featcache against the common ways of doing the job.
 
-Prints images/s and the ratio to the bare eager forward (full network, default layout)
-measured in the same run, for a full-depth tap (``avgpool``) and an early one
-(``layer2``), next to a hand-written hook loop that appends to lists and saves with h5py
-at the end. Images are random tensors held in memory, so the numbers measure the
-backbone and the caching machinery, not image decoding.
+Everything runs in this one process (peak-RSS cases in child processes of it), with a
+warm-up first, repeats interleaved so that drift hits every case alike, and medians.
+Ratios are images/s against baselines measured in the same run:
 
-    python scripts/bench_extract.py --model resnet18 --size 112 --images 512 --repeats 3
+* throughput, per model (resnet18 and resnet50 at 112 px, ``weights=None``, random
+  images held in memory so decoding costs nothing) and per target layer (``avgpool``:
+  full depth; ``layer2``: early stop): the bare eager forward in the default layout
+  (full network), the bare forward in the best eager layout (channels_last), the bare
+  forward truncated after the target layer (best layout), forward hooks appending to
+  lists then saved with h5py, torchvision's ``create_feature_extractor``, and
+  ``featcache.extract``;
+* peak RSS growth from 1,024 to 8,192 images capturing unpooled ``layer3`` of resnet18;
+* a JPEG pipeline over real photos (``../shared/data/hymenoptera.tar``, resize 256, crop
+  224, resnet18): torchvision ImageFolder + DataLoader + a hook saving to lists, against
+  ``featcache.extract_from_config`` with the same settings.
+
+    python scripts/bench_extract.py                      # everything (about 10 minutes)
+    python scripts/bench_extract.py --parts throughput --models resnet18 --images 256
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
+import tarfile
 import tempfile
 import time
 from collections.abc import Callable
@@ -21,38 +36,86 @@ from pathlib import Path
 import h5py
 import numpy as np
 import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from featcache import extract  # featcache first: it makes torchvision importable
+import featcache  # first: makes torchvision importable beside a mismatched torch
 
 # isort: split
 import torchvision
+from torchvision import transforms as T
+from torchvision.models.feature_extraction import create_feature_extractor
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+RSS_SIZES = (1024, 8192)
 
 
-def bare_forward(model: torch.nn.Module, data: torch.Tensor, batch: int) -> None:
+class RandomImages(Dataset):
+    """``n`` random images made on demand (so the input itself takes no memory)."""
+
+    def __init__(self, n: int, size: int):
+        self.n, self.size = n, size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(3, self.size, self.size, generator=g), 0
+
+
+def truncated(model: nn.Module, layer: str) -> nn.Module:
+    """A torchvision ResNet cut right after ``layer``: what an early stop can at best do."""
+    parts = []
+    for name, child in model.named_children():
+        if name == "fc":
+            parts.append(nn.Flatten(1))
+        parts.append(child)
+        if name == layer:
+            break
+    return nn.Sequential(*parts).eval()
+
+
+def bare(model: nn.Module, data: torch.Tensor, batch: int, channels_last: bool) -> None:
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    model.to(memory_format=fmt)
     with torch.inference_mode():
         for start in range(0, len(data), batch):
-            model(data[start : start + batch])
+            model(data[start : start + batch].contiguous(memory_format=fmt))
+    model.to(memory_format=torch.contiguous_format)
 
 
-def hooks_to_lists(model, data, batch, layer: str, path: Path) -> None:
-    """The common hand-written approach: hooks append to a list, saved at the end."""
+def hooks_to_lists(model: nn.Module, batches, layer: str, path: Path) -> None:
+    """The common hand-written approach: a hook appends to a list, saved at the end."""
     kept: list[torch.Tensor] = []
     module = dict(model.named_modules())[layer]
-    handle = module.register_forward_hook(lambda m, a, out: kept.append(out.flatten(1).clone()))
+    handle = module.register_forward_hook(lambda m, a, out: kept.append(out.detach().clone()))
     try:
-        bare_forward(model, data, batch)
+        with torch.inference_mode():
+            for images, _ in batches:
+                model(images)
     finally:
         handle.remove()
+    with h5py.File(path, "w") as f:
+        f["features"] = torch.cat(kept).flatten(1).numpy().astype(np.float16)
+
+
+def fx_extractor(model: nn.Module, data: torch.Tensor, batch: int, layer: str, path: Path):
+    extractor = create_feature_extractor(model, return_nodes=[layer]).eval()
+    kept = []
+    with torch.inference_mode():
+        for start in range(0, len(data), batch):
+            kept.append(extractor(data[start : start + batch])[layer].flatten(1))
     with h5py.File(path, "w") as f:
         f["features"] = torch.cat(kept).numpy().astype(np.float16)
 
 
-def featcache_run(model, data, batch, layer: str, path: Path) -> None:
-    dataset = torch.utils.data.TensorDataset(data, torch.zeros(len(data), dtype=torch.long))
-    extract(
+def featcache_run(model: nn.Module, dataset: Dataset, layer: str, path: Path, batch: int):
+    reduce = "flatten" if layer == "avgpool" else "none"
+    featcache.extract(
         model,
         dataset,
-        [{"name": layer, "reduce": "avg" if layer != "avgpool" else "flatten"}],
+        [{"name": layer, "reduce": reduce}],
         path,
         batch_size=batch,
         num_workers=0,
@@ -61,47 +124,175 @@ def featcache_run(model, data, batch, layer: str, path: Path) -> None:
     )
 
 
+def timed(cases: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    seconds: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, run in cases.items():
+            start = time.perf_counter()
+            run()
+            seconds[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in seconds.items()}
+
+
+def throughput(model_name: str, images: int, size: int, batch: int, repeats: int) -> None:
+    torch.manual_seed(0)
+    model = torchvision.models.get_model(model_name, weights=None).eval()
+    data = torch.randn(images, 3, size, size)
+    dataset = TensorDataset(data, torch.zeros(images, dtype=torch.long))
+    folder = Path(tempfile.mkdtemp(prefix="featcache-bench-"))
+    cases: dict[str, Callable[[], None]] = {
+        "bare eager forward, default layout": lambda: bare(model, data, batch, False),
+        "bare forward, channels_last": lambda: bare(model, data, batch, True),
+    }
+    for layer in ("avgpool", "layer2"):
+        cut = truncated(model, layer)
+        cases[f"[{layer}] bare truncated, channels_last"] = lambda c=cut: bare(c, data, batch, True)
+        cases[f"[{layer}] hooks -> lists -> h5py"] = lambda layer=layer: hooks_to_lists(
+            model, DataLoader(dataset, batch_size=batch), layer, folder / "lists.h5"
+        )
+        cases[f"[{layer}] create_feature_extractor"] = lambda layer=layer: fx_extractor(
+            model, data, batch, layer, folder / "fx.h5"
+        )
+        cases[f"[{layer}] featcache.extract"] = lambda layer=layer: featcache_run(
+            model, dataset, layer, folder / "fc.h5", batch
+        )
+    timed(cases, 1)  # warm-up: every case once
+    medians = timed(cases, repeats)
+    base = medians["bare eager forward, default layout"]
+    print(
+        f"\n{model_name} at {size}px, {images} images, batch {batch}, "
+        f"{torch.get_num_threads()} threads, median of {repeats}"
+    )
+    print(f"{'case':<44} {'images/s':>9} {'vs bare':>8} {'vs best':>8}")
+    for name, seconds in medians.items():
+        best = medians["bare forward, channels_last"]
+        for layer in ("avgpool", "layer2"):
+            if name.startswith(f"[{layer}]"):
+                best = medians[f"[{layer}] bare truncated, channels_last"]
+        print(
+            f"{name:<44} {images / seconds:>9.1f} {base / seconds:>7.2f}x {best / seconds:>7.2f}x"
+        )
+
+
+RSS_CHILD = """
+import json, resource, sys, tempfile, time
+from pathlib import Path
+sys.path.insert(0, {scripts!r})
+import torch
+from bench_extract import RandomImages, hooks_to_lists, featcache_run
+import torchvision
+from torch.utils.data import DataLoader
+approach, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+torch.manual_seed(0)
+model = torchvision.models.resnet18(weights=None).eval()
+folder = Path(tempfile.mkdtemp())
+warm = RandomImages(64, size)
+with torch.inference_mode():
+    model(torch.stack([warm[i][0] for i in range(32)]))
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+data = RandomImages(n, size)
+if approach == "featcache":
+    featcache_run(model, data, "layer3", folder / "s.h5", 64)
+else:
+    hooks_to_lists(model, DataLoader(data, batch_size=64), "layer3", folder / "s.h5")
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({{"extra_mb": (peak - base) / 1024}}))
+"""
+
+
+def peak_rss(size: int) -> None:
+    print(
+        f"\npeak RSS above the loaded model, resnet18 unpooled layer3 at {size}px (child processes)"
+    )
+    print(f"{'approach':<28} " + " ".join(f"{n:>8}" for n in RSS_SIZES) + f" {'growth':>8}")
+    code = RSS_CHILD.format(scripts=str(Path(__file__).resolve().parent))
+    for approach in ("hooks -> lists -> h5py", "featcache"):
+        key = "featcache" if approach == "featcache" else "lists"
+        values = []
+        for n in RSS_SIZES:
+            out = subprocess.run(
+                [sys.executable, "-c", code, key, str(n), str(size)],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            values.append(json.loads(out.strip().splitlines()[-1])["extra_mb"])
+        cells = " ".join(f"{v:>6.0f}MB" for v in values)
+        print(f"{approach:<28} {cells} {values[-1] - values[0]:>6.0f}MB")
+
+
+def jpeg_pipeline(repeats: int, batch: int) -> None:
+    archive = SHARED / "hymenoptera.tar"
+    if not archive.exists():
+        print(f"\nJPEG pipeline skipped: {archive} not found")
+        return
+    folder = Path(tempfile.mkdtemp(prefix="featcache-jpeg-"))
+    with tarfile.open(archive) as tar:
+        tar.extractall(folder, filter="data")
+    root = folder / "hymenoptera_data"
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(weights=None).eval()
+    normalize = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    standard = torchvision.datasets.ImageFolder(
+        str(root / "train"), T.Compose([T.Resize(256), T.CenterCrop(224), T.ToTensor(), normalize])
+    )
+    config = {
+        "model": {"name": "resnet18"},
+        "layers": [{"name": "avgpool", "reduce": "flatten"}],
+        "data": {"source": "imagefolder", "root": str(root), "splits": ["train"]},
+        "preprocess": {"resize": 256, "crop": 224},
+        "loader": {"batch_size": batch},
+        "output": {"dir": str(folder / "out"), "overwrite": True},
+        "runtime": {"progress": False},
+    }
+    workers = 2
+    cases = {
+        "ImageFolder + DataLoader + hooks -> h5py": lambda: hooks_to_lists(
+            model,
+            DataLoader(standard, batch_size=batch, num_workers=workers),
+            "avgpool",
+            folder / "lists.h5",
+        ),
+        "featcache.extract_from_config": lambda: featcache.extract_from_config(config),
+    }
+    timed(cases, 1)  # warm-up: page cache, worker start-up
+    medians = timed(cases, repeats)
+    base = medians["ImageFolder + DataLoader + hooks -> h5py"]
+    n = len(standard)
+    print(
+        f"\nJPEG pipeline: {n} hymenoptera photos, resize 256 crop 224, resnet18, "
+        f"batch {batch}, {workers} loader workers, median of {repeats}"
+    )
+    print(f"{'case':<44} {'images/s':>9} {'vs standard':>12}")
+    for name, seconds in medians.items():
+        print(f"{name:<44} {n / seconds:>9.1f} {base / seconds:>11.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="resnet18")
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        default=["throughput", "rss", "jpeg"],
+        choices=["throughput", "rss", "jpeg"],
+    )
+    parser.add_argument("--models", nargs="+", default=["resnet18", "resnet50"])
     parser.add_argument("--size", type=int, default=112)
     parser.add_argument("--images", type=int, default=512)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-
-    torch.manual_seed(0)
-    model = torchvision.models.get_model(args.model, weights=None).eval()
-    data = torch.randn(args.images, 3, args.size, args.size)
-    folder = Path(tempfile.mkdtemp(prefix="featcache-bench-"))
-    cases: dict[str, Callable[[], None]] = {
-        "bare eager forward (full network)": lambda: bare_forward(model, data, args.batch),
-    }
-    for layer in ("avgpool", "layer2"):
-        cases[f"hooks -> lists -> h5py, {layer}"] = lambda layer=layer: hooks_to_lists(
-            model, data, args.batch, layer, folder / "lists.h5"
-        )
-        cases[f"featcache.extract, {layer}"] = lambda layer=layer: featcache_run(
-            model, data, args.batch, layer, folder / "fc.h5"
-        )
-
-    bare_forward(model, data[: args.batch], args.batch)  # warm-up
-    seconds: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(args.repeats):  # interleaved, so drift hits every case alike
-        for name, run in cases.items():
-            start = time.perf_counter()
-            run()
-            seconds[name].append(time.perf_counter() - start)
-
-    base = statistics.median(seconds["bare eager forward (full network)"])
     print(
-        f"{args.model} at {args.size}px, {args.images} images, batch {args.batch}, "
-        f"{torch.get_num_threads()} threads, median of {args.repeats}"
+        f"torch {torch.__version__}, torchvision {torchvision.__version__}, "
+        f"featcache {featcache.__version__}, {time.strftime('%Y-%m-%d')}"
     )
-    print(f"{'case':<40} {'images/s':>9} {'vs bare':>8}")
-    for name, times in seconds.items():
-        median = statistics.median(times)
-        print(f"{name:<40} {args.images / median:>9.1f} {base / median:>7.2f}x")
+    if "throughput" in args.parts:
+        for name in args.models:
+            throughput(name, args.images, args.size, args.batch, args.repeats)
+    if "rss" in args.parts:
+        peak_rss(args.size)
+    if "jpeg" in args.parts:
+        jpeg_pipeline(args.repeats, 32)
 
 
 if __name__ == "__main__":
