@@ -82,14 +82,17 @@ def extract(
     ] = False,
 ) -> None:
     """Extract the configured layers for every split into HDF5 stores."""
+    from featcache.distributed import current_rank
     from featcache.pipeline import extract_from_config
 
     overrides = list(set_ or [])
     if overwrite:
         overrides.append("output.overwrite=true")
     stores = extract_from_config(config, overrides)
-    for store in stores.values():
-        typer.echo(_summary(store))
+    rank = current_rank()
+    if rank is None or rank.is_main:
+        for store in stores.values():
+            typer.echo(_summary(store))
 
 
 @app.command()
@@ -180,6 +183,25 @@ def verify(
         typer.echo(f"verify: FAIL ({', '.join(failed)}): {result.path}")
         raise typer.Exit(1)
     typer.echo(f"verify: PASS ({len(result.rows)} rows recomputed): {result.path}")
+
+
+@app.command()
+@_friendly
+def merge(
+    store: Annotated[Path, typer.Argument(help="A store, typically one made by torchrun.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="The single file to write.")],
+    compression: Annotated[
+        str | None, typer.Option("--compression", help="lzf or gzip (default: none).")
+    ] = None,
+) -> None:
+    """Copy a sharded store into one self-contained file (no shard files needed)."""
+    from featcache.distributed import merge_store
+    from featcache.spec import COMPRESSIONS
+
+    if compression not in COMPRESSIONS:
+        raise ConfigError(f"--compression {compression!r}: choose lzf or gzip")
+    merged = merge_store(store, output, compression)
+    typer.echo(_summary(merged))
 
 
 @app.command()
@@ -306,7 +328,7 @@ def store_info(fs: Any) -> dict[str, Any]:
     """Everything ``featcache info`` reports, as plain data."""
     return {
         "path": str(fs.path),
-        "bytes": fs.path.stat().st_size,
+        "bytes": store_bytes(fs),
         "layers": {
             layer: {"shape": list(fs.shape(layer)), **fs.layer_attrs(layer)} for layer in fs.layers
         },
@@ -314,11 +336,21 @@ def store_info(fs: Any) -> dict[str, Any]:
     }
 
 
+def store_bytes(fs: Any) -> int:
+    """Bytes on disk: the file, plus its shard files for a sharded store."""
+    shards = fs.attrs.get("shards") or []
+    return fs.path.stat().st_size + sum(
+        (fs.path.parent / name).stat().st_size
+        for name in shards
+        if (fs.path.parent / name).exists()
+    )
+
+
 def _summary(fs: Any) -> str:
     attrs = fs.attrs
     shapes = ", ".join(f"{layer} {list(fs.shape(layer))}" for layer in fs.layers)
     return (
-        f"{fs.path}: {len(fs)} rows; {shapes}; {_bytes(fs.path.stat().st_size)}; "
+        f"{fs.path}: {len(fs)} rows; {shapes}; {_bytes(store_bytes(fs))}; "
         f"{attrs.get('seconds', 0):.1f} s, {attrs.get('images_per_second', 0):.0f} images/s"
     )
 
@@ -327,7 +359,7 @@ def _describe_store(fs: Any) -> str:
     attrs = fs.attrs
     state = "complete" if fs.complete else f"INCOMPLETE ({fs.rows_written} rows durable)"
     lines = [
-        f"store      {fs.path} ({_bytes(fs.path.stat().st_size)})",
+        f"store      {fs.path} ({_bytes(store_bytes(fs))})",
         f"status     {state}, {len(fs)} rows, format {attrs.get('featcache_format')}",
         "layers",
     ]
@@ -346,6 +378,10 @@ def _describe_store(fs: Any) -> str:
         shown = "; ".join(f"{r['reason']}" for r in skipped[:3])
         more = f"; and {len(skipped) - 3} more" if len(skipped) > 3 else ""
         lines.append(f"skipped    {len(skipped)} samples: {shown}{more}")
+    shards = attrs.get("shards") or []
+    if shards:
+        more = f", ... {len(shards)} in all" if len(shards) > 2 else ""
+        lines.append(f"shards     {', '.join(shards[:2])}{more} (world size {len(shards)})")
     weights = attrs.get("weights")
     if weights:
         lines.append(f"weights    {json.dumps(weights, sort_keys=True)}")

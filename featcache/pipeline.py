@@ -31,6 +31,14 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 import featcache
+from featcache.distributed import (
+    Rank,
+    block,
+    check_other_world_sizes,
+    combine_shards,
+    current_rank,
+    shard_path,
+)
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.runtime import Layout, choose_layout, resolve_device  # noqa: F401  (re-export)
 from featcache.spec import (
@@ -100,6 +108,7 @@ def extract(
     class_names: Sequence[str] | None = None,
     provenance: Mapping[str, Any] | None = None,
     dataset_fingerprint: str | None = None,
+    rows: range | None = None,
     **options: Any,
 ) -> FeatureStore:
     """Run ``model`` over ``dataset`` and store the activations of ``layers`` at ``path``.
@@ -108,7 +117,9 @@ def extract(
     torchvision datasets (a bare tensor, or a label of None, means no labels). Rows keep
     the dataset's order. ``ids`` (default: the dataset's ``ids`` attribute, else
     ``"<DatasetClass>:<index>"``) and ``class_names`` go into the store;
-    ``dataset_fingerprint`` defaults to a hash of the sorted ids. ``options`` are the
+    ``dataset_fingerprint`` defaults to a hash of the sorted ids. ``rows`` (a range of
+    source positions, default all) limits the store to a contiguous block: one shard of a
+    distributed run. ``options`` are the
     config keys of the loader, store and runtime sections (``batch_size``,
     ``num_workers``, ``on_error``, ``dtype``, ``compression``, ``chunk_rows``,
     ``on_nonfinite``, ``device``, ``amp``, ``channels_last``, ``progress`` ...) plus
@@ -132,6 +143,9 @@ def extract(
         ids = [f"{type(dataset).__name__}:{i}" for i in range(num_rows)]
     if len(ids) != num_rows:
         raise ConfigError(f"{len(ids)} ids given for a dataset of {num_rows} rows")
+    rows = range(num_rows) if rows is None else rows
+    if rows.step != 1 or not rows or rows.start < 0 or rows.stop > num_rows:
+        raise ConfigError(f"rows must be a non-empty range within the {num_rows} source rows")
     if class_names is None:
         class_names = getattr(dataset, "class_names", None) or getattr(dataset, "classes", None)
     has_labels = getattr(dataset, "has_labels", None)
@@ -157,6 +171,7 @@ def extract(
         "weights": provenance["weights"],
         "dataset_fingerprint": dataset_fingerprint or ids_fingerprint(ids),
         "source_rows": num_rows,
+        "rows": [rows.start, rows.stop],
         "taps": [dataclasses.asdict(tap) for tap in taps],
         "store_dtype": run.store.dtype,
         "chunk_rows": run.store.chunk_rows,
@@ -170,7 +185,7 @@ def extract(
     elif path.exists() and stored_resume_key(path) == resume_key:
         return FeatureStore(path)  # a rerun after this store completed: nothing left to do
     check_output_path(path, run.overwrite)  # before any work starts
-    resume = plan_resume(path, resume_key, run.loader.batch_size)
+    resume = plan_resume(path, resume_key, run.loader.batch_size, rows.start)
     attrs = {
         **provenance,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -184,20 +199,20 @@ def extract(
     }
     if class_names is not None:
         attrs["class_names"] = [str(name) for name in class_names]
-    start = resume.position if resume else 0
+    todo = range(resume.position if resume else rows.start, rows.stop)
     pin = device.type == "cuda" if run.loader.pin_memory == "auto" else bool(run.loader.pin_memory)
     loader = DataLoader(
-        _Indexed(dataset, start),
+        _Indexed(dataset, todo),
         batch_size=run.loader.batch_size,
         shuffle=False,
-        num_workers=_num_workers(run.loader.num_workers, num_rows - start, run.loader.batch_size),
+        num_workers=_num_workers(run.loader.num_workers, len(todo), run.loader.batch_size),
         pin_memory=pin,
         collate_fn=_collate,
     )
     with _started(loader) as batches:
         writer = StoreWriter(
             path,
-            num_rows,
+            len(rows),
             ids_width=max((len(str(i).encode()) for i in ids), default=1),
             dtype=run.store.dtype,
             compression=run.store.compression,
@@ -207,13 +222,13 @@ def extract(
             resume=resume,
         )
         with writer:
-            timing = _run_loop(model, batches, taps, writer, ids, run, layout, pin, start)
-            done = num_rows - start
-            timing["images_per_second"] = done / max(timing["seconds"], 1e-9)
+            done = len(rows) - len(todo)
+            timing = _run_loop(model, batches, taps, writer, ids, run, layout, pin, done)
+            timing["images_per_second"] = len(todo) / max(timing["seconds"], 1e-9)
             writer.close(complete=True, attrs=timing)
     if writer.skipped:
         warnings.warn(
-            f"{len(writer.skipped)} of {num_rows} samples skipped (first: "
+            f"{len(writer.skipped)} of {len(rows)} samples skipped (first: "
             f"{writer.skipped[0]['reason']}); the store lists them under /skipped",
             stacklevel=2,
         )
@@ -249,6 +264,7 @@ def extract_from_config(
         **dataclasses.asdict(spec.runtime),
         "overwrite": spec.output.overwrite,
     }
+    rank = current_rank()
     stores = {}
     for split, source in sources.items():
         provenance = {
@@ -258,16 +274,63 @@ def extract_from_config(
             "split": split,
             "source": {"kind": spec.data.source, "split": spec.data.splits[split]},
         }
-        stores[split] = extract(
-            backbone.model,
-            source,
-            spec.layers,
-            spec.store_path(split),
+        arguments = dict(
             provenance=provenance,
             dataset_fingerprint=source.fingerprint(content=spec.data.content_hash),
             **options,
         )
+        path = spec.store_path(split)
+        if rank is None:
+            stores[split] = extract(backbone.model, source, spec.layers, path, **arguments)
+        else:
+            stores[split] = _extract_shard(
+                backbone.model, source, spec.layers, path, rank, arguments
+            )
     return stores
+
+
+def _extract_shard(
+    model: nn.Module,
+    source: Dataset,
+    layers: Sequence[LayerSpec],
+    path: Path,
+    rank: Rank,
+    arguments: dict[str, Any],
+) -> FeatureStore:
+    """This rank's block into its shard; then rank 0 writes the store over all shards."""
+    world = rank.world_size
+    overwrite = arguments["overwrite"]
+    done_key = {
+        "config_fingerprint": arguments["provenance"]["config_fingerprint"],
+        "world_size": world,
+    }
+    if path.exists() and not overwrite and stored_resume_key(path) == done_key:
+        return FeatureStore(path)
+    check_other_world_sizes(path, world, overwrite)
+    if overwrite and rank.is_main:
+        remove_store(path)
+    num_rows, batch_size = _length(source), arguments["batch_size"]
+    blocks = [block(num_rows, batch_size, r, world) for r in range(world)]
+    if blocks[rank.rank]:
+        shard_arguments = dict(
+            arguments,
+            device=rank.device(arguments["device"]),
+            progress=arguments["progress"] and rank.is_main,
+        )
+        extract(
+            model,
+            source,
+            layers,
+            shard_path(path, rank.rank, world),
+            rows=blocks[rank.rank],
+            **shard_arguments,
+        )
+    rank.barrier()
+    if rank.is_main:
+        shards = [shard_path(path, r, world) for r in range(world) if blocks[r]]
+        combine_shards(path, shards, {"resume_key": done_key})
+    rank.barrier()
+    return FeatureStore(path)
 
 
 def library_versions() -> dict[str, str]:
@@ -331,22 +394,22 @@ def _first_sample(dataset: Dataset) -> tuple[Any, Any] | None:
 
 
 class _Indexed(Dataset):
-    """Source rows from ``start`` on, as ``(image or None, label, row, error)``.
+    """The source rows in ``rows``, as ``(image or None, label, row, error)``.
 
     A sample that cannot be read comes back with image None and the reason in ``error``
     instead of raising in a worker process, so the policy is applied in one place (the
     run loop) and the message stays one line. ``label`` is -1 when there is none.
     """
 
-    def __init__(self, dataset: Dataset, start: int = 0):
+    def __init__(self, dataset: Dataset, rows: range):
         self.dataset = dataset
-        self.start = start
+        self.rows = rows
 
     def __len__(self) -> int:
-        return len(self.dataset) - self.start  # type: ignore[arg-type]
+        return len(self.rows)
 
     def __getitem__(self, j: int) -> tuple[Any, int, int, str]:
-        i = self.start + j
+        i = self.rows[j]
         try:
             image, label = _split_sample(self.dataset[i])
             return image, -1 if label is None else int(label), i, ""
@@ -426,9 +489,10 @@ def _run_loop(
     run: RunOptions,
     layout: Layout,
     pin: bool,
-    first_row: int = 0,
+    done_before: int = 0,
 ) -> dict[str, float]:
-    """Runs every batch from source row ``first_row`` on; returns where the time went."""
+    """Runs every batch (``done_before`` rows were written by an earlier run); returns
+    where the time went."""
     runtime = run.runtime
     device, memory_format = layout.device, layout.memory_format
     was_training = model.training
@@ -440,7 +504,7 @@ def _run_loop(
     }
     bar = tqdm(
         total=writer.capacity,
-        initial=first_row,
+        initial=done_before,
         unit="img",
         desc=writer.path.name,
         disable=not runtime.progress,

@@ -30,6 +30,7 @@ from typing import Any
 import h5py
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from featcache.errors import ConfigError, FeatcacheError
 
@@ -51,6 +52,8 @@ _JSON_ATTRS = (
     "taps",
     "resume_key",
     "layout",
+    "shards",
+    "merged_from",
 )
 
 
@@ -129,7 +132,7 @@ class ResumePoint:
 
 
 def plan_resume(
-    path: str | os.PathLike, resume_key: Mapping[str, Any], batch_size: int
+    path: str | os.PathLike, resume_key: Mapping[str, Any], batch_size: int, first: int = 0
 ) -> ResumePoint | None:
     """Check a partial store left by an earlier run; None when there is none.
 
@@ -156,10 +159,11 @@ def plan_resume(
                 f"run's ({_short(stored_key.get(key))} vs {_short(resume_key.get(key))}); "
                 "pass --overwrite to start over"
             )
-    next_position = int(index[-1]) + 1 if durable else 0
-    # Restart on the batch grid of the first run, so that every batch is made of the same
-    # samples as in an uninterrupted run (batch composition can change the last bits).
-    position = next_position // batch_size * batch_size
+    next_position = int(index[-1]) + 1 if durable else first
+    # Restart on the batch grid of the first run (batches start at ``first``), so that every
+    # batch holds the same samples as in an uninterrupted run: batch composition can
+    # change the last bits of a result.
+    position = first + (next_position - first) // batch_size * batch_size
     row = int(np.searchsorted(index, position))
     log = skipped_log_path(path)
     skipped = []
@@ -238,8 +242,7 @@ class StoreWriter:
             f.attrs["featcache_format"] = FORMAT_VERSION
             f.attrs["complete"] = False
             f.attrs["capacity"] = self.capacity
-            for key, value in self.attrs.items():
-                f.attrs[key] = json.dumps(value) if key in _JSON_ATTRS else value
+            write_attrs(f, self.attrs)
             _allocate(f, "progress", (1,), np.int64, None)
             meta_rows = self.chunk_rows or min(self.capacity, MAX_META_CHUNK_ROWS)
             for name, dtype in self._meta_dtypes().items():
@@ -374,9 +377,8 @@ class StoreWriter:
             for name in self._staging:
                 f[name].resize(rows, axis=0)
         if self.skipped:
-            _write_skipped(f, sorted(self.skipped, key=lambda r: r["index"]))
-        for key, value in attrs.items():
-            f.attrs[key] = json.dumps(value) if key in _JSON_ATTRS else value
+            write_skipped(f, sorted(self.skipped, key=lambda r: r["index"]))
+        write_attrs(f, attrs)
         f.attrs["num_rows"] = rows
         f.attrs["rows_written"] = rows
         f.attrs["skipped"] = len(self.skipped)
@@ -384,7 +386,7 @@ class StoreWriter:
         f.attrs["complete"] = True
         f.close()
         if self.compression is not None:
-            _copy_compressed(self.partial, self.path, self.compression)
+            copy_store(self.partial, self.path, self.compression)
             self.partial.unlink()
         else:
             os.replace(self.partial, self.path)
@@ -412,7 +414,14 @@ def _allocate(
     )
 
 
-def _write_skipped(f: h5py.File, records: Sequence[Mapping[str, Any]]) -> None:
+def write_attrs(f: h5py.File, attrs: Mapping[str, Any]) -> None:
+    """Set file attributes; structured ones (config, weights, ...) as JSON strings."""
+    for key, value in attrs.items():
+        f.attrs[key] = json.dumps(value) if key in _JSON_ATTRS else value
+
+
+def write_skipped(f: h5py.File, records: Sequence[Mapping[str, Any]]) -> None:
+    """The ``/skipped`` group: source position, id and reason of every sample left out."""
     group = f.create_group("skipped")
     text = h5py.string_dtype("utf-8")
     group.create_dataset("index", data=np.array([r["index"] for r in records], dtype=np.int64))
@@ -420,33 +429,72 @@ def _write_skipped(f: h5py.File, records: Sequence[Mapping[str, Any]]) -> None:
     group.create_dataset("reasons", data=[str(r["reason"]) for r in records], dtype=text)
 
 
-def _copy_compressed(source: Path, target: Path, compression: str) -> None:
-    """Copy a finished store into a compressed one, chunk by chunk, then move it into place."""
-    tmp = target.with_name(target.name + ".compressing")
+def copy_store(
+    source: str | os.PathLike,
+    target: str | os.PathLike,
+    compression: str | None = None,
+    progress: bool = False,
+    attrs: Mapping[str, Any] | None = None,
+    drop: Sequence[str] = (),
+) -> None:
+    """Copy a store into one self-contained file, chunk by chunk, then move it into place.
+
+    Virtual datasets (a sharded store) become real ones, chunked like featcache chunks
+    its own; ``compression`` applies to every chunked dataset; ``attrs`` are set last and
+    the file attributes named in ``drop`` are left out.
+    """
+    target = Path(target)
+    tmp = target.with_name(target.name + ".copying")
     with h5py.File(source, "r") as src, h5py.File(tmp, "w") as dst:
         for key, value in src.attrs.items():
-            dst.attrs[key] = value
-
-        def copy(name: str, obj: Any) -> None:
-            if isinstance(obj, h5py.Group):
-                dst.require_group(name)
-                return
-            chunks = obj.chunks
-            out = dst.create_dataset(
-                name,
-                shape=obj.shape,
-                dtype=obj.dtype,
-                chunks=chunks,
-                compression=compression if chunks else None,
-            )
-            for key, value in obj.attrs.items():
-                out.attrs[key] = value
-            step = chunks[0] if chunks else max(len(obj), 1)
-            for start in range(0, len(obj), step):
-                out[start : start + step] = obj[start : start + step]
-
-        src.visititems(copy)
+            if key not in drop:
+                dst.attrs[key] = value
+        objects = list(_walk(src))
+        total = sum(o.size * o.dtype.itemsize for _, o in objects if isinstance(o, h5py.Dataset))
+        with tqdm(
+            total=total, unit="B", unit_scale=True, desc=target.name, disable=not progress
+        ) as bar:
+            for name, obj in objects:
+                if isinstance(obj, h5py.Group):
+                    dst.create_group(name, track_order=name == "features")
+                else:
+                    _copy_dataset(obj, dst, name, compression, bar)
+        write_attrs(dst, attrs or {})
     os.replace(tmp, target)
+
+
+def _walk(group: h5py.Group, prefix: str = ""):
+    """(name, object) for everything under ``group``, in creation order where tracked."""
+    for key in group:
+        obj = group[key]
+        yield prefix + key, obj
+        if isinstance(obj, h5py.Group):
+            yield from _walk(obj, prefix + key + "/")
+
+
+def _copy_dataset(
+    obj: h5py.Dataset, dst: h5py.File, name: str, compression: str | None, bar: tqdm
+) -> None:
+    if obj.shape == () or len(obj) == 0:
+        out = dst.create_dataset(name, data=obj[()], dtype=obj.dtype)
+    else:
+        row_bytes = max(int(np.prod(obj.shape[1:], dtype=np.int64)) * obj.dtype.itemsize, 1)
+        chunks = obj.chunks
+        if chunks is None:  # virtual: chunk like featcache does
+            rows = TARGET_CHUNK_BYTES // row_bytes
+            if obj.ndim == 1:
+                rows = min(rows, MAX_META_CHUNK_ROWS)
+            chunks = (int(min(max(rows, 1), len(obj))), *obj.shape[1:])
+        out = dst.create_dataset(
+            name, shape=obj.shape, dtype=obj.dtype, chunks=chunks, compression=compression
+        )
+        step = max(chunks[0], 8 * TARGET_CHUNK_BYTES // row_bytes)  # a few chunks per read
+        for start in range(0, len(obj), step):
+            block = obj[start : start + step]
+            out[start : start + len(block)] = block
+            bar.update(block.nbytes)
+    for key, value in obj.attrs.items():
+        out.attrs[key] = value
 
 
 def _write_atomically(path: Path, text: str) -> None:

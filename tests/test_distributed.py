@@ -1,0 +1,203 @@
+"""torchrun: sharded extraction into one logical store, resume per shard, merge."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from featcache.cli import app
+from featcache.distributed import block, check_other_world_sizes, combine_shards, shard_path
+from featcache.errors import ConfigError, FeatcacheError
+from featcache.store import FeatureStore, partial_path
+
+CONFIG = {
+    "model": {"name": "resnet18"},
+    "layers": [{"name": "layer2"}, {"name": "layer4", "reduce": "avg"}],
+    "data": {
+        "source": "synthetic",
+        "kwargs": {"image_size": 32, "num_classes": 5},
+        "splits": {"train": {"size": 1200}, "val": {"size": 70}},
+    },
+    "loader": {"batch_size": 16, "num_workers": 0},
+    "store": {"chunk_rows": 24},
+    "runtime": {"progress": False},
+}
+
+
+def _config(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(dict(CONFIG, output={"dir": str(folder / "out")})))
+    return path
+
+
+def _torchrun(config: Path, processes: int = 2) -> subprocess.Popen:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={processes}",
+        "-m",
+        "featcache",
+        "extract",
+        str(config),
+    ]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _datasets(path: Path) -> dict[str, np.ndarray]:
+    out = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(
+            lambda name, obj: (
+                out.__setitem__(name, obj[()])
+                if isinstance(obj, h5py.Dataset) and name != "progress"
+                else None
+            )
+        )
+    return out
+
+
+def assert_same_rows(a: Path, b: Path) -> None:
+    left, right = _datasets(a), _datasets(b)
+    assert sorted(left) == sorted(right)
+    for name in left:
+        np.testing.assert_array_equal(left[name], right[name], err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("single")
+    subprocess.run(
+        [sys.executable, "-m", "featcache", "extract", str(_config(folder))],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return folder / "out"
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("sharded")
+    process = _torchrun(_config(folder))
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output
+    assert output.count("train.h5: 1200 rows") == 1  # only rank 0 reports
+    return folder / "out"
+
+
+def test_two_processes_write_the_single_process_store(single, sharded):
+    for split in ("train", "val"):
+        store = FeatureStore(sharded / f"{split}.h5")
+        assert store.complete and store.attrs["world_size"] == 2
+        assert store.attrs["shards"] == [shard_path(f"{split}.h5", r, 2).name for r in range(2)]
+        with h5py.File(store.path) as f:
+            assert f["features/layer2"].is_virtual
+        assert_same_rows(store.path, single / f"{split}.h5")
+        assert store.layers == ["layer2", "layer4"]
+        assert (
+            store.attrs["config_fingerprint"]
+            == FeatureStore(single / f"{split}.h5").attrs["config_fingerprint"]
+        )
+
+
+def test_merge_gives_a_self_contained_equal_file(sharded, tmp_path):
+    merged = tmp_path / "merged.h5"
+    result = CliRunner().invoke(app, ["merge", str(sharded / "val.h5"), "-o", str(merged)])
+    assert result.exit_code == 0, result.output
+    expected = _datasets(sharded / "val.h5")
+    copy = tmp_path / "elsewhere" / "merged.h5"
+    copy.parent.mkdir()
+    os.replace(merged, copy)  # no shard files anywhere near it
+    with h5py.File(copy, "r") as f:
+        assert not f["features/layer2"].is_virtual and f["features/layer2"].chunks
+        assert list(f["features"]) == ["layer2", "layer4"]
+        assert "shards" not in f.attrs
+    assert_same_rows(copy, sharded / "val.h5")
+    assert sorted(_datasets(copy)) == sorted(expected)
+    assert FeatureStore(copy).attrs["merged_from"] == [
+        shard_path("val.h5", r, 2).name for r in range(2)
+    ]
+    again = CliRunner().invoke(app, ["merge", str(sharded / "val.h5"), "-o", str(copy)])
+    assert again.exit_code == 2 and "already exists" in again.stderr
+
+
+def _rank_pids(rank: int, marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and marker.encode() in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_killed_rank_resumes_to_the_single_process_store(single, tmp_path):
+    config = _config(tmp_path)
+    shard = partial_path(shard_path(tmp_path / "out" / "train.h5", 1, 2))
+    process = _torchrun(config)
+    deadline = time.monotonic() + 120
+    progress = 0
+    while process.poll() is None and time.monotonic() < deadline and progress < 100:
+        if shard.exists():
+            with h5py.File(shard, "r", locking=False) as f:
+                progress = int(f["progress"][0])
+        time.sleep(0.02)
+    pids = _rank_pids(1, str(config))
+    assert pids and process.poll() is None, "rank 1 finished before it could be killed"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    process.communicate(timeout=120)
+    assert process.returncode != 0
+    assert shard.exists() and not (tmp_path / "out" / "train.h5").exists()
+    rerun = _torchrun(config)
+    output, _ = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, output
+    for split in ("train", "val"):
+        assert_same_rows(tmp_path / "out" / f"{split}.h5", single / f"{split}.h5")
+
+
+def test_blocks_cover_every_row_on_the_batch_grid():
+    for n, batch, world in ((1200, 16, 2), (70, 16, 3), (5, 16, 4), (1, 1, 2)):
+        blocks = [block(n, batch, r, world) for r in range(world)]
+        rows = [i for b in blocks for i in b]
+        assert rows == list(range(n))
+        assert all(b.start % batch == 0 for b in blocks if b)
+
+
+def test_shards_of_another_world_size_are_refused(tmp_path):
+    store = tmp_path / "train.h5"
+    stale = shard_path(store, 1, 2)
+    partial_path(stale).write_bytes(b"")
+    with pytest.raises(ConfigError, match="shards of a run with 2 processes.*--overwrite"):
+        check_other_world_sizes(store, 3, overwrite=False)
+    check_other_world_sizes(store, 2, overwrite=False)
+    check_other_world_sizes(store, 3, overwrite=True)
+    assert not partial_path(stale).exists()
+
+
+def test_missing_or_unshared_shards_are_named(tmp_path):
+    store = tmp_path / "train.h5"
+    shards = [shard_path(store, r, 2) for r in range(2)]
+    with pytest.raises(FeatcacheError, match="shard .*shard-00000-of-00002.h5 is missing; is the"):
+        combine_shards(store, shards)
+    partial_path(shards[0]).write_bytes(b"")
+    with pytest.raises(FeatcacheError, match="missing; it is still being written or its rank"):
+        combine_shards(store, shards)
