@@ -6,7 +6,7 @@ ensure_torchvision_importable()  # before any featcache module imports torchvisi
 
 __version__ = "0.1.0"
 
-from featcache.dataset import FeatureDataset  # noqa: E402
+from featcache.dataset import FeatureDataset, ShuffledBatches  # noqa: E402
 from featcache.errors import ConfigError, FeatcacheError  # noqa: E402
 from featcache.pipeline import extract, extract_from_config  # noqa: E402
 from featcache.store import FeatureStore  # noqa: E402
@@ -16,6 +16,7 @@ __all__ = [
     "FeatcacheError",
     "FeatureDataset",
     "FeatureStore",
+    "ShuffledBatches",
     "extract",
     "extract_from_config",
 ]

@@ -1,24 +1,35 @@
-"""FeatureDataset: lazy per-worker reads, batched reads, in-memory mode, labels."""
+"""FeatureDataset: lazy per-worker reads, batched reads, chunk-aware shuffled batches,
+in-memory mode, chunk cache, labels."""
 
 from __future__ import annotations
 
 import pickle
 
+import h5py
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 import featcache
 from featcache import FeatureDataset, FeatureStore
-from featcache.errors import ConfigError
+from featcache.dataset import ShuffledBatches
+from featcache.errors import ConfigError, FeatcacheError
+from featcache.store import StoreWriter, to_store_dtype
 
 
-@pytest.fixture
-def store_path(resnet18, images, tmp_path):
-    path = tmp_path / "s.h5"
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory):
+    """20 rows of a seeded resnet18: layer3 [256] and layer2 [128, 2, 2], bfloat16, 6-row chunks."""
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18().eval()
+    x = torch.randn(20, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    path = tmp_path_factory.mktemp("dataset") / "s.h5"
     featcache.extract(
-        resnet18,
-        images,
+        model,
+        torch.utils.data.TensorDataset(x, torch.arange(20) % 5),
         [
             {"name": "layer3", "reduce": "avg"},
             {"name": "layer2", "reduce": "adaptive_avg", "size": 2},
@@ -29,6 +40,37 @@ def store_path(resnet18, images, tmp_path):
         progress=False,
     )
     return path
+
+
+def write_store(path, rows=203, dims=None, *, chunk_rows=16, dtype="float16", **options):
+    """A complete store written by StoreWriter: seeded normal rows, labels ``row % 7``."""
+    dims = dims or {"a": 8}
+    rng = np.random.default_rng(0)
+    writer = StoreWriter(path, rows, ids_width=6, dtype=dtype, chunk_rows=chunk_rows, **options)
+    index = np.arange(rows)
+    features = {
+        key: to_store_dtype(torch.from_numpy(rng.standard_normal((rows, dim))), dtype).numpy()
+        for key, dim in dims.items()
+    }
+    writer.append(index, [f"{i:06d}" for i in index], index % 7, features)
+    writer.close(complete=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def rows_path(tmp_path_factory):
+    """203 rows of a [8] float16 layer in 16-row chunks: 13 blocks, the last one of 11 rows."""
+    return write_store(tmp_path_factory.mktemp("rows") / "r.h5")
+
+
+def collect(batches):
+    """Concatenated features, labels and rows of ``(features, labels, rows)`` batches."""
+    batches = list(batches)
+    return (
+        torch.cat([b[0] for b in batches]),
+        torch.cat([b[1] for b in batches]),
+        torch.cat([b[2] for b in batches]),
+    )
 
 
 def test_loader_with_two_workers_matches_direct_reads(store_path):
@@ -87,13 +129,15 @@ def test_missing_layer_is_named(store_path):
         FeatureDataset(store_path, "layer4")
 
 
-def test_unlabeled_store_gives_minus_one(resnet18, tmp_path):
-    data = torch.utils.data.TensorDataset(torch.randn(4, 3, 32, 32))
+def test_unlabeled_store_gives_minus_one(tmp_path):
     path = tmp_path / "u.h5"
-    featcache.extract(resnet18, data, ["avgpool"], path, progress=False)
-    dataset = FeatureDataset(path, "avgpool")
+    writer = StoreWriter(path, 4, ids_width=1, has_labels=False)
+    writer.append(np.arange(4), list("abcd"), None, {"a": np.ones((4, 3), np.float16)})
+    writer.close(complete=True)
+    dataset = FeatureDataset(path, "a")
     assert not dataset.has_labels
     assert dataset[2][1].item() == -1
+    assert next(dataset.batches(4))[1].tolist() == [-1] * 4
 
 
 def test_store_reader_errors(tmp_path):
@@ -103,3 +147,199 @@ def test_store_reader_errors(tmp_path):
     junk.write_text("not hdf5")
     with pytest.raises(ConfigError, match="not a readable HDF5 store"):
         FeatureStore(junk)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize(("batch_size", "buffer_rows"), [(7, None), (7, 16), (64, 1), (300, 40)])
+def test_batches_give_every_row_once_with_its_stored_values(
+    rows_path, shuffle, batch_size, buffer_rows
+):
+    dataset = FeatureDataset(rows_path, "a")
+    store = FeatureStore(rows_path)
+    direct, labels = store.read("a").float(), torch.from_numpy(store.labels)
+    batches = list(
+        dataset.batches(batch_size, shuffle=shuffle, buffer_rows=buffer_rows, with_index=True)
+    )
+    sizes = [len(b[1]) for b in batches]
+    assert sizes[:-1] == [batch_size] * (len(batches) - 1) and 0 < sizes[-1] <= batch_size
+    for features, label, rows in batches:
+        assert features.dtype == torch.float32 and features.shape == (len(rows), 8)
+        assert label.dtype == torch.int64 and rows.dtype == torch.int64
+        assert torch.equal(features, direct[rows]) and torch.equal(label, labels[rows])
+    order = torch.cat([b[2] for b in batches])
+    assert sorted(order.tolist()) == list(range(203))
+    assert order.tolist() != list(range(203)) if shuffle else order.tolist() == list(range(203))
+
+
+def test_shuffled_order_depends_on_seed_and_epoch_only(rows_path):
+    dataset = FeatureDataset(rows_path, "a")
+    clone = pickle.loads(pickle.dumps(dataset))
+
+    def order(d, **kw):
+        return collect(d.batches(16, with_index=True, **kw))[2].tolist()
+
+    first = order(dataset, seed=3, epoch=1)
+    assert order(dataset, seed=3, epoch=1) == first == order(clone, seed=3, epoch=1)
+    assert order(dataset, seed=3, epoch=2) != first
+    assert order(dataset, seed=4, epoch=1) != first
+    # A batch mixes rows of several blocks, not one block's rows in a row.
+    first_batch = next(dataset.batches(16, seed=3, epoch=1, with_index=True))[2]
+    assert len(set((first_batch // dataset.block_rows).tolist())) > 2
+
+
+def test_two_iterators_at_once_do_not_share_a_buffer(rows_path):
+    dataset = FeatureDataset(rows_path, "a")
+    pairs = zip(dataset.batches(10, seed=1), dataset.batches(10, seed=1), strict=True)
+    for (x, y), (x2, y2) in pairs:
+        assert torch.equal(x, x2) and torch.equal(y, y2)
+    alone = collect(dataset.batches(10, seed=1, with_index=True))
+    again = collect(dataset.batches(10, seed=1, with_index=True))  # reuses the kept buffer
+    assert all(torch.equal(a, b) for a, b in zip(alone, again, strict=True))
+
+
+def test_drop_last_keeps_only_full_batches(rows_path):
+    dataset = FeatureDataset(rows_path, "a")
+    batches = list(dataset.batches(20, drop_last=True, with_index=True))
+    assert [len(b[1]) for b in batches] == [20] * 10
+    rows = torch.cat([b[2] for b in batches]).tolist()
+    assert len(set(rows)) == 200 and set(rows) <= set(range(203))
+    assert [len(b[1]) for b in dataset.batches(300, drop_last=True)] == []
+
+
+def test_several_layers_give_dicts_in_the_asked_dtype(store_path):
+    dataset = FeatureDataset(store_path, ["layer3", "layer2"], dtype=None)
+    store = FeatureStore(store_path)
+    for features, labels, rows in dataset.batches(8, buffer_rows=6, with_index=True):
+        assert set(features) == {"layer3", "layer2"}
+        assert features["layer2"].shape == (len(rows), 128, 2, 2)
+        for layer, values in features.items():
+            assert values.dtype == torch.bfloat16
+            assert torch.equal(values, store.read(layer, rows.numpy()))
+        assert torch.equal(labels, rows % 5)
+
+
+def test_in_memory_batches_equal_file_batches(store_path):
+    layers = ["layer3", "layer2"]
+    lazy = FeatureDataset(store_path, layers)
+    memory = FeatureDataset(store_path, layers, in_memory=True)
+    for kw in ({"seed": 5, "epoch": 2}, {"shuffle": False}, {"buffer_rows": 1}):
+        for a, b in zip(
+            lazy.batches(7, with_index=True, **kw),
+            memory.batches(7, with_index=True, **kw),
+            strict=True,
+        ):
+            assert torch.equal(a[2], b[2]) and torch.equal(a[1], b[1])
+            for layer in layers:
+                assert a[0][layer].dtype == b[0][layer].dtype == torch.float32
+                assert torch.equal(a[0][layer], b[0][layer])
+
+
+def test_layers_chunked_differently_are_read_in_whole_blocks(tmp_path):
+    path = write_store(tmp_path / "m.h5", dims={"a": 8, "b": 3})
+    with h5py.File(path, "r+") as f:  # rechunk b: 5-row chunks against a's 16
+        values, attrs = f["features/b"][:], dict(f["features/b"].attrs)
+        del f["features/b"]
+        f["features"].create_dataset("b", data=values, chunks=(5, 3)).attrs.update(attrs)
+    dataset = FeatureDataset(path, ["a", "b"], dtype=None)
+    assert dataset.block_rows == 16
+    store = FeatureStore(path)
+    features, _, rows = collect(
+        (torch.cat([f["a"], f["b"]], 1), y, i)
+        for f, y, i in dataset.batches(9, buffer_rows=32, with_index=True)
+    )
+    assert sorted(rows.tolist()) == list(range(203))
+    assert torch.equal(features[:, :8], store.read("a", rows.numpy()))
+    assert torch.equal(features[:, 8:], store.read("b", rows.numpy()))
+
+
+def test_shuffled_batches_in_two_workers_give_every_row_once_per_epoch(rows_path):
+    dataset = FeatureDataset(rows_path, "a")
+    direct = FeatureStore(rows_path).read("a").float()
+    shuffled = dataset.shuffled(10, seed=2, with_index=True)
+    assert isinstance(shuffled, ShuffledBatches)
+    # One process: exactly the batches of dataset.batches for the same seed and epoch.
+    shuffled.set_epoch(4)
+    assert torch.equal(
+        collect(shuffled)[2], collect(dataset.batches(10, seed=2, epoch=4, with_index=True))[2]
+    )
+    shuffled.set_epoch(0)
+    loader = DataLoader(shuffled, batch_size=None, num_workers=2, persistent_workers=True)
+    orders = []
+    for epoch in (0, 1, 0):
+        shuffled.set_epoch(epoch)  # reaches the persistent workers through shared memory
+        features, labels, rows = collect(loader)
+        assert sorted(rows.tolist()) == list(range(203))
+        assert torch.equal(features, direct[rows]) and torch.equal(labels, rows % 7)
+        orders.append(rows.tolist())
+    assert orders[0] == orders[2] != orders[1]
+
+
+def test_chunk_cache_is_none_for_plain_chunks_and_holds_compressed_ones(tmp_path):
+    plain = FeatureDataset(write_store(tmp_path / "p.h5"), "a")
+    assert plain.features("a").id.get_access_plist().get_chunk_cache()[:2] == (0, 0)
+    path = write_store(
+        tmp_path / "c.h5", 600, {"a": 1024}, chunk_rows=512, dtype="float32", compression="gzip"
+    )
+    compressed = FeatureDataset(path, "a")  # 2 MiB chunks: a cache of 4 of them
+    nslots, nbytes, _ = compressed.features("a").id.get_access_plist().get_chunk_cache()
+    assert nbytes == 4 * 512 * 1024 * 4 and nslots >= 400
+    assert all(nslots % d for d in range(2, int(nslots**0.5) + 1))  # prime
+    rows = [599, 3, 512, 511, 3]
+    direct = FeatureStore(path).read("a", rows)
+    assert torch.equal(torch.stack([x for x, _ in compressed.__getitems__(rows)]), direct)
+    compressed.close()
+    sized = FeatureDataset(path, "a", chunk_cache=32 << 20)
+    assert sized.features("a").id.get_access_plist().get_chunk_cache()[1] == 32 << 20
+    clone = pickle.loads(pickle.dumps(sized))
+    assert clone._file is None and clone._spare is None
+    assert clone.features("a").id.get_access_plist().get_chunk_cache()[1] == 32 << 20
+
+
+def test_incomplete_store_is_refused_or_read_up_to_its_durable_rows(tmp_path):
+    path = tmp_path / "i.h5"
+    writer = StoreWriter(path, 100, ids_width=6, dtype="float16", chunk_rows=16)
+    index = np.arange(40)
+    values = np.random.default_rng(0).standard_normal((40, 8)).astype(np.float16)
+    writer.append(index, [f"{i:06d}" for i in index], index % 7, {"a": values})
+    writer.close(complete=False)
+    with pytest.raises(FeatcacheError, match="incomplete .40 rows written"):
+        FeatureDataset(path, "a")
+    dataset = FeatureDataset(path, "a", allow_incomplete=True, dtype=None)
+    assert len(dataset) == 40
+    assert torch.equal(dataset[-1][0], torch.from_numpy(values[39]))
+    with pytest.raises(IndexError):
+        dataset[40]
+    features, labels, rows = collect(dataset.batches(16, with_index=True))
+    assert sorted(rows.tolist()) == list(range(40))
+    assert torch.equal(features, torch.from_numpy(values)[rows])
+
+
+def test_getitems_reads_any_order_and_repeats(store_path):
+    dataset = FeatureDataset(store_path, "layer2", dtype=None)
+    rows = [10, 3, 9, 4, 4, 19, 0, 5, 6]
+    got = torch.stack([x for x, _ in dataset.__getitems__(rows)])
+    assert torch.equal(got, FeatureStore(store_path).read("layer2", rows))
+    assert dataset.__getitems__([]) == []
+
+
+def test_bad_batch_options_are_refused(rows_path):
+    dataset = FeatureDataset(rows_path, "a")
+    with pytest.raises(ValueError, match="batch_size must be at least 1"):
+        dataset.batches(0)
+    with pytest.raises(ValueError, match="buffer_rows must be at least 1"):
+        dataset.batches(4, buffer_rows=0)
+    with pytest.raises(ValueError, match="batch_size must be at least 1"):
+        ShuffledBatches(dataset, 0)
+
+
+def test_virtual_store_over_shards_reads_like_one_file(tmp_path):
+    from featcache.distributed import combine_shards
+
+    shards = [write_store(tmp_path / f"s{i}.h5", 50 + 7 * i) for i in range(2)]
+    combine_shards(tmp_path / "all.h5", shards).close()
+    dataset = FeatureDataset(tmp_path / "all.h5", "a", dtype=None)
+    direct = torch.cat([FeatureStore(shard).read("a") for shard in shards])
+    features, _, rows = collect(dataset.batches(16, with_index=True))
+    assert sorted(rows.tolist()) == list(range(107))
+    assert torch.equal(features, direct[rows])
+    assert torch.equal(dataset[60][0], direct[60])

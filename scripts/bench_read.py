@@ -1,0 +1,209 @@
+"""Shuffled reading: FeatureDataset against in-memory indexing and per-row h5py, in one process.
+
+Writes a ``[rows, dim]`` store with featcache's own writer (one layer, ~1 MiB chunks) in a
+temporary folder, then times one shuffled pass over it in batches of ``--batch`` rows for
+each case, warm-up first, the cases interleaved over ``--repeats`` repeats, medians
+reported. The file is in the page cache (just written), so the figures measure the
+reading machinery, not the disk. Cases:
+
+* in-memory tensor ``x[idx]``: the whole array in memory, indexed with a random batch of
+  row numbers; the baseline (1.00x). ``x.index_select(0, idx)``, the fastest torch
+  gather, is shown beside it.
+* per-row h5py: ``dataset[i]`` for each row of a shuffled order, on ``h5py.File(path)``
+  with h5py's default chunk cache (the "vs per-row" reference), and with the chunk cache
+  off. Only ``--per-row`` rows are read.
+* ``FeatureDataset`` through ``DataLoader(batch_size, shuffle=True)``: a batch is read in
+  increasing row order (``__getitems__``), with the default chunk cache (none for an
+  uncompressed layer) and with a 4 MiB one; ``--sampled`` rows are read.
+* ``FeatureDataset.batches``: chunk-aware shuffling from the file, and from memory
+  (``in_memory=True``).
+* ``ShuffledBatches`` under ``DataLoader(batch_size=None, num_workers=--workers,
+  persistent_workers=True)``; skipped with ``--workers 0``.
+
+Flags: ``--rows``, ``--dim``: the store's shape; ``--dtype``: its dtype (float16,
+float32, bfloat16); ``--batch``: rows per batch; ``--repeats``: timed repeats;
+``--per-row``, ``--sampled``: rows read per repeat by the per-row and ``__getitems__``
+cases (the slow ones); ``--workers``: DataLoader workers for ``ShuffledBatches``;
+``--float32``: convert every batch to float32, in the baseline too (by default batches
+stay in the stored dtype); ``--threads``: torch intra-op threads, 1 by default, as in a
+DataLoader worker (on a busy 2-core machine torch's multi-threaded gathers stall).
+
+    python scripts/bench_read.py [--rows 50000] [--dim 512] [--dtype float16] [--batch 256]
+                                 [--repeats 5] [--per-row 5000] [--sampled 25600]
+                                 [--workers 2] [--float32] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+import featcache  # noqa: F401  (before torchvision, which this script does not need)
+from featcache.dataset import FeatureDataset, ShuffledBatches
+from featcache.store import FeatureStore, StoreWriter
+
+BASELINE = "in-memory tensor x[idx]"
+PER_ROW = "per-row h5py, default chunk cache"
+
+
+def write_store(path: Path, rows: int, dim: int, dtype: str) -> None:
+    """A one-layer store ``x`` of standard normal rows, labels ``row % 10``."""
+    rng = np.random.default_rng(0)
+    writer = StoreWriter(path, rows, ids_width=8, dtype=dtype)
+    for start in range(0, rows, 4096):
+        stop = min(start + 4096, rows)
+        index = np.arange(start, stop)
+        x = torch.from_numpy(rng.standard_normal((stop - start, dim), dtype=np.float32))
+        if dtype == "bfloat16":
+            x = x.to(torch.bfloat16).view(torch.int16)
+        else:
+            x = x.to(getattr(torch, dtype))
+        writer.append(index, [f"{i:08d}" for i in index], index % 10, {"x": x.numpy()})
+    writer.close(complete=True)
+
+
+def with_workers(dataset: FeatureDataset, batch: int, workers: int) -> Callable[[], int]:
+    """One epoch of ShuffledBatches through persistent DataLoader workers, a new order each."""
+    shuffled = ShuffledBatches(dataset, batch)
+    loader = DataLoader(shuffled, batch_size=None, num_workers=workers, persistent_workers=True)
+
+    def run() -> int:
+        shuffled.set_epoch(shuffled.epoch + 1)
+        return sum(len(labels) for _, labels in loader)
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=50000)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--dtype", default="float16", choices=["float16", "float32", "bfloat16"])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--per-row", type=int, default=5000, help="rows read one at a time")
+    parser.add_argument("--sampled", type=int, default=25600, help="rows read by __getitems__")
+    parser.add_argument("--workers", type=int, default=2, help="for ShuffledBatches; 0: skip")
+    parser.add_argument("--float32", action="store_true", help="convert every batch to float32")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory(prefix="featcache-bench-read-") as folder:
+        bench(args, Path(folder) / "read.h5")
+
+
+def bench(args: argparse.Namespace, path: Path) -> None:
+    write_store(path, args.rows, args.dim, args.dtype)
+    dtype = torch.float32 if args.float32 else None
+    batch = args.batch
+    shuffled_rows = np.random.default_rng(1).permutation(args.rows)[: args.per_row].tolist()
+
+    file_dataset = FeatureDataset(path, "x", dtype=dtype)
+    with FeatureStore(path) as store:
+        memory = store.read("x")
+    convert = (lambda t: t.float()) if args.float32 else (lambda t: t)
+
+    def in_memory() -> int:
+        order = torch.randperm(len(memory))
+        for start in range(0, len(order), batch):
+            convert(memory[order[start : start + batch]])
+        return len(order)
+
+    def in_memory_select() -> int:
+        order = torch.randperm(len(memory))
+        for start in range(0, len(order), batch):
+            convert(memory.index_select(0, order[start : start + batch]))
+        return len(order)
+
+    def per_row(cache: dict) -> Callable[[], int]:
+        def run() -> int:
+            with h5py.File(path, "r", **cache) as f:
+                x = f["features/x"]
+                for row in shuffled_rows:
+                    x[row]
+            return len(shuffled_rows)
+
+        return run
+
+    def sampled(chunk_cache: int | None) -> Callable[[], int]:
+        dataset = FeatureDataset(path, "x", dtype=dtype, chunk_cache=chunk_cache)
+        loader = DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=0)
+
+        def run() -> int:
+            seen = 0
+            for features, _ in loader:
+                seen += len(features)
+                if seen >= args.sampled:
+                    break
+            dataset.close()  # a fresh handle each repeat: nothing is left in the cache
+            return seen
+
+        return run
+
+    def chunk_aware(dataset: FeatureDataset) -> Callable[[], int]:
+        epochs = iter(range(1 << 30))
+
+        def run() -> int:
+            seen = sum(len(labels) for _, labels in dataset.batches(batch, epoch=next(epochs)))
+            dataset.close()  # HDF5 shares an open dataset's cache with later opens
+            return seen
+
+        return run
+
+    cases: dict[str, Callable[[], int]] = {
+        BASELINE: in_memory,
+        "in-memory tensor x.index_select(0, idx)": in_memory_select,
+        PER_ROW: per_row({}),
+        "per-row h5py, no chunk cache": per_row({"rdcc_nbytes": 0}),
+        "FeatureDataset, DataLoader shuffle=True": sampled(None),
+        "  same, 4 MiB chunk cache": sampled(4 << 20),
+        "FeatureDataset.batches, shuffled": chunk_aware(file_dataset),
+        "  same, in_memory=True": chunk_aware(
+            FeatureDataset(path, "x", dtype=dtype, in_memory=True)
+        ),
+    }
+    if args.workers:
+        cases[f"ShuffledBatches, DataLoader {args.workers} workers"] = with_workers(
+            file_dataset, batch, args.workers
+        )
+
+    for run in cases.values():  # warm-up: imports, page cache, worker start
+        run()
+    seconds: dict[str, list[float]] = {name: [] for name in cases}
+    rows: dict[str, int] = {}
+    for _ in range(args.repeats):  # interleaved, so drift hits every case alike
+        for name, run in cases.items():
+            start = time.perf_counter()
+            rows[name] = run()
+            seconds[name].append(time.perf_counter() - start)
+
+    speed = {name: rows[name] / statistics.median(times) for name, times in seconds.items()}
+    print(
+        f"[{args.rows}, {args.dim}] {args.dtype} store, chunks of "
+        f"{file_dataset.block_rows} rows, batch {batch}, "
+        f"{'float32' if args.float32 else 'stored dtype'} out; "
+        f"{torch.get_num_threads()} torch threads, {platform.machine()}, "
+        f"h5py {h5py.version.version}, HDF5 {h5py.version.hdf5_version}; "
+        f"median of {args.repeats}"
+    )
+    print(f"{'case':<42} {'rows/s':>11} {'vs in-memory':>13} {'vs per-row':>11}")
+    for name, value in speed.items():
+        print(
+            f"{name:<42} {value:>11,.0f} {value / speed[BASELINE]:>12.2f}x "
+            f"{value / speed[PER_ROW]:>10.1f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
