@@ -7,6 +7,7 @@ from importlib import resources
 from pathlib import Path
 
 from featcache.pipeline import extract_from_config
+from featcache.probe import ProbeResult, plot_layers, probe_layers, save_results
 from featcache.spec import Spec, load_config
 from featcache.store import FeatureStore
 
@@ -23,3 +24,17 @@ def demo_spec(output: str | os.PathLike = "featcache_demo") -> Spec:
 def run_demo(output: str | os.PathLike = "featcache_demo") -> dict[str, FeatureStore]:
     """Extract the demo stores into ``output`` (replacing earlier demo stores there)."""
     return extract_from_config(demo_spec(output))
+
+
+def run_demo_probe(
+    stores: dict[str, FeatureStore], output: str | os.PathLike = "featcache_demo"
+) -> tuple[list[ProbeResult], Path, Path]:
+    """Probe every demo layer: lambda chosen on a stratified fifth of the train store,
+    top-1 measured on the val store, which no choice looked at. Writes
+    ``probe-layers.json`` and ``probe-layers.png`` into ``output``; returns the results
+    and those two paths."""
+    results = probe_layers(
+        stores["train"].path, "all", test=stores["val"].path, val_fraction=0.2, progress=False
+    )
+    path = save_results(results, Path(output) / "probe-layers.json")
+    return results, path, plot_layers(results, path.with_suffix(".png"))
