@@ -284,7 +284,9 @@ def probe(
         Path | None,
         typer.Option("--plot", help="PNG of top-1 per layer (default with several layers)."),
     ] = None,
-    progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
+    progress: Annotated[
+        bool, typer.Option("--progress/--no-progress", help="Progress bars on stderr.")
+    ] = True,
 ) -> None:
     """Fit linear probes: lambda chosen on validation, accuracy reported on test."""
     from featcache.probe import (
