@@ -27,7 +27,7 @@ KILL_CONFIG = {
     "data": {
         "source": "synthetic",
         "kwargs": {"image_size": 32, "num_classes": 7},
-        "splits": {"train": {"size": 2400}},
+        "splits": {"train": {"size": 6000}},
     },
     "loader": {"batch_size": 16, "num_workers": 0},
     "store": {"chunk_rows": 24},  # not a multiple of the batch: resumes split chunks
@@ -78,21 +78,21 @@ def test_sigkill_at_random_moments_then_resume_equals_uninterrupted(tmp_path):
     config = _config_file(tmp_path / "killed")
     store = tmp_path / "killed" / "out" / "train.h5"
     partial = partial_path(store)
-    total = KILL_CONFIG["data"]["splits"]["train"]["size"]
     rng = random.Random(20261121)
     kills, progress_seen = 0, []
     while kills < 4 and not store.exists():
-        done = _progress(partial)
-        target = rng.randint(done + 1, done + (total - done) // 2)
+        before = partial.stat().st_mtime_ns if partial.exists() else None
         process = subprocess.Popen(
             _extract_command(config), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         deadline = time.monotonic() + 120
         while process.poll() is None and time.monotonic() < deadline:
-            if _progress(partial) >= target:
-                break
-            time.sleep(0.02)
-        time.sleep(rng.uniform(0.0, 0.3))  # a random moment, mostly mid-write
+            if partial.exists() and partial.stat().st_mtime_ns != before:
+                break  # this run is writing rows now
+            time.sleep(0.005)
+        # A random moment while rows are being written and progress is being marked
+        # (every 0.5 s), long before the run could finish.
+        time.sleep(rng.uniform(0.6, 1.5))
         if process.poll() is None:
             process.send_signal(signal.SIGKILL)
             kills += 1
