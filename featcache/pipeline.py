@@ -657,12 +657,10 @@ def _check_finite(
     """Apply ``store.on_nonfinite``; returns a row mask when rows must be dropped."""
     if store.on_nonfinite == "keep":
         return None
-    bad_by_layer = {}
-    for key, value in captured.items():
-        if store.dtype == "bfloat16":
-            value = value.view(torch.bfloat16)
-        bad = ~torch.isfinite(value.flatten(1)).all(dim=1)
-        bad_by_layer[key] = bad.cpu()
+    bad_by_layer = {
+        key: _nonfinite_rows(value.view(torch.bfloat16) if store.dtype == "bfloat16" else value)
+        for key, value in captured.items()
+    }
     bad_rows = torch.stack(list(bad_by_layer.values())).any(dim=0)
     if not bad_rows.any():
         return None
@@ -680,6 +678,23 @@ def _check_finite(
         row = int(index[j])
         skipped.append(_skip_record(row, ids[row], f"non-finite values in layer {names}"))
     return ~bad_rows
+
+
+def _nonfinite_rows(value: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool on the CPU: rows of ``value`` ``[B, ...]`` holding a NaN or an Inf.
+
+    A row's sum is non-finite whenever the row is, so one reduction pass finds the
+    suspects; only those are checked element by element (a finite row whose sum
+    overflows is not reported).
+    """
+    flat = value.flatten(1)
+    wide = torch.float64 if flat.dtype in (torch.float32, torch.float64) else torch.float32
+    suspect = ~torch.isfinite(flat.sum(dim=1, dtype=wide))
+    if not suspect.any():
+        return torch.zeros(len(flat), dtype=torch.bool)
+    bad = suspect.clone()
+    bad[suspect] = ~torch.isfinite(flat[suspect]).all(dim=1)
+    return bad.cpu()
 
 
 @dataclasses.dataclass

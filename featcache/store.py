@@ -237,7 +237,7 @@ class StoreWriter:
     def _create(self, features: Mapping[str, np.ndarray], feature_attrs: Mapping) -> None:
         """Create the whole file under a temporary name, then rename it to ``.partial``."""
         creating = self.partial.with_name(self.partial.name + ".creating")
-        f = h5py.File(creating, "w")
+        f = h5py.File(creating, "w", rdcc_nbytes=0)  # whole-chunk writes skip the cache
         try:
             f.attrs["featcache_format"] = FORMAT_VERSION
             f.attrs["complete"] = False
@@ -273,7 +273,7 @@ class StoreWriter:
         return dtypes
 
     def _open_partial(self) -> None:
-        self.file = h5py.File(self.partial, "r+")
+        self.file = h5py.File(self.partial, "r+", rdcc_nbytes=0)
         self._stage()
 
     def _stage(self) -> None:

@@ -175,7 +175,7 @@ def throughput(model_name: str, images: int, size: int, batch: int, repeats: int
 
 
 RSS_CHILD = """
-import json, resource, sys, tempfile, time
+import json, os, resource, sys, tempfile, time
 from pathlib import Path
 sys.path.insert(0, {scripts!r})
 import torch
@@ -189,7 +189,7 @@ folder = Path(tempfile.mkdtemp())
 warm = RandomImages(64, size)
 with torch.inference_mode():
     model(torch.stack([warm[i][0] for i in range(32)]))
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+base = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
 data = RandomImages(n, size)
 if approach == "featcache":
     featcache_run(model, data, "layer3", folder / "s.h5", 64)

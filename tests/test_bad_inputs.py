@@ -195,3 +195,15 @@ def test_images_of_different_sizes_without_a_crop(tmp_path):
     config["preprocess"] = {"resize": 32}
     with pytest.raises(ConfigError, match=r"different sizes in one batch .*set preprocess.crop"):
         featcache.extract_from_config(config)
+
+
+def test_nonfinite_row_check_is_exact():
+    from featcache.pipeline import _nonfinite_rows
+
+    x = torch.zeros(5, 10, dtype=torch.float16)
+    x[1, 3] = float("nan")
+    x[2, 0], x[2, 1] = float("inf"), -float("inf")  # their sum is NaN too
+    x[3] = 60000  # finite, and its float32 sum does not overflow
+    assert _nonfinite_rows(x).tolist() == [False, True, True, False, False]
+    big = torch.full((2, 4), 3e38)  # finite rows whose float32 sum would overflow
+    assert _nonfinite_rows(big).tolist() == [False, False]
