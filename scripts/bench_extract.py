@@ -175,7 +175,7 @@ def throughput(model_name: str, images: int, size: int, batch: int, repeats: int
 
 
 RSS_CHILD = """
-import json, os, resource, sys, tempfile, time
+import json, sys, tempfile
 from pathlib import Path
 sys.path.insert(0, {scripts!r})
 import torch
@@ -189,13 +189,17 @@ folder = Path(tempfile.mkdtemp())
 warm = RandomImages(64, size)
 with torch.inference_mode():
     model(torch.stack([warm[i][0] for i in range(32)]))
-base = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+def status_kb(field):  # VmHWM is this process's own peak (ru_maxrss survives exec on Linux)
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+base = status_kb("VmRSS")
 data = RandomImages(n, size)
 if approach == "featcache":
     featcache_run(model, data, "layer3", folder / "s.h5", 64)
 else:
     hooks_to_lists(model, DataLoader(data, batch_size=64), "layer3", folder / "s.h5")
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+peak = status_kb("VmHWM")
 print(json.dumps({{"extra_mb": (peak - base) / 1024}}))
 """
 
