@@ -326,6 +326,48 @@ def probe(
         typer.echo(f"wrote {plot_layers(results, plot or path.with_suffix('.png'))}")
 
 
+@app.command()
+@_friendly
+def show(
+    store: Annotated[Path, typer.Argument(help="A store written by featcache (.h5).")],
+    layer: Annotated[str, typer.Option("--layer", "-l", help="A stored layer key.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="The PNG to write.")],
+    row: Annotated[int, typer.Option("--row", "-r", help="The store row to show.")] = 0,
+    max_channels: Annotated[
+        int, typer.Option("--max-channels", help="Show at most this many channels.")
+    ] = 64,
+    nrow: Annotated[
+        int | None, typer.Option("--nrow", help="Channels per grid row (default: square).")
+    ] = None,
+    scale: Annotated[int, typer.Option("--scale", help="Enlarge each channel this often.")] = 4,
+) -> None:
+    """Write one row's feature map as a grid of channel images (each scaled on its own)."""
+    from featcache.visualize import save_feature_grid
+
+    path = save_feature_grid(
+        store, layer, row, output, max_channels=max_channels, nrow=nrow, scale=scale
+    )
+    typer.echo(f"wrote {path}")
+
+
+@app.command()
+@_friendly
+def cam(
+    store: Annotated[Path, typer.Argument(help="A store with activations and gradients.")],
+    layer: Annotated[
+        str, typer.Option("--layer", "-l", help="The activation layer (gradients beside it).")
+    ],
+    output: Annotated[Path, typer.Option("--output", "-o", help="The PNG to write.")],
+    row: Annotated[int, typer.Option("--row", "-r", help="The store row.")] = 0,
+    alpha: Annotated[float, typer.Option("--alpha", help="Weight of the CAM colours.")] = 0.5,
+    scale: Annotated[int, typer.Option("--scale", help="Enlarge the picture this often.")] = 1,
+) -> None:
+    """Write a Grad-CAM map of one row over its source image."""
+    from featcache.visualize import cam_overlay
+
+    typer.echo(f"wrote {cam_overlay(store, layer, row, output, alpha=alpha, scale=scale)}")
+
+
 def store_info(fs: Any) -> dict[str, Any]:
     """Everything ``featcache info`` reports, as plain data."""
     return {

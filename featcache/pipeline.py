@@ -500,6 +500,7 @@ def _run_loop(
     model.to(device=device, memory_format=memory_format)
     feature_attrs = {
         tap.key: {"module": tap.module_name, "capture": tap.capture, "reduce": tap.reduce}
+        | ({"target": str(tap.target)} if tap.capture == "grad" else {})
         for tap in taps
     }
     bar = tqdm(
@@ -568,8 +569,11 @@ def _forward(
     assert loaded.images is not None
     images = loaded.images.to(device, non_blocking=pin, memory_format=layout.memory_format)
     autocast = torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()
-    with torch.inference_mode(), autocast:
-        captured = tapset.run(images)
+    # Gradient taps need autograd; everything else runs in inference mode.
+    mode = torch.enable_grad() if tapset.needs_grad else torch.inference_mode()
+    extra = {"labels": loaded.labels} if tapset.needs_grad else {}
+    with mode, autocast:
+        captured = tapset.run(images, **extra)
         keep = _check_finite(captured, loaded.rows, ids, store, batch.skipped)
         if keep is not None:
             captured = {k: v[keep.to(v.device)] for k, v in captured.items()}

@@ -24,7 +24,8 @@ import yaml
 from featcache.errors import ConfigError
 
 REDUCTIONS = ("none", "avg", "max", "adaptive_avg", "flatten", "cls", "mean")
-CAPTURES = ("output", "input")
+CAPTURES = ("output", "input", "grad")
+GRAD_TARGETS = ("label", "predicted")  # besides a class index k and "output:K"
 STORE_DTYPES = ("float16", "bfloat16", "float32")
 COMPRESSIONS = (None, "lzf", "gzip")
 SOURCES = ("imagefolder", "manifest", "torchvision", "synthetic")
@@ -51,11 +52,17 @@ class LayerSpec:
     """One layer selector and how to capture and reduce what it matches."""
 
     name: str  # exact module name, glob ("layer*.1"), or "type:Conv2d"
-    capture: str = "output"  # "output" or "input" (the module's first positional input)
+    # "output", "input" (the module's first positional input), or "grad": the gradient of
+    # the target score with respect to the module's output
+    capture: str = "output"
     reduce: str = "none"  # one of REDUCTIONS
     size: int | None = None  # k for reduce="adaptive_avg" (k x k)
     select: int | str | None = None  # index or key into a tuple/list/dict output
-    key: str | None = None  # name in the store; default: the module name (+"@input")
+    key: str | None = None  # name in the store; default: the module name (+"@input"/"@grad")
+    # capture=grad only: the score differentiated. "label" (default: the label's logit),
+    # "predicted" (the arg-max logit), a class index k, or "output:K" (element K of the
+    # model's output, flattened per sample)
+    target: str | int | None = None
 
 
 @dataclass
@@ -324,8 +331,36 @@ def validate_layer(layer: LayerSpec, where: str) -> None:
             raise ConfigError(f"{where}: reduce=adaptive_avg needs size: k (output k x k)")
     elif layer.size is not None:
         raise ConfigError(f"{where}.size applies only to reduce=adaptive_avg")
+    if layer.target is not None:
+        if layer.capture != "grad":
+            raise ConfigError(f"{where}.target applies only to capture=grad")
+        parse_target(layer.target, f"{where}.target")
     if layer.key is not None and (not layer.key or "/" in layer.key):
         raise ConfigError(f"{where}.key {layer.key!r} must be non-empty and contain no '/'")
+
+
+def parse_target(target: str | int | None, where: str = "target") -> tuple[str, int | None]:
+    """Split a gradient target into ``(mode, index)``.
+
+    ``None`` and ``"label"`` give ``("label", None)``, ``"predicted"`` gives
+    ``("predicted", None)``, a class index ``k`` gives ``("class", k)`` and ``"output:K"``
+    gives ``("output", K)``.
+    """
+    if target is None:
+        return "label", None
+    if isinstance(target, int) and not isinstance(target, bool):
+        if target < 0:
+            raise ConfigError(f"{where} is {target}; a class index must be >= 0")
+        return "class", target
+    if isinstance(target, str):
+        if target in GRAD_TARGETS:
+            return target, None
+        head, sep, tail = target.partition(":")
+        if head == "output" and sep and tail.strip().isdigit():
+            return "output", int(tail)
+    raise ConfigError(
+        f"{where} is {target!r}; choose label, predicted, a class index k, or 'output:K'"
+    )
 
 
 def _choice(path: str, value: Any, allowed: tuple) -> None:

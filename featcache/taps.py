@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.spec import LayerSpec, parse_layers
+from featcache.spec import LayerSpec, parse_layers, parse_target
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class Tap:
     reduce: str = "none"
     size: int | None = None
     select: int | str | None = None
+    target: str | int | None = None  # capture="grad" only: see LayerSpec.target
 
 
 class _StopForward(Exception):
@@ -56,9 +57,14 @@ def resolve_taps(model: nn.Module, layers: Iterable[LayerSpec | str | dict]) -> 
                 f"{layer.key!r}; drop key or select a single module"
             )
         for name in names:
-            suffix = "@input" if layer.capture == "input" else ""
+            suffix = {"input": "@input", "grad": "@grad"}.get(layer.capture, "")
             key = layer.key or name + suffix
-            taps.append(Tap(key, name, layer.capture, layer.reduce, layer.size, layer.select))
+            target = None
+            if layer.capture == "grad":
+                target = "label" if layer.target is None else layer.target
+            taps.append(
+                Tap(key, name, layer.capture, layer.reduce, layer.size, layer.select, target)
+            )
     seen: set[str] = set()
     for tap in taps:
         if tap.key in seen:
@@ -165,7 +171,7 @@ def _need_dims(
 def _pick(value: Any, tap: Tap) -> torch.Tensor:
     """The tensor a tap captures out of a module's output (or input args tuple)."""
     if isinstance(value, torch.Tensor):
-        if tap.select is not None and tap.capture == "output":
+        if tap.select is not None and tap.capture != "input":
             raise ConfigError(
                 f"layer {tap.key!r}: select={tap.select!r} given, but the {tap.capture} is a "
                 "single tensor; drop select"
@@ -207,6 +213,12 @@ class TapSet:
     through ``convert`` (a dtype cast, say) when given. Captured values never alias the
     model's own tensors. The first call of a module in a forward is the one captured.
     Hooks are removed when the block exits, whatever the exit path.
+
+    Taps with ``capture="grad"`` get a tensor hook on the module's output, and :meth:`run`
+    then runs the whole forward with autograd on (no early stop) and one backward per
+    distinct target. Only the input batch is made to require grad: parameters are frozen
+    for the run (their ``requires_grad`` flags restored afterwards) and their ``.grad``
+    is never touched, so no weight gradients are computed or kept.
     """
 
     def __init__(
@@ -220,12 +232,16 @@ class TapSet:
             raise ConfigError("no layers to capture; name at least one layer")
         self.model = model
         self.taps = list(taps)
-        self.stop_early = stop_early
+        self.needs_grad = any(tap.capture == "grad" for tap in self.taps)
+        # A gradient needs the forward to reach the model's output.
+        self.stop_early = stop_early and not self.needs_grad
         self.convert = convert  # applied to each reduced value inside the hook
         # What run() calls: the model, or a compiled wrapper of it. torch.compile traces the
         # hooks registered when it first runs, so compile after entering the block.
         self.forward: Callable[..., Any] = model
         self._values: dict[str, torch.Tensor] = {}
+        self._hooked: set[str] = set()  # grad taps whose tensor hook is set in this forward
+        self._active_target: str | int | None = None  # the target being differentiated
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> TapSet:
@@ -235,6 +251,8 @@ class TapSet:
                 module = modules[tap.module_name]
                 if tap.capture == "input":
                     handle = module.register_forward_pre_hook(self._input_hook(tap))
+                elif tap.capture == "grad":
+                    handle = module.register_forward_hook(self._grad_hook(tap))
                 else:
                     handle = module.register_forward_hook(self._output_hook(tap))
                 self._handles.append(handle)
@@ -251,6 +269,7 @@ class TapSet:
         while self._handles:
             self._handles.pop().remove()
         self._values = {}
+        self._hooked = set()
 
     def _input_hook(self, tap: Tap):
         def hook(module: nn.Module, args: tuple) -> None:
@@ -264,11 +283,36 @@ class TapSet:
 
         return hook
 
+    def _grad_hook(self, tap: Tap):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if tap.key in self._hooked:
+                return
+            raw = _pick(output, tap)
+            if not raw.requires_grad:
+                raise ConfigError(_no_path(tap))
+            self._hooked.add(tap.key)
+            # A tensor hook receives the gradient of the value the module returned, even
+            # when a later in-place op (ReLU(inplace=True)) changes the tensor.
+            raw.register_hook(lambda grad: self._store_grad(tap, grad))
+
+        return hook
+
     def _record(self, tap: Tap, value: Any) -> None:
         if tap.key in self._values:
             return
-        raw = _pick(value, tap)
-        out = reduce_tensor(raw, tap)
+        self._store(tap, _pick(value, tap))
+        if self.stop_early and len(self._values) == len(self.taps):
+            raise _StopForward
+
+    def _store_grad(self, tap: Tap, grad: torch.Tensor) -> None:
+        # One backward runs per target; each tap keeps the gradient of its own.
+        if tap.target == self._active_target:
+            self._store(tap, grad)
+
+    def _store(self, tap: Tap, raw: torch.Tensor) -> None:
+        if tap.key in self._values:
+            return
+        out = reduce_tensor(raw.detach(), tap)
         if self.convert is not None:
             out = self.convert(out)
         out = out.detach()  # a compiled forward may hand back tensors that require grad
@@ -277,18 +321,29 @@ class TapSet:
             # forward, such as ReLU(inplace=True), would change the captured values.
             out = out.clone()
         self._values[tap.key] = out
-        if self.stop_early and len(self._values) == len(self.taps):
-            raise _StopForward
 
-    def run(self, *inputs: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
-        """One forward over a batch; returns each tap's reduced value, in tap order."""
+    def run(
+        self, *inputs: Any, labels: torch.Tensor | None = None, **kwargs: Any
+    ) -> dict[str, torch.Tensor]:
+        """One forward over a batch; returns each tap's reduced value, in tap order.
+
+        ``labels`` (``[B]`` int64, -1 for none) are needed only by grad taps whose target
+        is ``"label"``.
+        """
         if not self._handles:
             raise RuntimeError("TapSet.run is only valid inside its `with` block")
         self._values = {}
+        self._hooked = set()
         try:
-            self.forward(*inputs, **kwargs)
+            if self.needs_grad:
+                self._run_with_grad(inputs, kwargs, labels)
+            else:
+                self.forward(*inputs, **kwargs)
         except _StopForward:
             pass
+        finally:
+            self._hooked = set()
+            self._active_target = None
         values, self._values = self._values, {}
         missing = [tap.module_name for tap in self.taps if tap.key not in values]
         if missing:
@@ -297,3 +352,115 @@ class TapSet:
                 "capture a module that forward() actually calls"
             )
         return {tap.key: values[tap.key] for tap in self.taps}
+
+    def _run_with_grad(
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any], labels: torch.Tensor | None
+    ) -> None:
+        params = [p for p in self.model.parameters()]
+        flags = [p.requires_grad for p in params]
+        try:
+            # Inference mode may be on in the caller; a normal autograd forward needs it off.
+            with torch.inference_mode(False), torch.enable_grad():
+                for p in params:
+                    p.requires_grad_(False)
+                inputs = tuple(_grad_leaf(x) for x in inputs)
+                if labels is not None:
+                    labels = labels.clone()  # not an inference tensor: gather saves it
+                leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+                if not leaves:
+                    raise ConfigError("capture=grad needs a floating-point input tensor")
+                output = self.forward(*inputs, **kwargs)
+                self._backward(_logits(output), leaves, labels)
+        finally:
+            for p, flag in zip(params, flags, strict=True):
+                p.requires_grad_(flag)
+
+    def _backward(
+        self, logits: torch.Tensor, leaves: list[torch.Tensor], labels: torch.Tensor | None
+    ) -> None:
+        grad_taps = [tap for tap in self.taps if tap.capture == "grad"]
+        unhooked = [tap for tap in grad_taps if tap.key not in self._hooked]
+        if unhooked:
+            raise FeatcacheError(
+                f"layer(s) {', '.join(t.module_name for t in unhooked)} never ran in the "
+                "model's forward; capture a module that forward() actually calls"
+            )
+        if not logits.requires_grad:
+            raise ConfigError(_no_path(grad_taps[0]))
+        targets: dict[str | int, list[Tap]] = {}
+        for tap in grad_taps:
+            targets.setdefault(tap.target, []).append(tap)
+        for n, (target, group) in enumerate(targets.items()):
+            score = target_scores(logits, target, labels)
+            self._active_target = target
+            # Gradients reach the taps' tensor hooks on the way to the input; nothing is
+            # accumulated into any .grad.
+            torch.autograd.grad(
+                score.sum(), leaves, retain_graph=n < len(targets) - 1, allow_unused=True
+            )
+            for tap in group:
+                if tap.key not in self._values:
+                    raise ConfigError(_no_path(tap))
+
+
+def target_scores(
+    logits: torch.Tensor, target: str | int | None, labels: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The per-sample score ``[B]`` that a gradient target names, from ``logits`` ``[B, D]``.
+
+    ``"label"``: ``logits[i, labels[i]]``; ``"predicted"``: the largest logit of each row;
+    a class index ``k``: ``logits[:, k]``; ``"output:K"``: ``logits.flatten(1)[:, K]``.
+    """
+    mode, index = parse_target(target)
+    flat = logits.flatten(1)
+    if mode == "label":
+        if labels is None or (labels < 0).any():
+            raise ConfigError(
+                "gradient target 'label' needs labelled samples; these have none (set the "
+                "layer's target to predicted or a class index)"
+            )
+        labels = labels.to(flat.device)
+        if int(labels.max()) >= flat.shape[1]:
+            raise ConfigError(
+                f"label {int(labels.max())} is out of range for a model output of "
+                f"{flat.shape[1]} values; set the layer's target"
+            )
+        return flat.gather(1, labels.view(-1, 1)).squeeze(1)
+    if mode == "predicted":
+        return flat.amax(dim=1)
+    assert index is not None
+    if index >= flat.shape[1]:
+        raise ConfigError(
+            f"gradient target {target!r} is out of range for a model output of "
+            f"{flat.shape[1]} values per sample"
+        )
+    return flat[:, index]
+
+
+def _logits(output: Any) -> torch.Tensor:
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        output = output[0]  # e.g. (logits, aux_logits)
+    elif hasattr(output, "logits") and isinstance(output.logits, torch.Tensor):
+        output = output.logits
+    if not isinstance(output, torch.Tensor) or output.dim() < 1:
+        raise ConfigError(
+            f"capture=grad needs a model that returns a tensor of scores [B, ...], got "
+            f"{type(output).__name__}"
+        )
+    if output.dim() == 1:
+        output = output[:, None]
+    return output
+
+
+def _grad_leaf(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.detach().clone().requires_grad_(True)
+    return x
+
+
+def _no_path(tap: Tap) -> str:
+    return (
+        f"no differentiable path from layer {tap.module_name} to the model output "
+        f"(capture=grad of {tap.key!r}); the model detaches it, runs it without grad, or "
+        "does not use it for its output"
+    )

@@ -176,7 +176,8 @@ def _recompute(
         for images, batch_labels in loader:
             batch_rows = rows[done : done + len(images)]
             with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-                values = tapset.run(images.to(device, memory_format=layout.memory_format))
+                extra = {"labels": batch_labels} if tapset.needs_grad else {}
+                values = tapset.run(images.to(device, memory_format=layout.memory_format), **extra)
             for key, value in values.items():
                 expected = _as_stored(value, dtype).float().cpu()
                 stored = store.read(key, batch_rows).float()

@@ -106,7 +106,7 @@ def test_parse_layers_accepts_names_mappings_and_specs():
     layers = parse_layers(["a", {"name": "b", "reduce": "avg"}, *parse_layers("c")])
     assert [layer.name for layer in layers] == ["a", "b", "c"]
     with pytest.raises(ConfigError, match=r"layers\[0\].capture"):
-        parse_layers([{"name": "a", "capture": "grad"}])
+        parse_layers([{"name": "a", "capture": "gradient"}])
 
 
 def test_shipped_configs_load_and_demo_copy_matches_package():

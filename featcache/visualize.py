@@ -1,0 +1,219 @@
+"""Pictures from a store: feature-map grids and Grad-CAM overlays.
+
+:func:`feature_grid` lays one row's channels out as a grid of grey images, each channel
+scaled to [0, 1] on its own. :func:`grad_cam` weighs a layer's activation channels by
+their spatially averaged gradients (Selvaraju et al., 2017), and :func:`cam_overlay`
+blends that map over the source image, which the store's ids and recorded config locate.
+Images are written with :func:`torchvision.utils.save_image`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torchvision.transforms import functional as TF
+from torchvision.utils import make_grid, save_image
+
+from featcache.errors import ConfigError
+from featcache.store import FeatureStore
+
+StoreLike = FeatureStore | str | os.PathLike
+
+
+def _open(store: StoreLike) -> FeatureStore:
+    return store if isinstance(store, FeatureStore) else FeatureStore(store)
+
+
+def _row(fs: FeatureStore, row: int) -> int:
+    n = len(fs)
+    if not -n <= row < n:
+        raise ConfigError(f"row {row} is out of range for store {fs.path} of {n} rows")
+    return row % n
+
+
+def _spatial(fs: FeatureStore, layer: str, row: int) -> torch.Tensor:
+    """Row ``row`` of ``layer`` as float32 ``[C, H, W]``; a pooled layer is an error."""
+    shape = fs.shape(layer)
+    if len(shape) != 3:
+        raise ConfigError(
+            f"layer {layer!r} is stored as {list(shape)} per row: no spatial map left; "
+            "capture it with reduce: none (or adaptive_avg) to show it"
+        )
+    return fs.read(layer, [_row(fs, row)])[0].float()
+
+
+def normalize_channels(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Scale each channel of ``x`` ``[C, H, W]`` to [0, 1] on its own (constant: 0)."""
+    flat = x.flatten(1)
+    low = flat.amin(dim=1)[:, None, None]
+    span = (flat.amax(dim=1) - flat.amin(dim=1))[:, None, None]
+    return torch.where(span > eps, (x - low) / span.clamp_min(eps), torch.zeros_like(x))
+
+
+def feature_grid(
+    store: StoreLike,
+    layer: str,
+    row: int,
+    max_channels: int = 64,
+    nrow: int | None = None,
+    scale: int = 1,
+    padding: int = 2,
+) -> torch.Tensor:
+    """The first ``max_channels`` channels of one row's feature map as an image grid.
+
+    Each channel is normalised to [0, 1] on its own and enlarged ``scale`` times (nearest
+    neighbour); ``nrow`` channels per grid row (default: about a square). Returns float32
+    ``[3, H', W']`` in [0, 1], with white ``padding`` pixels between channels.
+    """
+    if max_channels < 1 or scale < 1:
+        raise ConfigError("max_channels and scale must be whole numbers >= 1")
+    fs = _open(store)
+    x = _spatial(fs, layer, row)[:max_channels]
+    x = normalize_channels(x)
+    if scale > 1:
+        x = F.interpolate(x[None], scale_factor=scale, mode="nearest")[0]
+    nrow = nrow or math.ceil(math.sqrt(len(x)))
+    return make_grid(x[:, None], nrow=nrow, padding=padding, pad_value=1.0)
+
+
+def save_feature_grid(
+    store: StoreLike, layer: str, row: int, path: str | os.PathLike, **kwargs: Any
+) -> Path:
+    """Write :func:`feature_grid` (same keywords) to ``path`` (PNG by its suffix)."""
+    path = Path(path)
+    save_image(feature_grid(store, layer, row, **kwargs), path)
+    return path
+
+
+def grad_cam(activation: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
+    """Grad-CAM of one sample: float32 ``[H, W]`` in [0, 1].
+
+    ``activation`` and ``gradient`` are ``[C, H, W]``: a layer's output and the gradient of
+    the target score with respect to it. Channel weights are the spatial means of the
+    gradient; the map is ``relu(sum_c w_c * activation_c)``, scaled to [0, 1] by its
+    minimum and maximum (all zeros when it is constant).
+    """
+    if activation.shape != gradient.shape or activation.dim() != 3:
+        raise ConfigError(
+            f"Grad-CAM needs an activation and a gradient of the same [C, H, W] shape, got "
+            f"{list(activation.shape)} and {list(gradient.shape)}"
+        )
+    weights = gradient.float().mean(dim=(1, 2))
+    cam = torch.relu((weights[:, None, None] * activation.float()).sum(dim=0))
+    return normalize_channels(cam[None])[0]
+
+
+def gradient_key(store: StoreLike, layer: str) -> str:
+    """The dataset holding the gradients of the module stored as ``layer``."""
+    fs = _open(store)
+    module = fs.layer_attrs(layer).get("module", layer)
+    if f"{layer}@grad" in fs.layers:
+        return f"{layer}@grad"
+    for key in fs.layers:
+        attrs = fs.layer_attrs(key)
+        if attrs.get("capture") == "grad" and attrs.get("module") == module:
+            return key
+    raise ConfigError(
+        f"layer {layer!r} has no stored gradients in {fs.path}; capture them with "
+        f"{{name: {module}, capture: grad}} in layers"
+    )
+
+
+def store_cam(store: StoreLike, layer: str, row: int) -> torch.Tensor:
+    """Grad-CAM ``[H, W]`` of one row from the stored activation and gradient of ``layer``."""
+    fs = _open(store)
+    if fs.layer_attrs(layer).get("capture") == "grad":
+        raise ConfigError(f"layer {layer!r} holds gradients; name the activation layer")
+    grad = gradient_key(fs, layer)
+    return grad_cam(_spatial(fs, layer, row), _spatial(fs, grad, row))
+
+
+def source_image(store: StoreLike, row: int) -> Image.Image:
+    """The source image of one row, resized and cropped as the stored input was.
+
+    The store's recorded config names the data and preprocessing, and its ids check that
+    the source still holds the same sample at that position.
+    """
+    from featcache.sources import build_source
+    from featcache.spec import from_dict
+
+    fs = _open(store)
+    row = _row(fs, row)
+    config = fs.config
+    if config is None:
+        raise ConfigError(
+            f"store {fs.path} was made from Python and records no source; pass the image"
+        )
+    spec = from_dict(config)
+    split = fs.attrs.get("split") or next(iter(spec.data.splits))
+    source = build_source(spec.data, split, transform=None)
+    index = int(fs.index[row])
+    if index >= len(source) or source.ids[index] != fs.ids[row]:
+        raise ConfigError(
+            f"the source of {fs.path} no longer holds sample {fs.ids[row]} at position {index}"
+        )
+    image, _ = source[index]
+    resize, crop = _display_geometry(spec)
+    if resize is not None:
+        image = TF.resize(image, resize, antialias=True)
+    if crop is not None:
+        image = TF.center_crop(image, crop)
+    return image
+
+
+def _display_geometry(spec: Any) -> tuple[int | None, int | None]:
+    p = spec.preprocess
+    if p.is_set() or spec.model.name is None or spec.model.weights is None:
+        return p.resize, p.crop
+    from featcache.backbones import resolve_weights
+
+    transform = resolve_weights(spec.model.name, spec.model.weights).transforms()
+    sizes = [getattr(transform, name, None) for name in ("resize_size", "crop_size")]
+    return tuple(s[0] if isinstance(s, (list, tuple)) else s for s in sizes)  # type: ignore[return-value]
+
+
+def jet(x: torch.Tensor) -> torch.Tensor:
+    """A jet-like colour map: ``[H, W]`` in [0, 1] -> float32 RGB ``[3, H, W]``."""
+    x = x.float().clamp(0, 1)
+    return torch.stack([(1.5 - (4 * x - c).abs()).clamp(0, 1) for c in (3.0, 2.0, 1.0)])
+
+
+def cam_overlay(
+    store: StoreLike,
+    layer: str,
+    row: int,
+    path: str | os.PathLike,
+    alpha: float = 0.5,
+    image: Image.Image | None = None,
+    scale: int = 1,
+) -> Path:
+    """Write the Grad-CAM of one row of ``layer``, blended over its source image, to ``path``.
+
+    The CAM is upsampled (bilinear) to the image size, coloured with :func:`jet` and
+    mixed in with weight ``alpha``. ``image`` (PIL) replaces the looked-up source image.
+    The PNG has the size of the image as the model saw it, times ``scale`` (the image
+    enlarged bicubic, for small inputs such as CIFAR's 32 x 32).
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ConfigError(f"alpha must lie in [0, 1], got {alpha}")
+    if scale < 1:
+        raise ConfigError(f"scale must be a whole number >= 1, got {scale}")
+    fs = _open(store)
+    cam = store_cam(fs, layer, row)
+    picture = image.convert("RGB") if image else source_image(fs, row)
+    if scale > 1:
+        size = (picture.height * scale, picture.width * scale)
+        picture = TF.resize(picture, size, interpolation=TF.InterpolationMode.BICUBIC)
+    picture = TF.to_tensor(picture)
+    size = picture.shape[1:]
+    cam = F.interpolate(cam[None, None], size=size, mode="bilinear", align_corners=False)[0, 0]
+    blended = (1 - alpha) * picture + alpha * jet(cam)
+    path = Path(path)
+    save_image(blended, path)
+    return path

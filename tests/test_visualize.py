@@ -1,0 +1,140 @@
+"""Feature-map grids and Grad-CAM overlays from a store, in Python and on the command line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+from featcache.backbones import build_backbone
+from featcache.cli import app
+from featcache.errors import ConfigError
+from featcache.pipeline import extract_from_config
+from featcache.sources import build_source
+from featcache.spec import load_config
+from featcache.visualize import (
+    cam_overlay,
+    feature_grid,
+    grad_cam,
+    save_feature_grid,
+    source_image,
+    store_cam,
+)
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory):
+    out = tmp_path_factory.mktemp("vis")
+    config = {
+        "model": {"name": "resnet18", "weights": None},
+        "layers": [
+            "layer2",
+            {"name": "layer2", "capture": "grad", "target": "predicted"},
+            {"name": "layer4", "reduce": "avg"},
+        ],
+        "data": {
+            "source": "synthetic",
+            "kwargs": {"image_size": 64, "num_classes": 4},
+            "splits": {"train": {"size": 4}},
+        },
+        "preprocess": {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]},
+        "loader": {"batch_size": 4, "num_workers": 0},
+        "store": {"dtype": "float32"},
+        "output": {"dir": str(out)},
+        "runtime": {"progress": False},
+    }
+    return extract_from_config(config)["train"].path
+
+
+def test_store_cam_equals_direct_grad_cam(store_path):
+    spec = load_config({**_config_of(store_path)})
+    backbone = build_backbone(spec.model, spec.preprocess, seed=spec.runtime.seed)
+    model = backbone.model
+    image, _ = build_source(spec.data, "train", backbone.transform)[2]
+    outputs = {}
+    model.layer2.register_forward_hook(lambda m, a, o: outputs.setdefault("x", o))
+    logits = model(image[None])
+    (gradient,) = torch.autograd.grad(logits.max(), outputs["x"])
+    direct = grad_cam(outputs["x"][0].detach(), gradient[0])
+    torch.testing.assert_close(store_cam(store_path, "layer2", 2), direct, atol=1e-5, rtol=1e-4)
+    assert direct.shape == (8, 8) and direct.max() == 1 and direct.min() == 0
+
+
+def test_grad_cam_definition():
+    act = torch.rand(3, 4, 4)
+    grad = torch.tensor([1.0, -2.0, 0.5])[:, None, None].expand(3, 4, 4)
+    cam = torch.relu(act[0] - 2 * act[1] + 0.5 * act[2])
+    cam = (cam - cam.min()) / (cam.max() - cam.min())
+    torch.testing.assert_close(grad_cam(act, grad), cam)
+
+
+def test_feature_grid_python(store_path, tmp_path):
+    grid = feature_grid(store_path, "layer2", 1, max_channels=16, nrow=4, padding=2)
+    assert grid.shape == (3, 4 * 10 + 2, 4 * 10 + 2)  # 4x4 channels of 8x8, padding 2
+    path = save_feature_grid(store_path, "layer2", 1, tmp_path / "g.png", max_channels=16)
+    assert _png(path).shape == (42, 42, 3)
+
+
+def test_show_and_cam_cli(store_path, tmp_path):
+    grid_png, cam_png = tmp_path / "grid.png", tmp_path / "cam.png"
+    result = runner.invoke(
+        app,
+        [
+            "show",
+            str(store_path),
+            "--layer",
+            "layer2",
+            "--row",
+            "1",
+            "-o",
+            str(grid_png),
+            "--max-channels",
+            "9",
+            "--scale",
+            "2",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    grid = _png(grid_png)
+    assert grid.shape == (3 * 18 + 2, 3 * 18 + 2, 3)  # 3x3 channels of 16x16, padding 2
+    assert grid.std() > 10
+    result = runner.invoke(
+        app, ["cam", str(store_path), "-l", "layer2", "-r", "3", "-o", str(cam_png)]
+    )
+    assert result.exit_code == 0, result.output
+    overlay = _png(cam_png)
+    assert overlay.shape == (64, 64, 3) and overlay.std() > 10
+    assert source_image(store_path, 3).size == (64, 64)
+
+
+def test_errors(store_path, tmp_path):
+    result = runner.invoke(
+        app, ["show", str(store_path), "-l", "layer4", "-o", str(tmp_path / "x.png")]
+    )
+    assert result.exit_code == 2
+    assert "no spatial map left" in result.output and len(result.output.strip().splitlines()) == 1
+    with pytest.raises(ConfigError, match="no stored gradients"):
+        cam_overlay(store_path, "layer4", 0, tmp_path / "y.png")
+    result = runner.invoke(
+        app, ["cam", str(store_path), "-l", "layer4", "-o", str(tmp_path / "y.png")]
+    )
+    assert result.exit_code == 2 and "no stored gradients" in result.output
+    with pytest.raises(ConfigError, match="out of range"):
+        feature_grid(store_path, "layer2", 9)
+
+
+def _config_of(path):
+    from featcache.store import FeatureStore
+
+    with FeatureStore(path) as fs:
+        return fs.config
+
+
+def _png(path) -> np.ndarray:
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+        return np.asarray(image.convert("RGB")).astype(np.float32)
