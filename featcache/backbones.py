@@ -24,7 +24,6 @@ has ``"model"`` (the torchvision name or the factory string) and ``"source"``:
 from __future__ import annotations
 
 import difflib
-import hashlib
 import importlib
 import os
 import pickle
@@ -41,6 +40,7 @@ from torch import nn
 from torchvision import transforms as T
 
 from featcache.errors import ConfigError, FeatcacheError
+from featcache.fingerprints import file_sha256
 from featcache.spec import ModelSpec, PreprocessSpec, validate_model
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -241,15 +241,6 @@ def import_factory(target: str) -> Callable[..., nn.Module]:
             "name a function or class that returns an nn.Module"
         )
     return obj
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    """Hex sha256 of the file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _first(value: Any) -> int | None:

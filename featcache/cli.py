@@ -14,6 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from featcache.errors import ConfigError, FeatcacheError
+from featcache.units import format_bytes, parse_bytes
 
 app = typer.Typer(
     name="featcache",
@@ -294,7 +295,6 @@ def probe(
         default_output,
         format_result,
         format_table,
-        parse_bytes,
         plot_layers,
         probe_layers,
         save_results,
@@ -394,7 +394,7 @@ def _summary(fs: Any) -> str:
     attrs = fs.attrs
     shapes = ", ".join(f"{layer} {list(fs.shape(layer))}" for layer in fs.layers)
     return (
-        f"{fs.path}: {len(fs)} rows; {shapes}; {_bytes(store_bytes(fs))}; "
+        f"{fs.path}: {len(fs)} rows; {shapes}; {format_bytes(store_bytes(fs))}; "
         f"{attrs.get('seconds', 0):.1f} s, {attrs.get('images_per_second', 0):.0f} images/s"
     )
 
@@ -403,7 +403,7 @@ def _describe_store(fs: Any) -> str:
     attrs = fs.attrs
     state = "complete" if fs.complete else f"INCOMPLETE ({fs.rows_written} rows durable)"
     lines = [
-        f"store      {fs.path} ({_bytes(store_bytes(fs))})",
+        f"store      {fs.path} ({format_bytes(store_bytes(fs))})",
         f"status     {state}, {len(fs)} rows, format {attrs.get('featcache_format')}",
         "layers",
     ]
@@ -462,14 +462,6 @@ def _describe_store(fs: Any) -> str:
             run += ")"
         lines.append(run)
     return "\n".join(lines)
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from featcache.errors import ConfigError
-from featcache.store import TARGET_CHUNK_BYTES, FeatureStore, partial_path
+from featcache.store import TARGET_CHUNK_BYTES, TORCH_DTYPES, FeatureStore, partial_path
 
 Features = torch.Tensor | dict[str, torch.Tensor]
 Batch = tuple[Features, torch.Tensor] | tuple[Features, torch.Tensor, torch.Tensor]
@@ -32,7 +32,6 @@ CACHE_FLOOR_BYTES = 4 << 20  # smallest chunk cache given to a compressed layer
 CACHE_CHUNKS = 4  # whole chunks a compressed layer's cache holds, at least
 BUFFER_BLOCKS = 64  # default shuffle buffer: this many blocks ...
 BUFFER_BYTES = 64 << 20  # ... but no more than this many stored bytes
-_STORAGE_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class FeatureDataset(Dataset):
@@ -91,7 +90,7 @@ class FeatureDataset(Dataset):
         for layer in self.layers:
             features = store.file["features"][layer]
             self.shapes[layer] = tuple(features.shape[1:])
-            self._storage[layer] = _STORAGE_DTYPES[features.attrs["dtype"]]
+            self._storage[layer] = TORCH_DTYPES[features.attrs["dtype"]]
             row_bytes = max(features.dtype.itemsize * int(np.prod(self.shapes[layer])), 1)
             rows = features.chunks[0] if features.chunks else TARGET_CHUNK_BYTES // row_bytes
             chunk_rows.append(max(rows, 1))

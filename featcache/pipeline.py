@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import datetime
 import functools
-import hashlib
 import os
 import platform
 import queue
@@ -40,7 +39,8 @@ from featcache.distributed import (
     shard_path,
 )
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.runtime import Layout, choose_layout, resolve_device  # noqa: F401  (re-export)
+from featcache.fingerprints import ids_fingerprint, module_fingerprint
+from featcache.runtime import Layout, choose_layout
 from featcache.spec import (
     LayerSpec,
     LoaderSpec,
@@ -345,25 +345,6 @@ def library_versions() -> dict[str, str]:
         "numpy": np.__version__,
         "python": platform.python_version(),
     }
-
-
-def module_fingerprint(model: nn.Module) -> str:
-    """sha256 over the names, dtypes, shapes and values of a module's parameters and buffers."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        value = tensor.detach().cpu().contiguous()
-        digest.update(f"{name}:{value.dtype}:{list(value.shape)}".encode())
-        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def ids_fingerprint(ids: Sequence[str]) -> str:
-    """sha256 over the sorted sample ids: the same samples give the same fingerprint."""
-    digest = hashlib.sha256()
-    for sample_id in sorted(str(i) for i in ids):
-        digest.update(sample_id.encode())
-        digest.update(b"\n")
-    return digest.hexdigest()
 
 
 def _length(dataset: Dataset) -> int:

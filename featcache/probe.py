@@ -48,6 +48,7 @@ from tqdm.auto import tqdm
 from featcache.dataset import FeatureDataset, ShuffledBatches
 from featcache.errors import ConfigError
 from featcache.store import FeatureStore
+from featcache.units import format_bytes, parse_bytes
 
 PROBE_FORMAT = 1
 TRAINERS = ("auto", "full", "streaming")
@@ -522,7 +523,7 @@ def fit_lbfgs(
 
 
 def _probe_layer(splits: _Splits, layer: str, options: ProbeOptions) -> ProbeResult:
-    from featcache.pipeline import resolve_device
+    from featcache.runtime import resolve_device
 
     device = resolve_device(options.device)
     shape = list(splits.stores["train"].shape(layer))
@@ -534,8 +535,8 @@ def _probe_layer(splits: _Splits, layer: str, options: ProbeOptions) -> ProbeRes
         trainer = "full" if needed <= options.max_memory else "streaming"
         if trainer == "streaming":
             notes.append(
-                f"streaming trainer: the features need about {_bytes(needed)}, more than "
-                f"max_memory {_bytes(options.max_memory)}"
+                f"streaming trainer: the features need about {format_bytes(needed)}, more than "
+                f"max_memory {format_bytes(options.max_memory)}"
             )
     options = dataclasses.replace(
         options,
@@ -1066,30 +1067,6 @@ def format_table(results: Sequence[ProbeResult]) -> str:
 
 def _pct(value: float) -> str:
     return f"{100 * value:.1f}%"
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
-_SIZE = re.compile(r"([0-9]+(?:\.[0-9]*)?(?:e[0-9]+)?)\s*([kmgt]?)(i?)b?")
-
-
-def parse_bytes(text: str | int) -> int:
-    """``4GiB``, ``4GB``, ``512M``, ``1e9`` or a plain number of bytes -> bytes."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    match = _SIZE.fullmatch(str(text).strip().lower())
-    if not match:
-        raise ConfigError(f"memory size {text!r} is not a size like 4GiB, 512MB or 1e9")
-    number, unit, binary = match.groups()
-    if binary and not unit:
-        raise ConfigError(f"memory size {text!r} is not a size like 4GiB, 512MB or 1e9")
-    return int(float(number) * (1024 if binary else 1000) ** "_kmgt".index(unit or "_"))
 
 
 # ----------------------------------------------------------------------------- plot

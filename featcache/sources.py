@@ -12,7 +12,6 @@ from __future__ import annotations
 import colorsys
 import csv
 import difflib
-import hashlib
 import inspect
 import json
 import math
@@ -31,6 +30,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from featcache.errors import ConfigError, FeatcacheError
+from featcache.fingerprints import file_sha256, lines_sha256
 from featcache.spec import SOURCES, DataSpec
 
 IMAGE_EXTENSIONS: tuple[str, ...] = (
@@ -100,27 +100,11 @@ class SourceDataset(Dataset):
     def fingerprint(self, content: bool = False) -> str:
         """sha256 identifying the samples: their sorted ids (file sources add sizes, and
         with ``content=True`` the bytes of every file)."""
-        return _digest(sorted(self.ids))
+        return lines_sha256(sorted(self.ids))
 
     def __repr__(self) -> str:
         classes = "unlabeled" if not self.has_labels else f"classes={len(self.class_names or [])}"
         return f"{type(self).__name__}(rows={len(self)}, {classes})"
-
-
-def _digest(lines: list[str]) -> str:
-    digest = hashlib.sha256()
-    for line in lines:
-        digest.update(line.encode())
-        digest.update(b"\n")
-    return digest.hexdigest()
-
-
-def _file_sha256(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def load_rgb(path: str | os.PathLike, min_side: int | None = None) -> Image.Image:
@@ -224,9 +208,9 @@ class _FileSource(SourceDataset):
             size = os.path.getsize(path) if os.path.exists(path) else -1
             entry = f"{sample_id}\t{size}"
             if content and size >= 0:
-                entry += "\t" + _file_sha256(path)
+                entry += "\t" + file_sha256(path)
             entries.append(entry)
-        return _digest(entries)
+        return lines_sha256(entries)
 
 
 class _TorchvisionSource(SourceDataset):

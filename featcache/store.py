@@ -42,7 +42,7 @@ PARTIAL_SUFFIX = ".partial"
 SKIPPED_SUFFIX = ".skipped.jsonl"
 READ_CACHE_BYTES = 16 << 20  # HDF5 chunk cache per open dataset: holds several whole chunks
 _NUMPY_DTYPES = {"float16": np.float16, "float32": np.float32, "bfloat16": np.uint16}
-_TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 _JSON_ATTRS = (
     "config",
     "weights",
@@ -63,7 +63,7 @@ def to_store_dtype(x: torch.Tensor, dtype: str) -> torch.Tensor:
     The result is contiguous in the default layout (one pass on the device), whatever the
     layout the model ran in, so rows copy to the host and into HDF5 as flat blocks.
     """
-    out = x.to(dtype=_TORCH_DTYPES[dtype], memory_format=torch.contiguous_format)
+    out = x.to(dtype=TORCH_DTYPES[dtype], memory_format=torch.contiguous_format)
     return out.view(torch.int16) if dtype == "bfloat16" else out
 
 
@@ -644,7 +644,7 @@ class FeatureStore:
 
     def dtype(self, layer: str) -> torch.dtype:
         """The torch dtype rows of ``layer`` come back as."""
-        return _TORCH_DTYPES[self._features(layer).attrs["dtype"]]
+        return TORCH_DTYPES[self._features(layer).attrs["dtype"]]
 
     def layer_attrs(self, layer: str) -> dict[str, Any]:
         return dict(self._features(layer).attrs)

@@ -1,0 +1,43 @@
+"""sha256 fingerprints: of files, of ordered lines of text, of sample ids, of module weights."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex sha256 of the file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def lines_sha256(lines: Iterable[str]) -> str:
+    """Hex sha256 of the lines, each followed by a newline, in the order given."""
+    digest = hashlib.sha256()
+    for line in lines:
+        digest.update(line.encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def ids_fingerprint(ids: Sequence[str]) -> str:
+    """sha256 over the sorted sample ids: the same samples give the same fingerprint."""
+    return lines_sha256(sorted(str(i) for i in ids))
+
+
+def module_fingerprint(model: nn.Module) -> str:
+    """sha256 over the names, dtypes, shapes and values of a module's parameters and buffers."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        value = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{value.dtype}:{list(value.shape)}".encode())
+        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
