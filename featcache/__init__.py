@@ -1,4 +1,13 @@
-"""featcache: activation caches from pretrained backbones in chunked HDF5 stores."""
+"""featcache: activation caches from pretrained backbones in chunked HDF5 stores.
+
+The public names below load on first use, so ``import featcache`` stays cheap and no
+submodule imports the package back while it is being initialised.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from featcache._compat import ensure_torchvision_importable
 
@@ -6,17 +15,33 @@ ensure_torchvision_importable()  # before any featcache module imports torchvisi
 
 __version__ = "0.1.0"
 
-from featcache.dataset import FeatureDataset, ShuffledBatches  # noqa: E402
-from featcache.errors import ConfigError, FeatcacheError  # noqa: E402
-from featcache.pipeline import extract, extract_from_config  # noqa: E402
-from featcache.store import FeatureStore  # noqa: E402
+_PUBLIC = {
+    "ConfigError": "featcache.errors",
+    "FeatcacheError": "featcache.errors",
+    "FeatureDataset": "featcache.dataset",
+    "FeatureStore": "featcache.store",
+    "ShuffledBatches": "featcache.dataset",
+    "extract": "featcache.extraction",
+    "extract_from_config": "featcache.extraction",
+}
 
-__all__ = [
-    "ConfigError",
-    "FeatcacheError",
-    "FeatureDataset",
-    "FeatureStore",
-    "ShuffledBatches",
-    "extract",
-    "extract_from_config",
-]
+__all__ = sorted(_PUBLIC)
+
+if TYPE_CHECKING:
+    from featcache.dataset import FeatureDataset, ShuffledBatches
+    from featcache.errors import ConfigError, FeatcacheError
+    from featcache.extraction import extract, extract_from_config
+    from featcache.store import FeatureStore
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'featcache' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

@@ -41,7 +41,8 @@ from torchvision import transforms as T
 
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.fingerprints import file_sha256
-from featcache.spec import ModelSpec, PreprocessSpec, validate_model
+from featcache.spec import ModelSpec, PreprocessSpec
+from featcache.validation import check
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -74,7 +75,7 @@ def build_backbone(model: ModelSpec, preprocess: PreprocessSpec, seed: int = 0) 
     ``preprocess`` and torchvision weights, the transform is the weights' own
     ``transforms()``; otherwise it is :func:`build_transform`.
     """
-    validate_model(model)
+    check(model, "model")
     enum = resolve_weights(model.name, model.weights) if model.name is not None else None
     # Built before the model so that a bad option fails before any download.
     if enum is not None and not preprocess.is_set():

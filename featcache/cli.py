@@ -84,7 +84,7 @@ def extract(
 ) -> None:
     """Extract the configured layers for every split into HDF5 stores."""
     from featcache.distributed import current_rank
-    from featcache.pipeline import extract_from_config
+    from featcache.extraction import extract_from_config
 
     overrides = list(set_ or [])
     if overwrite:

@@ -6,7 +6,7 @@ import os
 from importlib import resources
 from pathlib import Path
 
-from featcache.pipeline import extract_from_config
+from featcache.extraction import extract_from_config
 from featcache.probe import ProbeResult, plot_layers, probe_layers, save_results
 from featcache.spec import Spec, load_config
 from featcache.store import FeatureStore

@@ -16,3 +16,16 @@ class ConfigError(FeatcacheError):
     """Bad usage or configuration: unknown keys, models, layers, paths. CLI exit code 2."""
 
     exit_code = 2
+
+
+def first_line(exc: BaseException, *, with_type: bool = False) -> str:
+    """The first line of an exception's message, whitespace collapsed.
+
+    With ``with_type`` the exception's class name leads (``"OSError: ..."``); an empty
+    message gives the class name alone.
+    """
+    lines = str(exc).strip().splitlines()
+    text = " ".join(lines[0].split()) if lines else ""
+    if not text:
+        return type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if with_type else text

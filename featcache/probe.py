@@ -982,7 +982,7 @@ def save_results(
 ) -> Path:
     """Write the results JSON: one entry per layer (each with the stores it used), the
     options and the library versions. Returns the path."""
-    from featcache.pipeline import library_versions
+    from featcache.provenance import library_versions
 
     options = options or ProbeOptions()
     document = {

@@ -21,8 +21,9 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from featcache.errors import ConfigError
+from featcache.provenance import config_fingerprint as fingerprint
 from featcache.runtime import Layout, choose_layout
-from featcache.spec import fingerprint, load_config
+from featcache.spec import load_config
 from featcache.store import FeatureStore, to_store_dtype
 from featcache.taps import TapSet, resolve_taps
 

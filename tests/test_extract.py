@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 import featcache
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.spec import fingerprint, load_config, to_dict
+from featcache.provenance import config_fingerprint as fingerprint
+from featcache.spec import load_config, to_dict
 from featcache.store import FeatureStore, StoreWriter
 
 

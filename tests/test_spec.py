@@ -9,7 +9,8 @@ import yaml
 
 from featcache.demo import demo_config_path
 from featcache.errors import ConfigError
-from featcache.spec import apply_override, fingerprint, load_config, parse_layers, to_dict
+from featcache.provenance import config_fingerprint as fingerprint
+from featcache.spec import apply_override, load_config, parse_layers, to_dict
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = {
@@ -52,7 +53,7 @@ def test_overrides_are_parsed_as_yaml():
         ("data.spilts=[a]", "unknown config key data.spilts"),
         ("loader.batch_sise=3", "unknown config key loader.batch_sise"),
         ("bogus.key=1", "unknown config key bogus"),
-        ("loader.batch_size=many", "loader.batch_size must be an integer"),
+        ("loader.batch_size=many", "loader.batch_size must be a whole number >= 1, got a string"),
         ("loader.batch_size=0", "loader.batch_size must be a whole number >= 1"),
         ("store.dtype=int8", "store.dtype is 'int8'; choose one of"),
         ("store.compression=zstd", "store.compression is 'zstd'"),

@@ -13,7 +13,6 @@ import dataclasses
 import datetime
 import functools
 import os
-import platform
 import queue
 import threading
 import time
@@ -22,14 +21,12 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import h5py
 import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-import featcache
 from featcache.distributed import (
     Rank,
     block,
@@ -40,6 +37,8 @@ from featcache.distributed import (
 )
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.fingerprints import ids_fingerprint, module_fingerprint
+from featcache.provenance import config_fingerprint as fingerprint
+from featcache.provenance import library_versions
 from featcache.runtime import Layout, choose_layout
 from featcache.spec import (
     LayerSpec,
@@ -47,10 +46,8 @@ from featcache.spec import (
     RuntimeSpec,
     Spec,
     StoreSpec,
-    fingerprint,
     load_config,
     to_dict,
-    validate_options,
 )
 from featcache.store import (
     FORMAT_VERSION,
@@ -63,6 +60,7 @@ from featcache.store import (
     to_store_dtype,
 )
 from featcache.taps import Tap, TapSet, resolve_taps
+from featcache.validation import check
 
 MAX_PENDING_BATCHES = 4  # batches between the forward and the writer thread
 
@@ -94,7 +92,8 @@ class RunOptions:
                 f"unknown option {sorted(kwargs)[0]!r}; known options: overwrite, "
                 + ", ".join(known)
             )
-        validate_options(options.loader, options.store, options.runtime)
+        for section in ("loader", "store", "runtime"):
+            check(getattr(options, section), section)
         return options
 
 
@@ -331,20 +330,6 @@ def _extract_shard(
         combine_shards(path, shards, {"resume_key": done_key})
     rank.barrier()
     return FeatureStore(path)
-
-
-def library_versions() -> dict[str, str]:
-    import torchvision
-
-    return {
-        "featcache": featcache.__version__,
-        "torch": torch.__version__,
-        "torchvision": torchvision.__version__,
-        "h5py": h5py.__version__,
-        "hdf5": h5py.version.hdf5_version,
-        "numpy": np.__version__,
-        "python": platform.python_version(),
-    }
 
 
 def _length(dataset: Dataset) -> int:

@@ -33,6 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from featcache.errors import ConfigError, FeatcacheError
+from featcache.store.codec import DTYPES, JSON_ATTRS, encode
 
 FORMAT_VERSION = 1
 TARGET_CHUNK_BYTES = 1 << 20  # about 1 MiB per chunk: big sequential reads, small waste
@@ -41,30 +42,10 @@ MARK_SECONDS = 0.5  # how often durable progress is recorded while writing
 PARTIAL_SUFFIX = ".partial"
 SKIPPED_SUFFIX = ".skipped.jsonl"
 READ_CACHE_BYTES = 16 << 20  # HDF5 chunk cache per open dataset: holds several whole chunks
-_NUMPY_DTYPES = {"float16": np.float16, "float32": np.float32, "bfloat16": np.uint16}
-TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
-_JSON_ATTRS = (
-    "config",
-    "weights",
-    "versions",
-    "class_names",
-    "source",
-    "taps",
-    "resume_key",
-    "layout",
-    "shards",
-    "merged_from",
-)
-
-
-def to_store_dtype(x: torch.Tensor, dtype: str) -> torch.Tensor:
-    """Cast a batch to the store's dtype, on its own device (bfloat16 as raw int16 bits).
-
-    The result is contiguous in the default layout (one pass on the device), whatever the
-    layout the model ran in, so rows copy to the host and into HDF5 as flat blocks.
-    """
-    out = x.to(dtype=TORCH_DTYPES[dtype], memory_format=torch.contiguous_format)
-    return out.view(torch.int16) if dtype == "bfloat16" else out
+_NUMPY_DTYPES = {name: np_dtype for name, (_, np_dtype) in DTYPES.items()}
+TORCH_DTYPES = {name: t_dtype for name, (t_dtype, _) in DTYPES.items()}
+_JSON_ATTRS = JSON_ATTRS
+to_store_dtype = encode
 
 
 def chunk_rows_for(row_shape: Sequence[int], dtype: str, num_rows: int) -> int:

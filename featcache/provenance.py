@@ -1,0 +1,109 @@
+"""What decides a store's contents: the config fingerprint, the store key, library versions.
+
+A store records how it was made. :class:`StoreKey` is the one record of the settings that
+decide its bytes: an interrupted run resumes only under an equal key, a finished store is
+left alone when a rerun's key is equal, a torchrun store is complete when its key is, and
+``verify`` compares the key's fingerprints. :data:`CONTENT_FREE_KEYS` lists the config
+keys that change nothing in a store and so stay out of the config fingerprint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import platform
+from collections.abc import Mapping
+from typing import Any
+
+from featcache.spec import Spec, to_dict
+
+FORMAT_VERSION = 1
+
+# Config keys that do not change what a store contains (None: the whole section).
+CONTENT_FREE_KEYS: dict[str, tuple[str, ...] | None] = {
+    "output": None,
+    "runtime": ("progress",),
+    # on_error only decides which rows are left out, and the store lists those; so a run
+    # stopped by a bad sample can be resumed with on_error=skip.
+    "loader": ("num_workers", "pin_memory", "on_error"),
+}
+
+
+def config_fingerprint(spec: Spec) -> str:
+    """sha256 of the canonical JSON of every config key that decides the stored values."""
+    data = to_dict(spec)
+    for section, keys in CONTENT_FREE_KEYS.items():
+        if keys is None:
+            data.pop(section, None)
+        else:
+            for key in keys:
+                data[section].pop(key, None)
+    return _json_sha256(data)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreKey:
+    """The settings that decide a store's bytes; equal keys make equal stores.
+
+    Written into every store as the ``resume_key`` attribute (JSON). ``rows`` is the
+    block of source positions the file holds (all of them, except in a torchrun shard);
+    ``world_size`` is set on the store torchrun combines from its shards.
+    """
+
+    config_fingerprint: str | None
+    weights: Any
+    dataset_fingerprint: str
+    source_rows: int
+    rows: tuple[int, int]
+    taps: tuple[Mapping[str, Any], ...]
+    store_dtype: str
+    chunk_rows: int | None
+    compression: str | None
+    batch_size: int
+    on_nonfinite: str
+    layout: Mapping[str, Any]
+    world_size: int | None = None
+    featcache_format: int = FORMAT_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON data, as stored; ``world_size`` only when set."""
+        data = json.loads(json.dumps(dataclasses.asdict(self)))
+        if self.world_size is None:
+            data.pop("world_size")
+        return data
+
+    def differences(self, stored: Mapping[str, Any] | None) -> list[str]:
+        """Names of the entries where a stored key differs from this one (all if None)."""
+        mine = self.to_json()
+        if stored is None:
+            return sorted(mine)
+        return [k for k in sorted(set(stored) | set(mine)) if stored.get(k) != mine.get(k)]
+
+    def matches(self, stored: Mapping[str, Any] | None) -> bool:
+        return not self.differences(stored)
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of everything that can change a stored value, for the store's attributes."""
+    import h5py
+    import numpy as np
+    import torch
+    import torchvision
+
+    from featcache import __version__
+
+    return {
+        "featcache": __version__,
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "h5py": h5py.__version__,
+        "hdf5": h5py.version.hdf5_version,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _json_sha256(data: Any) -> str:
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
