@@ -25,7 +25,15 @@ _PUBLIC = {
     "extract_from_config": "featcache.extraction",
 }
 
-__all__ = sorted(_PUBLIC)
+__all__ = [
+    "ConfigError",
+    "FeatcacheError",
+    "FeatureDataset",
+    "FeatureStore",
+    "ShuffledBatches",
+    "extract",
+    "extract_from_config",
+]
 
 if TYPE_CHECKING:
     from featcache.dataset import FeatureDataset, ShuffledBatches
