@@ -10,6 +10,7 @@ keys that change nothing in a store and so stay out of the config fingerprint.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import json
 import platform
@@ -82,6 +83,32 @@ class StoreKey:
 
     def matches(self, stored: Mapping[str, Any] | None) -> bool:
         return not self.differences(stored)
+
+
+def store_attributes(
+    key: StoreKey,
+    provenance: Mapping[str, Any],
+    *,
+    device: str,
+    class_names: list[str] | None = None,
+) -> dict[str, Any]:
+    """The file attributes of a new store: the caller's provenance (config, weights,
+    source, split), the key and what it holds, library versions, device and time."""
+    attrs = {
+        **provenance,
+        "weights": key.weights,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "versions": library_versions(),
+        "device": device,
+        "layout": dict(key.layout),
+        "dataset_fingerprint": key.dataset_fingerprint,
+        "store_dtype": key.store_dtype,
+        "taps": [dict(tap) for tap in key.taps],
+        "resume_key": key.to_json(),
+    }
+    if class_names is not None:
+        attrs["class_names"] = class_names
+    return attrs
 
 
 def library_versions() -> dict[str, str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import colorsys
 import csv
+import dataclasses
 import difflib
 import inspect
 import json
@@ -29,9 +30,10 @@ import torchvision  # safe: importing featcache first made it importable
 from PIL import Image
 from torch.utils.data import Dataset
 
-from featcache.errors import ConfigError, FeatcacheError
+from featcache.errors import ConfigError, FeatcacheError, first_line
 from featcache.fingerprints import file_sha256, lines_sha256
 from featcache.spec import SOURCES, DataSpec
+from featcache.validation import build, option
 
 IMAGE_EXTENSIONS: tuple[str, ...] = (
     ".jpg",
@@ -132,7 +134,7 @@ def load_rgb(path: str | os.PathLike, min_side: int | None = None) -> Image.Imag
         elif os.path.isfile(path) and os.path.getsize(path) == 0:
             reason = "the file is empty (0 bytes)"
         else:
-            reason = _one_line(exc)
+            reason = first_line(exc)
         raise FeatcacheError(f"cannot decode image {path}: {reason}") from exc
 
 
@@ -220,7 +222,7 @@ class _TorchvisionSource(SourceDataset):
         classes = getattr(dataset, "classes", None)
         # ImageNet's classes are tuples of synonyms; keep the first.
         names = [c[0] if isinstance(c, tuple) and c else str(c) for c in classes or []]
-        ids = [f"{name}:{i}" for i in range(len(dataset))]
+        ids = [f"{name}:{i}" for i in range(len(dataset))]  # type: ignore[arg-type]
         super().__init__(ids, names or None, True, transform)
         self.dataset = dataset
         self.name = name
@@ -388,10 +390,11 @@ def _manifest(data: DataSpec, split: str, value: Any, transform: Transform | Non
                 f"line {labelled[0][0]}'s is a {kind.__name__}; use all integers or all strings"
             )
     if kind is int:
-        return _FileSource(paths, [label for _, label in labelled], ids, None, transform)
-    class_names = sorted({label for _, label in labelled})
+        int_labels = [int(label) for _, label in labelled]
+        return _FileSource(paths, int_labels, ids, None, transform)
+    class_names = sorted({str(label) for _, label in labelled})
     index = {name: i for i, name in enumerate(class_names)}
-    labels = [index[label] for _, label in labelled]
+    labels = [index[str(label)] for _, label in labelled]
     return _FileSource(paths, labels, ids, class_names, transform)
 
 
@@ -506,11 +509,11 @@ def _torchvision(
         dataset = cls(**args)
     except (TypeError, ValueError) as exc:
         raise ConfigError(
-            f"cannot open torchvision dataset {name}: {_one_line(exc)}; "
+            f"cannot open torchvision dataset {name}: {first_line(exc)}; "
             f"check data.kwargs and data.splits.{split}"
         ) from exc
     except Exception as exc:  # "Dataset not found" (RuntimeError), missing files, bad archives
-        reason = re.sub(r"\s*You can use download=True to download it\.?", "", _one_line(exc))
+        reason = re.sub(r"\s*You can use download=True to download it\.?", "", first_line(exc))
         raise ConfigError(
             f"cannot open torchvision dataset {name} at {root}: {reason}; "
             "it must already be on disk (featcache never downloads)"
@@ -541,33 +544,30 @@ def _split_args(params: Mapping[str, inspect.Parameter], split: str, value: Any)
     )
 
 
-_SYNTHETIC_OPTIONS = {
-    "size": (256, 1),
-    "image_size": (64, 1),
-    "num_classes": (10, 1),
-    "seed": (0, 0),
-}
+@dataclasses.dataclass
+class SyntheticOptions:
+    """The options of ``data.source: synthetic`` (from data.kwargs or a split's mapping)."""
+
+    size: int = option(256, ge=1)  # images in the split
+    image_size: int = option(64, ge=1)  # side of the square images, in pixels
+    num_classes: int = option(10, ge=1)
+    seed: int = option(0, ge=0)
 
 
 def _synthetic(
     data: DataSpec, split: str, value: Any, transform: Transform | None
 ) -> _SyntheticSource:
-    options = {key: default for key, (default, _) in _SYNTHETIC_OPTIONS.items()}
     given = {**data.kwargs, **(value if isinstance(value, Mapping) else {})}
-    for key, val in given.items():
-        if key not in _SYNTHETIC_OPTIONS:
-            known = ", ".join(_SYNTHETIC_OPTIONS)
-            raise ConfigError(
-                f"unknown synthetic option {key!r} (data.kwargs or data.splits.{split}); "
-                f"known options: {known}"
-            )
-        least = _SYNTHETIC_OPTIONS[key][1]
-        if isinstance(val, bool) or not isinstance(val, int) or val < least:
-            raise ConfigError(
-                f"synthetic option {key} must be a whole number >= {least}, got {val!r}"
-            )
-        options[key] = val
-    return _SyntheticSource(split, transform=transform, **options)
+    options = build(
+        SyntheticOptions,
+        given,
+        "data.kwargs",
+        unknown=(
+            f"unknown synthetic option {{key!r}} (data.kwargs or data.splits.{split}); "
+            "known options: {known}"
+        ),
+    )
+    return _SyntheticSource(split, transform=transform, **dataclasses.asdict(options))
 
 
 def _under_root(data: DataSpec, split: str, value: Any, what: str) -> Path:
@@ -593,7 +593,3 @@ def _no_kwargs(data: DataSpec) -> None:
         raise ConfigError(
             f"data.kwargs ({keys}) is not used by data.source={data.source}; remove it"
         )
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__

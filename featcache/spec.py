@@ -11,6 +11,7 @@ the store contains.
 from __future__ import annotations
 
 import dataclasses
+import os
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -215,7 +216,9 @@ class Spec:
             raise ConfigError("layers: name at least one layer to capture (see `featcache layers`)")
 
 
-def load_config(config: str | Path | Mapping[str, Any], overrides: Iterable[str] = ()) -> Spec:
+def load_config(
+    config: str | os.PathLike | Mapping[str, Any], overrides: Iterable[str] = ()
+) -> Spec:
     """Load a YAML file (or take a mapping), apply ``key.sub=value`` overrides, validate.
 
     Relative paths in a config (data root, checkpoint, output dir) are relative to the

@@ -36,6 +36,23 @@ class Tap:
     target: str | int | None = None  # capture="grad" only: see LayerSpec.target
 
 
+@dataclass(frozen=True)
+class ReduceContext:
+    """What a reduction may need to know about the batch besides the captured value.
+
+    ``attention_mask`` is ``[B, T]`` (1 for real tokens) for token inputs, else None;
+    ``prefix_tokens`` counts the tokens before the patch tokens (class, register tokens)
+    in the model's token outputs; ``sequence_first`` says token outputs are ``[T, B, D]``.
+    """
+
+    attention_mask: torch.Tensor | None = None
+    prefix_tokens: int = 0
+    sequence_first: bool = False
+
+
+NO_CONTEXT = ReduceContext()
+
+
 class _StopForward(Exception):
     """Raised from a hook once every tap has its value; ends the forward early."""
 
@@ -132,8 +149,11 @@ def _glob_regex(glob: str) -> re.Pattern[str]:
     return re.compile("".join(out))
 
 
-def reduce_tensor(x: torch.Tensor, tap: Tap) -> torch.Tensor:
+def reduce_tensor(x: torch.Tensor, tap: Tap, context: ReduceContext = NO_CONTEXT) -> torch.Tensor:
     """Apply ``tap.reduce`` to a batch ``x`` of shape ``[B, ...]``; returns ``[B, ...]``.
+
+    ``context`` carries what the batch says beyond ``x`` (see :class:`ReduceContext`);
+    the reductions of today use none of it.
 
     ``avg``/``max`` pool over every dimension after the channel dimension (``[B, C, ...]``
     -> ``[B, C]``); ``adaptive_avg`` pools ``[B, C, H, W]`` to ``[B, C, k, k]``;
@@ -187,7 +207,7 @@ def _pick(value: Any, tap: Tap) -> torch.Tensor:
                 f"layer {tap.key!r}: its {tap.capture} is a {kind}; set select to one of {choices}"
             )
         try:
-            picked = value[tap.select]
+            picked = value[tap.select]  # type: ignore[index]  # a bad key is caught below
         except (IndexError, KeyError, TypeError):
             choices = list(value) if isinstance(value, dict) else list(range(len(value)))
             raise ConfigError(
@@ -242,6 +262,7 @@ class TapSet:
         self._values: dict[str, torch.Tensor] = {}
         self._hooked: set[str] = set()  # grad taps whose tensor hook is set in this forward
         self._active_target: str | int | None = None  # the target being differentiated
+        self._context = NO_CONTEXT  # the batch being run, for the reductions
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> TapSet:
@@ -312,7 +333,7 @@ class TapSet:
     def _store(self, tap: Tap, raw: torch.Tensor) -> None:
         if tap.key in self._values:
             return
-        out = reduce_tensor(raw.detach(), tap)
+        out = reduce_tensor(raw.detach(), tap, self._context)
         if self.convert is not None:
             out = self.convert(out)
         out = out.detach()  # a compiled forward may hand back tensors that require grad
@@ -323,17 +344,23 @@ class TapSet:
         self._values[tap.key] = out
 
     def run(
-        self, *inputs: Any, labels: torch.Tensor | None = None, **kwargs: Any
+        self,
+        *inputs: Any,
+        labels: torch.Tensor | None = None,
+        context: ReduceContext = NO_CONTEXT,
+        **kwargs: Any,
     ) -> dict[str, torch.Tensor]:
         """One forward over a batch; returns each tap's reduced value, in tap order.
 
-        ``labels`` (``[B]`` int64, -1 for none) are needed only by grad taps whose target
-        is ``"label"``.
+        ``inputs`` and ``kwargs`` are passed to the model. ``labels`` (``[B]`` int64, -1
+        for none) are needed only by grad taps whose target is ``"label"``; ``context``
+        goes to the reductions.
         """
         if not self._handles:
             raise RuntimeError("TapSet.run is only valid inside its `with` block")
         self._values = {}
         self._hooked = set()
+        self._context = context
         try:
             if self.needs_grad:
                 self._run_with_grad(inputs, kwargs, labels)
@@ -344,6 +371,7 @@ class TapSet:
         finally:
             self._hooked = set()
             self._active_target = None
+            self._context = NO_CONTEXT
         values, self._values = self._values, {}
         missing = [tap.module_name for tap in self.taps if tap.key not in values]
         if missing:
@@ -387,7 +415,7 @@ class TapSet:
             )
         if not logits.requires_grad:
             raise ConfigError(_no_path(grad_taps[0]))
-        targets: dict[str | int, list[Tap]] = {}
+        targets: dict[str | int | None, list[Tap]] = {}
         for tap in grad_taps:
             targets.setdefault(tap.target, []).append(tap)
         for n, (target, group) in enumerate(targets.items()):

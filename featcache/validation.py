@@ -16,7 +16,6 @@ and the value given.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import types
 import typing
@@ -186,7 +185,7 @@ def _check_value(hint: Any, f: dataclasses.Field, value: Any, at: str) -> None:
                 if dataclasses.is_dataclass(v):
                     check(v, f"{at}[{i}]")
                 else:
-                    raise ConfigError(f"{at}[{i}] must be a {item.__name__}, got {_kind(v)}")
+                    raise ConfigError(f"{at}[{i}] must be a mapping, got {_kind(v)}")
             return
     _convert(hint, f.metadata.get("bounds"), value, at)
 
@@ -219,12 +218,12 @@ def _match(kind: Any, value: Any, at: str) -> tuple[bool, Any]:
         return value is None, value
     if origin is typing.Literal:
         return any(value == c and type(value) is type(c) for c in typing.get_args(kind)), value
-    if dataclasses.is_dataclass(kind):
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
         if isinstance(value, kind):
             check(value, at)
             return True, value
         if value is None or isinstance(value, Mapping):
-            return True, build(kind, value, at)  # type: ignore[arg-type]
+            return True, build(kind, value, at)
         return False, value
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
@@ -279,9 +278,13 @@ def _validate(obj: Any, at: str) -> None:
         rule(at)
 
 
-@functools.cache
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
 
 
 def _alternatives(hint: Any) -> tuple[Any, ...]:

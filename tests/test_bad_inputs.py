@@ -198,7 +198,7 @@ def test_images_of_different_sizes_without_a_crop(tmp_path):
 
 
 def test_nonfinite_row_check_is_exact():
-    from featcache.extraction import _nonfinite_rows
+    from featcache.extraction.nonfinite import nonfinite_rows as _nonfinite_rows
 
     x = torch.zeros(5, 10, dtype=torch.float16)
     x[1, 3] = float("nan")

@@ -42,7 +42,7 @@ def test_layout_is_recorded_and_model_handed_back_contiguous(resnet18, images, t
 
 
 def test_host_buffers_are_reused_and_bounded():
-    from featcache.extraction import _HostBuffers
+    from featcache.extraction.writer_thread import HostBuffers as _HostBuffers
 
     pool = _HostBuffers(2, pin=False)
     first = {"a": torch.arange(12.0).reshape(4, 3)}

@@ -1,0 +1,256 @@
+"""``extract``: run a model over a dataset and store the activations of chosen layers."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from featcache.errors import ConfigError
+from featcache.extraction.batches import (
+    SourceRows,
+    collate,
+    describe_value,
+    first_sample,
+    num_workers,
+    source_length,
+    started,
+)
+from featcache.extraction.loop import run_loop
+from featcache.extraction.writer_thread import WriterThread
+from featcache.fingerprints import ids_fingerprint, module_fingerprint
+from featcache.provenance import StoreKey, store_attributes
+from featcache.runtime import Layout, choose_layout
+from featcache.spec import LayerSpec, LoaderSpec, RuntimeSpec, StoreSpec
+from featcache.store import (
+    FeatureStore,
+    StoreWriter,
+    check_output_path,
+    partial_path,
+    plan_resume,
+    remove_store,
+    stored_resume_key,
+)
+from featcache.taps import Tap, resolve_taps
+from featcache.validation import build
+
+_SECTIONS = {"loader": LoaderSpec, "store": StoreSpec, "runtime": RuntimeSpec}
+
+
+@dataclasses.dataclass
+class RunOptions:
+    """Options of one extraction, grouped as in the config's sections."""
+
+    loader: LoaderSpec = dataclasses.field(default_factory=LoaderSpec)
+    store: StoreSpec = dataclasses.field(default_factory=StoreSpec)
+    runtime: RuntimeSpec = dataclasses.field(default_factory=RuntimeSpec)
+    overwrite: bool = False
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> RunOptions:
+        """Build from flat keyword arguments named like the config keys (``batch_size=...``)."""
+        owner = {f.name: name for name, kind in _SECTIONS.items() for f in dataclasses.fields(kind)}
+        unknown = sorted(set(kwargs) - set(owner) - {"overwrite"})
+        if unknown:
+            raise ConfigError(
+                f"unknown option {unknown[0]!r}; known options: overwrite, "
+                + ", ".join(sorted(owner))
+            )
+        raw: dict[str, Any] = {name: {} for name in _SECTIONS}
+        for key, value in kwargs.items():
+            if key == "overwrite":
+                raw["overwrite"] = value
+            else:
+                raw[owner[key]][key] = value
+        return build(cls, raw)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """Everything decided before the first batch: rows, ids, taps, layout, the store key."""
+
+    taps: list[Tap]
+    ids: Sequence[str]
+    rows: range
+    has_labels: bool
+    class_names: list[str] | None
+    layout: Layout
+    key: Callable[[], StoreKey]  # the weights may still be being fingerprinted
+
+
+def extract(
+    model: nn.Module,
+    dataset: Dataset,
+    layers: Iterable[LayerSpec | str | Mapping[str, Any]] | str,
+    path: str | os.PathLike,
+    *,
+    ids: Sequence[str] | None = None,
+    class_names: Sequence[str] | None = None,
+    provenance: Mapping[str, Any] | None = None,
+    dataset_fingerprint: str | None = None,
+    rows: range | None = None,
+    **options: Any,
+) -> FeatureStore:
+    """Run ``model`` over ``dataset`` and store the activations of ``layers`` at ``path``.
+
+    ``dataset`` is a map-style dataset yielding ``(image_tensor [3, H, W], label)`` like
+    torchvision datasets (a bare tensor, or a label of None, means no labels). Rows keep
+    the dataset's order. ``ids`` (default: the dataset's ``ids`` attribute, else
+    ``"<DatasetClass>:<index>"``) and ``class_names`` go into the store;
+    ``dataset_fingerprint`` defaults to a hash of the sorted ids. ``rows`` (a range of
+    source positions, default all) limits the store to a contiguous block: one shard of a
+    distributed run. ``options`` are the config keys of the loader, store and runtime
+    sections (``batch_size``, ``num_workers``, ``on_error``, ``dtype``, ``compression``,
+    ``chunk_rows``, ``on_nonfinite``, ``device``, ``amp``, ``channels_last``,
+    ``progress`` ...) plus ``overwrite``.
+
+    The store is written to ``<path>.partial`` and moved to ``path`` when complete. If an
+    earlier run with the same settings, data and model was interrupted, this one resumes
+    it and the result is the same as an uninterrupted run; a partial store made
+    differently is refused with the difference named. The model is put in eval mode and
+    moved to the device (its train/eval flag is restored afterwards). Returns the
+    complete store, opened for reading.
+    """
+    run = RunOptions.from_kwargs(**options)
+    path = Path(path)
+    plan = _plan(
+        model, dataset, layers, run, ids, class_names, provenance, dataset_fingerprint, rows
+    )
+    if run.overwrite:
+        remove_store(path)
+    elif path.exists() and plan.key().matches(stored_resume_key(path)):
+        return FeatureStore(path)  # a rerun after this store completed: nothing left to do
+    check_output_path(path, run.overwrite)  # before any work starts
+    resume = None
+    if partial_path(path).exists():
+        resume = plan_resume(path, plan.key().to_json(), run.loader.batch_size, plan.rows.start)
+    todo = range(resume.position if resume else plan.rows.start, plan.rows.stop)
+    device = plan.layout.device
+    pin = device.type == "cuda" if run.loader.pin_memory == "auto" else bool(run.loader.pin_memory)
+    loader = DataLoader(
+        SourceRows(dataset, todo),
+        batch_size=run.loader.batch_size,
+        shuffle=False,
+        num_workers=num_workers(run.loader.num_workers, len(todo), run.loader.batch_size),
+        pin_memory=pin,
+        collate_fn=collate,
+    )
+
+    def open_writer() -> StoreWriter:
+        attrs = store_attributes(
+            plan.key(), provenance or {}, device=str(device), class_names=plan.class_names
+        )
+        return StoreWriter(
+            path,
+            len(plan.rows),
+            ids_width=max((len(str(i).encode()) for i in plan.ids), default=1),
+            dtype=run.store.dtype,
+            compression=run.store.compression,
+            chunk_rows=run.store.chunk_rows,
+            has_labels=plan.has_labels,
+            attrs=attrs,
+            resume=resume,
+        )
+
+    start = time.perf_counter()
+    options_ = (run.loader, run.store, run.runtime)
+    done = len(plan.rows) - len(todo)
+    with started(loader) as batches:
+        with WriterThread(open_writer, path) as sink:
+            timing = run_loop(
+                model, batches, plan.taps, sink, plan.ids, options_, plan.layout, pin,
+                total=len(plan.rows), done_before=done,
+            )  # fmt: skip
+        timing["seconds_waiting_for_disk"] = sink.waited
+        timing["seconds"] = time.perf_counter() - start
+        timing["images_per_second"] = len(todo) / max(timing["seconds"], 1e-9)
+        writer = sink.writer
+        assert writer is not None  # the thread raised otherwise
+        writer.close(complete=True, attrs=timing)
+    if writer.skipped:
+        warnings.warn(
+            f"{len(writer.skipped)} of {len(plan.rows)} samples skipped (first: "
+            f"{writer.skipped[0]['reason']}); the store lists them under /skipped",
+            stacklevel=2,
+        )
+    return FeatureStore(path)
+
+
+def _plan(
+    model: nn.Module,
+    dataset: Dataset,
+    layers: Iterable[LayerSpec | str | Mapping[str, Any]] | str,
+    run: RunOptions,
+    ids: Sequence[str] | None,
+    class_names: Sequence[str] | None,
+    provenance: Mapping[str, Any] | None,
+    dataset_fingerprint: str | None,
+    rows: range | None,
+) -> _Plan:
+    """Check the arguments of :func:`extract` and decide what the run will do."""
+    taps = resolve_taps(model, layers)  # type: ignore[arg-type]
+    num_rows = source_length(dataset)
+    if ids is None:
+        ids = getattr(dataset, "ids", None)
+    if ids is None:
+        ids = [f"{type(dataset).__name__}:{i}" for i in range(num_rows)]
+    if len(ids) != num_rows:
+        raise ConfigError(f"{len(ids)} ids given for a dataset of {num_rows} rows")
+    rows = range(num_rows) if rows is None else rows
+    if rows.step != 1 or not rows or rows.start < 0 or rows.stop > num_rows:
+        raise ConfigError(f"rows must be a non-empty range within the {num_rows} source rows")
+    if class_names is None:
+        class_names = getattr(dataset, "class_names", None) or getattr(dataset, "classes", None)
+    has_labels = getattr(dataset, "has_labels", None)
+    first = first_sample(dataset)
+    if first is not None:
+        if not isinstance(first[0], torch.Tensor) or first[0].dim() != 3:
+            raise ConfigError(
+                f"dataset items must be image tensors [C, H, W], got {describe_value(first[0])}; "
+                "give the dataset a transform that ends in a tensor (e.g. weights.transforms())"
+            )
+        if has_labels is None:
+            has_labels = first[1] is not None
+    layout = choose_layout(model, run.runtime)
+    weights = (provenance or {}).get("weights")
+    key_parts = dict(
+        config_fingerprint=(provenance or {}).get("config_fingerprint"),
+        dataset_fingerprint=dataset_fingerprint or ids_fingerprint(ids),
+        source_rows=num_rows,
+        rows=(rows.start, rows.stop),
+        taps=tuple(dataclasses.asdict(tap) for tap in taps),
+        store_dtype=run.store.dtype,
+        chunk_rows=run.store.chunk_rows,
+        compression=run.store.compression,
+        batch_size=run.loader.batch_size,
+        on_nonfinite=run.store.on_nonfinite,
+        layout=layout.describe(),
+    )
+    made: list[StoreKey] = []
+
+    def key() -> StoreKey:
+        # Made from Python, the weights are identified by their values. Hashing them takes
+        # a while on big models, so it happens on first need: on the writer thread, while
+        # the first batches run, unless an existing store must be checked first.
+        if not made:
+            identity = weights or {"source": "module", "sha256": module_fingerprint(model)}
+            made.append(StoreKey(weights=identity, **key_parts))  # type: ignore[arg-type]
+        return made[0]
+
+    return _Plan(
+        taps=taps,
+        ids=ids,
+        rows=rows,
+        has_labels=True if has_labels is None else bool(has_labels),
+        class_names=None if class_names is None else [str(n) for n in class_names],
+        layout=layout,
+        key=key,
+    )

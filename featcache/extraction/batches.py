@@ -1,0 +1,180 @@
+"""The batch type of the run loop and the DataLoader adapters that make it.
+
+A source item is ``input`` or ``(input, label)``: ``input`` is a tensor (an image
+``[C, H, W]`` today) or a mapping of named tensors (passed to the model as keyword
+arguments). :class:`SourceRows` wraps a map-style dataset so that a sample that cannot be
+read comes back as a recorded failure instead of an exception in a worker, and
+:func:`collate` stacks the readable ones into one :class:`Batch`, which moves to the
+device and on to the taps as a whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+from featcache.errors import ConfigError, FeatcacheError, first_line
+
+Inputs = torch.Tensor | dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass
+class Batch:
+    """One batch, from the loader to the device to the taps.
+
+    ``inputs`` is ``[B, ...]`` (or a mapping of such tensors); it is None when no sample
+    of the batch could be read. ``attention_mask`` (``[B, T]``, 1 for real tokens) is set
+    by sources of token inputs. ``labels`` is ``[B]`` int64 with -1 where there is none,
+    ``rows`` the ``[B]`` int64 source positions of the readable samples.
+    """
+
+    inputs: Inputs | None
+    labels: torch.Tensor
+    rows: torch.Tensor
+    failed: list[tuple[int, str]]  # (source position, reason) of unreadable samples
+    attention_mask: torch.Tensor | None = None
+    error: str = ""  # a problem with the batch as a whole (found in a worker, raised in main)
+
+    def to(
+        self,
+        device: torch.device,
+        *,
+        non_blocking: bool = False,
+        memory_format: torch.memory_format = torch.preserve_format,
+    ) -> Batch:
+        """The batch with its inputs and mask on ``device`` (labels and rows stay put).
+
+        ``memory_format`` applies to 4-d inputs (images); other ranks keep their layout.
+        """
+
+        def move(x: torch.Tensor) -> torch.Tensor:
+            fmt = memory_format if x.dim() == 4 else torch.preserve_format
+            return x.to(device, non_blocking=non_blocking, memory_format=fmt)
+
+        inputs: Inputs | None = self.inputs
+        if isinstance(inputs, torch.Tensor):
+            inputs = move(inputs)
+        elif isinstance(inputs, dict):
+            inputs = {key: move(value) for key, value in inputs.items()}
+        mask = self.attention_mask
+        if mask is not None:
+            mask = mask.to(device, non_blocking=non_blocking)
+        return dataclasses.replace(self, inputs=inputs, attention_mask=mask)
+
+
+def split_sample(sample: Any) -> tuple[Any, Any]:
+    """``(input, label)`` of a source item; the label is None when the item has none."""
+    if isinstance(sample, (tuple, list)):
+        return sample[0], (sample[1] if len(sample) > 1 else None)
+    return sample, None
+
+
+def first_sample(dataset: Dataset) -> tuple[Any, Any] | None:
+    """The first item, to check its type; None when it cannot be read (the run reports it)."""
+    try:
+        return split_sample(dataset[0])
+    except Exception:
+        return None
+
+
+def source_length(dataset: Dataset) -> int:
+    try:
+        return len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError("the dataset has no len(); featcache needs a map-style dataset") from None
+
+
+def describe_value(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+class SourceRows(Dataset):
+    """The source rows in ``rows``, as ``(input or None, label, row, error)``.
+
+    A sample that cannot be read comes back with input None and the reason in ``error``
+    instead of raising in a worker process, so the policy is applied in one place (the
+    run loop) and the message stays one line. ``label`` is -1 when there is none.
+    """
+
+    def __init__(self, dataset: Dataset, rows: range):
+        self.dataset = dataset
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, j: int) -> tuple[Any, int, int, str]:
+        i = self.rows[j]
+        try:
+            value, label = split_sample(self.dataset[i])
+            return value, -1 if label is None else int(label), i, ""
+        except Exception as exc:
+            reason = str(exc) if isinstance(exc, FeatcacheError) else ""
+            return None, -1, i, reason or first_line(exc, with_type=True)
+
+
+def collate(samples: list[tuple[Any, int, int, str]]) -> Batch:
+    """Stack the readable samples of a :class:`SourceRows` batch into one :class:`Batch`."""
+    good = [s for s in samples if not s[3]]
+    failed = [(s[2], s[3]) for s in samples if s[3]]
+    rows = torch.tensor([s[2] for s in good], dtype=torch.long)
+    labels = torch.tensor([s[1] for s in good], dtype=torch.long)
+    if not good:
+        return Batch(None, labels, rows, failed)
+    values = [s[0] for s in good]
+    problem = _shape_problem(values)
+    if problem:
+        return Batch(None, labels, rows, failed, error=problem)
+    return Batch(default_collate(values), labels, rows, failed)
+
+
+def _shape_problem(values: list[Any]) -> str:
+    """Why ``values`` cannot be stacked into one batch ("" when they can)."""
+    if isinstance(values[0], Mapping):
+        for key in values[0]:
+            problem = _shape_problem([v[key] for v in values])
+            if problem:
+                return f"input {key!r}: {problem}"
+        return ""
+    shapes = {tuple(v.shape) for v in values if isinstance(v, torch.Tensor)}
+    if len(shapes) > 1:
+        a, b = sorted(shapes)[:2]
+        return (
+            f"images of different sizes in one batch ({list(a)} and {list(b)}); set "
+            "preprocess.crop (or give the dataset a transform with a fixed output size)"
+        )
+    return ""
+
+
+def num_workers(setting: int | str, num_rows: int, batch_size: int) -> int:
+    """Loader worker processes: ``setting``, or for ``"auto"`` up to 4 within the CPUs."""
+    if setting != "auto":
+        return int(setting)
+    if num_rows <= 2 * batch_size:
+        return 0  # starting workers costs more than it saves on a couple of batches
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return min(4, cpus or 1)
+
+
+@contextlib.contextmanager
+def started(loader: DataLoader) -> Iterator[Iterator[Batch]]:
+    """The loader's iterator, with its workers started now and always shut down.
+
+    Workers start before the store file is opened, so forked workers never inherit its
+    descriptor (which would keep the file locked after a failure).
+    """
+    batches = iter(loader)
+    try:
+        yield batches
+    finally:
+        shutdown = getattr(batches, "_shutdown_workers", None)  # multi-process iterators
+        if shutdown is not None:
+            shutdown()

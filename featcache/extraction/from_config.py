@@ -1,0 +1,69 @@
+"""``extract_from_config``: the extraction a YAML config describes, one store per split."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from featcache.distributed import current_rank
+from featcache.extraction.api import extract
+from featcache.extraction.sharding import extract_shard
+from featcache.provenance import config_fingerprint
+from featcache.spec import Spec, load_config, to_dict
+from featcache.store import FeatureStore, check_output_path, stored_resume_key
+
+
+def extract_from_config(
+    config: str | os.PathLike | Mapping[str, Any] | Spec, overrides: Iterable[str] = ()
+) -> dict[str, FeatureStore]:
+    """Run the extraction a config describes; one complete store per split.
+
+    ``config`` is a YAML path, a mapping, or a loaded :class:`~featcache.spec.Spec`;
+    ``overrides`` are ``key.sub=value`` strings applied first. Every split's output path
+    is checked before any work starts.
+    """
+    from featcache.backbones import build_backbone
+    from featcache.sources import build_source
+
+    spec = config if isinstance(config, Spec) else load_config(config, overrides)
+    for split in spec.data.splits:  # fail before any work on a store made differently
+        path = spec.store_path(split)
+        key = stored_resume_key(path) if path.exists() else None
+        if key is None or key.get("config_fingerprint") != config_fingerprint(spec):
+            check_output_path(path, spec.output.overwrite)
+    backbone = build_backbone(spec.model, spec.preprocess, seed=spec.runtime.seed)
+    sources = {
+        split: build_source(spec.data, split, backbone.transform, backbone.decode_size)
+        for split in spec.data.splits
+    }
+    options = {
+        **dataclasses.asdict(spec.loader),
+        **dataclasses.asdict(spec.store),
+        **dataclasses.asdict(spec.runtime),
+        "overwrite": spec.output.overwrite,
+    }
+    rank = current_rank()
+    stores = {}
+    for split, source in sources.items():
+        provenance = {
+            "config": to_dict(spec),
+            "config_fingerprint": config_fingerprint(spec),
+            "weights": backbone.weights,
+            "split": split,
+            "source": {"kind": spec.data.source, "split": spec.data.splits[split]},
+        }
+        arguments = dict(
+            provenance=provenance,
+            dataset_fingerprint=source.fingerprint(content=spec.data.content_hash),
+            **options,
+        )
+        path = spec.store_path(split)
+        if rank is None:
+            stores[split] = extract(backbone.model, source, spec.layers, path, **arguments)
+        else:
+            stores[split] = extract_shard(
+                backbone.model, source, spec.layers, path, rank, arguments
+            )
+    return stores

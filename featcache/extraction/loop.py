@@ -1,0 +1,168 @@
+"""The run loop: batches from the loader, through the hooked forward, to the writer thread.
+
+The main thread only loads batches and runs the backbone. Reductions happen on the
+device inside the hooks, and finished batches go through a bounded queue to the writer
+thread, so the forward waits on the disk only when the queue is full. Nothing
+accumulates across batches: memory stays flat.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from featcache.errors import ConfigError, FeatcacheError
+from featcache.extraction.batches import Batch
+from featcache.extraction.nonfinite import check_finite, skip_record
+from featcache.extraction.writer_thread import (
+    MAX_PENDING_BATCHES,
+    CapturedBatch,
+    HostBuffers,
+    WriterThread,
+)
+from featcache.runtime import Layout
+from featcache.spec import LoaderSpec, RuntimeSpec, StoreSpec
+from featcache.store.codec import encode
+from featcache.taps import ReduceContext, Tap, TapSet
+
+
+def feature_attrs(taps: Sequence[Tap]) -> dict[str, dict[str, str]]:
+    """The attributes of each layer's dataset: what was captured and how it was reduced."""
+    return {
+        tap.key: {"module": tap.module_name, "capture": tap.capture, "reduce": tap.reduce}
+        | ({"target": str(tap.target)} if tap.capture == "grad" else {})
+        for tap in taps
+    }
+
+
+def run_loop(
+    model: nn.Module,
+    batches: Iterator[Batch],
+    taps: Sequence[Tap],
+    sink: WriterThread,
+    ids: Sequence[str],
+    options: tuple[LoaderSpec, StoreSpec, RuntimeSpec],
+    layout: Layout,
+    pin: bool,
+    total: int,
+    done_before: int = 0,
+) -> dict[str, float]:
+    """Run every batch into ``sink``: ``total`` rows in the store, ``done_before`` of them
+    written by an earlier run. Returns where the time went, in seconds."""
+    loader, store, runtime = options
+    device, memory_format = layout.device, layout.memory_format
+    was_training = model.training
+    model.eval()
+    # Module.to takes memory_format at run time; its type stub leaves it out.
+    model.to(device=device, memory_format=memory_format)  # type: ignore[call-overload]
+    attrs = feature_attrs(taps)
+    bar = tqdm(
+        total=total,
+        initial=done_before,
+        unit="img",
+        desc=sink.path.name,
+        disable=not runtime.progress,
+        dynamic_ncols=True,
+    )
+    # On CUDA, captured batches are copied into reused pinned buffers without blocking.
+    host_buffers = HostBuffers(MAX_PENDING_BATCHES + 2, pin=True) if device.type == "cuda" else None
+    timing = {"seconds_waiting_for_data": 0.0, "seconds_in_model": 0.0}
+    try:
+        convert = functools.partial(encode, dtype=store.dtype)
+        with TapSet(model, taps, convert=convert) as tapset:
+            if runtime.compile:
+                tapset.forward = torch.compile(model)
+            waiting_since = time.perf_counter()
+            for batch in batches:
+                computing_since = time.perf_counter()
+                timing["seconds_waiting_for_data"] += computing_since - waiting_since
+                if batch.error:
+                    raise ConfigError(batch.error)
+                skipped = [skip_record(i, ids[i], reason) for i, reason in batch.failed]
+                if batch.failed and loader.on_error == "fail":
+                    i, reason = batch.failed[0]
+                    raise FeatcacheError(
+                        f"{reason} (sample {ids[i]}); set loader.on_error=skip to skip "
+                        "unreadable samples"
+                    )
+                captured = CapturedBatch(
+                    batch.rows.numpy(), [], batch.labels.numpy(), {}, None, skipped
+                )
+                if batch.inputs is not None:
+                    forward(tapset, batch, captured, layout, pin, store, ids, host_buffers)
+                captured.ids = [ids[i] for i in captured.index]
+                timing["seconds_in_model"] += time.perf_counter() - computing_since
+                sink.put(captured, attrs)
+                bar.update(len(captured.index) + len(skipped))
+                bar.set_postfix_str(_bar_note(timing, sink.waited, sink.skipped), False)
+                waiting_since = time.perf_counter()
+    finally:
+        bar.close()
+        model.train(was_training)
+        if layout.channels_last:  # hand the model back in the layout it came in
+            model.to(memory_format=torch.contiguous_format)  # type: ignore[call-overload]
+    return timing
+
+
+def forward(
+    tapset: TapSet,
+    batch: Batch,
+    captured: CapturedBatch,
+    layout: Layout,
+    pin: bool,
+    store: StoreSpec,
+    ids: Sequence[str],
+    host_buffers: HostBuffers | None,
+    context: ReduceContext | None = None,
+) -> None:
+    """Run one batch through the taps and fill ``captured`` with what goes to the writer.
+
+    A tensor input is the model's one positional argument; a mapping of tensors is passed
+    as keyword arguments. ``context`` defaults to what the batch itself says (its mask).
+    """
+    device, amp = layout.device, layout.amp
+    on_device = batch.to(device, non_blocking=pin, memory_format=layout.memory_format)
+    if context is None:
+        context = ReduceContext(attention_mask=on_device.attention_mask)
+    autocast = torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()
+    # Gradient taps need autograd; everything else runs in inference mode.
+    mode = torch.enable_grad() if tapset.needs_grad else torch.inference_mode()
+    extra: dict[str, Any] = {"labels": batch.labels} if tapset.needs_grad else {}
+    inputs = on_device.inputs
+    with mode, autocast:
+        if isinstance(inputs, dict):
+            values = tapset.run(context=context, **extra, **inputs)
+        else:
+            values = tapset.run(inputs, context=context, **extra)
+        keep = check_finite(values, batch.rows, ids, store, captured.skipped)
+        if keep is not None:
+            values = {k: v[keep.to(v.device)] for k, v in values.items()}
+            captured.index, captured.labels = (
+                captured.index[keep.numpy()],
+                captured.labels[keep.numpy()],
+            )
+    if host_buffers is None:
+        captured.features = values  # already fresh CPU tensors
+        return
+    captured.features, captured.release = host_buffers.copy(values)
+    captured.ready = torch.cuda.Event()
+    captured.ready.record()
+
+
+def _bar_note(timing: Mapping[str, float], disk_wait: float, skipped: int) -> str:
+    """Where the time goes, so users see what bounds them (decoding, the model, the disk)."""
+    data, model = timing["seconds_waiting_for_data"], timing["seconds_in_model"]
+    total = max(data + model + disk_wait, 1e-9)
+    note = f"data {100 * data / total:.0f}% model {100 * model / total:.0f}%"
+    if disk_wait > 0.05 * total:
+        note += f" disk {100 * disk_wait / total:.0f}% (the disk is the bottleneck)"
+    if skipped:
+        note += f" skipped {skipped}"
+    return note

@@ -1,0 +1,65 @@
+"""The non-finite policy: rows holding NaN or Inf fail the run, are skipped, or are kept."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from featcache.errors import FeatcacheError
+from featcache.spec import StoreSpec
+from featcache.store import codec
+
+
+def skip_record(row: int, sample_id: str, reason: str) -> dict[str, Any]:
+    return {"index": int(row), "id": str(sample_id), "reason": reason}
+
+
+def check_finite(
+    captured: Mapping[str, torch.Tensor],
+    index: torch.Tensor,
+    ids: Sequence[str],
+    store: StoreSpec,
+    skipped: list[dict[str, Any]],
+) -> torch.Tensor | None:
+    """Apply ``store.on_nonfinite``; returns a row mask when rows must be dropped."""
+    if store.on_nonfinite == "keep":
+        return None
+    bad_by_layer = {
+        key: nonfinite_rows(codec.values(value, store.dtype)) for key, value in captured.items()
+    }
+    bad_rows = torch.stack(list(bad_by_layer.values())).any(dim=0)
+    if not bad_rows.any():
+        return None
+    first = int(bad_rows.nonzero()[0])
+    layers = [key for key, bad in bad_by_layer.items() if bad[first]]
+    if store.on_nonfinite == "fail":
+        hint = " (float16 overflows above 65504: bfloat16 or float32 may fit)"
+        raise FeatcacheError(
+            f"non-finite values (NaN or Inf) in layer {layers[0]} for sample "
+            f"{ids[int(index[first])]}{hint if store.dtype == 'float16' else ''}; set "
+            "store.on_nonfinite=skip to leave such rows out or keep to store them"
+        )
+    for j in bad_rows.nonzero().flatten().tolist():
+        names = ", ".join(key for key, bad in bad_by_layer.items() if bad[j])
+        row = int(index[j])
+        skipped.append(skip_record(row, ids[row], f"non-finite values in layer {names}"))
+    return ~bad_rows
+
+
+def nonfinite_rows(value: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool on the CPU: rows of ``value`` ``[B, ...]`` holding a NaN or an Inf.
+
+    A row's sum is non-finite whenever the row is, so one reduction pass finds the
+    suspects; only those are checked element by element (a finite row whose sum
+    overflows is not reported).
+    """
+    flat = value.flatten(1)
+    wide = torch.float64 if flat.dtype in (torch.float32, torch.float64) else torch.float32
+    suspect = ~torch.isfinite(flat.sum(dim=1, dtype=wide))
+    if not suspect.any():
+        return torch.zeros(len(flat), dtype=torch.bool)
+    bad = suspect.clone()
+    bad[suspect] = ~torch.isfinite(flat[suspect]).all(dim=1)
+    return bad.cpu()

@@ -1,0 +1,81 @@
+"""torchrun runs: each rank extracts its block of rows into a shard, rank 0 combines them."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+from torch.utils.data import Dataset
+
+from featcache.distributed import Rank, block, check_other_world_sizes, combine_shards, shard_path
+from featcache.extraction.api import RunOptions, _plan, extract
+from featcache.extraction.batches import source_length
+from featcache.provenance import StoreKey
+from featcache.spec import LayerSpec
+from featcache.store import FeatureStore, remove_store, stored_resume_key
+
+
+def combined_key(shard_key: StoreKey, num_rows: int, world_size: int) -> StoreKey:
+    """The key of the store combined from every rank's shard: all rows, the world size,
+    and the device type rather than any one rank's device."""
+    layout = dict(shard_key.layout)
+    layout["device"] = str(layout.get("device", "")).split(":")[0]
+    return dataclasses.replace(shard_key, rows=(0, num_rows), world_size=world_size, layout=layout)
+
+
+def extract_shard(
+    model: nn.Module,
+    source: Dataset,
+    layers: Sequence[LayerSpec],
+    path: Path,
+    rank: Rank,
+    arguments: dict[str, Any],
+) -> FeatureStore:
+    """This rank's block into its shard; then rank 0 writes the store over all shards."""
+    world = rank.world_size
+    overwrite = arguments["overwrite"]
+    num_rows, batch_size = source_length(source), arguments["batch_size"]
+    shard_arguments = dict(
+        arguments,
+        device=rank.device(arguments["device"]),
+        progress=arguments["progress"] and rank.is_main,
+    )
+    plan_options = {
+        k: v for k, v in shard_arguments.items() if k not in ("provenance", "dataset_fingerprint")
+    }
+    plan = _plan(
+        model,
+        source,
+        layers,
+        RunOptions.from_kwargs(**plan_options),
+        ids=None,
+        class_names=None,
+        provenance=arguments.get("provenance"),
+        dataset_fingerprint=arguments.get("dataset_fingerprint"),
+        rows=None,
+    )
+    done_key = combined_key(plan.key(), num_rows, world)
+    if path.exists() and not overwrite and done_key.matches(stored_resume_key(path)):
+        return FeatureStore(path)
+    check_other_world_sizes(path, world, overwrite)
+    if overwrite and rank.is_main:
+        remove_store(path)
+    blocks = [block(num_rows, batch_size, r, world) for r in range(world)]
+    if blocks[rank.rank]:
+        extract(
+            model,
+            source,
+            layers,
+            shard_path(path, rank.rank, world),
+            rows=blocks[rank.rank],
+            **shard_arguments,
+        )
+    rank.barrier()
+    if rank.is_main:
+        shards = [shard_path(path, r, world) for r in range(world) if blocks[r]]
+        combine_shards(path, shards, {"resume_key": done_key.to_json()})
+    rank.barrier()
+    return FeatureStore(path)
