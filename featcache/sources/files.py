@@ -1,0 +1,230 @@
+"""Sources over image files: class folders (imagefolder) and CSV/JSONL manifests."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from featcache.errors import ConfigError
+from featcache.fingerprints import file_sha256, lines_sha256
+from featcache.sources.base import IMAGE_EXTENSIONS, SourceDataset, Transform
+from featcache.sources.decode import load_rgb
+from featcache.spec import DataSpec
+
+
+class FileSource(SourceDataset):
+    """Image files with optional labels: the imagefolder and manifest sources."""
+
+    def __init__(
+        self,
+        paths: list[str],
+        labels: list[int] | None,
+        ids: list[str],
+        class_names: list[str] | None,
+        transform: Transform | None,
+    ) -> None:
+        super().__init__(ids, class_names, labels is not None, transform)
+        self.paths = paths
+        self.labels = labels
+        self.decode_size: int | None = None  # see build_source
+
+    def _load(self, i: int) -> tuple[Image.Image, int]:
+        label = -1 if self.labels is None else self.labels[i]
+        return load_rgb(self.paths[i], self.decode_size), label
+
+    def fingerprint(self, content: bool = False) -> str:
+        entries = []
+        for sample_id, path in sorted(zip(self.ids, self.paths, strict=True)):
+            size = os.path.getsize(path) if os.path.exists(path) else -1
+            entry = f"{sample_id}\t{size}"
+            if content and size >= 0:
+                entry += "\t" + file_sha256(path)
+            entries.append(entry)
+        return lines_sha256(entries)
+
+
+def imagefolder_source(
+    data: DataSpec, split: str, value: Any, transform: Transform | None
+) -> FileSource:
+    _no_kwargs(data)
+    folder = _under_root(data, split, value, "a subfolder of data.root")
+    if not folder.is_dir():
+        raise ConfigError(_not_found(folder))
+    # Hidden entries (.ipynb_checkpoints, ._IMG.jpg from macOS) are never classes or images.
+    classes = sorted(e.name for e in os.scandir(folder) if e.is_dir() and e.name[0] != ".")
+    paths: list[str] = []
+    labels: list[int] = []
+    ids: list[str] = []
+    for label, name in enumerate(classes):
+        # The same walk and order as torchvision.datasets.ImageFolder.
+        for root, _, files in sorted(os.walk(folder / name, followlinks=True)):
+            rel_root = Path(root).relative_to(folder)
+            if any(part.startswith(".") for part in rel_root.parts):
+                continue
+            for file in sorted(files):
+                if file.startswith(".") or not file.lower().endswith(IMAGE_EXTENSIONS):
+                    continue
+                paths.append(os.path.join(root, file))
+                labels.append(label)
+                ids.append((rel_root / file).as_posix())
+    if not paths:
+        where = f"its {len(classes)} class folders" if classes else "class subfolders (none found)"
+        raise ConfigError(
+            f"no images in split {split!r} folder {folder}: looked for "
+            f"{' '.join(IMAGE_EXTENSIONS)} files (any case) in {where}; "
+            "put the images in one subfolder per class"
+        )
+    return FileSource(paths, labels, ids, classes, transform)
+
+
+def manifest_source(
+    data: DataSpec, split: str, value: Any, transform: Transform | None
+) -> FileSource:
+    _no_kwargs(data)
+    file = _under_root(data, split, value, "a .csv or .jsonl manifest under data.root")
+    if not file.is_file():
+        raise ConfigError(
+            f"manifest not found: {file}; set data.splits.{split} to a .csv or .jsonl file "
+            "(relative to data.root)"
+        )
+    suffix = file.suffix.lower()
+    if suffix == ".csv":
+        rows = _csv_rows(file)
+    elif suffix == ".jsonl":
+        rows = _jsonl_rows(file)
+    else:
+        raise ConfigError(f"manifest {file} must be a .csv or .jsonl file, not {suffix or '?'}")
+    if not rows:
+        raise ConfigError(f"manifest {file} has no rows; list one image per row")
+
+    paths = []
+    for line, path, _ in rows:
+        full = Path(path).expanduser()
+        full = full if full.is_absolute() else file.parent / full
+        if not full.is_file():
+            raise ConfigError(f"manifest {file} line {line}: image not found: {full}")
+        paths.append(str(full))
+    ids = [path for _, path, _ in rows]
+
+    labelled = [(line, label) for line, _, label in rows if label is not None]
+    if not labelled:
+        return FileSource(paths, None, ids, None, transform)
+    if len(labelled) < len(rows):
+        line = next(line for line, _, label in rows if label is None)
+        raise ConfigError(
+            f"manifest {file} line {line}: no label, but other rows have one; "
+            "label every row or none"
+        )
+    kind = type(labelled[0][1])
+    for line, label in labelled:
+        if type(label) is not kind:
+            raise ConfigError(
+                f"manifest {file} line {line}: label {label!r} is a {type(label).__name__} but "
+                f"line {labelled[0][0]}'s is a {kind.__name__}; use all integers or all strings"
+            )
+    if kind is int:
+        int_labels = [int(label) for _, label in labelled]
+        return FileSource(paths, int_labels, ids, None, transform)
+    class_names = sorted({str(label) for _, label in labelled})
+    index = {name: i for i, name in enumerate(class_names)}
+    labels = [index[str(label)] for _, label in labelled]
+    return FileSource(paths, labels, ids, class_names, transform)
+
+
+_Row = tuple[int, str, "int | str | None"]  # (line number, path as written, label)
+
+
+def _csv_rows(file: Path) -> list[_Row]:
+    with open(file, newline="", encoding="utf-8-sig") as f:  # -sig: Excel writes a BOM
+        reader = csv.reader(f)
+        header = [name.strip() for name in next(reader, [])]
+        if "path" not in header:
+            found = ", ".join(header) or "nothing"
+            raise ConfigError(
+                f"manifest {file} line 1: no 'path' column (header has {found}); "
+                "the first row must name the columns, e.g. path,label"
+            )
+        path_col = header.index("path")
+        label_col = header.index("label") if "label" in header else None
+        rows: list[_Row] = []
+        for cells in reader:
+            line = reader.line_num
+            if not any(cell.strip() for cell in cells):
+                continue
+            if len(cells) != len(header):
+                raise ConfigError(
+                    f"manifest {file} line {line}: {len(cells)} cells but the header has "
+                    f"{len(header)}; quote values that contain commas"
+                )
+            label: int | str | None = None
+            if label_col is not None and cells[label_col].strip():
+                text = cells[label_col].strip()
+                label = int(text) if re.fullmatch(r"[+-]?\d+", text) else text
+            rows.append((line, _check_row(file, line, cells[path_col].strip(), label), label))
+    return rows
+
+
+def _jsonl_rows(file: Path) -> list[_Row]:
+    rows: list[_Row] = []
+    with open(file, encoding="utf-8-sig") as f:
+        for line, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(
+                    f"manifest {file} line {line}: not valid JSON ({exc.msg}); "
+                    "write one JSON object per line"
+                ) from None
+            if not isinstance(obj, dict) or "path" not in obj:
+                raise ConfigError(
+                    f"manifest {file} line {line}: no 'path' key; "
+                    'write objects like {"path": "img/1.jpg", "label": 3}'
+                )
+            label = obj.get("label")
+            if isinstance(label, bool) or not isinstance(label, (int, str, type(None))):
+                raise ConfigError(
+                    f"manifest {file} line {line}: label {label!r} must be an integer or a string"
+                )
+            rows.append((line, _check_row(file, line, obj["path"], label), label))
+    return rows
+
+
+def _check_row(file: Path, line: int, path: Any, label: int | str | None) -> str:
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"manifest {file} line {line}: path must be a non-empty string")
+    if isinstance(label, int) and label < 0:
+        raise ConfigError(f"manifest {file} line {line}: label {label} must be >= 0")
+    return path
+
+
+def _under_root(data: DataSpec, split: str, value: Any, what: str) -> Path:
+    if not data.root:
+        raise ConfigError(f"data.root is required for data.source={data.source}")
+    root = Path(data.root).expanduser()
+    if not root.is_dir():
+        raise ConfigError(_not_found(root))
+    if not isinstance(value, str):
+        raise ConfigError(f"data.splits.{split} must be {what}, got {value!r}")
+    return root / value
+
+
+def _not_found(path: Path) -> str:
+    return (
+        f"data root not found: {path}; set data.root (or the split's folder) to an existing folder"
+    )
+
+
+def _no_kwargs(data: DataSpec) -> None:
+    if data.kwargs:
+        keys = ", ".join(map(str, data.kwargs))
+        raise ConfigError(
+            f"data.kwargs ({keys}) is not used by data.source={data.source}; remove it"
+        )
