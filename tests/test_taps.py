@@ -1,14 +1,13 @@
-"""Layer selection, reductions, select, early stop and hook removal."""
+"""Layer selection, select, early stop and hook removal."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.taps import Tap, TapSet, reduce_tensor, resolve_taps
+from featcache.taps import TapSet, resolve_taps
 
 
 def _hook_count(model: nn.Module) -> int:
@@ -50,31 +49,6 @@ def test_duplicate_keys_are_refused(resnet18):
     assert [t.key for t in taps] == ["layer1", "l1avg"]
     with pytest.raises(ConfigError, match="matches 4 modules but sets one key"):
         resolve_taps(resnet18, [{"name": "layer*.1", "key": "x"}])
-
-
-@pytest.mark.parametrize(
-    "reduce, size, shape, expected",
-    [
-        ("none", None, (2, 4, 3, 3), lambda x: x),
-        ("avg", None, (2, 4, 3, 3), lambda x: x.mean((2, 3))),
-        ("max", None, (2, 4, 3, 3), lambda x: x.amax((2, 3))),
-        ("adaptive_avg", 2, (2, 4, 6, 6), lambda x: F.adaptive_avg_pool2d(x, 2)),
-        ("flatten", None, (2, 4, 3, 3), lambda x: x.reshape(2, -1)),
-        ("cls", None, (2, 5, 8), lambda x: x[:, 0]),
-        ("mean", None, (2, 5, 8), lambda x: x.mean(1)),
-    ],
-)
-def test_reductions(reduce, size, shape, expected):
-    x = torch.randn(*shape)
-    out = reduce_tensor(x, Tap("k", "m", reduce=reduce, size=size))
-    torch.testing.assert_close(out, expected(x), rtol=0, atol=0)
-
-
-def test_reduction_shape_errors_name_the_layer():
-    with pytest.raises(ConfigError, match="layer 'k': reduce=cls needs a .B, T, D. tokens"):
-        reduce_tensor(torch.randn(2, 3, 4, 4), Tap("k", "m", reduce="cls"))
-    with pytest.raises(ConfigError, match="reduce=avg"):
-        reduce_tensor(torch.randn(2, 3), Tap("k", "m", reduce="avg"))
 
 
 class TwoHeads(nn.Module):

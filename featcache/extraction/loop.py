@@ -30,7 +30,8 @@ from featcache.extraction.writer_thread import (
 from featcache.runtime import Layout
 from featcache.spec import LoaderSpec, RuntimeSpec, StoreSpec
 from featcache.store.codec import encode
-from featcache.taps import ReduceContext, Tap, TapSet
+from featcache.reduce import ReduceContext
+from featcache.taps import Tap, TapSet
 
 
 def feature_attrs(taps: Sequence[Tap]) -> dict[str, dict[str, str]]:

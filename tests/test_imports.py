@@ -1,0 +1,49 @@
+"""Every module imports on its own in a fresh interpreter: no cycles, no order dependence."""
+
+from __future__ import annotations
+
+import pkgutil
+import subprocess
+import sys
+
+import featcache
+
+MODULES = sorted(
+    m.name
+    for m in pkgutil.walk_packages(featcache.__path__, "featcache.")
+    if m.name != "featcache.__main__"
+)
+
+
+def test_the_package_lists_its_modules():
+    assert "featcache.extraction.loop" in MODULES and "featcache.store.codec" in MODULES
+
+
+def test_each_module_imports_alone():
+    # One interpreter; before each import every featcache module is forgotten, so a module
+    # that only imports after another one (or through a cycle) fails here. Third-party
+    # modules stay loaded: importing torch afresh for each module would take minutes.
+    script = (
+        "import importlib, sys\n"
+        "for name in sys.argv[1:]:\n"
+        "    for loaded in [m for m in sys.modules if m.split('.')[0] == 'featcache']:\n"
+        "        del sys.modules[loaded]\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except Exception as exc:\n"
+        "        print(name, type(exc).__name__, exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, *MODULES], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout == "", out.stdout + out.stderr
+
+
+def test_importing_featcache_loads_no_heavy_module():
+    code = (
+        "import sys, featcache\n"
+        "heavy = [m for m in ('featcache.extraction', 'featcache.store', 'h5py', 'featcache.probe')"
+        " if m in sys.modules]\n"
+        "print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    assert callable(featcache.extract) and featcache.FeatureStore.__name__ == "FeatureStore"

@@ -1,0 +1,65 @@
+"""The store key (one record of what decides a store's bytes) and the config fingerprint."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from featcache.extraction.sharding import combined_key
+from featcache.provenance import StoreKey, config_fingerprint, store_attributes
+from featcache.spec import load_config
+
+BASE = {
+    "model": {"name": "resnet18"},
+    "layers": ["layer1"],
+    "data": {"source": "synthetic", "splits": ["train"]},
+}
+
+
+def _key(**changes) -> StoreKey:
+    key = StoreKey(
+        config_fingerprint="c",
+        weights={"source": "module", "sha256": "w"},
+        dataset_fingerprint="d",
+        source_rows=10,
+        rows=(0, 10),
+        taps=({"key": "layer1"},),
+        store_dtype="float16",
+        chunk_rows=None,
+        compression=None,
+        batch_size=4,
+        on_nonfinite="fail",
+        layout={"device": "cuda:1", "channels_last": True, "amp": None},
+    )
+    return dataclasses.replace(key, **changes)
+
+
+def test_key_round_trips_through_json_and_names_its_differences():
+    key = _key()
+    stored = key.to_json()
+    assert "world_size" not in stored and stored["rows"] == [0, 10]
+    assert key.matches(stored)
+    assert _key(store_dtype="float32").differences(stored) == ["store_dtype"]
+    assert key.differences(None) == sorted(stored)
+
+
+def test_combined_torchrun_key_is_the_same_on_every_rank():
+    a = combined_key(_key(rows=(0, 4)), 10, 2)
+    b = combined_key(
+        _key(rows=(4, 10), layout={"device": "cuda:0", "channels_last": True, "amp": None}), 10, 2
+    )
+    assert a == b and a.world_size == 2 and a.rows == (0, 10)
+    assert a.to_json()["layout"]["device"] == "cuda"
+
+
+def test_store_attributes_hold_the_key_and_provenance():
+    attrs = store_attributes(_key(), {"split": "train"}, device="cpu", class_names=["a"])
+    assert attrs["resume_key"] == _key().to_json() and attrs["split"] == "train"
+    assert attrs["weights"] == {"source": "module", "sha256": "w"}
+    assert attrs["class_names"] == ["a"] and "torch" in attrs["versions"]
+
+
+def test_config_fingerprint_leaves_out_only_content_free_keys():
+    base = config_fingerprint(load_config(BASE))
+    same = load_config(BASE, ["loader.num_workers=0", "output.dir=x", "loader.on_error=skip"])
+    assert config_fingerprint(same) == base
+    assert config_fingerprint(load_config(BASE, ["loader.batch_size=8"])) != base
