@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 
 @dataclass(frozen=True)
 class LayerInfo:
+    """One named module of a model, as ``featcache layers`` prints it."""
+
     name: str  # module name, as used in a layer selector
     type: str  # module class name, as used in "type:<name>"
     output: str  # output shape per sample, e.g. "[256, 14, 14]"; "-" if never called
@@ -22,14 +26,17 @@ def describe_layers(
 ) -> list[LayerInfo]:
     """Run one ``[2, channels, input_size, input_size]`` batch and record every module's output.
 
-    Shapes are reported per sample (without the batch dimension). The model's
-    train/eval flag is restored afterwards and all hooks are removed.
+    The batch is float32 zeros on ``device``. Shapes are reported per sample (without the
+    batch dimension), as of the module's first call; a tuple/list output reads
+    ``"([C, H, W], [D])"``, a dict ``"{key: [D]}"``, anything else its type name. Modules
+    are listed in ``named_modules()`` order, the root excluded. The model's train/eval
+    flag is restored afterwards and all hooks are removed.
     """
     shapes: dict[str, str] = {}
-    handles = []
+    handles: list[RemovableHandle] = []
 
-    def recorder(name: str):
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+    def recorder(name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             shapes.setdefault(name, _describe(output))
 
         return hook

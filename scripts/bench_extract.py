@@ -230,7 +230,7 @@ def jpeg_pipeline(repeats: int, batch: int) -> None:
     if not archive.exists():
         print(f"\nJPEG pipeline skipped: {archive} not found")
         return
-    from featcache.backbones import build_transform
+    from featcache.models import build_transform
     from featcache.sources import build_source
     from featcache.spec import DataSpec, PreprocessSpec
 

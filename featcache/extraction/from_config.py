@@ -24,7 +24,7 @@ def extract_from_config(
     ``overrides`` are ``key.sub=value`` strings applied first. Every split's output path
     is checked before any work starts.
     """
-    from featcache.backbones import build_backbone
+    from featcache.models import build_backbone
     from featcache.sources import build_source
 
     spec = config if isinstance(config, Spec) else load_config(config, overrides)

@@ -1,3 +1,5 @@
+"""The built-in model kinds (torchvision, factory) and checkpoints loaded on top of them."""
+
 from __future__ import annotations
 
 import hashlib
@@ -13,15 +15,15 @@ import pytest
 import torch
 from PIL import Image
 
-from featcache.backbones import (
+from featcache.errors import ConfigError, FeatcacheError
+from featcache.fingerprints import file_sha256
+from featcache.models import (
     build_backbone,
     build_transform,
-    file_sha256,
     import_factory,
     load_checkpoint,
     resolve_weights,
 )
-from featcache.errors import ConfigError, FeatcacheError
 from featcache.spec import ModelSpec, PreprocessSpec
 from tests.cifar_resnet import resnet20
 

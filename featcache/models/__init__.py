@@ -1,0 +1,54 @@
+"""Model kinds and the backbones they build: :func:`build_backbone` -> :class:`Backbone`.
+
+The built-in kinds are registered below, in one list; a new kind (``timm``, ``hf``,
+``open_clip``) is a :class:`ModelKind` subclass in its own module and one more line here.
+"""
+
+from __future__ import annotations
+
+from featcache.models.backbone import Backbone, build_backbone, build_preprocessing
+from featcache.models.checkpoint import load_checkpoint
+from featcache.models.factory import FactoryKind, import_factory
+from featcache.models.preprocess import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    INTERPOLATIONS,
+    Preprocessing,
+    build_transform,
+)
+from featcache.models.registry import (
+    BuiltModel,
+    ModelKind,
+    Tokenizer,
+    kind_for,
+    register,
+    registered,
+    unregister,
+)
+from featcache.models.torchvision import TorchvisionKind, resolve_weights
+
+register(TorchvisionKind())
+register(FactoryKind())
+
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "INTERPOLATIONS",
+    "Backbone",
+    "BuiltModel",
+    "FactoryKind",
+    "ModelKind",
+    "Preprocessing",
+    "Tokenizer",
+    "TorchvisionKind",
+    "build_backbone",
+    "build_preprocessing",
+    "build_transform",
+    "import_factory",
+    "kind_for",
+    "load_checkpoint",
+    "register",
+    "registered",
+    "resolve_weights",
+    "unregister",
+]

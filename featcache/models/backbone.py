@@ -1,0 +1,87 @@
+"""Build a :class:`Backbone` from a :class:`ModelSpec` through its model kind, a checkpoint on top.
+
+:attr:`Backbone.weights` is a JSON-able record of which weights the model holds. It always
+has ``"model"`` (``model.name`` or ``model.factory``, as written) and ``"source"``:
+
+* ``"torchvision"``: ``"enum"`` (``"ResNet18_Weights.IMAGENET1K_V1"``) and ``"url"``.
+* ``"checkpoint"``: ``"path"`` and ``"sha256"`` of the file; when the checkpoint was loaded
+  on top of torchvision weights, also their ``"enum"`` and ``"url"``.
+* ``"random"``: ``"seed"``, the seed set right before the model was constructed. A factory
+  that loads weights by itself is recorded as ``"random"`` too: featcache cannot see that.
+
+Stores record it, and resume and verify compare it, so it changes exactly when the
+weights do (and never with the kind's bookkeeping).
+"""
+
+from __future__ import annotations
+
+from dataclasses import KW_ONLY, dataclass
+from typing import Any
+
+from torch import nn
+
+from featcache.models.checkpoint import apply_checkpoint
+from featcache.models.preprocess import Preprocessing, Transform
+from featcache.models.registry import Tokenizer, kind_for
+from featcache.spec import ModelSpec, PreprocessSpec
+from featcache.validation import check
+
+
+@dataclass
+class Backbone:
+    """A model ready for feature extraction, with the preprocessing its weights expect.
+
+    ``kind`` names the model kind that built it (``"torchvision"``, ``"factory"``);
+    ``tokenizer``, ``prefix_tokens`` and ``sequence_first`` describe its inputs and token
+    outputs (see :class:`~featcache.models.registry.BuiltModel`).
+    """
+
+    model: nn.Module  # in eval() mode, on CPU
+    transform: Transform  # PIL RGB -> float32 [3, H, W]
+    weights: dict[str, Any]  # JSON-able identity of the weights (see the module docstring)
+    decode_size: int | None = None  # shorter side ``transform`` resizes to first, if any
+    _: KW_ONLY
+    kind: str
+    tokenizer: Tokenizer | None = None  # None: the model takes images
+    prefix_tokens: int = 0  # class/register tokens before the patch tokens of token outputs
+    sequence_first: bool = False  # token outputs are [T, B, D] rather than [B, T, D]
+
+
+def build_backbone(model: ModelSpec, preprocess: PreprocessSpec, seed: int = 0) -> Backbone:
+    """Build the model described by ``model`` and the transform described by ``preprocess``.
+
+    ``torch.manual_seed(seed)`` is called right before the model is constructed, so a
+    randomly initialised model is the same for the same seed. With no explicit
+    ``preprocess`` the transform is the model's own where its kind has one (torchvision
+    weights' ``transforms()``); otherwise it is
+    :func:`~featcache.models.preprocess.build_transform`. ``model.checkpoint``, if set, is
+    loaded on top of what the kind built.
+    """
+    check(model, "model")
+    kind, ref = kind_for(model)
+    # Before the model, so that a bad option fails before any download.
+    preprocessing = kind.preprocessing(ref, model, preprocess)
+    built = kind.build(ref, model, seed)
+    weights = built.weights
+    if model.checkpoint is not None:
+        weights = apply_checkpoint(built.module, model.checkpoint, model.strip_prefix, weights)
+    return Backbone(
+        built.module.cpu().eval(),
+        preprocessing.transform,
+        {"model": model.name or model.factory, **weights},
+        preprocessing.decode_size,
+        kind=kind.name,
+        tokenizer=built.tokenizer,
+        prefix_tokens=built.prefix_tokens,
+        sequence_first=built.sequence_first,
+    )
+
+
+def build_preprocessing(model: ModelSpec, preprocess: PreprocessSpec) -> Preprocessing:
+    """The preprocessing :func:`build_backbone` would use, without building the model.
+
+    Downloads nothing; gives the sizes an image is shown at as the model sees it.
+    """
+    check(model, "model")
+    kind, ref = kind_for(model)
+    return kind.preprocessing(ref, model, preprocess)

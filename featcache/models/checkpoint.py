@@ -1,0 +1,166 @@
+"""Local state-dict checkpoints: loaded strictly, only with ``torch.load(weights_only=True)``.
+
+A checkpoint is not a model kind but a weights-loading step applied on top of any kind:
+it says nothing about the architecture, which a kind must build first, and every kind's
+module can take one (fine-tuned torchvision weights, a factory's network, later a timm
+model). As a kind it would have to wrap each of the others.
+
+``weights_only=True`` reads tensors and plain containers only and never unpickles
+arbitrary objects. Weights identity after loading: ``{"source": "checkpoint", "path",
+"sha256"}`` of the file, followed by what the kind had loaded underneath, if anything
+(torchvision's ``"enum"`` and ``"url"``); randomly initialised weights underneath leave no
+trace, since a strict load replaced every one of them.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from featcache.errors import ConfigError, first_line
+from featcache.fingerprints import file_sha256
+
+# Keys under which training scripts commonly nest the state dict in a checkpoint.
+STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model")
+
+
+def apply_checkpoint(
+    module: nn.Module,
+    path: str | os.PathLike,
+    strip_prefix: str | None,
+    underneath: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Load checkpoint ``path`` into ``module``; return the identity of the weights it holds.
+
+    ``underneath`` is the identity of the weights the module held before (a kind's
+    ``{"source": ..., ...}``); its entries other than ``"source"`` are kept after the
+    checkpoint's own, unless those weights were random.
+    """
+    sha256 = load_checkpoint(module, path, strip_prefix)
+    identity: dict[str, Any] = {"source": "checkpoint", "path": str(path), "sha256": sha256}
+    if underneath.get("source") != "random":
+        identity.update((k, v) for k, v in underneath.items() if k not in identity)
+    return identity
+
+
+def load_checkpoint(
+    module: nn.Module, path: str | os.PathLike, strip_prefix: str | None = None
+) -> str:
+    """Load the state dict in file ``path`` into ``module`` (strictly); return its sha256.
+
+    The file holds a state dict, or a dict with one under ``"state_dict"``,
+    ``"model_state_dict"`` or ``"model"``. ``strip_prefix`` is removed from the start of
+    every key that has it (``"module."`` for checkpoints saved from ``DataParallel``).
+    Any mismatch (missing or unexpected keys, tensors of the wrong shape) is one
+    :class:`ConfigError` line that lists a few of each and suggests a ``strip_prefix``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"checkpoint not found: {path}; set model.checkpoint to a local file")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+        what = f"it contains a pickled {found.group(1)}" if found else "it is not a tensor file"
+        raise ConfigError(
+            f"checkpoint {path} cannot be loaded with torch.load(weights_only=True): {what}. "
+            "featcache loads only tensors (weights_only=True) and never unpickles arbitrary "
+            "objects; re-save it with torch.save(model.state_dict(), path)"
+        ) from exc
+    except (EOFError, RuntimeError, OSError) as exc:
+        raise ConfigError(
+            f"checkpoint {path} is not a readable torch file: {first_line(exc)}"
+        ) from exc
+
+    state = _find_state_dict(obj, path)
+    stored_keys = list(state)
+    if strip_prefix:
+        state = {k.removeprefix(strip_prefix): v for k, v in state.items()}
+    own = module.state_dict()
+    # strict=False plus our own check of what it reports is exactly strict=True, with a
+    # one-line message instead of torch's multi-line one.
+    wrong: list[str] = []
+    try:
+        result = module.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # tensors of the wrong shape; load the rest to list the keys
+        wrong = [k for k in state if k in own and state[k].shape != own[k].shape]
+        if not wrong:
+            raise ConfigError(
+                f"checkpoint {path} does not load into the model: {first_line(exc)}"
+            ) from exc
+        result = module.load_state_dict({k: state[k] for k in state if k not in wrong}, False)
+    missing = [k for k in result.missing_keys if k not in wrong]
+    problems = [
+        _some_keys(keys, what)
+        for keys, what in (
+            (
+                [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in wrong],
+                "tensors of the wrong shape",
+            ),
+            (missing, "missing keys"),
+            (result.unexpected_keys, "unexpected keys"),
+        )
+        if keys
+    ]
+    if problems:
+        hint = "; check model.kwargs (e.g. num_classes) and the architecture" if wrong else ""
+        raise ConfigError(
+            f"checkpoint {path} does not match the model: {', '.join(problems)}"
+            f"{_prefix_hint(stored_keys, own, strip_prefix)}{hint}"
+        )
+    return file_sha256(path)
+
+
+def _is_state_dict(obj: Any) -> bool:
+    return isinstance(obj, Mapping) and all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
+    )
+
+
+def _find_state_dict(obj: Any, path: Path) -> Mapping[str, torch.Tensor]:
+    if _is_state_dict(obj) and obj:
+        return obj
+    if isinstance(obj, Mapping):
+        for key in STATE_DICT_KEYS:
+            if _is_state_dict(obj.get(key)):
+                return obj[key]
+        keys = ", ".join(map(str, list(obj)[:8]))
+        raise ConfigError(
+            f"checkpoint {path} holds no state dict: expected a mapping of names to tensors, "
+            f"or one under {', '.join(STATE_DICT_KEYS)}; its keys are: {keys}"
+        )
+    raise ConfigError(
+        f"checkpoint {path} holds a {type(obj).__name__}, not a state dict; "
+        "save it with torch.save(model.state_dict(), path)"
+    )
+
+
+def _some_keys(keys: list[str], what: str, shown: int = 3) -> str:
+    more = ", ..." if len(keys) > shown else ""
+    return f"{len(keys)} {what} ({', '.join(keys[:shown])}{more})"
+
+
+def _prefix_hint(keys: list[str], own: Mapping[str, Any], strip_prefix: str | None) -> str:
+    """Suggest strip_prefix when every checkpoint key starts with the same ``name.``.
+
+    ``keys`` are the checkpoint's keys as stored, before any prefix was stripped.
+    """
+    if strip_prefix and not any(k.startswith(strip_prefix) for k in keys):
+        note = f"; model.strip_prefix {strip_prefix!r} matched no checkpoint key"
+        strip_prefix = None
+    else:
+        note = ""
+    keys = [k.removeprefix(strip_prefix) for k in keys] if strip_prefix else keys
+    first = keys[0].split(".", 1)[0] + "." if keys and "." in keys[0] else ""
+    shared = first and all(k.startswith(first) for k in keys)
+    if shared and {k.removeprefix(first) for k in keys} & set(own):
+        prefix = (strip_prefix or "") + first
+        note += f"; all its keys start with {first!r}: set model.strip_prefix: {prefix!r}"
+    return note

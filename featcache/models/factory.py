@@ -1,0 +1,81 @@
+"""The factory model kind: ``"package.module:callable"`` imported and called with ``model.kwargs``.
+
+**This is the only way a config executes code**: featcache imports the named module and
+calls the named callable, so only use configs whose factory you trust.
+
+Weights identity: ``{"source": "random", "seed": seed}``, the seed set right before the
+call. A factory that loads weights by itself is recorded as ``"random"`` too: featcache
+cannot see that; load them with ``model.checkpoint`` instead to have them recorded.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from featcache.errors import ConfigError, first_line
+from featcache.models.registry import BuiltModel, ModelKind, random_weights
+from featcache.spec import ModelSpec
+
+
+class FactoryKind(ModelKind):
+    """``model.factory`` called with ``**model.kwargs``; it must return an ``nn.Module``."""
+
+    name = "factory"
+
+    def build(self, ref: str, model: ModelSpec, seed: int) -> BuiltModel:
+        module = call_factory(ref, import_factory(ref), model.kwargs, seed)
+        return BuiltModel(module, random_weights(seed))
+
+
+def import_factory(target: str) -> Callable[..., nn.Module]:
+    """Import ``"package.module:callable"`` (dotted attributes after the colon allowed)."""
+    module_name, colon, attr_path = target.partition(":")
+    if not colon or not module_name or not attr_path:
+        raise ConfigError(f"model.factory {target!r} must look like 'package.module:callable'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(
+            f"model.factory {target!r}: cannot import {module_name} ({first_line(exc)}); "
+            "install it or put its folder on PYTHONPATH"
+        ) from exc
+    for depth, attr in enumerate(attr_path.split(".")):
+        if not hasattr(obj, attr):
+            where = ".".join([module_name, *attr_path.split(".")[:depth]])
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            close = difflib.get_close_matches(attr, names, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ConfigError(f"model.factory {target!r}: {where} has no attribute {attr!r}{hint}")
+        obj = getattr(obj, attr)
+    if not callable(obj):
+        raise ConfigError(
+            f"model.factory {target!r} is a {type(obj).__name__}, not callable; "
+            "name a function or class that returns an nn.Module"
+        )
+    return obj
+
+
+def call_factory(
+    target: str, factory: Callable[..., Any], kwargs: dict[str, Any], seed: int
+) -> nn.Module:
+    """``factory(**kwargs)`` right after ``torch.manual_seed(seed)``; checks it is a module."""
+    torch.manual_seed(seed)
+    try:
+        net = factory(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(
+            f"model.factory {target!r} failed with model.kwargs {kwargs}: {first_line(exc)}; "
+            "make model.kwargs match its parameters"
+        ) from exc
+    if not isinstance(net, nn.Module):
+        raise ConfigError(
+            f"model.factory {target!r} returned a {type(net).__name__}, not a torch.nn.Module; "
+            "name a callable that builds the model"
+        )
+    return net

@@ -1,0 +1,165 @@
+"""The registry of model kinds: the questions every kind answers, and which kind a spec names.
+
+A *model kind* is one way of getting a backbone: ``torchvision`` (a model name and its
+weights enum) and ``factory`` (a ``package.module:callable``) today; ``timm``, ``hf`` and
+``open_clip`` are meant to be further entries, not further branches. Each kind answers
+the same questions, as the methods of :class:`ModelKind`:
+
+* :meth:`ModelKind.preprocessing`: the eval preprocessing (transform, decode and crop
+  size), given the explicit ``preprocess`` section, which wins over the kind's own;
+* :meth:`ModelKind.build`: the ``nn.Module``, the identity of the weights it actually
+  read, and (as :class:`BuiltModel` fields with defaults) its tokenizer, the number of
+  prefix tokens in its token outputs and whether those are sequence-first.
+
+Which kind a :class:`~featcache.spec.ModelSpec` names (:func:`kind_for`): ``model.factory``
+names the ``factory`` kind; ``model.name`` is ``"<kind>:<reference>"`` or, with no
+registered prefix, a ``torchvision`` model name. A local checkpoint is not a kind: it is
+a weights-loading step applied on top of any kind (see :mod:`featcache.models.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from featcache.errors import ConfigError
+from featcache.models.preprocess import Preprocessing, spec_preprocessing
+from featcache.spec import ModelSpec, PreprocessSpec
+
+DEFAULT_KIND = "torchvision"  # the kind of a model.name without a "<kind>:" prefix
+FACTORY_KIND = "factory"  # the kind model.factory names; never a model.name prefix
+
+#: Texts -> model inputs: ``{"input_ids": int64 [B, T], "attention_mask": [B, T], ...}``.
+Tokenizer = Callable[[Sequence[str]], Mapping[str, torch.Tensor]]
+
+_KIND_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+@dataclass
+class BuiltModel:
+    """What :meth:`ModelKind.build` returns: the module and what the forward will look like.
+
+    ``weights`` is the JSON-able identity of the weights the module holds, as read:
+    ``{"source": <where from>, ...}`` (``"torchvision"`` with ``"enum"`` and ``"url"``,
+    ``"random"`` with ``"seed"``, ...); :func:`~featcache.models.build_backbone` adds
+    ``"model"``. It decides whether a store may be resumed, so it must change exactly when
+    the weights do.
+
+    The other fields have the defaults of an image model and are per model, not per kind
+    (one kind serves CNNs and ViTs): ``tokenizer`` turns texts into inputs (``None``: the
+    model takes images); ``prefix_tokens`` counts the tokens (class, register) before the
+    patch tokens of its ``[B, T, D]`` token outputs; ``sequence_first`` says token outputs
+    are ``[T, B, D]`` instead.
+    """
+
+    module: nn.Module
+    weights: dict[str, Any]
+    tokenizer: Tokenizer | None = None
+    prefix_tokens: int = 0
+    sequence_first: bool = False
+
+
+class ModelKind(ABC):
+    """One way to build a backbone; subclass it and :func:`register` an instance.
+
+    ``ref`` is what the spec names within the kind: ``model.name`` without its
+    ``"<kind>:"`` prefix, or ``model.factory``. ``model`` is the whole (checked) spec, for
+    ``weights`` and ``kwargs``.
+    """
+
+    name: ClassVar[str]  # the registry key and the model.name prefix: "timm" in "timm:vit_b"
+
+    def preprocessing(
+        self, ref: str, model: ModelSpec, preprocess: PreprocessSpec
+    ) -> Preprocessing:
+        """The eval preprocessing of the model ``ref``, mapping PIL RGB to float32 [3, H, W].
+
+        Called before :meth:`build`, and on its own (to show images as the model sees
+        them), so it must download nothing and fail on a bad ``ref`` or ``model.weights``
+        with one :class:`~featcache.errors.ConfigError` line. An explicit ``preprocess``
+        (``preprocess.is_set()``) wins over the model's own preprocessing. The default is
+        ``preprocess`` alone (:func:`~featcache.models.preprocess.spec_preprocessing`).
+        """
+        return spec_preprocessing(preprocess)
+
+    @abstractmethod
+    def build(self, ref: str, model: ModelSpec, seed: int) -> BuiltModel:
+        """Construct the module (any mode, any device) and say which weights it read.
+
+        Call ``torch.manual_seed(seed)`` right before constructing it, so that randomly
+        initialised parameters are the same for the same seed.
+        """
+
+
+_KINDS: dict[str, ModelKind] = {}  # name -> kind, in registration order
+
+
+def register(kind: ModelKind, *, replace: bool = False) -> ModelKind:
+    """Add ``kind`` to the registry under ``kind.name``; returns it.
+
+    Names are lower-case identifiers (they prefix ``model.name``). Registering a taken name
+    is an error unless ``replace``.
+    """
+    name = getattr(kind, "name", None)
+    if not isinstance(name, str) or not _KIND_NAME.fullmatch(name):
+        raise ValueError(f"a model kind's name must be a lower-case identifier, not {name!r}")
+    if name in _KINDS and not replace:
+        raise ValueError(f"model kind {name!r} is already registered; pass replace=True")
+    _KINDS[name] = kind
+    return kind
+
+
+def unregister(name: str) -> None:
+    """Remove the kind called ``name`` (no error if there is none)."""
+    _KINDS.pop(name, None)
+
+
+def registered() -> list[str]:
+    """The names of the registered kinds, in registration order."""
+    return list(_KINDS)
+
+
+def kind_for(model: ModelSpec) -> tuple[ModelKind, str]:
+    """The kind that builds ``model``, and the reference it is given.
+
+    ``factory="pkg.mod:fn"`` -> (factory, ``"pkg.mod:fn"``); ``name="timm:vit_b"`` ->
+    (timm, ``"vit_b"``); ``name="resnet50"`` -> (torchvision, ``"resnet50"``). A name
+    whose prefix is no registered kind is one :class:`~featcache.errors.ConfigError`.
+    """
+    if model.factory is not None:
+        return _get(FACTORY_KIND, "model.factory"), model.factory
+    if model.name is None:
+        raise ConfigError("model: set exactly one of model.name (torchvision) and model.factory")
+    prefix, colon, ref = model.name.partition(":")
+    if not colon:
+        return _get(DEFAULT_KIND, "model.name"), model.name
+    kinds = [name for name in _KINDS if name != FACTORY_KIND]
+    if prefix not in kinds:
+        close = difflib.get_close_matches(prefix, kinds, n=3)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        factory = "; a factory goes in model.factory" if prefix == FACTORY_KIND else ""
+        raise ConfigError(
+            f"unknown model kind {prefix!r} in model.name {model.name!r}{hint}; "
+            f"model.name is a torchvision name or '<kind>:<name>' with kind one of: "
+            f"{', '.join(kinds)}{factory}"
+        )
+    return _KINDS[prefix], ref
+
+
+def random_weights(seed: int) -> dict[str, Any]:
+    """The identity of randomly initialised weights: ``{"source": "random", "seed": seed}``."""
+    return {"source": "random", "seed": seed}
+
+
+def _get(name: str, field: str) -> ModelKind:
+    kind = _KINDS.get(name)
+    if kind is None:  # only when a caller unregistered a built-in kind
+        raise ConfigError(f"{field}: no model kind {name!r} is registered")
+    return kind

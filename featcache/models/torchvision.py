@@ -1,0 +1,119 @@
+"""The torchvision model kind: model names, their weights enums and the weights' own transforms.
+
+``model.name`` is a name from ``torchvision.models.list_models()``, built with
+``torchvision.models.get_model``; ``model.weights`` names one of its weights enums
+(``"DEFAULT"``, ``"IMAGENET1K_V2"`` or ``"ResNet50_Weights.IMAGENET1K_V2"``), which
+torchvision downloads into the torch hub cache the first time, as usual. With weights and
+no explicit ``preprocess``, the transform is the weights' own ``transforms()``.
+
+Weights identity: ``{"source": "torchvision", "enum": "ResNet18_Weights.IMAGENET1K_V1",
+"url": ...}``, or ``{"source": "random", "seed": seed}`` without weights.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+import torch
+import torchvision
+from torch import nn
+
+from featcache.errors import ConfigError, FeatcacheError, first_line
+from featcache.models.preprocess import Preprocessing, single_size, spec_preprocessing
+from featcache.models.registry import BuiltModel, ModelKind, random_weights
+from featcache.spec import ModelSpec, PreprocessSpec
+
+
+class TorchvisionKind(ModelKind):
+    """``torchvision.models.get_model(ref, weights=<enum of model.weights>, **model.kwargs)``."""
+
+    name = "torchvision"
+
+    def preprocessing(
+        self, ref: str, model: ModelSpec, preprocess: PreprocessSpec
+    ) -> Preprocessing:
+        # Resolving first makes a bad name or weights fail before anything is built.
+        enum = resolve_weights(ref, model.weights)
+        if enum is not None and not preprocess.is_set():
+            return weights_preprocessing(enum)
+        return spec_preprocessing(preprocess)
+
+    def build(self, ref: str, model: ModelSpec, seed: int) -> BuiltModel:
+        enum = resolve_weights(ref, model.weights)
+        module = _get_model(ref, enum, model.kwargs, seed)
+        if enum is None:
+            return BuiltModel(module, random_weights(seed))
+        return BuiltModel(module, {"source": "torchvision", "enum": enum_id(enum), "url": enum.url})
+
+
+def resolve_weights(name: str, weights: str | None) -> torchvision.models.WeightsEnum | None:
+    """The weights enum member of torchvision model ``name`` called ``weights``.
+
+    ``weights`` is a member name (``"IMAGENET1K_V2"``, ``"DEFAULT"``) or the full form
+    (``"ResNet50_Weights.IMAGENET1K_V2"``); ``None`` gives ``None``. Resolving downloads
+    nothing. An unknown model or weights name is a :class:`ConfigError` with close matches.
+    """
+    check_model_name(name)
+    if weights is None:
+        return None
+    enum_cls = torchvision.models.get_model_weights(name)
+    cls_name, dot, member = weights.rpartition(".")
+    if dot and cls_name != enum_cls.__name__:
+        raise ConfigError(
+            f"model.weights {weights!r} are not weights of {name}; "
+            f"its weights are {enum_cls.__name__}.<name>"
+        )
+    available = list(enum_cls.__members__)
+    if member not in available:
+        close = difflib.get_close_matches(member, available, n=3)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ConfigError(
+            f"unknown weights {weights!r} for {name}{hint}; available: {', '.join(available)}"
+        )
+    return enum_cls[member]
+
+
+def check_model_name(name: str) -> None:
+    """Raise a :class:`ConfigError` with close matches unless torchvision has model ``name``."""
+    names = torchvision.models.list_models()
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ConfigError(
+            f"unknown torchvision model {name!r}{hint} "
+            "(torchvision.models.list_models() lists them all)"
+        )
+
+
+def weights_preprocessing(enum: torchvision.models.WeightsEnum) -> Preprocessing:
+    """The weights' own ``transforms()`` (PIL RGB -> float32 [3, H, W]) and their sizes."""
+    transform = enum.transforms()
+    return Preprocessing(
+        transform,
+        single_size(getattr(transform, "resize_size", None)),
+        single_size(getattr(transform, "crop_size", None)),
+    )
+
+
+def enum_id(enum: Any) -> str:
+    """``"ResNet18_Weights.IMAGENET1K_V1"``: the enum class and member names."""
+    return f"{type(enum).__name__}.{enum.name}"
+
+
+def _get_model(
+    name: str, enum: torchvision.models.WeightsEnum | None, kwargs: dict[str, Any], seed: int
+) -> nn.Module:
+    torch.manual_seed(seed)
+    try:
+        return torchvision.models.get_model(name, weights=enum, **kwargs)
+    except (TypeError, ValueError) as exc:  # torchvision rejects kwargs with either
+        raise ConfigError(
+            f"model.kwargs {kwargs} rejected by torchvision's {name}: {first_line(exc)}"
+        ) from exc
+    except OSError as exc:  # urllib's URLError is an OSError
+        raise FeatcacheError(
+            f"could not download {enum_id(enum)} from {getattr(enum, 'url', '?')} "
+            f"({first_line(exc)}); check the network, or put the file in "
+            f"{torch.hub.get_dir()}/checkpoints"
+        ) from exc
