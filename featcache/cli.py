@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
-import sys
 import traceback
 import warnings
 from collections.abc import Callable
@@ -13,8 +11,8 @@ from typing import Annotated, Any
 
 import typer
 
-from featcache.errors import ConfigError, FeatcacheError
-from featcache.units import format_bytes, parse_bytes
+from featcache.errors import ConfigError, FeatcacheError, first_line
+from featcache.units import parse_bytes
 
 app = typer.Typer(
     name="featcache",
@@ -66,8 +64,7 @@ def _friendly(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _unexpected(exc: Exception) -> str:
-    first = (str(exc).strip().splitlines() or [""])[0]
-    return f"{type(exc).__name__}: {first} (rerun with --debug for the traceback)"
+    return f"{first_line(exc, with_type=True)} (rerun with --debug for the traceback)"
 
 
 @app.command()
@@ -93,7 +90,7 @@ def extract(
     rank = current_rank()
     if rank is None or rank.is_main:
         for store in stores.values():
-            typer.echo(_summary(store))
+            typer.echo(store.describe().summary())
 
 
 @app.command()
@@ -111,8 +108,8 @@ def layers(
     ] = False,
 ) -> None:
     """List module names, types and per-sample output shapes, to choose layers from."""
-    from featcache.backbones import build_backbone
     from featcache.layers import describe_layers
+    from featcache.models import build_backbone
     from featcache.spec import ModelSpec, PreprocessSpec, load_config
 
     if model_or_config.endswith((".yaml", ".yml")) or Path(model_or_config).is_file():
@@ -147,10 +144,8 @@ def info(
     from featcache.store import FeatureStore
 
     with FeatureStore(store, allow_incomplete=True) as fs:
-        if as_json:
-            typer.echo(json.dumps(store_info(fs), indent=2, default=str))
-            return
-        typer.echo(_describe_store(fs))
+        description = fs.describe()
+    typer.echo(description.to_json() if as_json else description.format())
 
 
 @app.command()
@@ -202,7 +197,7 @@ def merge(
     if compression not in COMPRESSIONS:
         raise ConfigError(f"--compression {compression!r}: choose lzf or gzip")
     merged = merge_store(store, output, compression)
-    typer.echo(_summary(merged))
+    typer.echo(merged.describe().summary())
 
 
 @app.command()
@@ -219,9 +214,9 @@ def demo(
 
     stores = run_demo(output)
     for store in stores.values():
-        typer.echo(_summary(store))
+        typer.echo(store.describe().summary())
     typer.echo("")
-    typer.echo(_describe_store(stores["train"]))
+    typer.echo(stores["train"].describe().format())
     results, json_path, png_path = run_demo_probe(stores, output)
     typer.echo("")
     typer.echo(
@@ -368,106 +363,10 @@ def cam(
     typer.echo(f"wrote {cam_overlay(store, layer, row, output, alpha=alpha, scale=scale)}")
 
 
-def store_info(fs: Any) -> dict[str, Any]:
-    """Everything ``featcache info`` reports, as plain data."""
-    return {
-        "path": str(fs.path),
-        "bytes": store_bytes(fs),
-        "layers": {
-            layer: {"shape": list(fs.shape(layer)), **fs.layer_attrs(layer)} for layer in fs.layers
-        },
-        **fs.attrs,
-    }
-
-
-def store_bytes(fs: Any) -> int:
-    """Bytes on disk: the file, plus its shard files for a sharded store."""
-    shards = fs.attrs.get("shards") or []
-    return fs.path.stat().st_size + sum(
-        (fs.path.parent / name).stat().st_size
-        for name in shards
-        if (fs.path.parent / name).exists()
-    )
-
-
-def _summary(fs: Any) -> str:
-    attrs = fs.attrs
-    shapes = ", ".join(f"{layer} {list(fs.shape(layer))}" for layer in fs.layers)
-    return (
-        f"{fs.path}: {len(fs)} rows; {shapes}; {format_bytes(store_bytes(fs))}; "
-        f"{attrs.get('seconds', 0):.1f} s, {attrs.get('images_per_second', 0):.0f} images/s"
-    )
-
-
-def _describe_store(fs: Any) -> str:
-    attrs = fs.attrs
-    state = "complete" if fs.complete else f"INCOMPLETE ({fs.rows_written} rows durable)"
-    lines = [
-        f"store      {fs.path} ({format_bytes(store_bytes(fs))})",
-        f"status     {state}, {len(fs)} rows, format {attrs.get('featcache_format')}",
-        "layers",
-    ]
-    for layer in fs.layers:
-        la = fs.layer_attrs(layer)
-        detail = f"{la.get('module')} {la.get('capture')}, reduce={la.get('reduce')}"
-        lines.append(f"  {layer:<24} {list(fs.shape(layer))!s:<18} {la.get('dtype'):<9} {detail}")
-    classes = fs.class_names
-    labels = "none" if not fs.has_labels else f"{len(classes) if classes else '?'} classes"
-    if classes:
-        shown = ", ".join(classes[:8]) + (" ..." if len(classes) > 8 else "")
-        labels += f" ({shown})"
-    lines.append(f"labels     {labels}")
-    skipped = fs.skipped
-    if skipped:
-        shown = "; ".join(f"{r['reason']}" for r in skipped[:3])
-        more = f"; and {len(skipped) - 3} more" if len(skipped) > 3 else ""
-        lines.append(f"skipped    {len(skipped)} samples: {shown}{more}")
-    shards = attrs.get("shards") or []
-    if shards:
-        more = f", ... {len(shards)} in all" if len(shards) > 2 else ""
-        lines.append(f"shards     {', '.join(shards[:2])}{more} (world size {len(shards)})")
-    weights = attrs.get("weights")
-    if weights:
-        lines.append(f"weights    {json.dumps(weights, sort_keys=True)}")
-    for key, label in (
-        ("split", "split"),
-        ("config_fingerprint", "config"),
-        ("dataset_fingerprint", "dataset"),
-        ("device", "device"),
-        ("created", "created"),
-    ):
-        if key in attrs:
-            lines.append(f"{label:<10} {attrs[key]}")
-    versions = attrs.get("versions") or {}
-    lines.append("versions   " + ", ".join(f"{k} {v}" for k, v in versions.items()))
-    layout = attrs.get("layout")
-    if layout:
-        lines.append(
-            f"layout     {layout['device']}, channels_last={layout['channels_last']}, "
-            f"amp={layout['amp']}"
-        )
-    if "seconds" in attrs:
-        run = f"run        {attrs['seconds']:.1f} s, {attrs['images_per_second']:.0f} images/s"
-        parts = [
-            (attrs.get(f"seconds_{key}"), name)
-            for key, name in (
-                ("waiting_for_data", "data"),
-                ("in_model", "model"),
-                ("waiting_for_disk", "disk"),
-            )
-        ]
-        if all(seconds is not None for seconds, _ in parts):
-            total = max(sum(seconds for seconds, _ in parts), 1e-9)
-            run += " (" + ", ".join(f"{name} {100 * sec / total:.0f}%" for sec, name in parts)
-            run += ")"
-        lines.append(run)
-    return "\n".join(lines)
-
-
 def main() -> None:
     """Console-script entry point."""
     app(prog_name="featcache")
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    main()

@@ -23,7 +23,9 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from featcache.errors import ConfigError
-from featcache.store import TARGET_CHUNK_BYTES, TORCH_DTYPES, FeatureStore, partial_path
+from featcache.store import codec
+from featcache.store.chunks import chunk_rows_of, row_bytes
+from featcache.store.reader import FeatureStore, StoreFile, read_rows, read_runs, row_numbers
 
 Features = torch.Tensor | dict[str, torch.Tensor]
 Batch = tuple[Features, torch.Tensor] | tuple[Features, torch.Tensor, torch.Tensor]
@@ -90,12 +92,11 @@ class FeatureDataset(Dataset):
         for layer in self.layers:
             features = store.file["features"][layer]
             self.shapes[layer] = tuple(features.shape[1:])
-            self._storage[layer] = TORCH_DTYPES[features.attrs["dtype"]]
-            row_bytes = max(features.dtype.itemsize * int(np.prod(self.shapes[layer])), 1)
-            rows = features.chunks[0] if features.chunks else TARGET_CHUNK_BYTES // row_bytes
-            chunk_rows.append(max(rows, 1))
+            self._storage[layer] = codec.torch_dtype(features.attrs["dtype"])
+            rows = chunk_rows_of(features)
+            chunk_rows.append(rows)
             compressed = features.id.get_create_plist().get_nfilters() > 0
-            self._caches[layer] = _chunk_cache(rows * row_bytes, compressed, chunk_cache)
+            self._caches[layer] = _chunk_cache(rows * row_bytes(features), compressed, chunk_cache)
         # A block is the unit the shuffling reader reads: one chunk of the layer with the
         # most rows per chunk (with the usual ~1 MiB chunks, whole chunks of every layer).
         self.block_rows = max(1, min(max(chunk_rows), self.num_rows))
@@ -106,37 +107,20 @@ class FeatureDataset(Dataset):
                 for layer in self.layers
             }
         store.close()
-        self._file: h5py.File | None = None
-        self._features: dict[str, h5py.Dataset] = {}
-        self._pid: int | None = None
+        # Opened in each process on first read; an incomplete store is read from its .partial.
+        self._handle = StoreFile(self.path)
         self._spare: dict[str, torch.Tensor] | None = None  # shuffle buffers, for reuse
 
     def __len__(self) -> int:
         return self.num_rows
 
-    def _h5(self) -> h5py.File:
-        if self._file is None or self._pid != os.getpid() or not self._file.id.valid:
-            # An incomplete store is read from its .partial file.
-            path = self.path if self.path.is_file() else partial_path(self.path)
-            self._file = h5py.File(path, "r")
-            self._pid = os.getpid()
-            self._features = {
-                layer: _open_features(self._file, layer, *self._caches[layer])
-                for layer in self.layers
-            }
-        return self._file
-
     def features(self, layer: str) -> h5py.Dataset:
         """The ``h5py.Dataset`` of ``layer``, opened in this process with its chunk cache."""
-        self._h5()
-        return self._features[layer]
+        return self._handle.dataset(f"features/{layer}", self._caches[layer])
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_file"] = None
-        state["_features"] = {}
-        state["_pid"] = None
-        state["_spare"] = None
+        state["_spare"] = None  # the handle pickles as its path alone
         return state
 
     def _convert(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -146,14 +130,8 @@ class FeatureDataset(Dataset):
         if self._memory is not None:
             return {layer: _take(self._memory[layer], rows) for layer in self.layers}
         return {
-            layer: self._convert(_read_runs(self.features(layer), rows)) for layer in self.layers
+            layer: self._convert(read_rows(self.features(layer), rows)) for layer in self.layers
         }
-
-    def _check(self, rows: np.ndarray) -> np.ndarray:
-        rows = np.where(rows < 0, rows + self.num_rows, rows)
-        if len(rows) and (rows.min() < 0 or rows.max() >= self.num_rows):
-            raise IndexError(f"row index out of range for a dataset of {self.num_rows} rows")
-        return rows
 
     def __getitem__(self, i: int) -> tuple[Features, torch.Tensor]:
         (sample,) = self.__getitems__([i])
@@ -161,7 +139,7 @@ class FeatureDataset(Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Features, torch.Tensor]]:
         """A batch of samples, read in increasing row order: one slice per run of rows."""
-        rows = self._check(np.asarray(indices, dtype=np.int64))
+        rows = row_numbers(indices, self.num_rows)
         features = self._rows(rows)
         labels = self.labels[torch.from_numpy(rows)]
         if self.single:
@@ -314,20 +292,11 @@ class FeatureDataset(Dataset):
         self, layer: str, spans: list[tuple[int, int]], buffer: torch.Tensor, start: int
     ) -> None:
         """Read the row ranges ``spans`` of ``layer`` into ``buffer`` from row ``start``."""
-        features = self.features(layer)
-        if buffer.dtype == torch.bfloat16:  # stored as its uint16 bits
-            target = buffer.view(torch.int16).numpy().view(np.uint16)
-        else:
-            target = buffer.numpy()
-        for a, b in spans:
-            features.read_direct(target, np.s_[a:b], np.s_[start : start + b - a])
-            start += b - a
+        read_runs(self.features(layer), spans, codec.as_array(buffer), start)
 
     def close(self) -> None:
-        if self._file is not None and self._pid == os.getpid() and self._file.id.valid:
-            self._file.close()
-        self._file = None
-        self._features = {}
+        """Close this process's file handle; the next read opens it again."""
+        self._handle.close()
 
 
 class ShuffledBatches(IterableDataset):
@@ -395,31 +364,7 @@ def _take(tensor: torch.Tensor, index: np.ndarray) -> torch.Tensor:
     numpy's take is single-threaded and as fast as torch's gather on one thread; torch's
     slows down badly with several intra-op threads on a busy machine.
     """
-    if tensor.dtype == torch.bfloat16:
-        return _take(tensor.view(torch.int16), index).view(torch.bfloat16)
-    return torch.from_numpy(tensor.numpy().take(index, axis=0))
-
-
-def _read_runs(features: h5py.Dataset, rows: np.ndarray) -> torch.Tensor:
-    """``rows`` of a features dataset, in that order, as a tensor in the stored dtype.
-
-    The rows are read in increasing order, one slice per run of consecutive rows: h5py
-    reads a slice on a fast path, while a list of rows costs several times more per row.
-    """
-    unique, inverse = np.unique(rows, return_inverse=True)
-    out = np.empty((len(unique), *features.shape[1:]), dtype=features.dtype)
-    if len(unique):
-        breaks = np.flatnonzero(np.diff(unique) != 1) + 1
-        starts = unique[np.r_[0, breaks]].tolist()
-        stops = (unique[np.r_[breaks - 1, len(unique) - 1]] + 1).tolist()
-        at = 0
-        for start, stop in zip(starts, stops, strict=True):
-            out[at : at + stop - start] = features[start:stop]
-            at += stop - start
-    tensor = torch.from_numpy(out if np.array_equal(unique, rows) else out[inverse])
-    if features.attrs.get("dtype") == "bfloat16":
-        tensor = tensor.view(torch.int16).view(torch.bfloat16)
-    return tensor
+    return codec.from_array(codec.as_array(tensor).take(index, axis=0), tensor.dtype)
 
 
 def _chunk_cache(chunk_bytes: int, compressed: bool, nbytes: int | None) -> tuple[int, int]:
@@ -440,14 +385,3 @@ def _next_prime(n: int) -> int:
     while n < 2 or any(n % d == 0 for d in range(2, int(n**0.5) + 1)):
         n += 1
     return n
-
-
-def _open_features(file: h5py.File, layer: str, nslots: int, nbytes: int) -> h5py.Dataset:
-    """Open ``/features/<layer>`` with its own chunk cache.
-
-    HDF5 applies it only if the dataset is not already open elsewhere in this process.
-    """
-    dapl = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
-    dapl.set_chunk_cache(nslots, nbytes, 0.75)
-    dataset = h5py.h5d.open(file.id, f"features/{layer}".encode(), dapl=dapl)
-    return h5py.Dataset(dataset, readonly=True)  # lets h5py cache its fast reader

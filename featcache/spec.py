@@ -11,8 +11,8 @@ the store contains.
 from __future__ import annotations
 
 import dataclasses
-import os
 import json
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +24,7 @@ from featcache.errors import ConfigError
 from featcache.provenance import config_fingerprint as fingerprint
 from featcache.runtime import Layout, choose_layout
 from featcache.spec import load_config
-from featcache.store import FeatureStore, to_store_dtype
+from featcache.store import FeatureStore, codec
 from featcache.taps import TapSet, resolve_taps
 
 # |stored - recomputed| <= TOLERANCE * max(|recomputed| over the row): a few units in the
@@ -63,7 +63,7 @@ def verify_store(
 ) -> VerifyResult:
     """Check the store at ``path``; ``samples`` random rows are recomputed besides the
     first and last (``samples < 0``: every row). ``device`` defaults to the config's."""
-    from featcache.backbones import build_backbone
+    from featcache.models import build_backbone
     from featcache.sources import build_source
 
     store = FeatureStore(path, allow_incomplete=True)
@@ -166,7 +166,9 @@ def _recompute(
     taps = resolve_taps(model, spec.layers)
     dtype = spec.store.dtype
     device, amp = layout.device, layout.amp
-    model.eval().to(device=device, memory_format=layout.memory_format)
+    # Module.to takes memory_format (documented), but torch's type stubs lack it.
+    place: Callable[..., torch.nn.Module] = model.eval().to
+    place(device=device, memory_format=layout.memory_format)
     subset = Subset(source, [int(index[r]) for r in rows])
     loader = DataLoader(subset, batch_size=spec.loader.batch_size, shuffle=False)
     mismatches: dict[str, list[int]] = {}
@@ -218,8 +220,8 @@ def _recompute(
 
 
 def _as_stored(value: torch.Tensor, dtype: str) -> torch.Tensor:
-    stored = to_store_dtype(value, dtype)
-    return stored.view(torch.bfloat16) if dtype == "bfloat16" else stored
+    """``value`` rounded to the store dtype ``dtype``, as the store holds it."""
+    return codec.values(codec.encode(value, dtype), dtype)
 
 
 def _weights_text(weights: dict) -> str:

@@ -15,7 +15,7 @@ import featcache
 from featcache import FeatureDataset, FeatureStore
 from featcache.dataset import ShuffledBatches
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.store import StoreWriter, to_store_dtype
+from featcache.store import StoreWriter, codec
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def write_store(path, rows=203, dims=None, *, chunk_rows=16, dtype="float16", **
     writer = StoreWriter(path, rows, ids_width=6, dtype=dtype, chunk_rows=chunk_rows, **options)
     index = np.arange(rows)
     features = {
-        key: to_store_dtype(torch.from_numpy(rng.standard_normal((rows, dim))), dtype).numpy()
+        key: codec.to_numpy(codec.encode(torch.from_numpy(rng.standard_normal((rows, dim))), dtype))
         for key, dim in dims.items()
     }
     writer.append(index, [f"{i:06d}" for i in index], index % 7, features)
@@ -118,7 +118,7 @@ def test_dataset_pickles_without_its_file_handle(store_path):
     dataset = FeatureDataset(store_path, "layer3")
     first = dataset[0][0]
     clone = pickle.loads(pickle.dumps(dataset))
-    assert clone._file is None
+    assert not clone._handle.is_open
     assert torch.equal(clone[0][0], first)
 
 
@@ -138,15 +138,6 @@ def test_unlabeled_store_gives_minus_one(tmp_path):
     assert not dataset.has_labels
     assert dataset[2][1].item() == -1
     assert next(dataset.batches(4))[1].tolist() == [-1] * 4
-
-
-def test_store_reader_errors(tmp_path):
-    with pytest.raises(ConfigError, match="store not found"):
-        FeatureStore(tmp_path / "nope.h5")
-    junk = tmp_path / "junk.h5"
-    junk.write_text("not hdf5")
-    with pytest.raises(ConfigError, match="not a readable HDF5 store"):
-        FeatureStore(junk)
 
 
 @pytest.mark.parametrize("shuffle", [True, False])
@@ -291,7 +282,7 @@ def test_chunk_cache_is_none_for_plain_chunks_and_holds_compressed_ones(tmp_path
     sized = FeatureDataset(path, "a", chunk_cache=32 << 20)
     assert sized.features("a").id.get_access_plist().get_chunk_cache()[1] == 32 << 20
     clone = pickle.loads(pickle.dumps(sized))
-    assert clone._file is None and clone._spare is None
+    assert not clone._handle.is_open and clone._spare is None
     assert clone.features("a").id.get_access_plist().get_chunk_cache()[1] == 32 << 20
 
 

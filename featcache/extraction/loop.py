@@ -27,10 +27,10 @@ from featcache.extraction.writer_thread import (
     HostBuffers,
     WriterThread,
 )
+from featcache.reduce import ReduceContext
 from featcache.runtime import Layout
 from featcache.spec import LoaderSpec, RuntimeSpec, StoreSpec
 from featcache.store.codec import encode
-from featcache.reduce import ReduceContext
 from featcache.taps import Tap, TapSet
 
 

@@ -3,7 +3,8 @@
 HDF5 has no bfloat16, so bfloat16 rows are stored as their raw 16 bits in a ``uint16``
 dataset whose ``dtype`` attribute says ``"bfloat16"``. This module is the only place that
 knows it: tensors go in through :func:`encode` and :func:`to_numpy`, and come back out
-through :func:`decode`.
+through :func:`decode`; :func:`as_array` and :func:`from_array` give tensors of any
+dtype, bfloat16 included, a numpy view for HDF5 reads and numpy gathers.
 """
 
 from __future__ import annotations
@@ -74,8 +75,21 @@ def to_numpy(encoded: torch.Tensor) -> np.ndarray:
 
 def decode(array: np.ndarray, dtype: str) -> torch.Tensor:
     """Stored rows (as read from HDF5) back to a tensor of the store dtype (no copy)."""
+    return from_array(array, torch.bfloat16) if dtype == "bfloat16" else torch.from_numpy(array)
+
+
+def as_array(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as a numpy array over the same memory; bfloat16, which numpy lacks,
+    as its ``uint16`` bits (the stored form). Undone by :func:`from_array`."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(np.uint16)
+    return tensor.numpy()
+
+
+def from_array(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """An array from :func:`as_array` (or read from HDF5) as a tensor of ``dtype``, no copy."""
     tensor = torch.from_numpy(array)
-    if dtype == "bfloat16":
+    if dtype == torch.bfloat16:
         return tensor.view(torch.int16).view(torch.bfloat16)
     return tensor
 

@@ -1,0 +1,178 @@
+"""What a store holds, for people and for JSON: :func:`describe` -> :class:`StoreDescription`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from featcache.units import format_bytes
+
+if TYPE_CHECKING:
+    from featcache.store.reader import FeatureStore
+
+# attrs ``seconds_<key>`` -> its name in the run's time split
+TIME_SPLIT = {"waiting_for_data": "data", "in_model": "model", "waiting_for_disk": "disk"}
+
+
+@dataclass(frozen=True)
+class LayerDescription:
+    """One stored layer: its row shape (without N) and its dataset's attributes."""
+
+    shape: tuple[int, ...]
+    attrs: dict[str, Any]  # dtype, module, capture, reduce (, target)
+
+
+@dataclass(frozen=True)
+class StoreDescription:
+    """A store's rows, layers, sizes on disk, completeness and provenance.
+
+    ``str()`` (or :meth:`format`) is the text ``featcache info`` prints, :meth:`summary`
+    the line printed after a store is written, :meth:`to_dict` the data of
+    ``featcache info --json``.
+    """
+
+    path: Path
+    bytes: int  # on disk: the file and, for a sharded store, its shard files
+    complete: bool
+    rows: int  # readable rows: all of them, or the durable ones of an incomplete store
+    rows_written: int
+    layers: dict[str, LayerDescription]
+    has_labels: bool
+    class_names: list[str] | None
+    skipped: list[dict[str, Any]]  # {"index", "id", "reason"} of each sample left out
+    attrs: dict[str, Any]  # file attributes, JSON values decoded
+
+    @property
+    def shards(self) -> list[str]:
+        """File names of the shards of a store written under torchrun ([] otherwise)."""
+        return self.attrs.get("shards") or []
+
+    @property
+    def time_split(self) -> dict[str, float] | None:
+        """Seconds the run spent waiting for data, in the model and waiting for the disk
+        (``{"data": ..., "model": ..., "disk": ...}``); None when not recorded."""
+        split: dict[str, float] = {}
+        for key, name in TIME_SPLIT.items():
+            seconds = self.attrs.get(f"seconds_{key}")
+            if seconds is None:
+                return None
+            split[name] = float(seconds)
+        return split
+
+    def to_dict(self) -> dict[str, Any]:
+        """Path, bytes, ``layers: {key: {"shape", **attrs}}`` and every file attribute."""
+        return {
+            "path": str(self.path),
+            "bytes": self.bytes,
+            "layers": {
+                key: {"shape": list(layer.shape), **layer.attrs}
+                for key, layer in self.layers.items()
+            },
+            **self.attrs,
+        }
+
+    def to_json(self) -> str:
+        """:meth:`to_dict` as indented JSON (values JSON lacks as their ``str``)."""
+        return json.dumps(self.to_dict(), indent=2, default=str)
+
+    def summary(self) -> str:
+        """One line: path, rows, layer shapes, size, run time and speed."""
+        attrs = self.attrs
+        shapes = ", ".join(f"{key} {list(layer.shape)}" for key, layer in self.layers.items())
+        return (
+            f"{self.path}: {self.rows} rows; {shapes}; {format_bytes(self.bytes)}; "
+            f"{attrs.get('seconds', 0):.1f} s, {attrs.get('images_per_second', 0):.0f} images/s"
+        )
+
+    def format(self) -> str:
+        """The multi-line text of ``featcache info``."""
+        attrs = self.attrs
+        state = "complete" if self.complete else f"INCOMPLETE ({self.rows_written} rows durable)"
+        lines = [
+            f"store      {self.path} ({format_bytes(self.bytes)})",
+            f"status     {state}, {self.rows} rows, format {attrs.get('featcache_format')}",
+            "layers",
+        ]
+        for key, layer in self.layers.items():
+            la = layer.attrs
+            detail = f"{la.get('module')} {la.get('capture')}, reduce={la.get('reduce')}"
+            lines.append(f"  {key:<24} {list(layer.shape)!s:<18} {la.get('dtype'):<9} {detail}")
+        lines.append(f"labels     {self._labels_text()}")
+        if self.skipped:
+            shown = "; ".join(f"{r['reason']}" for r in self.skipped[:3])
+            more = f"; and {len(self.skipped) - 3} more" if len(self.skipped) > 3 else ""
+            lines.append(f"skipped    {len(self.skipped)} samples: {shown}{more}")
+        shards = self.shards
+        if shards:
+            more = f", ... {len(shards)} in all" if len(shards) > 2 else ""
+            lines.append(f"shards     {', '.join(shards[:2])}{more} (world size {len(shards)})")
+        if attrs.get("weights"):
+            lines.append(f"weights    {json.dumps(attrs['weights'], sort_keys=True)}")
+        for key, label in (
+            ("split", "split"),
+            ("config_fingerprint", "config"),
+            ("dataset_fingerprint", "dataset"),
+            ("device", "device"),
+            ("created", "created"),
+        ):
+            if key in attrs:
+                lines.append(f"{label:<10} {attrs[key]}")
+        versions = attrs.get("versions") or {}
+        lines.append("versions   " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+        layout = attrs.get("layout")
+        if layout:
+            lines.append(
+                f"layout     {layout['device']}, channels_last={layout['channels_last']}, "
+                f"amp={layout['amp']}"
+            )
+        if "seconds" in attrs:
+            lines.append(self._run_text())
+        return "\n".join(lines)
+
+    __str__ = format
+
+    def _labels_text(self) -> str:
+        classes = self.class_names
+        text = "none" if not self.has_labels else f"{len(classes) if classes else '?'} classes"
+        if classes:
+            text += " (" + ", ".join(classes[:8]) + (" ..." if len(classes) > 8 else "") + ")"
+        return text
+
+    def _run_text(self) -> str:
+        attrs = self.attrs
+        run = f"run        {attrs['seconds']:.1f} s, {attrs['images_per_second']:.0f} images/s"
+        split = self.time_split
+        if split is not None:
+            total = max(sum(split.values()), 1e-9)
+            shares = [f"{name} {100 * sec / total:.0f}%" for name, sec in split.items()]
+            run += " (" + ", ".join(shares) + ")"
+        return run
+
+
+def store_bytes(store: FeatureStore) -> int:
+    """Bytes on disk: the file, plus its shard files for a sharded store."""
+    shards = store.attrs.get("shards") or []
+    folder = store.path.parent
+    return store.path.stat().st_size + sum(
+        (folder / name).stat().st_size for name in shards if (folder / name).exists()
+    )
+
+
+def describe(store: FeatureStore) -> StoreDescription:
+    """Everything ``featcache info`` reports about ``store``, read once."""
+    return StoreDescription(
+        path=store.path,
+        bytes=store_bytes(store),
+        complete=store.complete,
+        rows=len(store),
+        rows_written=store.rows_written,
+        layers={
+            key: LayerDescription(store.shape(key), store.layer_attrs(key)) for key in store.layers
+        },
+        has_labels=store.has_labels,
+        class_names=store.class_names,
+        skipped=store.skipped,
+        attrs=store.attrs,
+    )

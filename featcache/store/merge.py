@@ -1,0 +1,189 @@
+"""One file from several: shards combined into a virtual store, stores copied into one file."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import h5py
+from tqdm.auto import tqdm
+
+from featcache.errors import ConfigError, FeatcacheError
+from featcache.store import codec
+from featcache.store.chunks import MAX_META_CHUNK_ROWS, TARGET_CHUNK_BYTES, chunk_rows_of, row_bytes
+from featcache.store.paths import partial_path
+from featcache.store.reader import FeatureStore
+from featcache.store.skipped import read_skipped, write_skipped
+
+
+def copy_store(
+    source: str | os.PathLike,
+    target: str | os.PathLike,
+    compression: str | None = None,
+    progress: bool = False,
+    attrs: Mapping[str, Any] | None = None,
+    drop: Sequence[str] = (),
+) -> None:
+    """Copy a store into one self-contained file, chunk by chunk, then move it into place.
+
+    Virtual datasets (a sharded store) become real ones, chunked like featcache chunks
+    its own; ``compression`` applies to every chunked dataset; ``attrs`` are set last and
+    the file attributes named in ``drop`` are left out.
+    """
+    target = Path(target)
+    tmp = target.with_name(target.name + ".copying")
+    with h5py.File(source, "r") as src, h5py.File(tmp, "w") as dst:
+        for key, value in src.attrs.items():
+            if key not in drop:
+                dst.attrs[key] = value
+        objects = list(_walk(src))
+        total = sum(o.size * o.dtype.itemsize for _, o in objects if isinstance(o, h5py.Dataset))
+        with tqdm(
+            total=total, unit="B", unit_scale=True, desc=target.name, disable=not progress
+        ) as bar:
+            for name, obj in objects:
+                if isinstance(obj, h5py.Group):
+                    dst.create_group(name, track_order=name == "features")
+                else:
+                    _copy_dataset(obj, dst, name, compression, bar)
+        codec.write_attrs(dst, attrs or {})
+    os.replace(tmp, target)
+
+
+def _walk(group: h5py.Group, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(name, object) for everything under ``group``, in creation order where tracked."""
+    for key in group:
+        obj = group[key]
+        yield prefix + key, obj
+        if isinstance(obj, h5py.Group):
+            yield from _walk(obj, prefix + key + "/")
+
+
+def _copy_dataset(
+    obj: h5py.Dataset, dst: h5py.File, name: str, compression: str | None, bar: tqdm
+) -> None:
+    if obj.shape == () or len(obj) == 0:
+        out = dst.create_dataset(name, data=obj[()], dtype=obj.dtype)
+    else:
+        chunks = obj.chunks
+        if chunks is None:  # virtual: chunk like featcache does
+            rows = chunk_rows_of(obj)
+            if obj.ndim == 1:
+                rows = min(rows, MAX_META_CHUNK_ROWS)
+            chunks = (min(rows, len(obj)), *obj.shape[1:])
+        out = dst.create_dataset(
+            name, shape=obj.shape, dtype=obj.dtype, chunks=chunks, compression=compression
+        )
+        step = max(chunks[0], 8 * TARGET_CHUNK_BYTES // row_bytes(obj))  # a few chunks a read
+        for start in range(0, len(obj), step):
+            block = obj[start : start + step]
+            out[start : start + len(block)] = block
+            bar.update(block.nbytes)
+    for key, value in obj.attrs.items():
+        out.attrs[key] = value
+
+
+def combine_shards(
+    path: str | os.PathLike, shards: Sequence[Path], attrs: Mapping[str, Any] | None = None
+) -> FeatureStore:
+    """Write the store at ``path`` as virtual datasets over the complete ``shards``."""
+    path = Path(path)
+    for shard in shards:
+        if not shard.exists():
+            hint = (
+                "; it is still being written or its rank failed"
+                if partial_path(shard).exists()
+                else "; is the output folder on a filesystem that every node shares?"
+            )
+            raise FeatcacheError(f"shard {shard} is missing{hint}")
+    opened = [h5py.File(shard, "r") for shard in shards]
+    try:
+        for shard, f in zip(shards, opened, strict=True):
+            if not f.attrs.get("complete"):
+                raise FeatcacheError(f"shard {shard} is incomplete; rerun to resume it")
+        tmp = path.with_name(path.name + ".combining")
+        with h5py.File(tmp, "w") as out:
+            _combine(out, shards, opened, path.parent)
+            first = opened[0].attrs
+            for key, value in first.items():
+                if key not in ("resume_key",):
+                    out.attrs[key] = value
+            rows = sum(int(f.attrs["num_rows"]) for f in opened)
+            seconds = max(float(f.attrs.get("seconds", 0.0)) for f in opened)
+            codec.write_attrs(
+                out,
+                {
+                    "num_rows": rows,
+                    "rows_written": rows,
+                    "skipped": sum(int(f.attrs.get("skipped", 0)) for f in opened),
+                    "world_size": len(shards),
+                    "shards": [shard.name for shard in shards],
+                    "seconds": seconds,
+                    "images_per_second": rows / max(seconds, 1e-9),
+                    **dict(attrs or {}),
+                },
+            )
+            out.attrs["complete"] = True
+    finally:
+        for f in opened:
+            f.close()
+    os.replace(tmp, path)
+    return FeatureStore(path)
+
+
+def _combine(
+    out: h5py.File, shards: Sequence[Path], opened: Sequence[h5py.File], folder: Path
+) -> None:
+    """Every dataset of the shards (but ``/progress``) as one virtual dataset, and the
+    shards' skip records as one ``/skipped`` group."""
+    names: list[str] = []
+    opened[0].visititems(
+        lambda name, obj: (
+            names.append(name)
+            if isinstance(obj, h5py.Dataset)
+            and name != "progress"
+            and not name.startswith("skipped")
+            else None
+        )
+    )
+    features = out.create_group("features", track_order=True)
+    del features  # created first so that layers keep their capture order
+    for name in names:
+        first = opened[0][name]
+        total = sum(len(f[name]) for f in opened)
+        layout = h5py.VirtualLayout(shape=(total, *first.shape[1:]), dtype=first.dtype)
+        offset = 0
+        for shard, f in zip(shards, opened, strict=True):
+            n = len(f[name])
+            # Relative to the store's folder: HDF5 looks for sources beside the store.
+            source = os.path.relpath(shard, folder)
+            layout[offset : offset + n] = h5py.VirtualSource(source, name, shape=f[name].shape)
+            offset += n
+        dataset = out.create_virtual_dataset(name, layout)
+        for key, value in first.attrs.items():
+            dataset.attrs[key] = value
+    records = [record for f in opened for record in read_skipped(f)]
+    if records:
+        write_skipped(out, records)
+
+
+def merge_store(
+    path: str | os.PathLike,
+    target: str | os.PathLike,
+    compression: str | None = None,
+    progress: bool = True,
+) -> FeatureStore:
+    """Copy a (sharded) store into one self-contained file that needs no shard files."""
+    store = FeatureStore(path)  # refuses incomplete stores
+    target = Path(target)
+    if target.exists():
+        raise ConfigError(f"{target} already exists; choose another output path")
+    if target.resolve() == store.path.resolve():
+        raise ConfigError("merge writes a new file: give an output path other than the store")
+    attrs = store.attrs
+    shards = attrs.get("shards") or []
+    store.close()
+    copy_store(path, target, compression, progress, {"merged_from": shards}, drop=("shards",))
+    return FeatureStore(target)

@@ -1,0 +1,88 @@
+"""Where a store's files live: the store, its ``.partial`` and skip log, torchrun shards."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from featcache.errors import ConfigError
+
+PARTIAL_SUFFIX = ".partial"
+SKIPPED_SUFFIX = ".skipped.jsonl"
+SHARD_PATTERN = re.compile(r"\.shard-(\d{5})-of-(\d{5})\.h5(\.partial)?$")
+
+
+def partial_path(path: str | os.PathLike) -> Path:
+    """Where the store at ``path`` lives while it is being written."""
+    path = Path(path)
+    return path.with_name(path.name + PARTIAL_SUFFIX)
+
+
+def skipped_log_path(path: str | os.PathLike) -> Path:
+    """The append-only log of skipped samples kept beside a partial store."""
+    path = Path(path)
+    return path.with_name(path.name + SKIPPED_SUFFIX)
+
+
+def readable_path(path: str | os.PathLike) -> Path:
+    """The file to read the store at ``path`` from: the store, or its ``.partial`` while
+    it is not complete."""
+    path = Path(path)
+    return path if path.is_file() else partial_path(path)
+
+
+def shard_path(path: str | os.PathLike, rank: int, world_size: int) -> Path:
+    """The shard rank ``rank`` of ``world_size`` writes for the store at ``path``."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.shard-{rank:05d}-of-{world_size:05d}{path.suffix}")
+
+
+def check_output_path(path: Path, overwrite: bool) -> None:
+    """Refuse to clobber a complete store, and fail early when the folder cannot take one."""
+    if path.exists() and not overwrite:
+        raise ConfigError(f"store already exists: {path}; pass --overwrite to replace it")
+    if path.exists() and path.is_dir():
+        raise ConfigError(f"output path {path} is a folder; give a file path ending in .h5")
+    folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create output folder {folder}: {exc.strerror}") from exc
+    try:  # a real write: permission bits alone say nothing for root or read-only mounts
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"output folder {folder} is not writable ({exc.strerror}); choose another output dir"
+        ) from exc
+
+
+def check_other_world_sizes(path: str | os.PathLike, world_size: int, overwrite: bool) -> None:
+    """Refuse shards left by a run with another number of processes (or delete them)."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return
+    stale: dict[Path, int] = {}  # shard file -> the world size it was written for
+    for candidate in path.parent.glob(f"{path.stem}.shard-*"):
+        match = SHARD_PATTERN.search(candidate.name)
+        if match and int(match.group(2)) != world_size:
+            stale[candidate] = int(match.group(2))
+    if stale and overwrite:
+        for candidate in stale:
+            candidate.unlink(missing_ok=True)
+    elif stale:
+        sizes = sorted(set(stale.values()))
+        raise ConfigError(
+            f"{path} has shards of a run with {', '.join(map(str, sizes))} processes "
+            f"({next(iter(stale)).name}, ...); rerun with that many processes to resume it, "
+            "or pass --overwrite to start over"
+        )
+
+
+def remove_store(path: str | os.PathLike) -> None:
+    """Delete a store and any partial state of it (``--overwrite``)."""
+    for candidate in (Path(path), partial_path(path), skipped_log_path(path)):
+        if candidate.exists():
+            candidate.unlink()

@@ -1,0 +1,311 @@
+"""Reading a store: :class:`FeatureStore`, the per-process file handle, row reads."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import h5py
+import numpy as np
+import torch
+
+from featcache.errors import ConfigError, FeatcacheError
+from featcache.store import codec
+from featcache.store.paths import partial_path, readable_path
+from featcache.store.skipped import read_skipped
+
+if TYPE_CHECKING:
+    from featcache.store.describe import StoreDescription
+
+READ_CACHE_BYTES = 16 << 20  # HDF5 chunk cache per open dataset: holds several whole chunks
+# A run of rows at least this big is read straight into its destination (read_direct);
+# a smaller one through h5py's fast slice reader, whose calls cost several times less.
+DIRECT_READ_BYTES = 256 << 10
+
+Rows = slice | Sequence[int] | np.ndarray
+
+
+def open_for_reading(path: str | os.PathLike) -> h5py.File:
+    """Open a store read-only with a chunk cache that holds whole chunks."""
+    return h5py.File(path, "r", rdcc_nbytes=READ_CACHE_BYTES)
+
+
+class StoreFile:
+    """A store's HDF5 file, read-only, opened on first use in each process.
+
+    A copy in another process (a forked or spawned DataLoader worker) opens its own
+    handle: pickling keeps only the path. ``path`` is the store, or its ``.partial``
+    while the store is not complete (see :func:`~featcache.store.paths.readable_path`).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._file: h5py.File | None = None
+        self._pid: int | None = None
+        self._datasets: dict[str, h5py.Dataset] = {}
+
+    def _open_here(self) -> h5py.File | None:
+        """The handle, if this process opened it and it is still open."""
+        file = self._file
+        return file if file is not None and self._pid == os.getpid() and file.id.valid else None
+
+    @property
+    def is_open(self) -> bool:
+        """Whether this process holds an open handle."""
+        return self._open_here() is not None
+
+    @property
+    def file(self) -> h5py.File:
+        """The open ``h5py.File`` of this process."""
+        file = self._open_here()
+        if file is None:
+            file = self._file = open_for_reading(readable_path(self.path))
+            self._pid = os.getpid()
+            self._datasets = {}
+        return file
+
+    def dataset(self, name: str, chunk_cache: tuple[int, int] | None = None) -> h5py.Dataset:
+        """The dataset ``name``, opened once per handle.
+
+        ``chunk_cache`` is ``(nslots, nbytes)`` of its own HDF5 chunk cache (default: the
+        file's). HDF5 applies it only if the dataset is not already open elsewhere in this
+        process, and only the first opening of ``name`` through this handle sets it.
+        """
+        file = self.file
+        if name not in self._datasets:
+            if chunk_cache is None:
+                self._datasets[name] = file[name]
+            else:
+                dapl = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
+                dapl.set_chunk_cache(*chunk_cache, 0.75)
+                dataset_id = h5py.h5d.open(file.id, name.encode(), dapl=dapl)
+                # A high-level Dataset lets h5py cache its fast slice reader.
+                self._datasets[name] = h5py.Dataset(dataset_id, readonly=True)
+        return self._datasets[name]
+
+    def close(self) -> None:
+        """Close this process's handle; one inherited from another process is left alone."""
+        file = self._open_here()
+        if file is not None:
+            file.close()
+        self._file = None
+        self._datasets = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "_file": None, "_pid": None, "_datasets": {}}
+
+
+class FeatureStore:
+    """Read access to a store written by featcache.
+
+    Metadata (layers, shapes, labels, ids, provenance) is read when needed; the file is
+    opened lazily and reopened in a new process, so instances can be sent to workers.
+    A store that is still being written (or whose run was interrupted) lives at
+    ``<path>.partial``; opening it raises :class:`FeatcacheError` unless
+    ``allow_incomplete=True``, and then only its durable rows are visible.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, allow_incomplete: bool = False):
+        self.path = Path(path)
+        if not self.path.is_file():
+            partial = partial_path(self.path)
+            if not partial.is_file():
+                raise ConfigError(f"store not found: {self.path}")
+            if not allow_incomplete:
+                rows = _durable_rows(partial)
+                raise FeatcacheError(
+                    f"store {self.path} is incomplete ({rows} rows written, in {partial.name}); "
+                    "rerun the extraction to resume it, or pass allow_incomplete=True to read it"
+                )
+            self.path = partial
+        self._handle = StoreFile(self.path)
+        try:
+            attrs = self.file.attrs
+            if "featcache_format" not in attrs:
+                raise ConfigError(f"{self.path} is an HDF5 file but not a featcache store")
+        except OSError as exc:
+            raise ConfigError(f"{self.path} is not a readable HDF5 store: {exc}") from exc
+
+    @property
+    def file(self) -> h5py.File:
+        """The open ``h5py.File`` for this process (read-only)."""
+        return self._handle.file
+
+    def close(self) -> None:
+        self._handle.close()
+
+    def __enter__(self) -> FeatureStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        """Rows that can be read: all of them, or the durable ones of an incomplete store."""
+        return int(self.file.attrs["num_rows"]) if self.complete else self.rows_written
+
+    def __repr__(self) -> str:
+        state = "complete" if self.complete else "incomplete"
+        return f"FeatureStore({str(self.path)!r}, rows={len(self)}, layers={self.layers}, {state})"
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.file.attrs["complete"])
+
+    @property
+    def rows_written(self) -> int:
+        """Rows durably written (all of them once the store is complete)."""
+        if self.complete:
+            return int(self.file.attrs["rows_written"])
+        return int(self.file["progress"][0])
+
+    @property
+    def skipped(self) -> list[dict[str, Any]]:
+        """Samples left out under ``on_error: skip``: ``{"index", "id", "reason"}`` each."""
+        return read_skipped(self.file)
+
+    @property
+    def layers(self) -> list[str]:
+        """Stored layer keys, in the order they were captured."""
+        return list(self.file["features"])
+
+    def shape(self, layer: str) -> tuple[int, ...]:
+        """Shape of one row of ``layer`` (without the leading N)."""
+        return tuple(self._features(layer).shape[1:])
+
+    def dtype(self, layer: str) -> torch.dtype:
+        """The torch dtype rows of ``layer`` come back as."""
+        return codec.torch_dtype(self._features(layer).attrs["dtype"])
+
+    def layer_attrs(self, layer: str) -> dict[str, Any]:
+        """The attributes of ``layer``'s dataset: ``dtype``, ``module``, ``capture``, ..."""
+        return dict(self._features(layer).attrs)
+
+    def _features(self, layer: str) -> h5py.Dataset:
+        # Opened anew each time, not kept open: a FeatureDataset opened meanwhile in this
+        # process gets its own chunk cache only if nothing else holds the dataset open.
+        group = self.file["features"]
+        if layer not in group:
+            raise ConfigError(
+                f"layer {layer!r} is not in store {self.path}; it holds: {', '.join(self.layers)}"
+            )
+        return group[layer]
+
+    @property
+    def has_labels(self) -> bool:
+        return "labels" in self.file
+
+    @property
+    def labels(self) -> np.ndarray | None:
+        """``[N]`` int64 labels, or None when the source had none."""
+        return self.file["labels"][: len(self)] if self.has_labels else None
+
+    @property
+    def index(self) -> np.ndarray:
+        """``[N]`` int64 position of each row in the source dataset."""
+        return self.file["index"][: len(self)]
+
+    @property
+    def ids(self) -> list[str]:
+        """``N`` stable sample ids (relative file paths for image folders)."""
+        return list(self.file["ids"].asstr()[: len(self)])
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        """File attributes, JSON values decoded."""
+        return codec.read_attrs(self.file)
+
+    @property
+    def config(self) -> dict[str, Any] | None:
+        """The resolved config the store was made with (None when made from Python)."""
+        return self.attrs.get("config")
+
+    @property
+    def class_names(self) -> list[str] | None:
+        return self.attrs.get("class_names")
+
+    def read(self, layer: str, rows: Rows = slice(None)) -> torch.Tensor:
+        """Rows of ``layer`` as a tensor ``[n, *shape]`` in the stored dtype.
+
+        ``rows`` is a slice or any sequence of row numbers (any order, repeats allowed,
+        negative ones counted from the end); the file is read in increasing order and the
+        result put back in the order asked.
+        """
+        features = self._features(layer)
+        if isinstance(rows, slice):
+            return read_rows(features, slice(*rows.indices(len(self))))
+        return read_rows(features, row_numbers(rows, len(self)))
+
+    def describe(self) -> StoreDescription:
+        """What ``featcache info`` shows: sizes, layers, rows, provenance, the time split."""
+        from featcache.store.describe import describe
+
+        return describe(self)
+
+
+def _durable_rows(partial: Path) -> int:
+    try:
+        with h5py.File(partial, "r") as f:
+            return int(f["progress"][0])
+    except (OSError, KeyError):
+        return 0
+
+
+def row_numbers(rows: Sequence[int] | np.ndarray, num_rows: int) -> np.ndarray:
+    """``rows`` as int64 row numbers in ``[0, num_rows)``; negative ones count from the end.
+
+    Raises :class:`IndexError` for a row outside the ``num_rows`` rows.
+    """
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    rows = np.where(rows < 0, rows + num_rows, rows)
+    if len(rows) and (rows.min() < 0 or rows.max() >= num_rows):
+        raise IndexError(f"row index out of range for a dataset of {num_rows} rows")
+    return rows
+
+
+def read_rows(dataset: h5py.Dataset, rows: slice | np.ndarray) -> torch.Tensor:
+    """Rows of a features dataset as a tensor ``[n, *shape]`` of its store dtype.
+
+    ``rows`` is a slice (with a positive step) or int64 row numbers in range, in any order
+    and with repeats: those are read once each in increasing order, one slice per run of
+    consecutive rows, and put back in the order asked. bfloat16 rows come back as
+    ``torch.bfloat16`` (see :mod:`~featcache.store.codec`).
+    """
+    if isinstance(rows, slice):
+        array = np.ascontiguousarray(dataset[rows])
+    else:
+        unique, inverse = np.unique(rows, return_inverse=True)
+        array = np.empty((len(unique), *dataset.shape[1:]), dtype=dataset.dtype)
+        read_runs(dataset, _runs(unique), array)
+        if not np.array_equal(unique, rows):
+            array = array[inverse.reshape(-1)]
+    return codec.decode(array, str(dataset.attrs.get("dtype", "")))
+
+
+def read_runs(
+    dataset: h5py.Dataset, runs: Iterable[tuple[int, int]], out: np.ndarray, at: int = 0
+) -> None:
+    """Copy the row ranges ``[start, stop)`` of ``dataset`` into ``out``, one after the
+    other from row ``at``. ``out`` has the dataset's numpy dtype (``uint16`` for bfloat16:
+    :func:`~featcache.store.codec.as_array` of a bfloat16 tensor)."""
+    row_bytes = max(out.dtype.itemsize * int(np.prod(out.shape[1:], dtype=np.int64)), 1)
+    direct_rows = max(DIRECT_READ_BYTES // row_bytes, 1)
+    for start, stop in runs:
+        rows = stop - start
+        if rows >= direct_rows:
+            dataset.read_direct(out, np.s_[start:stop], np.s_[at : at + rows])
+        else:
+            out[at : at + rows] = dataset[start:stop]
+        at += rows
+
+
+def _runs(rows: np.ndarray) -> Iterable[tuple[int, int]]:
+    """``[start, stop)`` of each run of consecutive numbers in sorted unique ``rows``."""
+    if not len(rows):
+        return ()
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    starts = rows[np.r_[0, breaks]].tolist()
+    stops = (rows[np.r_[breaks - 1, len(rows) - 1]] + 1).tolist()
+    return zip(starts, stops, strict=True)

@@ -1,0 +1,77 @@
+"""Resuming an interrupted store: the settings it was made with and where to restart."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import h5py
+import numpy as np
+
+from featcache.errors import ConfigError, first_line
+from featcache.store.paths import partial_path, skipped_log_path
+from featcache.store.skipped import read_log
+
+
+def stored_resume_key(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The settings a store (complete or partial) was made with; None if unreadable."""
+    try:
+        with h5py.File(path, "r") as f:
+            return json.loads(f.attrs["resume_key"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+@dataclass
+class ResumePoint:
+    """Where an interrupted extraction continues: rows ``[0, row)`` are kept and the
+    source is read again from ``position`` (a multiple of the batch size)."""
+
+    row: int
+    position: int
+    skipped: list[dict[str, Any]]  # skip records of source positions before ``position``
+
+
+def plan_resume(
+    path: str | os.PathLike, resume_key: Mapping[str, Any], batch_size: int, first: int = 0
+) -> ResumePoint | None:
+    """Check a partial store left by an earlier run; None when there is none.
+
+    Raises :class:`ConfigError` naming the first difference when the partial store was
+    made with other settings, data or model, and when it cannot be read.
+    """
+    partial = partial_path(path)
+    if not partial.exists():
+        return None
+    try:
+        with h5py.File(partial, "r") as f:
+            stored_key = json.loads(f.attrs["resume_key"])
+            durable = int(f["progress"][0])
+            index = f["index"][:durable]
+    except (OSError, KeyError, ValueError) as exc:
+        raise ConfigError(
+            f"cannot resume from {partial}: it is not readable ({first_line(exc)}); "
+            "pass --overwrite to start over"
+        ) from exc
+    for key in sorted(set(stored_key) | set(resume_key)):
+        if stored_key.get(key) != resume_key.get(key):
+            raise ConfigError(
+                f"cannot resume {partial}: its {key.replace('_', ' ')} differs from this "
+                f"run's ({_short(stored_key.get(key))} vs {_short(resume_key.get(key))}); "
+                "pass --overwrite to start over"
+            )
+    next_position = int(index[-1]) + 1 if durable else first
+    # Restart on the batch grid of the first run (batches start at ``first``), so that every
+    # batch holds the same samples as in an uninterrupted run: batch composition can
+    # change the last bits of a result.
+    position = first + (next_position - first) // batch_size * batch_size
+    row = int(np.searchsorted(index, position))
+    return ResumePoint(row, position, read_log(skipped_log_path(path), before=position))
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
+    return text if len(text) <= 40 else text[:16] + "..." + text[-8:]

@@ -1,0 +1,296 @@
+"""Writing a store: crash-safe appends in whole chunks, durable progress marks, completion."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import h5py
+import numpy as np
+
+from featcache.errors import FeatcacheError
+from featcache.provenance import FORMAT_VERSION
+from featcache.store import codec
+from featcache.store.chunks import MAX_META_CHUNK_ROWS, chunk_rows_for
+from featcache.store.merge import copy_store
+from featcache.store.paths import partial_path, skipped_log_path
+from featcache.store.resume import ResumePoint
+from featcache.store.skipped import rewrite_log, write_skipped
+
+MARK_SECONDS = 0.5  # how often durable progress is recorded while writing
+
+
+class StoreWriter:
+    """Writes one store, crash-safely, to ``<path>.partial``; renamed to ``path`` when complete.
+
+    The file is created on the first batch, when feature shapes are known, with every
+    dataset allocated to its full size up front: afterwards the run only writes raw data
+    into space that already exists and never changes HDF5 metadata, so a crash at any
+    instant cannot corrupt the file's structure. Each dataset stages rows in a one-chunk
+    buffer and writes whole chunks. At most every ``mark_seconds`` the writer flushes and
+    fsyncs the file and then records in ``/progress`` how many rows are durable in every
+    dataset; a rerun resumes from there (:func:`~featcache.store.resume.plan_resume`).
+    Skipped samples go to an append-only log beside the file until the store completes.
+
+    ``close(complete=True)`` writes the tail, the skip records and the final attributes,
+    compresses if asked (a copy into a new file), and renames the store into place.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        capacity: int,
+        *,
+        ids_width: int,
+        dtype: str = "float16",
+        compression: str | None = None,
+        chunk_rows: int | None = None,
+        has_labels: bool = True,
+        attrs: Mapping[str, Any] | None = None,
+        resume: ResumePoint | None = None,
+        mark_seconds: float = MARK_SECONDS,
+    ):
+        self.path = Path(path)
+        self.partial = partial_path(self.path)
+        self.capacity = capacity
+        self.ids_width = max(1, ids_width)
+        self.dtype = dtype
+        self.compression = compression
+        self.chunk_rows = chunk_rows
+        self.has_labels = has_labels
+        self.attrs = dict(attrs or {})
+        self.mark_seconds = mark_seconds
+        self.start_row = resume.row if resume else 0
+        self.rows_appended = self.start_row
+        self.skipped: list[dict[str, Any]] = list(resume.skipped) if resume else []
+        self.file: h5py.File | None = None
+        self._staging: dict[str, _Staged] = {}
+        self._marked = self.start_row
+        self._last_mark = time.monotonic()
+        log = skipped_log_path(self.path)
+        if resume is not None:
+            # Keep only the records before the resume point; later ones are redone.
+            rewrite_log(log, self.skipped)
+            self._open_partial()
+        elif log.exists():
+            log.unlink()
+        self._log: TextIO | None = None
+
+    # -- creation and resume -------------------------------------------------------------
+
+    def _create(self, features: Mapping[str, np.ndarray], feature_attrs: Mapping) -> None:
+        """Create the whole file under a temporary name, then rename it to ``.partial``."""
+        creating = self.partial.with_name(self.partial.name + ".creating")
+        f = h5py.File(creating, "w", rdcc_nbytes=0)  # whole-chunk writes skip the cache
+        try:
+            f.attrs["featcache_format"] = FORMAT_VERSION
+            f.attrs["complete"] = False
+            f.attrs["capacity"] = self.capacity
+            codec.write_attrs(f, self.attrs)
+            _allocate(f, "progress", (1,), np.int64, None)
+            meta_rows = self.chunk_rows or min(self.capacity, MAX_META_CHUNK_ROWS)
+            for name, dtype in self._meta_dtypes().items():
+                _allocate(f, name, (self.capacity,), dtype, meta_rows)
+            group = f.create_group("features", track_order=True)
+            for key, array in features.items():
+                shape = array.shape[1:]
+                chunk = self.chunk_rows or chunk_rows_for(shape, self.dtype, self.capacity)
+                dataset = _allocate(
+                    group, key, (self.capacity, *shape), codec.numpy_dtype(self.dtype), chunk
+                )
+                for attr, value in dict(feature_attrs.get(key, {}), dtype=self.dtype).items():
+                    dataset.attrs[attr] = value
+            f.flush()
+            os.fsync(f.id.get_vfd_handle())
+        except BaseException:
+            f.close()
+            creating.unlink(missing_ok=True)
+            raise
+        os.replace(creating, self.partial)  # the open handle follows the rename
+        self.file = f
+        self._stage()
+
+    def _meta_dtypes(self) -> dict[str, Any]:
+        dtypes = {"index": np.int64, "ids": h5py.string_dtype("utf-8", self.ids_width)}
+        if self.has_labels:
+            dtypes["labels"] = np.int64
+        return dtypes
+
+    def _open_partial(self) -> None:
+        self.file = h5py.File(self.partial, "r+", rdcc_nbytes=0)
+        self._stage()
+
+    def _stage(self) -> None:
+        assert self.file is not None
+        names = [*self._meta_dtypes(), *(f"features/{k}" for k in self.file["features"])]
+        self._staging = {name: _Staged(self.file[name], self.start_row) for name in names}
+
+    # -- appending ---------------------------------------------------------------------------
+
+    def append(
+        self,
+        index: np.ndarray,
+        ids: Sequence[str],
+        labels: np.ndarray | None,
+        features: Mapping[str, np.ndarray],
+        feature_attrs: Mapping[str, Mapping[str, Any]] | None = None,
+        skipped: Sequence[Mapping[str, Any]] = (),
+    ) -> None:
+        """Append ``len(index)`` rows and the skip records of source positions among them.
+
+        ``index``: ``[rows]`` source positions; ``labels``: ``[rows]`` ints (None without
+        labels); ``features[key]``: ``[rows, *shape]`` in the HDF5 dtype of the store dtype
+        (``codec.to_numpy(codec.encode(x, dtype))``: ``uint16`` bits for bfloat16).
+        """
+        for record in skipped:
+            self._log_skip(dict(record))
+        rows = len(index)
+        if rows == 0:
+            return
+        if self.file is None:
+            self._create(features, feature_attrs or {})
+        if self.rows_appended + rows > self.capacity:
+            raise FeatcacheError(f"more rows than the {self.capacity} the store was sized for")
+        for key, array in features.items():
+            self._staging[f"features/{key}"].push(array)
+        self._staging["index"].push(np.asarray(index, dtype=np.int64))
+        self._staging["ids"].push(np.char.encode(np.asarray(ids, dtype=str), "utf-8"))
+        if self.has_labels:
+            self._staging["labels"].push(np.asarray(labels, dtype=np.int64))
+        self.rows_appended += rows
+        if time.monotonic() - self._last_mark >= self.mark_seconds:
+            self.mark()
+
+    def _log_skip(self, record: dict[str, Any]) -> None:
+        if self._log is None:
+            self._log = open(skipped_log_path(self.path), "a", encoding="utf-8")  # noqa: SIM115
+        self._log.write(json.dumps(record) + "\n")
+        self.skipped.append(record)
+
+    @property
+    def durable_rows(self) -> int:
+        """Rows written to every dataset (staged rows not included)."""
+        if not self._staging:
+            return self.start_row
+        return min(staged.flushed for staged in self._staging.values())
+
+    def mark(self) -> None:
+        """Make every flushed row durable, then record the count in ``/progress``."""
+        self._last_mark = time.monotonic()
+        if self._log is not None:
+            self._log.flush()
+            os.fsync(self._log.fileno())
+        durable = self.durable_rows
+        if self.file is None or durable == self._marked:
+            return
+        self.file.flush()
+        os.fsync(self.file.id.get_vfd_handle())  # the data is on disk before the mark is
+        self.file["progress"][0] = durable
+        self.file.flush()
+        self._marked = durable
+
+    # -- closing ---------------------------------------------------------------------------
+
+    def close(self, complete: bool = False, attrs: Mapping[str, Any] | None = None) -> None:
+        """Close. With ``complete=True``, finish the store and move it into place; otherwise
+        keep what was appended (best effort) so that a rerun resumes."""
+        try:
+            if complete:
+                self._finish(attrs or {})
+            else:
+                for staged in self._staging.values():
+                    with contextlib.suppress(Exception):  # e.g. the disk that just filled up
+                        staged.flush()
+                with contextlib.suppress(Exception):
+                    self.mark()  # counts only the datasets that did flush
+        finally:
+            if self._log is not None:
+                self._log.close()
+                self._log = None
+            if self.file is not None and self.file.id.valid:
+                self.file.close()
+
+    def _finish(self, attrs: Mapping[str, Any]) -> None:
+        if self.file is None:
+            raise FeatcacheError(
+                f"no rows to write to {self.path}: every sample was skipped "
+                f"({len(self.skipped)} skipped; see the messages above)"
+            )
+        for staged in self._staging.values():
+            staged.flush()
+        self.mark()
+        f = self.file
+        rows = self.rows_appended
+        if rows < self.capacity:  # samples were skipped
+            for name in self._staging:
+                f[name].resize(rows, axis=0)
+        if self.skipped:
+            write_skipped(f, sorted(self.skipped, key=lambda r: r["index"]))
+        codec.write_attrs(f, attrs)
+        f.attrs["num_rows"] = rows
+        f.attrs["rows_written"] = rows
+        f.attrs["skipped"] = len(self.skipped)
+        f.flush()  # every row is on disk before the flag says so
+        f.attrs["complete"] = True
+        f.close()
+        if self.compression is not None:
+            copy_store(self.partial, self.path, self.compression)
+            self.partial.unlink()
+        else:
+            os.replace(self.partial, self.path)
+        skipped_log_path(self.path).unlink(missing_ok=True)
+
+    def __enter__(self) -> StoreWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        self.close(complete=False)
+
+
+def _allocate(
+    group: h5py.Group, name: str, shape: tuple, dtype: Any, chunk_rows: int | None
+) -> h5py.Dataset:
+    """A dataset whose storage is allocated now (no fill), so writes never add metadata."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    options: dict[str, Any] = {}
+    if chunk_rows is not None:
+        options["chunks"] = (min(chunk_rows, shape[0]), *shape[1:])
+        options["maxshape"] = (None, *shape[1:])  # shrinks at the end if samples were skipped
+    return group.create_dataset(
+        name, shape=shape, dtype=dtype, dcpl=dcpl, fill_time="never", **options
+    )
+
+
+class _Staged:
+    """One dataset plus a one-chunk staging buffer; writes whole chunks (the first write
+    after a resume may complete a chunk that was partly written)."""
+
+    def __init__(self, dataset: h5py.Dataset, start_row: int):
+        self.dataset = dataset
+        self.chunk_rows = dataset.chunks[0] if dataset.chunks else len(dataset)
+        self.buffer = np.empty((self.chunk_rows, *dataset.shape[1:]), dtype=dataset.dtype)
+        self.filled = 0  # rows in the buffer
+        self.flushed = start_row  # rows written to the file
+
+    def push(self, rows: np.ndarray) -> None:
+        start = 0
+        while start < len(rows):
+            room = self.chunk_rows - (self.flushed + self.filled) % self.chunk_rows
+            take = min(room, len(rows) - start)
+            self.buffer[self.filled : self.filled + take] = rows[start : start + take]
+            self.filled += take
+            start += take
+            if (self.flushed + self.filled) % self.chunk_rows == 0:
+                self.flush()
+
+    def flush(self) -> None:
+        if self.filled:
+            self.dataset[self.flushed : self.flushed + self.filled] = self.buffer[: self.filled]
+            self.flushed += self.filled
+            self.filled = 0

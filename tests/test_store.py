@@ -1,0 +1,295 @@
+"""The store package: codec, writer, reader and row reads, the per-process handle, resume,
+merge and describe."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import pickle
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from featcache.cli import app
+from featcache.errors import ConfigError, FeatcacheError
+from featcache.store import (
+    FeatureStore,
+    StoreWriter,
+    codec,
+    combine_shards,
+    copy_store,
+    describe,
+    merge_store,
+    partial_path,
+    plan_resume,
+    read_rows,
+    remove_store,
+)
+from featcache.store.paths import shard_path, skipped_log_path
+from featcache.store.reader import DIRECT_READ_BYTES, StoreFile
+
+
+def write_store(path, rows=50, *, dtype="float16", dim=8, complete=True, seed=0, **options):
+    """A store of seeded normal rows in layer ``a`` ([dim]), labels ``row % 3``; returns
+    the path and the rows written, as float32."""
+    values = torch.from_numpy(np.random.default_rng(seed).standard_normal((rows, dim)))
+    writer = StoreWriter(path, rows, ids_width=4, dtype=dtype, chunk_rows=16, **options)
+    index = np.arange(rows)
+    encoded = codec.encode(values, dtype)
+    writer.append(index, [f"{i:04d}" for i in index], index % 3, {"a": codec.to_numpy(encoded)})
+    writer.close(complete=complete)
+    return path, codec.values(encoded, dtype).float()
+
+
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory):
+    return write_store(tmp_path_factory.mktemp("bf16") / "b.h5", dtype="bfloat16")
+
+
+# -- codec -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "bfloat16"])
+def test_codec_round_trip_keeps_every_bit(dtype):
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(0)) * 1e3
+    encoded = codec.encode(x, dtype)
+    array = codec.to_numpy(encoded)
+    assert array.dtype == codec.numpy_dtype(dtype)
+    decoded = codec.decode(array, dtype)
+    assert decoded.dtype == codec.torch_dtype(dtype)
+    assert torch.equal(decoded, codec.values(encoded, dtype))
+    assert torch.equal(decoded, x.to(codec.torch_dtype(dtype)))
+
+
+def test_codec_array_views_share_memory_for_any_dtype():
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        tensor = torch.arange(6, dtype=dtype).reshape(3, 2)
+        array = codec.as_array(tensor)
+        assert array.dtype == (np.uint16 if dtype == torch.bfloat16 else tensor.numpy().dtype)
+        back = codec.from_array(array, dtype)
+        assert back.dtype == dtype and torch.equal(back, tensor)
+        array[0, 0] = array[2, 1]  # the same memory
+        assert tensor[0, 0] == 5
+
+
+def test_codec_attrs_json_round_trip(tmp_path):
+    with h5py.File(tmp_path / "a.h5", "w") as f:
+        codec.write_attrs(f, {"config": {"a": [1, 2]}, "class_names": ["x"], "num_rows": 3})
+        assert isinstance(f.attrs["config"], str)  # JSON text, not a pickle
+        assert codec.read_attrs(f) == {"config": {"a": [1, 2]}, "class_names": ["x"], "num_rows": 3}
+
+
+# -- writer and reader -------------------------------------------------------------------
+
+
+def test_bfloat16_is_stored_as_uint16_bits_and_read_back_as_bfloat16(bf16):
+    path, values = bf16
+    with h5py.File(path, "r") as f:  # the file format: uint16 bits, dtype attribute
+        dataset = f["features/a"]
+        assert dataset.dtype == np.uint16 and dataset.attrs["dtype"] == "bfloat16"
+        raw = dataset[:]
+    store = FeatureStore(path)
+    assert store.dtype("a") == torch.bfloat16 and store.shape("a") == (8,)
+    read = store.read("a")
+    assert read.dtype == torch.bfloat16 and torch.equal(read.float(), values)
+    assert np.array_equal(codec.as_array(read), raw)
+
+
+def test_read_takes_any_order_repeats_and_negative_rows(bf16):
+    path, values = bf16
+    store = FeatureStore(path)
+    rows = [7, 3, 3, 49, 0, 8, 9, 10, -1]
+    expected = values[[r % 50 for r in rows]]
+    assert torch.equal(store.read("a", rows).float(), expected)
+    assert torch.equal(store.read("a", np.array(rows)).float(), expected)
+    assert torch.equal(store.read("a", slice(5, 40, 3)).float(), values[5:40:3])
+    assert torch.equal(store.read("a", slice(-3, None)).float(), values[-3:])
+    assert store.read("a", []).shape == (0, 8)
+    with pytest.raises(IndexError, match="out of range"):
+        store.read("a", [3, 50])
+    with pytest.raises(ConfigError, match="layer 'b' is not in store .* it holds: a"):
+        store.read("b")
+
+
+def test_read_rows_reads_long_runs_straight_and_short_ones_by_slice(tmp_path):
+    dim = 1024  # float32 rows of 4 KiB: a run of 64 rows or more is read directly
+    path, values = write_store(tmp_path / "w.h5", 300, dtype="float32", dim=dim)
+    assert 64 * dim * 4 == DIRECT_READ_BYTES
+    rows = np.r_[np.arange(10, 200), [250, 5, 5, 299, 201]]
+    with h5py.File(path, "r") as f:
+        read = read_rows(f["features/a"], rows)
+        assert read.dtype == torch.float32 and torch.equal(read, values[rows])
+        assert torch.equal(read_rows(f["features/a"], slice(0, 300, 7)), values[::7])
+
+
+def test_store_reader_errors(tmp_path):
+    with pytest.raises(ConfigError, match="store not found"):
+        FeatureStore(tmp_path / "nope.h5")
+    junk = tmp_path / "junk.h5"
+    junk.write_text("not hdf5")
+    with pytest.raises(ConfigError, match="not a readable HDF5 store"):
+        FeatureStore(junk)
+    with h5py.File(tmp_path / "other.h5", "w") as f:
+        f["x"] = 1
+    with pytest.raises(ConfigError, match="HDF5 file but not a featcache store"):
+        FeatureStore(tmp_path / "other.h5")
+
+
+def test_incomplete_store_shows_only_its_durable_rows(tmp_path):
+    path, values = write_store(tmp_path / "i.h5", 40, complete=False)
+    assert not path.exists() and partial_path(path).exists()
+    with pytest.raises(FeatcacheError, match="incomplete .40 rows written"):
+        FeatureStore(path)
+    store = FeatureStore(path, allow_incomplete=True)
+    assert store.path == partial_path(path) and not store.complete
+    assert len(store) == store.rows_written == 40
+    assert torch.equal(store.read("a").float(), values)
+
+
+def test_skipped_records_come_back_in_source_order(tmp_path):
+    path = tmp_path / "s.h5"
+    writer = StoreWriter(path, 4, ids_width=1)
+    skips = [{"index": 9, "id": "z", "reason": "late"}, {"index": 1, "id": "y", "reason": "early"}]
+    writer.append(np.arange(4), list("abcd"), np.zeros(4), {"a": np.ones((4, 2))}, skipped=skips)
+    assert skipped_log_path(path).exists()
+    writer.close(complete=True)
+    assert not skipped_log_path(path).exists()
+    assert FeatureStore(path).skipped == sorted(skips, key=lambda r: r["index"])
+
+
+def test_resume_point_and_mismatched_settings(tmp_path):
+    key = {"config_fingerprint": "abc", "batch_size": 8}
+    path = tmp_path / "r.h5"
+    write_store(path, 40, complete=False, attrs={"resume_key": key})
+    point = plan_resume(path, key, batch_size=16)
+    assert point is not None and (point.row, point.position, point.skipped) == (32, 32, [])
+    with pytest.raises(ConfigError, match="its config fingerprint differs .*--overwrite"):
+        plan_resume(path, dict(key, config_fingerprint="abd"), batch_size=16)
+    remove_store(path)
+    assert not partial_path(path).exists() and plan_resume(path, key, 16) is None
+
+
+# -- the per-process file handle ---------------------------------------------------------
+
+
+def test_handle_pickles_as_its_path_and_reopens(bf16):
+    path, values = bf16
+    store = FeatureStore(path)
+    store.read("a", [1])
+    assert store._handle.is_open
+    clone = pickle.loads(pickle.dumps(store))
+    assert not clone._handle.is_open
+    assert torch.equal(clone.read("a").float(), values) and clone._handle.is_open
+    store.close()
+    assert not store._handle.is_open
+    assert torch.equal(store.read("a", [2]).float(), values[[2]])  # opens again
+
+
+def _read_in_child(store: FeatureStore, handle: StoreFile, queue) -> None:
+    inherited = store._handle.is_open or handle.is_open
+    rows = store.read("a", [4, 2]).float()
+    handle.dataset("features/a", (0, 0))
+    store.close()
+    handle.close()  # closes the child's own handles only
+    queue.put((inherited, rows.tolist()))
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="no fork")
+def test_forked_process_opens_its_own_handle(bf16):
+    path, values = bf16
+    store = FeatureStore(path)
+    handle = StoreFile(path)
+    dataset = handle.dataset("features/a", (0, 0))
+    assert dataset.id.get_access_plist().get_chunk_cache()[:2] == (0, 0)
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_read_in_child, args=(store, handle, queue))
+    child.start()
+    inherited, rows = queue.get(timeout=60)
+    child.join(60)
+    assert child.exitcode == 0 and not inherited
+    assert torch.equal(torch.tensor(rows), values[[4, 2]])
+    assert store._handle.is_open and handle.is_open  # the parent's handles stay open
+    assert handle.dataset("features/a") is dataset
+    assert torch.equal(store.read("a", [0]).float(), values[[0]])
+
+
+# -- merge and copy ----------------------------------------------------------------------
+
+
+def test_shards_combine_into_a_virtual_store_and_merge_into_one_file(tmp_path):
+    shards, parts = [], []
+    for rank in range(2):
+        shard, values = write_store(shard_path(tmp_path / "t.h5", rank, 2), 20 + rank, seed=rank)
+        shards.append(shard)
+        parts.append(values)
+    combined = combine_shards(tmp_path / "t.h5", shards)
+    assert combined.attrs["world_size"] == 2 and len(combined) == 41
+    assert combined.attrs["shards"] == [s.name for s in shards]
+    with h5py.File(combined.path) as f:
+        assert f["features/a"].is_virtual
+    assert torch.equal(combined.read("a").float(), torch.cat(parts))
+    merged = merge_store(combined.path, tmp_path / "merged.h5", progress=False)
+    with h5py.File(merged.path) as f:
+        assert not f["features/a"].is_virtual and f["features/a"].chunks
+        assert "shards" not in f.attrs
+    assert merged.attrs["merged_from"] == [s.name for s in shards]
+    assert torch.equal(merged.read("a").float(), torch.cat(parts))
+    assert merged.describe().bytes < combined.describe().bytes  # shards counted there
+    with pytest.raises(ConfigError, match="already exists"):
+        merge_store(combined.path, merged.path)
+
+
+def test_copy_with_compression_keeps_values_and_layout(bf16, tmp_path):
+    path, values = bf16
+    copy_store(path, tmp_path / "z.h5", "gzip")
+    with h5py.File(tmp_path / "z.h5") as f:
+        assert f["features/a"].compression == "gzip" and f["features/a"].dtype == np.uint16
+    assert torch.equal(FeatureStore(tmp_path / "z.h5").read("a").float(), values)
+
+
+# -- describe ----------------------------------------------------------------------------
+
+
+def test_describe_holds_the_data_the_cli_prints(bf16):
+    path, _ = bf16
+    store = FeatureStore(path)
+    description = describe(store)
+    assert description == store.describe()
+    assert description.path == path and description.bytes == path.stat().st_size
+    assert description.complete and description.rows == description.rows_written == 50
+    assert description.layers["a"].shape == (8,)
+    assert description.layers["a"].attrs["dtype"] == "bfloat16"
+    assert description.class_names is None and description.has_labels
+    assert description.time_split is None and description.skipped == []
+    data = description.to_dict()
+    assert data["path"] == str(path) and data["layers"] == {
+        "a": {"shape": [8], "dtype": "bfloat16"}
+    }
+    assert data["num_rows"] == 50 and data["complete"] is True
+    assert json.loads(description.to_json()) == data
+    text = str(description)
+    assert text == description.format()
+    assert text.splitlines()[1] == "status     complete, 50 rows, format 1"
+    assert description.summary().startswith(f"{path}: 50 rows; a [8]; ")
+    info = CliRunner().invoke(app, ["info", str(path)])
+    assert info.exit_code == 0 and info.stdout == text + "\n"
+    as_json = CliRunner().invoke(app, ["info", str(path), "--json"])
+    assert as_json.exit_code == 0 and as_json.stdout == description.to_json() + "\n"
+
+
+def test_time_split_is_in_seconds_and_printed_as_shares(tmp_path):
+    attrs = {
+        "seconds": 10.0,
+        "images_per_second": 5.0,
+        "seconds_waiting_for_data": 1.0,
+        "seconds_in_model": 3.0,
+        "seconds_waiting_for_disk": 0.0,
+    }
+    path, _ = write_store(tmp_path / "t.h5", 10, attrs=attrs)
+    description = FeatureStore(path).describe()
+    assert description.time_split == {"data": 1.0, "model": 3.0, "disk": 0.0}
+    assert "run        10.0 s, 5 images/s (data 25%, model 75%, disk 0%)" in str(description)
