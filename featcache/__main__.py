@@ -1,3 +1,5 @@
+"""`python -m featcache`: the command line."""
+
 from featcache.cli import main
 
 main()

@@ -12,7 +12,6 @@ from typing import Annotated, Any
 import typer
 
 from featcache.errors import ConfigError, FeatcacheError, first_line
-from featcache.units import parse_bytes
 
 app = typer.Typer(
     name="featcache",
@@ -210,6 +209,7 @@ def demo(
     """Run the embedded demo config (offline, synthetic images), show its stores, and
     probe every layer."""
     from featcache.demo import run_demo, run_demo_probe
+    from featcache.plotting import PLOT_EXTRA
     from featcache.probe import format_table
 
     stores = run_demo(output)
@@ -230,7 +230,10 @@ def demo(
         f"best layer {best.layer}: {100 * best.top1:.1f}% top-1 against {100 * chance:.1f}% "
         f"for chance ({best.num_classes} classes)"
     )
-    typer.echo(f"wrote {json_path} and {png_path}")
+    if png_path is None:
+        typer.echo(f"wrote {json_path} (for the chart too: {PLOT_EXTRA})")
+    else:
+        typer.echo(f"wrote {json_path} and {png_path}")
 
 
 @app.command()
@@ -286,7 +289,6 @@ def probe(
 ) -> None:
     """Fit linear probes: lambda chosen on validation, accuracy reported on test."""
     from featcache.probe import (
-        ProbeOptions,
         default_output,
         format_result,
         format_table,
@@ -301,11 +303,15 @@ def probe(
             grid = [float(value) for value in lambdas.split(",") if value.strip()]
         except ValueError:
             raise ConfigError(f"--lambdas {lambdas!r} is not a list like 1e-4,1e-3,1e-2") from None
-    options = ProbeOptions(
+    results = probe_layers(
+        train,
+        layer,
+        val=val,
+        test=test,
         val_fraction=val_fraction,
         trainer=trainer,
         lambdas=grid,
-        max_memory=parse_bytes(max_memory),
+        max_memory=max_memory,
         epochs=epochs,
         batch_size=batch_size,
         num_workers=num_workers,
@@ -313,7 +319,6 @@ def probe(
         seed=seed,
         progress=progress,
     )
-    results = probe_layers(train, layer, val=val, test=test, options=options)
     typer.echo(format_result(results[0]) if len(results) == 1 else format_table(results))
     path = save_results(results, output or default_output(train, [r.layer for r in results]))
     typer.echo(f"wrote {path}")

@@ -7,6 +7,7 @@ from importlib import resources
 from pathlib import Path
 
 from featcache.extraction import extract_from_config
+from featcache.plotting import has_matplotlib
 from featcache.probe import ProbeResult, plot_layers, probe_layers, save_results
 from featcache.spec import Spec, load_config
 from featcache.store import FeatureStore
@@ -28,13 +29,14 @@ def run_demo(output: str | os.PathLike = "featcache_demo") -> dict[str, FeatureS
 
 def run_demo_probe(
     stores: dict[str, FeatureStore], output: str | os.PathLike = "featcache_demo"
-) -> tuple[list[ProbeResult], Path, Path]:
+) -> tuple[list[ProbeResult], Path, Path | None]:
     """Probe every demo layer: lambda chosen on a stratified fifth of the train store,
     top-1 measured on the val store, which no choice looked at. Writes
-    ``probe-layers.json`` and ``probe-layers.png`` into ``output``; returns the results
-    and those two paths."""
+    ``probe-layers.json`` and, when matplotlib is installed, ``probe-layers.png`` into
+    ``output``; returns the results and those two paths (``None`` for a chart not drawn)."""
     results = probe_layers(
         stores["train"].path, "all", test=stores["val"].path, val_fraction=0.2, progress=False
     )
     path = save_results(results, Path(output) / "probe-layers.json")
-    return results, path, plot_layers(results, path.with_suffix(".png"))
+    chart = plot_layers(results, path.with_suffix(".png")) if has_matplotlib() else None
+    return results, path, chart

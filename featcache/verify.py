@@ -3,13 +3,15 @@
 ``verify_store`` rebuilds the backbone and the source from the config recorded in the
 store, recomputes a sample of rows (always the first and the last) and compares them
 within the tolerance of the stored dtype, and checks completeness, alignment (every
-source sample is either a row or a recorded skip), ids, labels, fingerprints and
-finiteness.
+source sample is either a row or a recorded skip), ids, labels, finiteness, and the
+store's key (:class:`~featcache.provenance.StoreKey`: config and dataset fingerprints,
+weights identity, layers), the same record resume and torchrun compare.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 from collections.abc import Callable, Sequence
@@ -80,22 +82,26 @@ def verify_store(
             "made by `featcache extract` or extract_from_config"
         )
     spec = load_config(config)
-    attrs = store.attrs
-    result.add(
-        "config",
-        fingerprint(spec) == attrs.get("config_fingerprint"),
-        f"fingerprint {attrs.get('config_fingerprint', '?')[:12]}",
-    )
+    # What decides the store's bytes, as recorded for resume and torchrun (StoreKey).
+    recorded = store.attrs.get("resume_key") or {}
+    config_fp = recorded.get("config_fingerprint")
+    result.add("config", fingerprint(spec) == config_fp, f"fingerprint {(config_fp or '?')[:12]}")
     backbone = build_backbone(spec.model, spec.preprocess, seed=spec.runtime.seed)
-    result.add("weights", backbone.weights == attrs.get("weights"), _weights_text(backbone.weights))
-    split = attrs["split"]
-    source = build_source(spec.data, split, backbone.transform, backbone.decode_size)
+    weights_ok = backbone.weights == recorded.get("weights")
+    result.add("weights", weights_ok, _weights_text(backbone.weights))
+    taps = [dataclasses.asdict(tap) for tap in resolve_taps(backbone.model, spec.layers)]
+    taps_ok = json.loads(json.dumps(taps)) == recorded.get("taps")
+    result.add("layers", taps_ok, ", ".join(tap["key"] for tap in taps))
+    source = build_source(spec.data, store.attrs["split"], backbone.transform, backbone.decode_size)
     dataset_fp = source.fingerprint(content=spec.data.content_hash)
+    same_data = dataset_fp == recorded.get("dataset_fingerprint") and len(source) == recorded.get(
+        "source_rows"
+    )
     result.add(
         "dataset",
-        dataset_fp == attrs.get("dataset_fingerprint"),
+        same_data,
         f"{len(source)} samples, fingerprint {dataset_fp[:12]}"
-        + ("" if dataset_fp == attrs.get("dataset_fingerprint") else " (the data changed)"),
+        + ("" if same_data else " (the data changed)"),
     )
     index = store.index
     _check_alignment(result, store, index, len(source))

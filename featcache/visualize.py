@@ -4,7 +4,8 @@
 scaled to [0, 1] on its own. :func:`grad_cam` weighs a layer's activation channels by
 their spatially averaged gradients (Selvaraju et al., 2017), and :func:`cam_overlay`
 blends that map over the source image, which the store's ids and recorded config locate.
-Images are written with :func:`torchvision.utils.save_image`.
+Images are written with :func:`torchvision.utils.save_image`; the CAM's colours are
+matplotlib's (the ``plot`` extra).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torchvision.transforms import functional as TF
 from torchvision.utils import make_grid, save_image
 
 from featcache.errors import ConfigError
+from featcache.plotting import require_matplotlib
 from featcache.store import FeatureStore
 
 StoreLike = FeatureStore | str | os.PathLike
@@ -171,17 +173,23 @@ def _display_geometry(spec: Any) -> tuple[int | None, int | None]:
     p = spec.preprocess
     if p.is_set() or spec.model.name is None or spec.model.weights is None:
         return p.resize, p.crop
-    from featcache.backbones import resolve_weights
+    from featcache.models import build_preprocessing
 
-    transform = resolve_weights(spec.model.name, spec.model.weights).transforms()
-    sizes = [getattr(transform, name, None) for name in ("resize_size", "crop_size")]
-    return tuple(s[0] if isinstance(s, (list, tuple)) else s for s in sizes)  # type: ignore[return-value]
+    preprocessing = build_preprocessing(spec.model, p)
+    return preprocessing.decode_size, preprocessing.crop_size
 
 
 def jet(x: torch.Tensor) -> torch.Tensor:
-    """A jet-like colour map: ``[H, W]`` in [0, 1] -> float32 RGB ``[3, H, W]``."""
-    x = x.float().clamp(0, 1)
-    return torch.stack([(1.5 - (4 * x - c).abs()).clamp(0, 1) for c in (3.0, 2.0, 1.0)])
+    """matplotlib's ``jet`` colour map: ``[H, W]`` in [0, 1] -> float32 RGB ``[3, H, W]``.
+
+    Raises:
+        FeatcacheError: matplotlib (the ``plot`` extra) is not installed.
+    """
+    require_matplotlib("colouring a Grad-CAM")
+    from matplotlib import colormaps
+
+    rgba = colormaps["jet"](x.detach().float().clamp(0, 1).cpu().numpy())  # float64 [H, W, 4]
+    return torch.from_numpy(rgba[..., :3]).permute(2, 0, 1).float()
 
 
 def cam_overlay(

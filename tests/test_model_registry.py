@@ -11,8 +11,6 @@ import torch
 from PIL import Image
 from torch import nn
 
-import featcache.backbones
-import featcache.models
 from featcache.errors import ConfigError
 from featcache.models import (
     Backbone,
@@ -285,11 +283,3 @@ def test_build_preprocessing_matches_build_backbone_without_building(fake_get_mo
     backbone = build_backbone(weights, PreprocessSpec())
     assert backbone.decode_size == own.decode_size
     assert repr(backbone.transform) == repr(own.transform)
-
-
-# the old import path, until its last users move to featcache.models
-
-
-def test_old_import_path_reexports_the_models_package():
-    for name in ("Backbone", "build_backbone", "build_transform", "resolve_weights"):
-        assert getattr(featcache.backbones, name) is getattr(featcache.models, name)

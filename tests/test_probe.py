@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -356,12 +357,16 @@ def bad_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ("fraction", {"layer": "easy", "val_fraction": 1.0}, "between 0 and 1"),
         ("fraction0", {"layer": "easy", "val_fraction": 0.0}, "between 0 and 1"),
         ("both", {"layer": "easy", "val": "val", "val_fraction": 0.1}, "not both"),
-        ("trainer", {"layer": "easy", "trainer": "sgd"}, "unknown trainer 'sgd'"),
+        (
+            "trainer",
+            {"layer": "easy", "trainer": "sgd"},
+            "trainer is 'sgd'; choose one of: auto, full, streaming",
+        ),
         ("same", {"layer": "easy", "test": "train"}, "train and test stores are the same file"),
         ("lambdas", {"layer": "easy", "lambdas": [0.1, -1]}, "positive numbers"),
         ("option", {"layer": "easy", "learning_rate": 1}, "unknown probe option"),
         ("batch", {"layer": "easy", "batch_size": 0}, "batch_size must be a whole number >= 1"),
-        ("lr", {"layer": "easy", "lr": -1.0}, "lr must be a positive number"),
+        ("lr", {"layer": "easy", "lr": -1.0}, "lr must be a number > 0, got -1.0"),
     ],
 )
 def test_errors_name_the_problem(stores, bad_stores, case, kwargs, message):
@@ -421,7 +426,7 @@ def test_cli_probe_one_layer_defaults_beside_the_train_store(stores):
         (["--layer", "nope"], "layer 'nope' is not in the train store"),
         (["--layer", "easy", "--max-memory", "big"], "not a size like 4GiB"),
         (["--layer", "easy", "--lambdas", "a,b"], "--lambdas 'a,b' is not a list"),
-        (["--layer", "easy", "--trainer", "magic"], "unknown trainer"),
+        (["--layer", "easy", "--trainer", "magic"], "trainer is 'magic'; choose one of: auto"),
     ],
 )
 def test_cli_probe_errors_are_one_line_with_exit_2(stores, extra, message):
@@ -443,3 +448,14 @@ def test_demo_runs_a_probe_and_compares_with_chance(tmp_path):
     assert accuracy > 3 * chance and chance == pytest.approx(10.2, abs=0.1)
     assert (tmp_path / "demo" / "probe-layers.json").is_file()
     assert (tmp_path / "demo" / "probe-layers.png").is_file()
+
+
+def test_demo_probe_writes_its_results_without_matplotlib(stores, tmp_path, monkeypatch):
+    from featcache.demo import run_demo_probe
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    opened = {"train": FeatureStore(stores["train"]), "val": FeatureStore(stores["test"])}
+    results, path, chart = run_demo_probe(opened, tmp_path)
+    assert chart is None and not path.with_suffix(".png").exists()
+    assert [r["layer"] for r in json.loads(path.read_text())["results"]] == ["easy", "hard"]
+    assert [r.layer for r in results] == ["easy", "hard"]

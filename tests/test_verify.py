@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import h5py
 import numpy as np
 import pytest
@@ -40,8 +42,21 @@ def test_verify_passes_on_a_good_store(tmp_path, dtype):
     assert result.passed, [c for c in result.checks if not c.ok]
     names = {check.name for check in result.checks}
     assert {"complete", "config", "weights", "dataset", "alignment", "ids", "labels"} <= names
-    assert {"finite", "values"} <= names
+    assert {"finite", "values", "layers"} <= names
     assert result.rows == list(range(30))
+
+
+def test_verify_compares_the_recorded_store_key(tmp_path):
+    """The layers and weights recorded in the store's key are checked, not only the config."""
+    path = _synthetic_store(tmp_path)
+    with h5py.File(path, "r+") as f:
+        key = json.loads(f.attrs["resume_key"])
+        key["taps"][1]["reduce"] = "max"
+        key["weights"]["seed"] = 123
+        f.attrs["resume_key"] = json.dumps(key)
+    result = verify_store(path, samples=0)
+    failed = {check.name for check in result.checks if not check.ok}
+    assert failed == {"layers", "weights"}
 
 
 def _flip_bytes(path, layer: str, row: int) -> None:

@@ -8,10 +8,10 @@ import torch
 from PIL import Image
 from typer.testing import CliRunner
 
-from featcache.backbones import build_backbone
 from featcache.cli import app
 from featcache.errors import ConfigError
 from featcache.extraction import extract_from_config
+from featcache.models import build_backbone
 from featcache.sources import build_source
 from featcache.spec import load_config
 from featcache.visualize import (

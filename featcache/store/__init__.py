@@ -26,9 +26,6 @@ from featcache.store.reader import FeatureStore, read_rows
 from featcache.store.resume import ResumePoint, plan_resume, stored_resume_key
 from featcache.store.writer import StoreWriter
 
-# Temporary alias for the extraction code; use codec.encode.
-to_store_dtype = codec.encode
-
 __all__ = [
     "FeatureStore",
     "ResumePoint",
@@ -45,5 +42,4 @@ __all__ = [
     "read_rows",
     "remove_store",
     "stored_resume_key",
-    "to_store_dtype",
 ]

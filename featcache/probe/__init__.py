@@ -1,0 +1,67 @@
+"""Linear probes on cached features: the standard linear-evaluation protocol.
+
+The protocol of Kornblith et al. (2019) and the SimCLR / CLIP linear evaluations:
+
+1. Features are flattened to ``[N, D]`` float32 and standardised with the mean and
+   standard deviation of the rows being fitted (never of the validation or test rows).
+2. An L2-regularised multinomial logistic regression, loss
+   ``mean cross-entropy + lambda / 2 * ||W||^2`` (bias unregularised), is fitted for
+   every ``lambda`` of a log-spaced grid, then for a few values between the best one
+   and its neighbours. Validation top-1 picks ``lambda``; ties go to the stronger
+   regularisation.
+3. The model is refitted on train + validation at the chosen ``lambda`` (standardised
+   with their statistics) and evaluated once on the test split, which no choice
+   ever looked at.
+
+Two trainers implement it: :mod:`.full` (the whole split in memory, full-batch L-BFGS)
+and :mod:`.streaming` (mini-batch Adam over chunk-shuffled batches, for stores larger
+than memory); both run the one sweep of :mod:`.sweep`. :mod:`.api` holds the entry
+points, :mod:`.options` the options, :mod:`.splits` the store checks and the validation
+split, :mod:`.metrics` the accuracy and feature statistics, :mod:`.results` what a probe
+returns, :mod:`.report` the text and JSON reports, :mod:`.plot` the layer curve.
+
+Everything is seeded: the same stores and options give the same numbers (on the same
+machine and number of threads; float sums depend on their order).
+"""
+
+from featcache.probe.api import probe, probe_layers
+from featcache.probe.full import fit_lbfgs
+from featcache.probe.metrics import Moments, topk_metrics
+from featcache.probe.options import TRAINERS, ProbeOptions
+from featcache.probe.plot import plot_layers
+from featcache.probe.report import (
+    PROBE_FORMAT,
+    default_output,
+    format_result,
+    format_table,
+    save_results,
+)
+from featcache.probe.results import LinearProbe, ProbeResult
+from featcache.probe.splits import Source, stratified_split
+from featcache.probe.sweep import DEFAULT_LAMBDAS, STREAMING_LAMBDAS, choose, refine_lambdas
+from featcache.units import parse_bytes
+
+__all__ = [
+    "DEFAULT_LAMBDAS",
+    "PROBE_FORMAT",
+    "STREAMING_LAMBDAS",
+    "TRAINERS",
+    "LinearProbe",
+    "Moments",
+    "ProbeOptions",
+    "ProbeResult",
+    "Source",
+    "choose",
+    "default_output",
+    "fit_lbfgs",
+    "format_result",
+    "format_table",
+    "parse_bytes",
+    "plot_layers",
+    "probe",
+    "probe_layers",
+    "refine_lambdas",
+    "save_results",
+    "stratified_split",
+    "topk_metrics",
+]

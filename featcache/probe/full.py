@@ -1,0 +1,180 @@
+"""The full-batch trainer: the whole split in memory, L-BFGS warm-started along the path."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from featcache.probe.metrics import Moments, rank, topk_metrics
+from featcache.probe.options import ProbeOptions
+from featcache.probe.results import Fit, LinearProbe, Timings
+from featcache.probe.splits import Splits
+from featcache.probe.sweep import Grid, run_sweep
+from featcache.store import FeatureStore
+
+READ_ROWS = 8192  # rows per read when a layer is loaded
+
+
+def fit_lbfgs(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    num_classes: int,
+    lam: float,
+    *,
+    init: tuple[torch.Tensor, torch.Tensor] | None = None,
+    max_iter: int = 500,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Multinomial logistic regression by full-batch L-BFGS (strong-Wolfe line search).
+
+    Minimises ``mean cross-entropy + lam / 2 * ||W||^2`` with the bias unregularised.
+    ``x``: float32 ``[N, D]`` (standardised), ``y``: int64 ``[N]``, on one device;
+    ``init``: a starting ``(W [C, D], b [C])``, zeros by default. Returns ``(W, b,
+    iterations)``.
+    """
+    if init is None:
+        weight = x.new_zeros(num_classes, x.shape[1])
+        bias = x.new_zeros(num_classes)
+    else:
+        weight, bias = (t.detach().clone() for t in init)
+    weight.requires_grad_(True)
+    bias.requires_grad_(True)
+    optimizer = torch.optim.LBFGS(
+        [weight, bias],
+        lr=1.0,
+        max_iter=max_iter,
+        history_size=20,
+        tolerance_grad=1e-6,
+        tolerance_change=1e-10,
+        line_search_fn="strong_wolfe",
+    )
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(F.linear(x, weight, bias), y) + 0.5 * lam * weight.square().sum()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    iterations = optimizer.state[optimizer.param_groups[0]["params"][0]].get("n_iter", 0)
+    return weight.detach(), bias.detach(), int(iterations)
+
+
+def run_full(
+    splits: Splits, layer: str, grid: Grid, options: ProbeOptions, device: torch.device
+) -> Fit:
+    """Probe ``layer`` with every row in memory.
+
+    The sweep fits on the fit rows standardised with their own statistics; the chosen
+    model is refitted on fit + validation rows (standardised with theirs), warm-started
+    from the sweep's weights, and scored once on the test store.
+    """
+    timings = Timings()
+    digests = {}
+    with timings.phase("load"):
+        x_train, digests["train"] = read_layer(splits.stores["train"], layer)
+        if splits.val_rows is None:
+            x_fit = x_train
+            x_val, digests["val"] = read_layer(splits.stores["val"], layer)
+        else:
+            x_fit = x_train[torch.from_numpy(splits.fit_rows)]
+            x_val = x_train[torch.from_numpy(splits.val_rows)]
+        del x_train
+        y_fit = torch.from_numpy(splits.y_fit).to(device)
+        y_val = torch.from_numpy(splits.y_val).to(device)
+
+    with timings.phase("sweep"):
+        lam, sweep, (w, b), val = _sweep(
+            x_fit, y_fit, x_val, y_val, splits, grid, options, device, f"probe {layer}"
+        )
+
+    with timings.phase("refit"):
+        z_all = torch.cat([x_fit, x_val]).to(device)
+        del x_fit, x_val
+        mean, std = Moments(z_all.shape[1]).update(z_all).standardizer(device)
+        z_all.sub_(mean).div_(std)
+        y_all = torch.cat([y_fit, y_val])
+        w, b, _ = fit_lbfgs(
+            z_all, y_all, splits.num_classes, lam, init=(w, b), max_iter=options.max_iter
+        )
+        del z_all
+        model = LinearProbe(mean, std, w, b)
+
+    test = None
+    if "test" in splits.stores:
+        with timings.phase("test"):
+            x_test, digests["test"] = read_layer(splits.stores["test"], layer)
+            y_test = torch.from_numpy(splits.labels["test"])
+            test = topk_metrics(rank(model.logits(x_test)), y_test, splits.class_names)
+    return Fit(lam, sweep, val, test, timings.seconds, digests, model)
+
+
+def _sweep(
+    x_fit: torch.Tensor,
+    y_fit: torch.Tensor,
+    x_val: torch.Tensor,
+    y_val: torch.Tensor,
+    splits: Splits,
+    grid: Grid,
+    options: ProbeOptions,
+    device: torch.device,
+    desc: str,
+) -> tuple[float, list[dict[str, Any]], tuple[torch.Tensor, torch.Tensor], dict[str, Any]]:
+    """The sweep, one L-BFGS fit at a time: each grid fit starts from the previous one
+    (stronger regularisation), each refinement fit from the best grid fit.
+
+    Returns the chosen lambda, the sweep (increasing lambda), the chosen ``(W, b)`` and
+    its validation metrics.
+    """
+    mean, std = Moments(x_fit.shape[1]).update(x_fit).standardizer(device)
+    z_fit = (x_fit.to(device) - mean) / std
+    z_val = (x_val.to(device) - mean) / std
+    fits: dict[float, tuple[torch.Tensor, torch.Tensor]] = {}
+    with tqdm(
+        total=len(grid.lambdas) + 2 * grid.refine,
+        desc=desc,
+        unit="fit",
+        disable=not options.progress,
+        dynamic_ncols=True,
+    ) as bar:
+
+        def fit(lambdas: list[float], near: float | None) -> list[dict[str, Any]]:
+            entries: list[dict[str, Any]] = []
+            for lam in lambdas:
+                warm = near if near is not None else (entries[-1]["lambda"] if entries else None)
+                w, b, iterations = fit_lbfgs(
+                    z_fit,
+                    y_fit,
+                    splits.num_classes,
+                    lam,
+                    init=None if warm is None else fits[warm],
+                    max_iter=options.max_iter,
+                )
+                fits[lam] = (w, b)
+                accuracy = (F.linear(z_val, w, b).argmax(1) == y_val).double().mean().item()
+                entries.append({"lambda": lam, "val_top1": accuracy, "iterations": iterations})
+                bar.update()
+            return entries
+
+        lam, sweep = run_sweep(grid, fit)
+        bar.total = len(sweep)
+        bar.refresh()
+    w, b = fits[lam]
+    val = topk_metrics(rank(F.linear(z_val, w, b)), y_val, splits.class_names)
+    return lam, sweep, (w, b), val
+
+
+def read_layer(store: FeatureStore, layer: str) -> tuple[torch.Tensor, str]:
+    """All rows of ``layer`` as float32 ``[N, D]`` and the sha256 of those bytes."""
+    n, dim = len(store), int(np.prod(store.shape(layer)))
+    out = torch.empty(n, dim, dtype=torch.float32)
+    digest = hashlib.sha256()
+    for start in range(0, n, READ_ROWS):
+        rows = store.read(layer, slice(start, start + READ_ROWS)).reshape(-1, dim)
+        out[start : start + len(rows)] = rows
+        digest.update(out[start : start + len(rows)].numpy().data)
+    return out, digest.hexdigest()

@@ -1,0 +1,83 @@
+"""What both trainers measure: top-k accuracy of ranked predictions, feature moments."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+SLICE_ROWS = 8192  # rows Moments converts to float64 at a time
+
+
+def rank(logits: torch.Tensor) -> torch.Tensor:
+    """Int64 ``[..., min(5, C)]``: the highest-scoring classes of logits ``[..., C]``,
+    best first."""
+    return logits.topk(min(5, logits.shape[-1]), dim=-1).indices
+
+
+def topk_metrics(
+    ranked: torch.Tensor, labels: torch.Tensor, class_names: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """Accuracy from ranked predictions.
+
+    ``ranked``: int64 ``[N, k]``, the k highest-scoring classes per row, best first;
+    ``labels``: int64 ``[N]``. Gives top-1, top-5 (when ``k >= 5``), the accuracy of each
+    class present (by name when ``class_names`` is given) and its mean, and the chance
+    level: the accuracy of always guessing the most frequent class(es).
+    """
+    ranked, labels = ranked.cpu(), labels.cpu()
+    hit1 = ranked[:, 0] == labels
+    counts = torch.bincount(labels)
+    per_class = {}
+    for label in torch.nonzero(counts).flatten().tolist():
+        mask = labels == label
+        name = class_names[label] if class_names and label < len(class_names) else str(label)
+        per_class[name] = hit1[mask].double().mean().item()
+    frequencies = counts.double().sort(descending=True).values / len(labels)
+    out: dict[str, Any] = {"n": len(labels), "top1": hit1.double().mean().item()}
+    out["chance_top1"] = frequencies[0].item()
+    if ranked.shape[1] >= 5:
+        out["top5"] = (ranked[:, :5] == labels[:, None]).any(1).double().mean().item()
+        out["chance_top5"] = frequencies[:5].sum().item()
+    out["mean_per_class"] = float(np.mean(list(per_class.values())))
+    out["per_class"] = per_class
+    return out
+
+
+class Moments:
+    """Running mean and variance per feature (Chan et al.'s parallel update, float64)."""
+
+    def __init__(self, dim: int):
+        self.n = 0
+        self.mean = torch.zeros(dim, dtype=torch.float64)
+        self.m2 = torch.zeros(dim, dtype=torch.float64)
+
+    def update(self, x: torch.Tensor) -> Moments:
+        """Add rows ``x`` ``[B, D]`` (any device and float dtype; read in slices, so a
+        large array is never copied whole to float64)."""
+        for part in x.split(SLICE_ROWS):
+            part = part.to("cpu", torch.float64)
+            mean = part.mean(0)
+            self._add(len(part), mean, ((part - mean) ** 2).sum(0))
+        return self
+
+    def merge(self, other: Moments) -> Moments:
+        """Add the rows another :class:`Moments` has seen, in place."""
+        self._add(other.n, other.mean, other.m2)
+        return self
+
+    def _add(self, n: int, mean: torch.Tensor, m2: torch.Tensor) -> None:
+        if n:
+            total = self.n + n
+            delta = mean - self.mean
+            self.mean = self.mean + delta * (n / total)
+            self.m2 = self.m2 + m2 + delta**2 * (self.n * n / total)
+            self.n = total
+
+    def standardizer(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 ``(mean, std)`` ``[D]`` on ``device``; constant features get std 1."""
+        std = (self.m2 / max(self.n, 1)).sqrt()
+        std = torch.where(std > 1e-6, std, torch.ones_like(std))
+        return self.mean.float().to(device), std.float().to(device)

@@ -1,0 +1,202 @@
+"""The stores of a probe run, checked against each other, and the rows each role uses."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from featcache.errors import ConfigError
+from featcache.store import FeatureStore
+
+Source = str | os.PathLike | FeatureStore
+
+
+@dataclasses.dataclass
+class Splits:
+    """The stores of one probe run, checked, with the rows each role uses."""
+
+    stores: dict[str, FeatureStore]  # "train", optionally "val" and "test"
+    labels: dict[str, np.ndarray]  # int64 [N] per role
+    fit_rows: np.ndarray  # rows of the train store the sweep fits on
+    val_rows: np.ndarray | None  # rows of the train store held out; None with a val store
+    num_classes: int
+    class_names: list[str] | None
+    validation: str  # where the validation rows come from, in words
+
+    @classmethod
+    def open(
+        cls,
+        train: Source,
+        val: Source | None,
+        test: Source | None,
+        val_fraction: float | None,
+        seed: int,
+    ) -> Splits:
+        """Open and check the stores; without ``val``, hold out a stratified
+        ``val_fraction`` (default 0.2) of ``train``, seeded by ``seed``.
+
+        Raises:
+            ConfigError: a val store and a val fraction both, one file in two roles, a
+                store without labels, different class names, a single class, or a
+                fraction that holds out no rows.
+        """
+        if val is not None and val_fraction is not None:
+            raise ConfigError("give either a val store or a val fraction, not both")
+        stores = {"train": open_store(train)}
+        if val is not None:
+            stores["val"] = open_store(val)
+        if test is not None:
+            stores["test"] = open_store(test)
+        paths: dict[Path, str] = {}
+        for role, store in stores.items():
+            where = store.path.resolve()
+            if where in paths:
+                raise ConfigError(
+                    f"the {paths[where]} and {role} stores are the same file {store.path}; "
+                    "each split must hold its own rows"
+                )
+            paths[where] = role
+        labels = {}
+        for role, store in stores.items():
+            values = store.labels
+            if values is None:
+                raise ConfigError(
+                    f"the {role} store {store.path} has no labels; a probe needs labelled "
+                    "stores (extract from a source with labels)"
+                )
+            labels[role] = values
+        names = stores["train"].class_names
+        for role, store in stores.items():
+            if store.class_names != names:
+                raise ConfigError(
+                    f"the train and {role} stores have different class names "
+                    f"({_short(names)} vs {_short(store.class_names)}); their labels do not "
+                    "mean the same classes"
+                )
+        present = np.unique(labels["train"])
+        if len(present) < 2:
+            raise ConfigError(
+                f"the train store {stores['train'].path} has only one class ({present[0]}); "
+                "a probe needs at least two"
+            )
+        # The classes the probe can predict come from the fitted splits (and the class
+        # names), never from the test labels.
+        num_classes = max(
+            int(labels[role].max()) + 1 for role in ("train", "val") if role in labels
+        )
+        if names:
+            num_classes = max(num_classes, len(names))
+        val_rows: np.ndarray | None
+        if val is None:
+            fraction = 0.2 if val_fraction is None else val_fraction
+            fit_rows, val_rows = stratified_split(labels["train"], fraction, seed)
+            if not len(val_rows):
+                raise ConfigError(
+                    f"val fraction {fraction} holds out no rows of the {len(fit_rows)}; "
+                    "raise it or give a val store"
+                )
+            validation = f"{fraction:g} of train, stratified (seed {seed})"
+        else:
+            fit_rows, val_rows = np.arange(len(labels["train"])), None
+            validation = f"val store {stores['val'].path}"
+        return cls(stores, labels, fit_rows, val_rows, num_classes, names, validation)
+
+    @property
+    def y_fit(self) -> np.ndarray:
+        """Int64 labels of the rows the sweep fits on."""
+        return self.labels["train"][self.fit_rows]
+
+    @property
+    def y_val(self) -> np.ndarray:
+        """Int64 labels of the validation rows."""
+        if self.val_rows is None:
+            return self.labels["val"]
+        return self.labels["train"][self.val_rows]
+
+    def store_info(self) -> dict[str, dict[str, Any]]:
+        """Path, rows, fingerprints and weights of every store (null where absent)."""
+        out = {}
+        for role, store in self.stores.items():
+            attrs = store.attrs
+            out[role] = {
+                "path": str(store.path),
+                "rows": len(store),
+                "config_fingerprint": attrs.get("config_fingerprint"),
+                "dataset_fingerprint": attrs.get("dataset_fingerprint"),
+                "weights": attrs.get("weights"),
+            }
+        return out
+
+    def layers(self, layers: str | Sequence[str]) -> list[str]:
+        """The layer names ``layers`` means (``"all"``, a name, a comma-separated list or
+        a sequence), each checked to be in every store with one shape.
+
+        Raises:
+            ConfigError: no layer, stores with different layers (for ``"all"``), a layer
+                missing from a store, or shapes that differ between stores.
+        """
+        stores = self.stores
+        if isinstance(layers, str):
+            layers = [part.strip() for part in layers.split(",") if part.strip()]
+        names = list(layers)
+        if not names:
+            raise ConfigError("no layer given; name one, a comma-separated list, or all")
+        if names == ["all"]:
+            names = stores["train"].layers
+            for role, store in stores.items():
+                if set(store.layers) != set(names):
+                    raise ConfigError(
+                        f"the train and {role} stores have different layers "
+                        f"({', '.join(names)} vs {', '.join(store.layers)}); "
+                        "probe the layers they share with --layer a,b"
+                    )
+        for name in names:
+            for role, store in stores.items():
+                if name not in store.layers:
+                    raise ConfigError(
+                        f"layer {name!r} is not in the {role} store {store.path}; "
+                        f"it holds: {', '.join(store.layers)}"
+                    )
+            shape = stores["train"].shape(name)
+            for role, store in stores.items():
+                if store.shape(name) != shape:
+                    raise ConfigError(
+                        f"layer {name!r} has shape {list(shape)} in the train store but "
+                        f"{list(store.shape(name))} in the {role} store {store.path}; the "
+                        "stores come from different models or reductions"
+                    )
+        return names
+
+
+def open_store(source: Source) -> FeatureStore:
+    """``source`` itself when it is a :class:`FeatureStore`, else the store at that path."""
+    return source if isinstance(source, FeatureStore) else FeatureStore(source)
+
+
+def stratified_split(
+    labels: np.ndarray, fraction: float, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded split of rows into (fit, held-out), keeping each class's proportion.
+
+    Every class with at least two rows keeps at least one on each side. Returns two
+    sorted int64 arrays of row numbers.
+    """
+    rng = np.random.default_rng(seed)
+    fit, held = [], []
+    for label in np.unique(labels):
+        rows = rng.permutation(np.flatnonzero(labels == label))
+        take = 0 if len(rows) < 2 else min(max(round(fraction * len(rows)), 1), len(rows) - 1)
+        held.append(rows[:take])
+        fit.append(rows[take:])
+    return np.sort(np.concatenate(fit)), np.sort(np.concatenate(held))
+
+
+def _short(names: Sequence[str] | None) -> str:
+    if names is None:
+        return "none"
+    return ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
