@@ -163,14 +163,43 @@ def verify(
     device: Annotated[
         str | None, typer.Option("--device", help="Device to recompute on (default: the config's).")
     ] = None,
+    quick: Annotated[
+        bool,
+        typer.Option(
+            "--quick", help="Check the file alone (key, alignment, checksums); no model or data."
+        ),
+    ] = False,
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", help="Rebuild from this config instead of the recorded one."),
+    ] = None,
+    trust_factory: Annotated[
+        bool,
+        typer.Option(
+            "--trust-factory", help="Allow the recorded config to import and run its factory."
+        ),
+    ] = False,
 ) -> None:
-    """Recompute rows from the store's own config and check everything it records.
+    """Check a store: recompute rows from its config and compare everything it records.
 
-    Exit code 0 when every check passes, 1 when any fails.
+    A store is data: verify never runs code a recorded config names (model.factory)
+    unless --trust-factory is given. Exit code 0 when every check passes, 1 when any fails.
     """
-    from featcache.verify import verify_store
+    from featcache.verify import recorded_code, verify_store
 
-    result = verify_store(store, samples, seed=seed, device=device)
+    if trust_factory and config is None and not quick:
+        code = recorded_code(store)
+        if code is not None:
+            typer.echo(f"--trust-factory: verify will {code}", err=True)
+    result = verify_store(
+        store,
+        samples,
+        seed=seed,
+        device=device,
+        quick=quick,
+        config=config,
+        trust_factory=trust_factory,
+    )
     for check in result.checks:
         typer.echo(f"{'ok' if check.ok else 'FAIL':<5} {check.name:<10} {check.detail}")
     failed = [check.name for check in result.checks if not check.ok]

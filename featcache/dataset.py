@@ -30,8 +30,8 @@ from featcache.store.reader import FeatureStore, StoreFile, read_rows, read_runs
 Features = torch.Tensor | dict[str, torch.Tensor]
 Batch = tuple[Features, torch.Tensor] | tuple[Features, torch.Tensor, torch.Tensor]
 
-CACHE_FLOOR_BYTES = 4 << 20  # smallest chunk cache given to a compressed layer
-CACHE_CHUNKS = 4  # whole chunks a compressed layer's cache holds, at least
+CACHE_FLOOR_BYTES = 4 << 20  # smallest chunk cache given to a filtered layer
+CACHE_CHUNKS = 4  # whole chunks a filtered layer's cache holds, at least
 BUFFER_BLOCKS = 64  # default shuffle buffer: this many blocks ...
 BUFFER_BYTES = 64 << 20  # ... but no more than this many stored bytes
 
@@ -52,9 +52,13 @@ class FeatureDataset(Dataset):
     ``in_memory=True`` loads the layers once and serves both from memory.
 
     ``chunk_cache`` is the HDF5 chunk cache of each layer, in bytes (0: none). By default
-    an uncompressed layer gets none, so a random row costs a read of that row only, not
-    of its whole chunk; a compressed layer gets ``max(4 MiB, 4 chunks)``, so a chunk is
-    decompressed once while the rows of a sorted batch are taken from it.
+    a layer without filters gets none, so a random row costs a read of that row only, not
+    of its whole chunk; a filtered layer (checksummed, the default, or compressed) gets
+    ``max(4 MiB, 4 chunks)``: HDF5 reads and checks (or decompresses) a filtered chunk
+    whole, and the cache does it once while the rows of a sorted batch are taken from it.
+
+    A chunk that fails its checksum raises :class:`~featcache.errors.CorruptStoreError`
+    naming the layer and the rows of that chunk, from every read path.
     """
 
     def __init__(
@@ -95,8 +99,8 @@ class FeatureDataset(Dataset):
             self._storage[layer] = codec.torch_dtype(features.attrs["dtype"])
             rows = chunk_rows_of(features)
             chunk_rows.append(rows)
-            compressed = features.id.get_create_plist().get_nfilters() > 0
-            self._caches[layer] = _chunk_cache(rows * row_bytes(features), compressed, chunk_cache)
+            filtered = features.id.get_create_plist().get_nfilters() > 0
+            self._caches[layer] = _chunk_cache(rows * row_bytes(features), filtered, chunk_cache)
         # A block is the unit the shuffling reader reads: one chunk of the layer with the
         # most rows per chunk (with the usual ~1 MiB chunks, whole chunks of every layer).
         self.block_rows = max(1, min(max(chunk_rows), self.num_rows))
@@ -367,14 +371,15 @@ def _take(tensor: torch.Tensor, index: np.ndarray) -> torch.Tensor:
     return codec.from_array(codec.as_array(tensor).take(index, axis=0), tensor.dtype)
 
 
-def _chunk_cache(chunk_bytes: int, compressed: bool, nbytes: int | None) -> tuple[int, int]:
+def _chunk_cache(chunk_bytes: int, filtered: bool, nbytes: int | None) -> tuple[int, int]:
     """``(nslots, nbytes)`` of the HDF5 chunk cache for one layer."""
     if nbytes is None:
-        # HDF5 reads the selected rows of an uncompressed chunk straight from the file
+        # HDF5 reads the selected rows of an unfiltered chunk straight from the file
         # unless the chunk fits in the cache; then it loads the whole chunk for one row.
         # On [50000, 512] float16 in 1 MiB chunks, random rows read 10x and sorted random
         # batches 2x slower with a 4 MiB cache than with none (scripts/bench_read.py).
-        nbytes = max(CACHE_FLOOR_BYTES, CACHE_CHUNKS * chunk_bytes) if compressed else 0
+        # A filtered chunk is always read whole, so there the cache only saves rereads.
+        nbytes = max(CACHE_FLOOR_BYTES, CACHE_CHUNKS * chunk_bytes) if filtered else 0
     if nbytes == 0:
         return 0, 0
     # HDF5 suggests a prime number of hash slots, about 100 times the chunks that fit.

@@ -18,6 +18,11 @@ class ConfigError(FeatcacheError):
     exit_code = 2
 
 
+class CorruptStoreError(FeatcacheError):
+    """A chunk of a store cannot be read back: its Fletcher-32 checksum (or its decoding)
+    fails. The message names the store, the dataset and the rows of the bad chunk."""
+
+
 def first_line(exc: BaseException, *, with_type: bool = False) -> str:
     """The first line of an exception's message, whitespace collapsed.
 

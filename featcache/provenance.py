@@ -28,6 +28,8 @@ CONTENT_FREE_KEYS: dict[str, tuple[str, ...] | None] = {
     # on_error only decides which rows are left out, and the store lists those; so a run
     # stopped by a bad sample can be resumed with on_error=skip.
     "loader": ("num_workers", "pin_memory", "on_error"),
+    # Checksums guard the stored bytes without changing them.
+    "store": ("checksum",),
 }
 
 

@@ -12,7 +12,10 @@ timing run, so that the same config always runs the same way on the same hardwar
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -73,3 +76,59 @@ def choose_layout(model: nn.Module, runtime: RuntimeSpec) -> Layout:
     else:
         channels_last = bool(runtime.channels_last)
     return Layout(device, channels_last, amp)
+
+
+@contextlib.contextmanager
+def placed(model: nn.Module, layout: Layout, *, lazy: bool = True) -> Iterator[nn.Module]:
+    """Run ``model`` on ``layout.device`` in ``layout.memory_format`` inside the block.
+
+    The model is moved to the device at once. With ``lazy`` (the default), each module's
+    own 4-d weights are converted to channels_last just before the module first runs, so
+    a forward stopped early never pays to convert the layers after the stop; afterwards
+    exactly the converted modules are handed back in the default layout. ``lazy=False``
+    converts the whole model up front (for ``torch.compile``, which should trace a model
+    that does not change under it).
+    """
+    # Module.to takes memory_format at run time; its type stub leaves it out.
+    move: Any = model.to
+    if not layout.channels_last:
+        move(device=layout.device)
+        yield model
+        return
+    if not lazy:
+        move(device=layout.device, memory_format=torch.channels_last)
+        try:
+            yield model
+        finally:
+            move(memory_format=torch.contiguous_format)
+        return
+
+    move(device=layout.device)
+    converted: list[nn.Module] = []
+    hooks: dict[nn.Module, Any] = {}
+
+    def convert(module: nn.Module, args: Any) -> None:
+        # Outside inference mode, so that the weights stay ordinary tensors.
+        with torch.inference_mode(False):
+            module._apply(_to_channels_last, recurse=False)
+        converted.append(module)
+        hooks.pop(module).remove()  # once per module
+
+    for module in model.modules():
+        if any(t.dim() == 4 for t in module.parameters(recurse=False)):
+            hooks[module] = module.register_forward_pre_hook(convert)
+    try:
+        yield model
+    finally:
+        for handle in hooks.values():
+            handle.remove()
+        for module in converted:
+            module._apply(_to_contiguous, recurse=False)
+
+
+def _to_channels_last(t: torch.Tensor) -> torch.Tensor:
+    return t.to(memory_format=torch.channels_last) if t.dim() == 4 else t
+
+
+def _to_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous() if t.dim() == 4 else t

@@ -1,11 +1,14 @@
 """Prove a store matches the model and data it claims to come from.
 
-``verify_store`` rebuilds the backbone and the source from the config recorded in the
-store, recomputes a sample of rows (always the first and the last) and compares them
-within the tolerance of the stored dtype, and checks completeness, alignment (every
-source sample is either a row or a recorded skip), ids, labels, finiteness, and the
-store's key (:class:`~featcache.provenance.StoreKey`: config and dataset fingerprints,
-weights identity, layers), the same record resume and torchrun compare.
+``verify_store`` first checks what the file alone can prove: completeness, the store's
+key (:class:`~featcache.provenance.StoreKey`, the record resume and torchrun compare)
+against its recorded config and layers, alignment (every source sample is either a row
+or a recorded skip), unique ids, every chunk's checksum and finiteness; that is all of
+``--quick``. The full check then rebuilds the backbone and the source from the config
+recorded in the store (never running code the store names unless the user allows it),
+compares their fingerprints, weights identity and layers with the key, checks ids and
+labels against the source, and recomputes a sample of rows (always the first and the
+last) within the tolerance of the stored dtype.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ import dataclasses
 import json
 import os
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,8 +29,9 @@ from torch.utils.data import DataLoader, Subset
 from featcache.errors import ConfigError
 from featcache.provenance import config_fingerprint as fingerprint
 from featcache.runtime import Layout, choose_layout
-from featcache.spec import load_config
+from featcache.spec import Spec, load_config
 from featcache.store import FeatureStore, codec
+from featcache.store.integrity import has_checksums, scan_chunks
 from featcache.taps import TapSet, resolve_taps
 
 # |stored - recomputed| <= TOLERANCE * max(|recomputed| over the row): a few units in the
@@ -55,6 +60,10 @@ class VerifyResult:
     def add(self, name: str, ok: bool, detail: str) -> None:
         self.checks.append(Check(name, bool(ok), detail))
 
+    def passed_so_far(self, name: str) -> bool:
+        """Whether the check ``name`` ran and passed."""
+        return any(check.name == name and check.ok for check in self.checks)
+
 
 def verify_store(
     path: str | os.PathLike,
@@ -62,73 +71,181 @@ def verify_store(
     *,
     seed: int = 0,
     device: str | None = None,
+    quick: bool = False,
+    config: str | os.PathLike | Mapping[str, Any] | None = None,
+    trust_factory: bool = False,
 ) -> VerifyResult:
-    """Check the store at ``path``; ``samples`` random rows are recomputed besides the
-    first and last (``samples < 0``: every row). ``device`` defaults to the config's."""
+    """Check the store at ``path``.
+
+    Every run checks what the file alone can prove: completeness, the store key against
+    the recorded config, the stored layers, alignment of rows and skips with the source
+    rows, unique ids, every chunk's checksum and finiteness. ``quick=True`` stops there
+    (it needs neither the weights nor the data). Otherwise the backbone and the source
+    are rebuilt, their fingerprints compared, and ``samples`` random rows are recomputed
+    besides the first and last (``samples < 0``: every row) on ``device`` (default: the
+    config's).
+
+    The rebuild follows the config recorded in the store, or ``config`` (a YAML path or
+    a mapping) when given. A store is data: a recorded config that would import and run
+    code (``model.factory``) is refused unless ``trust_factory`` is true; see
+    :func:`recorded_code`.
+
+    Raises:
+        ConfigError: a store without a recorded config (and no ``config``), or one
+            naming code to run without ``trust_factory``.
+    """
     from featcache.models import build_backbone
     from featcache.sources import build_source
 
-    store = FeatureStore(path, allow_incomplete=True)
-    result = VerifyResult(store.path)
+    with FeatureStore(path, allow_incomplete=True) as store:
+        result = VerifyResult(store.path)
+        _check_file(result, store)
+        if quick or not result.passed_so_far("checksums"):
+            return result
+        spec = _rebuild_spec(store, config, trust_factory)
+        recorded = store.attrs.get("resume_key") or {}
+        config_fp = recorded.get("config_fingerprint")
+        result.add(
+            "config",
+            fingerprint(spec) == config_fp,
+            f"fingerprint {(config_fp or '?')[:12]}"
+            + ("" if config is None else f" (rebuilt from {_config_name(config)})"),
+        )
+        backbone = build_backbone(spec.model, spec.preprocess, seed=spec.runtime.seed)
+        weights_ok = backbone.weights == recorded.get("weights")
+        result.add("weights", weights_ok, _weights_text(backbone.weights))
+        taps = [dataclasses.asdict(tap) for tap in resolve_taps(backbone.model, spec.layers)]
+        taps_ok = json.loads(json.dumps(taps)) == recorded.get("taps")
+        result.add("taps", taps_ok, ", ".join(tap["key"] for tap in taps))
+        split = store.attrs["split"]
+        source = build_source(spec.data, split, backbone.transform, backbone.decode_size)
+        dataset_fp = source.fingerprint(content=spec.data.content_hash)
+        same_data = dataset_fp == recorded.get("dataset_fingerprint") and len(
+            source
+        ) == recorded.get("source_rows")
+        result.add(
+            "dataset",
+            same_data,
+            f"{len(source)} samples, fingerprint {dataset_fp[:12]}"
+            + ("" if same_data else " (the data changed)"),
+        )
+        index = store.index
+        ids = store.ids
+        wrong_ids = [r for r, i in enumerate(index) if i >= len(source) or ids[r] != source.ids[i]]
+        result.add("ids", not wrong_ids, _rows_text(wrong_ids, "ids match the source"))
+        labels = store.labels
+        source_labels = getattr(source, "labels", None)
+        if labels is not None and source_labels is not None:
+            wrong = [r for r, i in enumerate(index) if labels[r] != source_labels[i]]
+            result.add("labels", not wrong, _rows_text(wrong, "labels match the source"))
+        runtime = dataclasses.replace(spec.runtime, device=device or spec.runtime.device)
+        layout = choose_layout(backbone.model, runtime)
+        _recompute(
+            result, store, spec, backbone.model, source, index, labels, samples, seed, layout
+        )
+    return result
+
+
+def recorded_code(path: str | os.PathLike) -> str | None:
+    """What rebuilding the model of the store at ``path`` from its recorded config would
+    import and run, in words; None when nothing but featcache's own libraries."""
+    from featcache.models import kind_for
+
+    with FeatureStore(path, allow_incomplete=True) as store:
+        recorded = store.config
+    if recorded is None:
+        return None
+    spec = load_config(recorded)
+    kind, ref = kind_for(spec.model)
+    return kind.code_run(ref, spec.model)
+
+
+def _rebuild_spec(
+    store: FeatureStore, config: str | os.PathLike | Mapping[str, Any] | None, trust: bool
+) -> Spec:
+    if config is not None:
+        return load_config(config)
+    if store.config is None:
+        raise ConfigError(
+            f"{store.path} records no config (it was made from Python); verify needs a store "
+            "made by `featcache extract` or extract_from_config, or a config given with --config"
+        )
+    code = recorded_code(store.path)
+    if code is not None and not trust:
+        raise ConfigError(
+            f"{store.path} records a config that would {code}; verify runs no code named in a "
+            "store: pass --trust-factory to run it, or --config FILE to rebuild from your own"
+        )
+    return load_config(store.config)
+
+
+def _check_file(result: VerifyResult, store: FeatureStore) -> None:
+    """The checks that need only the file: no model, no data."""
     result.add(
         "complete",
         store.complete,
         f"{len(store)} rows" if store.complete else f"only {store.rows_written} rows written",
     )
-    config = store.config
-    if config is None:
-        raise ConfigError(
-            f"{store.path} records no config (it was made from Python); verify needs a store "
-            "made by `featcache extract` or extract_from_config"
+    recorded = store.attrs.get("resume_key")
+    if not recorded:
+        result.add("key", False, "the store records no store key (not made by featcache?)")
+        return
+    if store.config is not None:
+        config_fp = fingerprint(load_config(store.config))
+        result.add(
+            "key",
+            config_fp == recorded.get("config_fingerprint"),
+            f"the recorded config has fingerprint {config_fp[:12]}"
+            + ("" if config_fp == recorded.get("config_fingerprint") else ", not the key's"),
         )
-    spec = load_config(config)
-    # What decides the store's bytes, as recorded for resume and torchrun (StoreKey).
-    recorded = store.attrs.get("resume_key") or {}
-    config_fp = recorded.get("config_fingerprint")
-    result.add("config", fingerprint(spec) == config_fp, f"fingerprint {(config_fp or '?')[:12]}")
-    backbone = build_backbone(spec.model, spec.preprocess, seed=spec.runtime.seed)
-    weights_ok = backbone.weights == recorded.get("weights")
-    result.add("weights", weights_ok, _weights_text(backbone.weights))
-    taps = [dataclasses.asdict(tap) for tap in resolve_taps(backbone.model, spec.layers)]
-    taps_ok = json.loads(json.dumps(taps)) == recorded.get("taps")
-    result.add("layers", taps_ok, ", ".join(tap["key"] for tap in taps))
-    source = build_source(spec.data, store.attrs["split"], backbone.transform, backbone.decode_size)
-    dataset_fp = source.fingerprint(content=spec.data.content_hash)
-    same_data = dataset_fp == recorded.get("dataset_fingerprint") and len(source) == recorded.get(
-        "source_rows"
-    )
+    keys = [tap["key"] for tap in recorded.get("taps", [])]
     result.add(
-        "dataset",
-        same_data,
-        f"{len(source)} samples, fingerprint {dataset_fp[:12]}"
-        + ("" if same_data else " (the data changed)"),
+        "layers",
+        sorted(keys) == sorted(store.layers),
+        f"{len(keys)} layers as recorded ({', '.join(keys)})"
+        if sorted(keys) == sorted(store.layers)
+        else f"stored {', '.join(store.layers)}, recorded {', '.join(keys)}",
     )
+    start, stop = recorded.get("rows", (0, recorded.get("source_rows", len(store))))
     index = store.index
-    _check_alignment(result, store, index, len(source))
+    _check_alignment(result, store, index, range(start, stop))
     ids = store.ids
-    wrong_ids = [r for r, i in enumerate(index) if i >= len(source) or ids[r] != source.ids[i]]
-    result.add("ids", not wrong_ids, _rows_text(wrong_ids, "ids match the source"))
-    labels = store.labels
-    source_labels = getattr(source, "labels", None)
-    if labels is not None and source_labels is not None:
-        wrong = [r for r, i in enumerate(index) if labels[r] != source_labels[i]]
-        result.add("labels", not wrong, _rows_text(wrong, "labels match the source"))
-    if spec.store.on_nonfinite != "keep":
+    unique = len(set(ids)) == len(ids)
+    result.add("unique ids", unique, f"{len(ids)} ids" + ("" if unique else " with repeats"))
+    bad_chunks = scan_chunks(store)
+    if bad_chunks:
+        detail = "; ".join(f"{b.key} rows {b.start}-{b.stop - 1}" for b in bad_chunks[:4])
+        more = f" and {len(bad_chunks) - 4} more" if len(bad_chunks) > 4 else ""
+        result.add("checksums", False, f"corrupted chunks: {detail}{more}")
+        return
+    checked = has_checksums(store)
+    result.add(
+        "checksums",
+        True,
+        "every chunk matches its checksum"
+        if checked
+        else "every chunk reads (written without checksums: store.checksum was false)",
+    )
+    if recorded.get("on_nonfinite") != "keep":
         bad = _nonfinite(store)
         result.add("finite", not bad, _layers_text(bad, "no NaN or Inf"))
-    runtime = dataclasses.replace(spec.runtime, device=device or spec.runtime.device)
-    layout = choose_layout(backbone.model, runtime)
-    _recompute(result, store, spec, backbone.model, source, index, labels, samples, seed, layout)
-    store.close()
-    return result
 
 
-def _check_alignment(result: VerifyResult, store: FeatureStore, index: np.ndarray, n: int) -> None:
+def _config_name(config: str | os.PathLike | Mapping[str, Any]) -> str:
+    return "the given config" if isinstance(config, Mapping) else str(config)
+
+
+def _check_alignment(
+    result: VerifyResult, store: FeatureStore, index: np.ndarray, rows: range
+) -> None:
+    """Rows and recorded skips cover the source rows ``rows`` exactly once, in order."""
     skipped = [record["index"] for record in store.skipped]
     covered = np.sort(np.concatenate([index, np.asarray(skipped, dtype=np.int64)]))
     ordered = bool(np.all(np.diff(index) > 0))
-    complete_cover = len(covered) == n and np.array_equal(covered, np.arange(n))
+    expected = np.arange(rows.start, rows.stop)
+    complete_cover = np.array_equal(covered, expected)
     ok = ordered and (complete_cover or not store.complete)
+    n = len(rows)
     detail = (
         f"{len(index)} rows + {len(skipped)} skipped = {n} source samples, in order"
         if ok

@@ -10,7 +10,8 @@ Ratios are images/s against baselines measured in the same run:
   (full network), the bare forward in the best eager layout (channels_last), the bare
   forward truncated after the target layer (best layout), forward hooks appending to
   lists then saved with h5py, torchvision's ``create_feature_extractor``, and
-  ``featcache.extract``;
+  ``featcache.extract`` (with its default Fletcher-32 chunk checksums; ``--checksum-cost``
+  adds ``featcache.extract, checksum off`` and prints the images/s ratio of the two);
 * peak RSS growth from 1,024 to 8,192 images capturing unpooled ``layer3`` of resnet18;
 * a JPEG pipeline over real photos (``../shared/data/hymenoptera.tar``, resize 256, crop
   224, resnet18): torchvision ImageFolder + DataLoader + a hook saving to lists, against
@@ -18,6 +19,7 @@ Ratios are images/s against baselines measured in the same run:
 
     python scripts/bench_extract.py                      # everything (about 10 minutes)
     python scripts/bench_extract.py --parts throughput --models resnet18 --images 256
+    python scripts/bench_extract.py --parts throughput --models resnet18 --checksum-cost
 """
 
 from __future__ import annotations
@@ -110,7 +112,9 @@ def fx_extractor(model: nn.Module, data: torch.Tensor, batch: int, layer: str, p
         f["features"] = torch.cat(kept).numpy().astype(np.float16)
 
 
-def featcache_run(model: nn.Module, dataset: Dataset, layer: str, path: Path, batch: int):
+def featcache_run(
+    model: nn.Module, dataset: Dataset, layer: str, path: Path, batch: int, checksum: bool = True
+):
     reduce = "flatten" if layer == "avgpool" else "none"
     featcache.extract(
         model,
@@ -121,6 +125,7 @@ def featcache_run(model: nn.Module, dataset: Dataset, layer: str, path: Path, ba
         num_workers=0,
         progress=False,
         overwrite=True,
+        checksum=checksum,
     )
 
 
@@ -134,7 +139,9 @@ def timed(cases: dict[str, Callable[[], None]], repeats: int) -> dict[str, float
     return {name: statistics.median(values) for name, values in seconds.items()}
 
 
-def throughput(model_name: str, images: int, size: int, batch: int, repeats: int) -> None:
+def throughput(
+    model_name: str, images: int, size: int, batch: int, repeats: int, checksum_cost: bool = False
+) -> None:
     torch.manual_seed(0)
     model = torchvision.models.get_model(model_name, weights=None).eval()
     data = torch.randn(images, 3, size, size)
@@ -156,6 +163,11 @@ def throughput(model_name: str, images: int, size: int, batch: int, repeats: int
         cases[f"[{layer}] featcache.extract"] = lambda layer=layer: featcache_run(
             model, dataset, layer, folder / "fc.h5", batch
         )
+        if checksum_cost:
+            off = f"[{layer}] featcache.extract, checksum off"
+            cases[off] = lambda layer=layer: featcache_run(
+                model, dataset, layer, folder / "fc.h5", batch, checksum=False
+            )
     timed(cases, 1)  # warm-up: every case once
     medians = timed(cases, repeats)
     base = medians["bare eager forward, default layout"]
@@ -172,6 +184,13 @@ def throughput(model_name: str, images: int, size: int, batch: int, repeats: int
         print(
             f"{name:<44} {images / seconds:>9.1f} {base / seconds:>7.2f}x {best / seconds:>7.2f}x"
         )
+    if checksum_cost:
+        ratios = []
+        for layer in ("avgpool", "layer2"):
+            with_sum = medians[f"[{layer}] featcache.extract"]
+            without = medians[f"[{layer}] featcache.extract, checksum off"]
+            ratios.append(f"{layer} {without / with_sum:.2f}x")  # seconds: inverse of images/s
+        print(f"checksum cost, images/s with checksums over without: {', '.join(ratios)}")
 
 
 RSS_CHILD = """
@@ -299,6 +318,11 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--checksum-cost",
+        action="store_true",
+        help="throughput: also time featcache.extract with store.checksum off",
+    )
     args = parser.parse_args()
     print(
         f"torch {torch.__version__}, torchvision {torchvision.__version__}, "
@@ -306,7 +330,7 @@ def main() -> None:
     )
     if "throughput" in args.parts:
         for name in args.models:
-            throughput(name, args.images, args.size, args.batch, args.repeats)
+            throughput(name, args.images, args.size, args.batch, args.repeats, args.checksum_cost)
     if "rss" in args.parts:
         peak_rss(args.size)
     if "jpeg" in args.parts:

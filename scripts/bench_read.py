@@ -20,17 +20,24 @@ reading machinery, not the disk. Cases:
 * ``ShuffledBatches`` under ``DataLoader(batch_size=None, num_workers=--workers,
   persistent_workers=True)``; skipped with ``--workers 0``.
 
+The store is written as featcache writes by default, with a Fletcher-32 checksum per
+chunk (``store.checksum``). ``--checksum-cost`` also writes the same rows without
+checksums and times the per-row, ``FeatureDataset`` and ``ShuffledBatches`` cases on it
+too (rows ``..., no checksum``), then prints each case's speed with checksums over its
+speed without.
+
 Flags: ``--rows``, ``--dim``: the store's shape; ``--dtype``: its dtype (float16,
 float32, bfloat16); ``--batch``: rows per batch; ``--repeats``: timed repeats;
 ``--per-row``, ``--sampled``: rows read per repeat by the per-row and ``__getitems__``
 cases (the slow ones); ``--workers``: DataLoader workers for ``ShuffledBatches``;
 ``--float32``: convert every batch to float32, in the baseline too (by default batches
 stay in the stored dtype); ``--threads``: torch intra-op threads, 1 by default, as in a
-DataLoader worker (on a busy 2-core machine torch's multi-threaded gathers stall).
+DataLoader worker (on a busy 2-core machine torch's multi-threaded gathers stall);
+``--checksum-cost``: the cases above also on a store without checksums.
 
     python scripts/bench_read.py [--rows 50000] [--dim 512] [--dtype float16] [--batch 256]
                                  [--repeats 5] [--per-row 5000] [--sampled 25600]
-                                 [--workers 2] [--float32] [--threads 1]
+                                 [--workers 2] [--float32] [--threads 1] [--checksum-cost]
 """
 
 from __future__ import annotations
@@ -54,12 +61,13 @@ from featcache.store import FeatureStore, StoreWriter
 
 BASELINE = "in-memory tensor x[idx]"
 PER_ROW = "per-row h5py, default chunk cache"
+NO_CHECKSUM = ", no checksum"  # suffix of the cases on the store without checksums
 
 
-def write_store(path: Path, rows: int, dim: int, dtype: str) -> None:
+def write_store(path: Path, rows: int, dim: int, dtype: str, checksum: bool = True) -> None:
     """A one-layer store ``x`` of standard normal rows, labels ``row % 10``."""
     rng = np.random.default_rng(0)
-    writer = StoreWriter(path, rows, ids_width=8, dtype=dtype)
+    writer = StoreWriter(path, rows, ids_width=8, dtype=dtype, checksum=checksum)
     for start in range(0, rows, 4096):
         stop = min(start + 4096, rows)
         index = np.arange(start, stop)
@@ -96,6 +104,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="for ShuffledBatches; 0: skip")
     parser.add_argument("--float32", action="store_true", help="convert every batch to float32")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument(
+        "--checksum-cost", action="store_true", help="also time a store without checksums"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -105,6 +116,9 @@ def main() -> None:
 
 def bench(args: argparse.Namespace, path: Path) -> None:
     write_store(path, args.rows, args.dim, args.dtype)
+    plain = path.with_name("plain.h5")
+    if args.checksum_cost:
+        write_store(plain, args.rows, args.dim, args.dtype, checksum=False)
     dtype = torch.float32 if args.float32 else None
     batch = args.batch
     shuffled_rows = np.random.default_rng(1).permutation(args.rows)[: args.per_row].tolist()
@@ -126,7 +140,7 @@ def bench(args: argparse.Namespace, path: Path) -> None:
             convert(memory.index_select(0, order[start : start + batch]))
         return len(order)
 
-    def per_row(cache: dict) -> Callable[[], int]:
+    def per_row(cache: dict, path: Path = path) -> Callable[[], int]:
         def run() -> int:
             with h5py.File(path, "r", **cache) as f:
                 x = f["features/x"]
@@ -136,7 +150,7 @@ def bench(args: argparse.Namespace, path: Path) -> None:
 
         return run
 
-    def sampled(chunk_cache: int | None) -> Callable[[], int]:
+    def sampled(chunk_cache: int | None, path: Path = path) -> Callable[[], int]:
         dataset = FeatureDataset(path, "x", dtype=dtype, chunk_cache=chunk_cache)
         loader = DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=0)
 
@@ -177,6 +191,14 @@ def bench(args: argparse.Namespace, path: Path) -> None:
         cases[f"ShuffledBatches, DataLoader {args.workers} workers"] = with_workers(
             file_dataset, batch, args.workers
         )
+    if args.checksum_cost:
+        plain_dataset = FeatureDataset(plain, "x", dtype=dtype)
+        cases[PER_ROW + NO_CHECKSUM] = per_row({}, plain)
+        cases["FeatureDataset, DataLoader shuffle=True" + NO_CHECKSUM] = sampled(None, plain)
+        cases["FeatureDataset.batches, shuffled" + NO_CHECKSUM] = chunk_aware(plain_dataset)
+        if args.workers:
+            name = f"ShuffledBatches, DataLoader {args.workers} workers"
+            cases[name + NO_CHECKSUM] = with_workers(plain_dataset, batch, args.workers)
 
     for run in cases.values():  # warm-up: imports, page cache, worker start
         run()
@@ -190,19 +212,29 @@ def bench(args: argparse.Namespace, path: Path) -> None:
 
     speed = {name: rows[name] / statistics.median(times) for name, times in seconds.items()}
     print(
-        f"[{args.rows}, {args.dim}] {args.dtype} store, chunks of "
+        f"[{args.rows}, {args.dim}] {args.dtype} store with checksums, chunks of "
         f"{file_dataset.block_rows} rows, batch {batch}, "
         f"{'float32' if args.float32 else 'stored dtype'} out; "
         f"{torch.get_num_threads()} torch threads, {platform.machine()}, "
         f"h5py {h5py.version.version}, HDF5 {h5py.version.hdf5_version}; "
         f"median of {args.repeats}"
     )
-    print(f"{'case':<42} {'rows/s':>11} {'vs in-memory':>13} {'vs per-row':>11}")
+    width = max(42, *(len(name) for name in speed))
+    print(f"{'case':<{width}} {'rows/s':>11} {'vs in-memory':>13} {'vs per-row':>11}")
     for name, value in speed.items():
         print(
-            f"{name:<42} {value:>11,.0f} {value / speed[BASELINE]:>12.2f}x "
+            f"{name:<{width}} {value:>11,.0f} {value / speed[BASELINE]:>12.2f}x "
             f"{value / speed[PER_ROW]:>10.1f}x"
         )
+    pairs = [name for name in speed if name + NO_CHECKSUM in speed]
+    if pairs:
+        print("\nchecksum cost: rows/s with Fletcher-32 checksums over rows/s without")
+        print(f"{'case':<42} {'with':>11} {'without':>11} {'ratio':>7}")
+        for name in pairs:
+            without = speed[name + NO_CHECKSUM]
+            print(
+                f"{name:<42} {speed[name]:>11,.0f} {without:>11,.0f} {speed[name] / without:>6.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from torch import nn
 
 import featcache
 from featcache.errors import ConfigError
-from featcache.runtime import choose_layout
+from featcache.runtime import Layout, choose_layout, placed
 from featcache.spec import RuntimeSpec, load_config
 
 
@@ -75,3 +75,25 @@ def test_compiled_forward_matches_eager(tmp_path):
     compiled = featcache.extract(model, data, layers, tmp_path / "c.h5", compile=True, **options)
     for layer in eager.layers:
         torch.testing.assert_close(compiled.read(layer), eager.read(layer), rtol=1e-4, atol=1e-5)
+
+
+def test_placed_converts_only_the_modules_that_run_and_hands_them_back():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3), nn.Conv2d(4, 4, 3)).eval()
+    first, second, third = model
+    layout = Layout(torch.device("cpu"), channels_last=True, amp=None)
+    x = torch.randn(2, 3, 12, 12).contiguous(memory_format=torch.channels_last)
+    cl = torch.channels_last
+    with placed(model, layout), torch.inference_mode():
+        assert not first.weight.is_contiguous(memory_format=cl)  # nothing ran yet
+        second(first(x))  # the third module never runs: an early stop
+        assert first.weight.is_contiguous(memory_format=cl)
+        assert second.weight.is_contiguous(memory_format=cl)
+        assert not third.weight.is_contiguous(memory_format=cl)
+    for conv in model:
+        assert conv.weight.is_contiguous() and not conv.weight.is_inference()
+        assert not conv._forward_pre_hooks
+    model(torch.randn(1, 3, 12, 12)).sum().backward()  # still trainable
+    with placed(model, layout, lazy=False):
+        assert all(conv.weight.is_contiguous(memory_format=cl) for conv in model)
+    assert all(conv.weight.is_contiguous() for conv in model)

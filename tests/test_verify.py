@@ -19,7 +19,7 @@ from featcache.verify import verify_store
 runner = CliRunner()
 
 
-def _synthetic_store(tmp_path, dtype="float16"):
+def _synthetic_store(tmp_path, dtype="float16", checksum=True):
     config = {
         "model": {"name": "resnet18"},
         "layers": [{"name": "layer2"}, {"name": "layer4", "reduce": "avg"}],
@@ -29,7 +29,7 @@ def _synthetic_store(tmp_path, dtype="float16"):
             "splits": {"val": {"size": 30}},
         },
         "loader": {"batch_size": 8},
-        "store": {"dtype": dtype, "chunk_rows": 4},
+        "store": {"dtype": dtype, "chunk_rows": 4, "checksum": checksum},
         "output": {"dir": str(tmp_path / "out")},
         "runtime": {"progress": False},
     }
@@ -42,7 +42,7 @@ def test_verify_passes_on_a_good_store(tmp_path, dtype):
     assert result.passed, [c for c in result.checks if not c.ok]
     names = {check.name for check in result.checks}
     assert {"complete", "config", "weights", "dataset", "alignment", "ids", "labels"} <= names
-    assert {"finite", "values", "layers"} <= names
+    assert {"finite", "values", "layers", "taps", "key", "checksums", "unique ids"} <= names
     assert result.rows == list(range(30))
 
 
@@ -56,7 +56,7 @@ def test_verify_compares_the_recorded_store_key(tmp_path):
         f.attrs["resume_key"] = json.dumps(key)
     result = verify_store(path, samples=0)
     failed = {check.name for check in result.checks if not check.ok}
-    assert failed == {"layers", "weights"}
+    assert failed == {"taps", "weights"}
 
 
 def _flip_bytes(path, layer: str, row: int) -> None:
@@ -75,7 +75,7 @@ def _flip_bytes(path, layer: str, row: int) -> None:
 
 
 def test_verify_fails_naming_the_altered_row(tmp_path):
-    path = _synthetic_store(tmp_path)
+    path = _synthetic_store(tmp_path, checksum=False)  # only recomputing can tell
     _flip_bytes(path, "layer2", 17)
     result = verify_store(path, samples=-1)
     assert not result.passed
@@ -88,11 +88,83 @@ def test_verify_fails_naming_the_altered_row(tmp_path):
 
 
 def test_verify_always_checks_first_and_last_rows(tmp_path):
-    path = _synthetic_store(tmp_path)
+    path = _synthetic_store(tmp_path, checksum=False)
     _flip_bytes(path, "layer2", 29)
     result = verify_store(path, samples=2, seed=3)
     assert 0 in result.rows and 29 in result.rows and len(result.rows) == 4
     assert not result.passed
+
+
+def test_checksums_catch_a_flipped_byte_without_the_model(tmp_path):
+    path = _synthetic_store(tmp_path)
+    quick = runner.invoke(app, ["verify", str(path), "--quick"])
+    assert quick.exit_code == 0, quick.output
+    assert "ok    checksums  every chunk matches its checksum" in quick.stdout
+    assert "values" not in quick.stdout  # nothing was recomputed
+    _flip_bytes(path, "layer2", 17)  # chunk_rows 4: the chunk of rows 16-19
+    for extra in (["--quick"], []):
+        cli = runner.invoke(app, ["verify", str(path), *extra])
+        assert cli.exit_code == 1, cli.output
+        assert "FAIL  checksums  corrupted chunks: features/layer2 rows 16-19" in cli.stdout
+        assert "verify: FAIL (checksums)" in cli.stdout
+
+
+def test_quick_verify_checks_alignment_and_the_key(tmp_path):
+    path = _synthetic_store(tmp_path)
+    with h5py.File(path, "r+") as f:
+        f["index"][3] = f["index"][2]  # a row claims another row's source sample
+    result = verify_store(path, quick=True)
+    assert {c.name for c in result.checks if not c.ok} == {"alignment"}
+    with h5py.File(path, "r+") as f:
+        f["index"][3] = 3
+        config = json.loads(f.attrs["config"])
+        config["model"]["name"] = "resnet34"  # the recorded config no longer makes the key
+        f.attrs["config"] = json.dumps(config)
+    result = verify_store(path, quick=True)
+    assert {c.name for c in result.checks if not c.ok} == {"key"}
+
+
+def test_verify_runs_no_code_named_in_a_store(tmp_path):
+    marker = tmp_path / "factory-ran"
+    config = {
+        "model": {"factory": "tests.factories:touching_net", "kwargs": {"marker": str(marker)}},
+        "layers": [{"name": "conv", "reduce": "avg"}],
+        "data": {
+            "source": "synthetic",
+            "kwargs": {"image_size": 16, "num_classes": 3},
+            "splits": {"val": {"size": 12}},
+        },
+        "preprocess": {"resize": 16, "crop": 16},
+        "output": {"dir": str(tmp_path / "out")},
+        "runtime": {"progress": False},
+    }
+    path = featcache.extract_from_config(config)["val"].path
+    marker.unlink()
+    refused = runner.invoke(app, ["verify", str(path)])
+    assert refused.exit_code == 2
+    errors = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert errors == [
+        f"featcache: error: {path} records a config that would import tests.factories and "
+        f"call tests.factories:touching_net(marker={str(marker)!r}) (model.factory); verify "
+        "runs no code named in a store: pass --trust-factory to run it, or --config FILE to "
+        "rebuild from your own"
+    ]
+    assert not marker.exists()
+    for command in (["info"], ["verify", "--quick"], ["show", "-l", "conv", "-o", "x.png"]):
+        runner.invoke(app, [command[0], str(path), *command[1:]])
+        assert not marker.exists(), command
+
+    trusted = runner.invoke(app, ["verify", str(path), "--trust-factory"])
+    assert trusted.exit_code == 0, trusted.output
+    assert "--trust-factory: verify will import tests.factories and call" in trusted.stderr
+    assert marker.exists()
+
+    marker.unlink()
+    own = tmp_path / "own.yaml"
+    own.write_text(json.dumps(config))
+    rebuilt = runner.invoke(app, ["verify", str(path), "--config", str(own)])
+    assert rebuilt.exit_code == 0, rebuilt.output
+    assert f"(rebuilt from {own})" in rebuilt.stdout and marker.exists()
 
 
 def test_verify_cli_pass_and_altered_ids(tmp_path):

@@ -39,6 +39,7 @@ from featcache.store import (
     remove_store,
     stored_resume_key,
 )
+from featcache.store.lock import writer_lock
 from featcache.taps import Tap, resolve_taps
 from featcache.validation import build
 
@@ -118,9 +119,33 @@ def extract(
     differently is refused with the difference named. The model is put in eval mode and
     moved to the device (its train/eval flag is restored afterwards). Returns the
     complete store, opened for reading.
+
+    One process writes a store at a time: the run holds ``<path>.lock`` (see
+    :mod:`featcache.store.lock`) from before it touches anything of the store until the
+    store is in place, and a second run, with or without ``overwrite``, raises
+    :class:`~featcache.store.lock.StoreBusyError` naming the first and changes nothing.
     """
     run = RunOptions.from_kwargs(**options)
     path = Path(path)
+    with writer_lock(path):  # before anything of the store is touched, until it is in place
+        return _extract(
+            model, dataset, layers, path, run, ids, class_names, provenance,
+            dataset_fingerprint, rows,
+        )  # fmt: skip
+
+
+def _extract(
+    model: nn.Module,
+    dataset: Dataset,
+    layers: Iterable[LayerSpec | str | Mapping[str, Any]] | str,
+    path: Path,
+    run: RunOptions,
+    ids: Sequence[str] | None,
+    class_names: Sequence[str] | None,
+    provenance: Mapping[str, Any] | None,
+    dataset_fingerprint: str | None,
+    rows: range | None,
+) -> FeatureStore:
     plan = _plan(
         model, dataset, layers, run, ids, class_names, provenance, dataset_fingerprint, rows
     )
@@ -155,6 +180,7 @@ def extract(
             dtype=run.store.dtype,
             compression=run.store.compression,
             chunk_rows=run.store.chunk_rows,
+            checksum=run.store.checksum,
             has_labels=plan.has_labels,
             attrs=attrs,
             resume=resume,

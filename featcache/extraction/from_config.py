@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import shlex
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from featcache.distributed import current_rank
+from featcache.distributed import Rank, current_rank
 from featcache.extraction.api import extract
 from featcache.extraction.sharding import extract_shard
 from featcache.provenance import config_fingerprint
 from featcache.spec import Spec, load_config, to_dict
 from featcache.store import FeatureStore, check_output_path, stored_resume_key
+from featcache.store.lock import writer_lock
 
 
 def extract_from_config(
@@ -22,12 +25,36 @@ def extract_from_config(
 
     ``config`` is a YAML path, a mapping, or a loaded :class:`~featcache.spec.Spec`;
     ``overrides`` are ``key.sub=value`` strings applied first. Every split's output path
-    is checked before any work starts.
+    is checked, and locked against other writers (:mod:`featcache.store.lock`), before
+    any work starts.
     """
+    spec = config if isinstance(config, Spec) else load_config(config, overrides)
+    rank = current_rank()
+    with contextlib.ExitStack() as held:
+        if rank is None or rank.is_main:  # other ranks lock only their own shards
+            for split in spec.data.splits:
+                held.enter_context(writer_lock(spec.store_path(split)))
+        return _extract_splits(spec, rank, resume_command(config, overrides))
+
+
+def resume_command(
+    config: str | os.PathLike | Mapping[str, Any] | Spec, overrides: Iterable[str] = ()
+) -> str | None:
+    """The command line that resumes an interrupted run of ``config`` (None for a config
+    given as data rather than a file)."""
+    if not isinstance(config, (str, os.PathLike)):
+        return None
+    words = ["featcache", "extract", os.path.abspath(config)]
+    for override in overrides:
+        if override.replace(" ", "") != "output.overwrite=true":  # would start over
+            words += ["--set", override]
+    return shlex.join(words)
+
+
+def _extract_splits(spec: Spec, rank: Rank | None, command: str | None) -> dict[str, FeatureStore]:
     from featcache.models import build_backbone
     from featcache.sources import build_source
 
-    spec = config if isinstance(config, Spec) else load_config(config, overrides)
     for split in spec.data.splits:  # fail before any work on a store made differently
         path = spec.store_path(split)
         key = stored_resume_key(path) if path.exists() else None
@@ -44,7 +71,6 @@ def extract_from_config(
         **dataclasses.asdict(spec.runtime),
         "overwrite": spec.output.overwrite,
     }
-    rank = current_rank()
     stores = {}
     for split, source in sources.items():
         provenance = {
@@ -54,6 +80,8 @@ def extract_from_config(
             "split": split,
             "source": {"kind": spec.data.source, "split": spec.data.splits[split]},
         }
+        if command is not None:
+            provenance["resume_command"] = command
         arguments = dict(
             provenance=provenance,
             dataset_fingerprint=source.fingerprint(content=spec.data.content_hash),

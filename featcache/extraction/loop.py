@@ -28,7 +28,7 @@ from featcache.extraction.writer_thread import (
     WriterThread,
 )
 from featcache.reduce import ReduceContext
-from featcache.runtime import Layout
+from featcache.runtime import Layout, placed
 from featcache.spec import LoaderSpec, RuntimeSpec, StoreSpec
 from featcache.store.codec import encode
 from featcache.taps import Tap, TapSet
@@ -58,11 +58,9 @@ def run_loop(
     """Run every batch into ``sink``: ``total`` rows in the store, ``done_before`` of them
     written by an earlier run. Returns where the time went, in seconds."""
     loader, store, runtime = options
-    device, memory_format = layout.device, layout.memory_format
+    device = layout.device
     was_training = model.training
     model.eval()
-    # Module.to takes memory_format at run time; its type stub leaves it out.
-    model.to(device=device, memory_format=memory_format)  # type: ignore[call-overload]
     attrs = feature_attrs(taps)
     bar = tqdm(
         total=total,
@@ -77,7 +75,10 @@ def run_loop(
     timing = {"seconds_waiting_for_data": 0.0, "seconds_in_model": 0.0}
     try:
         convert = functools.partial(encode, dtype=store.dtype)
-        with TapSet(model, taps, convert=convert) as tapset:
+        with (
+            placed(model, layout, lazy=not runtime.compile),
+            TapSet(model, taps, convert=convert) as tapset,
+        ):
             if runtime.compile:
                 tapset.forward = torch.compile(model)
             waiting_since = time.perf_counter()
@@ -107,8 +108,6 @@ def run_loop(
     finally:
         bar.close()
         model.train(was_training)
-        if layout.channels_last:  # hand the model back in the layout it came in
-            model.to(memory_format=torch.contiguous_format)  # type: ignore[call-overload]
     return timing
 
 

@@ -28,6 +28,11 @@ class FactoryKind(ModelKind):
 
     name = "factory"
 
+    def code_run(self, ref: str, model: ModelSpec) -> str | None:
+        module_name = ref.partition(":")[0]
+        arguments = ", ".join(f"{k}={v!r}" for k, v in model.kwargs.items())
+        return f"import {module_name} and call {ref}({arguments}) (model.factory)"
+
     def build(self, ref: str, model: ModelSpec, seed: int) -> BuiltModel:
         module = call_factory(ref, import_factory(ref), model.kwargs, seed)
         return BuiltModel(module, random_weights(seed))

@@ -89,6 +89,15 @@ class ModelKind(ABC):
         """
         return spec_preprocessing(preprocess)
 
+    def code_run(self, ref: str, model: ModelSpec) -> str | None:
+        """What :meth:`build` would import and run that the config names, in words (None:
+        nothing but the kind's own library code).
+
+        Stores record their config, and a store is data: ``verify`` asks this before
+        rebuilding a recorded model and refuses unless the user allows it.
+        """
+        return None
+
     @abstractmethod
     def build(self, ref: str, model: ModelSpec, seed: int) -> BuiltModel:
         """Construct the module (any mode, any device) and say which weights it read.

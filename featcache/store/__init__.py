@@ -11,15 +11,20 @@ Layout::
 File attributes hold the format version, the ``complete`` flag, the durable row count
 (``rows_written``) and the provenance (resolved config, fingerprints, weights identity,
 library versions, class names, creation time) as JSON strings. No pickles anywhere.
+With ``store.checksum`` (the default) every chunk of features, labels, index and ids
+carries a Fletcher-32 checksum; a chunk that fails it raises
+:class:`~featcache.errors.CorruptStoreError` on read.
 
 Modules: :mod:`.codec` (dtypes, bfloat16, attribute JSON), :mod:`.paths` (file names),
 :mod:`.chunks` (chunk sizes), :mod:`.writer` (:class:`StoreWriter`), :mod:`.resume`,
 :mod:`.skipped`, :mod:`.reader` (:class:`FeatureStore`, row reads), :mod:`.merge`
-(shards and copies), :mod:`.describe` (what ``featcache info`` shows).
+(shards and copies), :mod:`.describe` (what ``featcache info`` shows), :mod:`.integrity`
+(chunk checksums: :func:`scan_chunks`, :func:`has_checksums`).
 """
 
 from featcache.store import codec
 from featcache.store.describe import StoreDescription, describe
+from featcache.store.integrity import BadChunk, has_checksums, scan_chunks
 from featcache.store.merge import combine_shards, copy_store, merge_store
 from featcache.store.paths import check_output_path, partial_path, remove_store
 from featcache.store.reader import FeatureStore, read_rows
@@ -27,6 +32,7 @@ from featcache.store.resume import ResumePoint, plan_resume, stored_resume_key
 from featcache.store.writer import StoreWriter
 
 __all__ = [
+    "BadChunk",
     "FeatureStore",
     "ResumePoint",
     "StoreDescription",
@@ -36,10 +42,12 @@ __all__ = [
     "combine_shards",
     "copy_store",
     "describe",
+    "has_checksums",
     "merge_store",
     "partial_path",
     "plan_resume",
     "read_rows",
     "remove_store",
+    "scan_chunks",
     "stored_resume_key",
 ]

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from featcache.store.lock import Holder, holder
+from featcache.store.paths import PARTIAL_SUFFIX
 from featcache.units import format_bytes
 
 if TYPE_CHECKING:
@@ -43,6 +45,9 @@ class StoreDescription:
     class_names: list[str] | None
     skipped: list[dict[str, Any]]  # {"index", "id", "reason"} of each sample left out
     attrs: dict[str, Any]  # file attributes, JSON values decoded
+    # The process writing an incomplete store now: {"pid", "host", "started", "output"};
+    # None when none is (the run stopped, or the store is complete).
+    writer: dict[str, Any] | None = None
 
     @property
     def shards(self) -> list[str]:
@@ -61,11 +66,20 @@ class StoreDescription:
             split[name] = float(seconds)
         return split
 
+    @property
+    def resume_command(self) -> str | None:
+        """The command that resumes this store's run, when it was made from a config file."""
+        return self.attrs.get("resume_command")
+
     def to_dict(self) -> dict[str, Any]:
-        """Path, bytes, ``layers: {key: {"shape", **attrs}}`` and every file attribute."""
+        """Path, bytes, completeness, the writer of an incomplete store, ``layers: {key:
+        {"shape", **attrs}}`` and every file attribute."""
         return {
             "path": str(self.path),
             "bytes": self.bytes,
+            "complete": self.complete,
+            "rows_written": self.rows_written,
+            "writer": self.writer,
             "layers": {
                 key: {"shape": list(layer.shape), **layer.attrs}
                 for key, layer in self.layers.items()
@@ -93,8 +107,10 @@ class StoreDescription:
         lines = [
             f"store      {self.path} ({format_bytes(self.bytes)})",
             f"status     {state}, {self.rows} rows, format {attrs.get('featcache_format')}",
-            "layers",
         ]
+        if not self.complete:
+            lines += self._partial_text()
+        lines.append("layers")
         for key, layer in self.layers.items():
             la = layer.attrs
             detail = f"{la.get('module')} {la.get('capture')}, reduce={la.get('reduce')}"
@@ -133,6 +149,16 @@ class StoreDescription:
 
     __str__ = format
 
+    def _partial_text(self) -> list[str]:
+        if self.writer is not None:
+            holder = Holder(**self.writer)
+            lines = [f"writer     {holder.describe()} (still running)"]
+        else:
+            lines = ["writer     none: the run stopped; rerun it to resume from the durable rows"]
+        command = self.resume_command or "the same extract call (the store records no config file)"
+        lines.append(f"resume     {command}")
+        return lines
+
     def _labels_text(self) -> str:
         classes = self.class_names
         text = "none" if not self.has_labels else f"{len(classes) if classes else '?'} classes"
@@ -162,6 +188,11 @@ def store_bytes(store: FeatureStore) -> int:
 
 def describe(store: FeatureStore) -> StoreDescription:
     """Everything ``featcache info`` reports about ``store``, read once."""
+    writer = None
+    if not store.complete:
+        name = store.path.name.removesuffix(PARTIAL_SUFFIX)
+        found = holder(store.path.with_name(name))
+        writer = None if found is None else asdict(found)
     return StoreDescription(
         path=store.path,
         bytes=store_bytes(store),
@@ -175,4 +206,5 @@ def describe(store: FeatureStore) -> StoreDescription:
         class_names=store.class_names,
         skipped=store.skipped,
         attrs=store.attrs,
+        writer=writer,
     )

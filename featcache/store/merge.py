@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.store import codec
 from featcache.store.chunks import MAX_META_CHUNK_ROWS, TARGET_CHUNK_BYTES, chunk_rows_of, row_bytes
+from featcache.store.integrity import dataset_has_checksum, raise_if_corrupt
 from featcache.store.paths import partial_path
 from featcache.store.reader import FeatureStore
 from featcache.store.skipped import read_skipped, write_skipped
@@ -29,8 +30,11 @@ def copy_store(
     """Copy a store into one self-contained file, chunk by chunk, then move it into place.
 
     Virtual datasets (a sharded store) become real ones, chunked like featcache chunks
-    its own; ``compression`` applies to every chunked dataset; ``attrs`` are set last and
-    the file attributes named in ``drop`` are left out.
+    its own; ``compression`` applies to every chunked dataset; a dataset whose chunks
+    (or, for a virtual one, whose sources' chunks) carry Fletcher-32 checksums keeps them;
+    ``attrs`` are set last and the file attributes named in ``drop`` are left out. A
+    source chunk that fails its checksum raises
+    :class:`~featcache.errors.CorruptStoreError`.
     """
     target = Path(target)
     tmp = target.with_name(target.name + ".copying")
@@ -74,11 +78,20 @@ def _copy_dataset(
                 rows = min(rows, MAX_META_CHUNK_ROWS)
             chunks = (min(rows, len(obj)), *obj.shape[1:])
         out = dst.create_dataset(
-            name, shape=obj.shape, dtype=obj.dtype, chunks=chunks, compression=compression
+            name,
+            shape=obj.shape,
+            dtype=obj.dtype,
+            chunks=chunks,
+            compression=compression,
+            fletcher32=dataset_has_checksum(obj),
         )
         step = max(chunks[0], 8 * TARGET_CHUNK_BYTES // row_bytes(obj))  # a few chunks a read
         for start in range(0, len(obj), step):
-            block = obj[start : start + step]
+            try:
+                block = obj[start : start + step]
+            except OSError as exc:
+                raise_if_corrupt(obj, range(start, min(start + step, len(obj))), exc)
+                raise
             out[start : start + len(block)] = block
             bar.update(block.nbytes)
     for key, value in obj.attrs.items():

@@ -45,7 +45,11 @@ def check_output_path(path: Path, overwrite: bool) -> None:
         raise ConfigError(f"store already exists: {path}; pass --overwrite to replace it")
     if path.exists() and path.is_dir():
         raise ConfigError(f"output path {path} is a folder; give a file path ending in .h5")
-    folder = path.parent
+    prepare_output_folder(path.parent)
+
+
+def prepare_output_folder(folder: Path) -> None:
+    """Create ``folder`` if needed and make sure a file can be written in it."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

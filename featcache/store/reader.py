@@ -13,7 +13,8 @@ import torch
 
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.store import codec
-from featcache.store.paths import partial_path, readable_path
+from featcache.store.integrity import raise_if_corrupt
+from featcache.store.paths import PARTIAL_SUFFIX, partial_path, readable_path
 from featcache.store.skipped import read_skipped
 
 if TYPE_CHECKING:
@@ -28,7 +29,14 @@ Rows = slice | Sequence[int] | np.ndarray
 
 
 def open_for_reading(path: str | os.PathLike) -> h5py.File:
-    """Open a store read-only with a chunk cache that holds whole chunks."""
+    """Open a store read-only with a chunk cache that holds whole chunks.
+
+    A ``.partial`` store is opened without HDF5's file lock: its writer may hold it, and
+    since the writer never changes the file's structure once created, only the rows it
+    has marked durable are read.
+    """
+    if str(path).endswith(PARTIAL_SUFFIX):
+        return h5py.File(path, "r", rdcc_nbytes=READ_CACHE_BYTES, locking=False)
     return h5py.File(path, "r", rdcc_nbytes=READ_CACHE_BYTES)
 
 
@@ -200,17 +208,22 @@ class FeatureStore:
     @property
     def labels(self) -> np.ndarray | None:
         """``[N]`` int64 labels, or None when the source had none."""
-        return self.file["labels"][: len(self)] if self.has_labels else None
+        return _read_head(self.file["labels"], len(self)) if self.has_labels else None
 
     @property
     def index(self) -> np.ndarray:
         """``[N]`` int64 position of each row in the source dataset."""
-        return self.file["index"][: len(self)]
+        return _read_head(self.file["index"], len(self))
 
     @property
     def ids(self) -> list[str]:
         """``N`` stable sample ids (relative file paths for image folders)."""
-        return list(self.file["ids"].asstr()[: len(self)])
+        ids = self.file["ids"]
+        try:
+            return list(ids.asstr()[: len(self)])
+        except OSError as exc:
+            raise_if_corrupt(ids, range(len(self)), exc)
+            raise
 
     @property
     def attrs(self) -> dict[str, Any]:
@@ -231,7 +244,8 @@ class FeatureStore:
 
         ``rows`` is a slice or any sequence of row numbers (any order, repeats allowed,
         negative ones counted from the end); the file is read in increasing order and the
-        result put back in the order asked.
+        result put back in the order asked. A chunk that fails its checksum raises
+        :class:`~featcache.errors.CorruptStoreError`.
         """
         features = self._features(layer)
         if isinstance(rows, slice):
@@ -271,10 +285,15 @@ def read_rows(dataset: h5py.Dataset, rows: slice | np.ndarray) -> torch.Tensor:
     ``rows`` is a slice (with a positive step) or int64 row numbers in range, in any order
     and with repeats: those are read once each in increasing order, one slice per run of
     consecutive rows, and put back in the order asked. bfloat16 rows come back as
-    ``torch.bfloat16`` (see :mod:`~featcache.store.codec`).
+    ``torch.bfloat16`` (see :mod:`~featcache.store.codec`). A chunk that fails its
+    checksum raises :class:`~featcache.errors.CorruptStoreError` naming its rows.
     """
     if isinstance(rows, slice):
-        array = np.ascontiguousarray(dataset[rows])
+        try:
+            array = np.ascontiguousarray(dataset[rows])
+        except OSError as exc:
+            raise_if_corrupt(dataset, range(*rows.indices(len(dataset))), exc)
+            raise
     else:
         unique, inverse = np.unique(rows, return_inverse=True)
         array = np.empty((len(unique), *dataset.shape[1:]), dtype=dataset.dtype)
@@ -289,16 +308,31 @@ def read_runs(
 ) -> None:
     """Copy the row ranges ``[start, stop)`` of ``dataset`` into ``out``, one after the
     other from row ``at``. ``out`` has the dataset's numpy dtype (``uint16`` for bfloat16:
-    :func:`~featcache.store.codec.as_array` of a bfloat16 tensor)."""
+    :func:`~featcache.store.codec.as_array` of a bfloat16 tensor). A chunk that fails its
+    checksum raises :class:`~featcache.errors.CorruptStoreError` naming its rows."""
     row_bytes = max(out.dtype.itemsize * int(np.prod(out.shape[1:], dtype=np.int64)), 1)
     direct_rows = max(DIRECT_READ_BYTES // row_bytes, 1)
-    for start, stop in runs:
-        rows = stop - start
-        if rows >= direct_rows:
-            dataset.read_direct(out, np.s_[start:stop], np.s_[at : at + rows])
-        else:
-            out[at : at + rows] = dataset[start:stop]
-        at += rows
+    start = stop = 0
+    try:
+        for start, stop in runs:
+            rows = stop - start
+            if rows >= direct_rows:
+                dataset.read_direct(out, np.s_[start:stop], np.s_[at : at + rows])
+            else:
+                out[at : at + rows] = dataset[start:stop]
+            at += rows
+    except OSError as exc:
+        raise_if_corrupt(dataset, range(start, stop), exc)
+        raise
+
+
+def _read_head(dataset: h5py.Dataset, rows: int) -> np.ndarray:
+    """The first ``rows`` rows of a 1-d dataset (labels, index)."""
+    try:
+        return dataset[:rows]
+    except OSError as exc:
+        raise_if_corrupt(dataset, range(rows), exc)
+        raise
 
 
 def _runs(rows: np.ndarray) -> Iterable[tuple[int, int]]:

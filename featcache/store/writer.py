@@ -39,6 +39,10 @@ class StoreWriter:
 
     ``close(complete=True)`` writes the tail, the skip records and the final attributes,
     compresses if asked (a copy into a new file), and renames the store into place.
+
+    With ``checksum`` (the default) every chunked dataset (features, labels, index, ids)
+    gets HDF5's Fletcher-32 filter: each chunk carries a checksum that every read checks.
+    A resumed store keeps the filters it was created with.
     """
 
     def __init__(
@@ -50,6 +54,7 @@ class StoreWriter:
         dtype: str = "float16",
         compression: str | None = None,
         chunk_rows: int | None = None,
+        checksum: bool = True,
         has_labels: bool = True,
         attrs: Mapping[str, Any] | None = None,
         resume: ResumePoint | None = None,
@@ -62,6 +67,7 @@ class StoreWriter:
         self.dtype = dtype
         self.compression = compression
         self.chunk_rows = chunk_rows
+        self.checksum = checksum
         self.has_labels = has_labels
         self.attrs = dict(attrs or {})
         self.mark_seconds = mark_seconds
@@ -95,13 +101,18 @@ class StoreWriter:
             _allocate(f, "progress", (1,), np.int64, None)
             meta_rows = self.chunk_rows or min(self.capacity, MAX_META_CHUNK_ROWS)
             for name, dtype in self._meta_dtypes().items():
-                _allocate(f, name, (self.capacity,), dtype, meta_rows)
+                _allocate(f, name, (self.capacity,), dtype, meta_rows, self.checksum)
             group = f.create_group("features", track_order=True)
             for key, array in features.items():
                 shape = array.shape[1:]
                 chunk = self.chunk_rows or chunk_rows_for(shape, self.dtype, self.capacity)
                 dataset = _allocate(
-                    group, key, (self.capacity, *shape), codec.numpy_dtype(self.dtype), chunk
+                    group,
+                    key,
+                    (self.capacity, *shape),
+                    codec.numpy_dtype(self.dtype),
+                    chunk,
+                    self.checksum,
                 )
                 for attr, value in dict(feature_attrs.get(key, {}), dtype=self.dtype).items():
                     dataset.attrs[attr] = value
@@ -253,15 +264,27 @@ class StoreWriter:
 
 
 def _allocate(
-    group: h5py.Group, name: str, shape: tuple, dtype: Any, chunk_rows: int | None
+    group: h5py.Group,
+    name: str,
+    shape: tuple,
+    dtype: Any,
+    chunk_rows: int | None,
+    checksum: bool = False,
 ) -> h5py.Dataset:
-    """A dataset whose storage is allocated now (no fill), so writes never add metadata."""
+    """A dataset whose storage is allocated now, so writes never add metadata.
+
+    Unfiltered storage is only reserved (no fill). With ``checksum`` (chunked datasets
+    only) HDF5 fills every chunk at allocation, whatever the fill time: zeros with their
+    Fletcher-32 checksum, so creating the store writes its full size once. A chunk's
+    checksummed size never changes, so later writes stay in place.
+    """
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
     dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
     options: dict[str, Any] = {}
     if chunk_rows is not None:
         options["chunks"] = (min(chunk_rows, shape[0]), *shape[1:])
         options["maxshape"] = (None, *shape[1:])  # shrinks at the end if samples were skipped
+        options["fletcher32"] = checksum
     return group.create_dataset(
         name, shape=shape, dtype=dtype, dcpl=dcpl, fill_time="never", **options
     )

@@ -1,0 +1,188 @@
+"""Chunk checksums: whether a store has them, which chunks fail, and the error naming one."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import h5py
+import numpy as np
+
+from featcache.errors import CorruptStoreError, first_line
+from featcache.store.chunks import chunk_rows_of
+from featcache.store.paths import readable_path
+
+if TYPE_CHECKING:
+    from featcache.store.reader import FeatureStore
+
+FIX = "re-extract it (featcache extract <config> --overwrite) or restore it from a copy"
+
+
+@dataclass(frozen=True)
+class BadChunk:
+    """One chunk that fails to read: rows ``[start, stop)`` of the dataset ``key``."""
+
+    key: str  # path of the dataset in the store: "features/layer2", "labels", "ids", ...
+    start: int
+    stop: int  # exclusive
+    message: str  # h5py's error, first line
+
+
+def scan_chunks(store: str | os.PathLike | FeatureStore) -> list[BadChunk]:
+    """Read every chunk of every chunked dataset of ``store`` and list those that fail.
+
+    Features, labels, index and ids are read one chunk at a time into one reused buffer
+    per dataset, so memory stays at about one chunk. A virtual dataset (a store combined
+    from shards) is read by the chunks of its sources, named by its own rows. An empty
+    list: every chunk reads (and, with checksums, matches its checksum).
+    """
+    if isinstance(store, (str, os.PathLike)):
+        with h5py.File(readable_path(store), "r", rdcc_nbytes=0) as file:
+            return _scan(file)
+    return _scan(store.file)
+
+
+def has_checksums(store: str | os.PathLike | FeatureStore) -> bool:
+    """Whether every feature dataset of ``store`` carries Fletcher-32 checksums (for a
+    store combined from shards: whether every shard's dataset does)."""
+    if isinstance(store, (str, os.PathLike)):
+        with h5py.File(readable_path(store), "r") as file:
+            return _has_checksums(file)
+    return _has_checksums(store.file)
+
+
+def dataset_has_checksum(dataset: h5py.Dataset) -> bool:
+    """Whether ``dataset``'s chunks carry Fletcher-32 checksums; a virtual dataset has
+    them when all of its source datasets do."""
+    if not dataset.is_virtual:
+        return bool(dataset.fletcher32)
+    sources = dataset.virtual_sources()
+    folder = Path(dataset.file.filename).parent
+    for source in sources:
+        if source.file_name == ".":  # a source in the same file
+            if not dataset.file[source.dset_name].fletcher32:
+                return False
+            continue
+        # HDF5 looks for a relative source file beside the file that names it.
+        with h5py.File(folder / source.file_name, "r") as f:
+            if not f[source.dset_name].fletcher32:
+                return False
+    return bool(sources)
+
+
+def raise_if_corrupt(dataset: h5py.Dataset, rows: range, error: OSError) -> None:
+    """After ``error`` reading ``rows`` of ``dataset``: re-read the chunks holding those
+    rows one by one and raise :class:`CorruptStoreError` for the first one that fails.
+
+    Returns when every such chunk reads on its own (the caller then re-raises ``error``).
+    Called only once a read has failed, so the read paths pay nothing for it.
+    """
+    bad = _first_bad_chunk(dataset, rows)
+    if bad is not None:
+        raise corrupt_store_error(dataset, bad) from error
+
+
+def corrupt_store_error(dataset: h5py.Dataset, bad: BadChunk) -> CorruptStoreError:
+    """The one-line error for the chunk ``bad`` of ``dataset``: store, dataset, rows, fix."""
+    key = bad.key
+    what = f"layer {key[len('features/') :]}" if key.startswith("features/") else f"dataset {key}"
+    one = bad.stop - bad.start == 1
+    rows = f"row {bad.start}" if one else f"rows {bad.start}-{bad.stop - 1}"
+    if dataset_has_checksum(dataset):
+        fails = "fails its checksum" if one else "fail their checksum"
+    else:  # e.g. a compressed chunk that no longer decompresses
+        fails = f"cannot be read ({bad.message})"
+    return CorruptStoreError(
+        f"store {dataset.file.filename} is corrupted: {what} {rows} {fails}; {FIX}"
+    )
+
+
+def _scan(file: h5py.File) -> list[BadChunk]:
+    datasets: list[h5py.Dataset] = []
+    file.visititems(
+        lambda _, obj: (
+            datasets.append(obj)
+            if isinstance(obj, h5py.Dataset)
+            and obj.shape
+            and (obj.chunks is not None or obj.is_virtual)
+            else None
+        )
+    )
+    bad: list[BadChunk] = []
+    for dataset in datasets:
+        spans = chunk_spans(dataset)
+        longest = max((stop - start for start, stop in spans), default=0)
+        buffer = np.empty((longest, *dataset.shape[1:]), dtype=dataset.dtype)
+        for start, stop in spans:
+            try:
+                dataset.read_direct(buffer, np.s_[start:stop], np.s_[: stop - start])
+            except OSError as exc:
+                bad.append(BadChunk(dataset.name.lstrip("/"), start, stop, first_line(exc)))
+    return bad
+
+
+def _has_checksums(file: h5py.File) -> bool:
+    features = file.get("features")
+    if not isinstance(features, h5py.Group) or not len(features):
+        return False
+    return all(dataset_has_checksum(features[key]) for key in features)
+
+
+def chunk_spans(dataset: h5py.Dataset) -> list[tuple[int, int]]:
+    """The row ranges ``[start, stop)`` of ``dataset``'s chunks along its first axis, in
+    order. A virtual dataset has those of its sources, moved to its own rows, when each
+    source is a whole dataset mapped to one block of rows (as in a store combined from
+    shards); else blocks of :func:`~featcache.store.chunks.chunk_rows_of` rows."""
+    rows = len(dataset)
+    if dataset.is_virtual:
+        try:
+            return _virtual_spans(dataset)
+        except (OSError, KeyError, ValueError):
+            pass
+    step = chunk_rows_of(dataset)
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def _virtual_spans(dataset: h5py.Dataset) -> list[tuple[int, int]]:
+    folder = Path(dataset.file.filename).parent
+    spans: list[tuple[int, int]] = []
+    for source in dataset.virtual_sources():
+        (first, *_), (last, *_) = source.vspace.get_select_bounds()
+        if source.file_name == ".":
+            rows, step = _rows_and_chunk_rows(dataset.file[source.dset_name])
+        else:
+            with h5py.File(folder / source.file_name, "r") as f:
+                rows, step = _rows_and_chunk_rows(f[source.dset_name])
+        if rows != last + 1 - first:
+            raise ValueError("a source is not mapped whole")
+        edges = [*range(first, last + 1, step), last + 1]
+        spans.extend(zip(edges[:-1], edges[1:], strict=True))
+    spans.sort()
+    starts = [start for start, _ in spans]
+    stops = [0, *(stop for _, stop in spans[:-1])]
+    if starts != stops or not spans or spans[-1][1] != len(dataset):
+        raise ValueError("the sources do not tile the virtual dataset")
+    return spans
+
+
+def _rows_and_chunk_rows(dataset: h5py.Dataset) -> tuple[int, int]:
+    return len(dataset), chunk_rows_of(dataset)
+
+
+def _first_bad_chunk(dataset: h5py.Dataset, rows: range) -> BadChunk | None:
+    """The first chunk holding one of ``rows`` (a positive step) that fails to read."""
+    if not len(rows):
+        return None
+    for first, last in chunk_spans(dataset):
+        if last <= rows[0] or first > rows[-1]:
+            continue
+        asked = rows.start + max(0, -(-(first - rows.start) // rows.step)) * rows.step
+        if asked >= last:  # a step over the whole chunk
+            continue
+        try:
+            dataset[first:last]
+        except OSError as exc:
+            return BadChunk(dataset.name.lstrip("/"), first, last, first_line(exc))
+    return None

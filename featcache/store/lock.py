@@ -1,0 +1,186 @@
+"""One writer per store: an advisory lock held from before a run touches its output until the end.
+
+A run takes an exclusive POSIX record lock (``fcntl.lockf``; NFS v4 honours it) on
+``<store>.lock`` before it removes, creates or opens anything of the store, and keeps it
+until the complete store is renamed into place. The lock file records who holds it
+(pid, host, start time), so that a second run can say whom it is waiting for. The
+kernel drops the lock when its process dies, even by kill -9: a lock file left behind
+without a live holder blocks nothing and is taken over by the next run. Readers of
+complete stores never look at it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import fcntl
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from featcache.errors import ConfigError
+from featcache.store.paths import prepare_output_folder
+
+LOCK_SUFFIX = ".lock"
+# A probe (`featcache info`) holds the lock for an instant; a writer retries that long.
+_ATTEMPTS, _PAUSE = 5, 0.05
+
+# The stores this process holds, with a count: POSIX locks belong to the process (a
+# second lock from the same process would succeed, and closing any descriptor of the
+# file would drop it), so nesting and probing are decided here instead.
+_held: dict[Path, int] = {}
+_holders: dict[Path, Holder] = {}
+_guard = threading.Lock()
+
+
+class StoreBusyError(ConfigError):
+    """Another process is writing the store."""
+
+
+@dataclass(frozen=True)
+class Holder:
+    """The process that holds a store's lock."""
+
+    pid: int
+    host: str
+    started: str  # ISO 8601, UTC
+    output: str
+
+    def describe(self) -> str:
+        """``pid 1234 on host node7, started 2026-11-23 13:55:02 UTC``."""
+        when = self.started.replace("T", " ").split(".")[0].removesuffix("+00:00")
+        return f"pid {self.pid} on host {self.host}, started {when} UTC"
+
+
+def lock_path(path: str | os.PathLike) -> Path:
+    """The lock file of the store at ``path``."""
+    path = Path(path)
+    return path.with_name(path.name + LOCK_SUFFIX)
+
+
+@contextlib.contextmanager
+def writer_lock(path: str | os.PathLike) -> Iterator[Holder]:
+    """Hold the store at ``path`` for writing for the ``with`` block; yields the record.
+
+    Nested use in one process shares the one lock. The lock file is removed on release.
+
+    Raises:
+        StoreBusyError: another process holds it (one line naming that process).
+        ConfigError: the output folder cannot be created or written.
+    """
+    key = Path(os.path.abspath(path))
+    with _guard:
+        if key in _held:
+            _held[key] += 1
+            nested = True
+        else:
+            nested = False
+    if nested:
+        try:
+            yield _holders[key]
+        finally:
+            with _guard:
+                _held[key] -= 1
+        return
+
+    prepare_output_folder(key.parent)
+    fd, holder = _acquire(key)
+    with _guard:
+        _held[key], _holders[key] = 1, holder
+    try:
+        yield holder
+    finally:
+        with _guard:
+            del _held[key], _holders[key]
+        # Unlinked while still locked: a run that opened the old file and then gets its
+        # lock sees that the path now names another file, and starts again (see _acquire).
+        with contextlib.suppress(OSError):
+            os.unlink(lock_path(key))
+        os.close(fd)
+
+
+def holder(path: str | os.PathLike) -> Holder | None:
+    """The process writing the store at ``path``, or None when no process is.
+
+    Probing takes the lock for an instant when it is free; writers retry for that long.
+    """
+    key = Path(os.path.abspath(path))
+    with _guard:
+        if key in _holders:
+            return _holders[key]
+    lock = lock_path(key)
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except OSError:
+        return None  # no lock file (or not ours to probe): nobody is writing here
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                raise
+            return _read_holder(fd) or Holder(0, "?", "?", str(key))
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _acquire(key: Path) -> tuple[int, Holder]:
+    lock = lock_path(key)
+    for attempt in range(_ATTEMPTS):
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot create the lock file {lock} ({exc.strerror}); choose another output dir"
+            ) from exc
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            other = _read_holder(fd)
+            os.close(fd)
+            if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                raise
+            if attempt + 1 < _ATTEMPTS:
+                time.sleep(_PAUSE)
+                continue
+            who = other.describe() if other else "another process"
+            raise StoreBusyError(
+                f"{key} is being written by {who}; wait for it to finish or stop it "
+                "(its partial store resumes), and do not pass --overwrite while it runs"
+            ) from None
+        if not _same_file(fd, lock):
+            os.close(fd)  # released and removed between our open and our lock
+            continue
+        record = Holder(
+            os.getpid(),
+            socket.gethostname(),
+            datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            str(key),
+        )
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(asdict(record)).encode(), 0)
+        return fd, record
+    raise StoreBusyError(f"{key} is being locked and released by other processes; try again")
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def _read_holder(fd: int) -> Holder | None:
+    try:
+        data = json.loads(os.pread(fd, 4096, 0))
+        return Holder(int(data["pid"]), str(data["host"]), str(data["started"]), data["output"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # being written this instant, or not ours

@@ -1,0 +1,31 @@
+"""Model factories the tests name in configs (``model.factory: tests.factories:...``)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+class SlowNet(nn.Module):
+    """A tiny convolutional net that sleeps ``delay`` seconds per batch, so that a run
+    lasts long enough for another process to meet it."""
+
+    def __init__(self, delay: float = 0.1):
+        super().__init__()
+        self.delay = delay
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.delay)
+        return self.fc(self.pool(self.conv(x)).flatten(1))
+
+
+def touching_net(marker: str) -> nn.Module:
+    """A tiny net whose construction creates the file ``marker``: a visible side effect."""
+    Path(marker).touch()
+    return SlowNet(delay=0.0)

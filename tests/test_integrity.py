@@ -1,0 +1,233 @@
+"""Fletcher-32 chunk checksums: on by default, kept by copies, and a corrupted chunk fails
+every read path with one line naming the store, the layer and the chunk's rows."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import featcache
+from featcache.dataset import FeatureDataset
+from featcache.errors import CorruptStoreError, FeatcacheError
+from featcache.store import (
+    BadChunk,
+    FeatureStore,
+    StoreWriter,
+    codec,
+    combine_shards,
+    copy_store,
+    has_checksums,
+    merge_store,
+    scan_chunks,
+)
+from featcache.store.paths import shard_path
+from featcache.store.resume import ResumePoint
+
+CHUNKED = ("features/layer2", "features/layer4", "labels", "index", "ids")
+FIX = "re-extract it (featcache extract <config> --overwrite) or restore it from a copy"
+
+
+def _synthetic_store(tmp_path, **store):
+    """30 rows of resnet18 layer2 ([128, 4, 4]) and pooled layer4, 4 rows per chunk."""
+    config = {
+        "model": {"name": "resnet18"},
+        "layers": [{"name": "layer2"}, {"name": "layer4", "reduce": "avg"}],
+        "data": {
+            "source": "synthetic",
+            "kwargs": {"image_size": 32, "num_classes": 4},
+            "splits": {"val": {"size": 30}},
+        },
+        "loader": {"batch_size": 8},
+        "store": {"chunk_rows": 4, **store},
+        "output": {"dir": str(tmp_path / "out")},
+        "runtime": {"progress": False},
+    }
+    return featcache.extract_from_config(config)["val"].path
+
+
+def _written_store(path, rows=20, *, checksum=True, seed=0):
+    """A store of seeded normal rows in layer ``a`` ([8] float16), 4 rows per chunk."""
+    values = torch.from_numpy(np.random.default_rng(seed).standard_normal((rows, 8)))
+    writer = StoreWriter(path, rows, ids_width=4, chunk_rows=4, checksum=checksum)
+    index = np.arange(rows)
+    encoded = codec.to_numpy(codec.encode(values, "float16"))
+    writer.append(index, [f"{i:04d}" for i in index], index % 3, {"a": encoded})
+    writer.close(complete=True)
+    return path
+
+
+def _corrupt(path, key: str, row: int, nbytes: int = 4) -> None:
+    """Invert ``nbytes`` stored bytes of one row of dataset ``key`` directly in the file."""
+    with h5py.File(path, "r") as f:
+        dataset = f[key]
+        chunk_rows = dataset.chunks[0]
+        row_bytes = int(np.prod(dataset.shape[1:])) * dataset.dtype.itemsize
+        info = dataset.id.get_chunk_info_by_coord(
+            (row // chunk_rows * chunk_rows,) + (0,) * (dataset.ndim - 1)
+        )
+        offset = info.byte_offset + (row % chunk_rows) * row_bytes
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        data = handle.read(nbytes)
+        handle.seek(offset)
+        handle.write(bytes(b ^ 0xFF for b in data))
+
+
+def _message(path, what: str, rows: str) -> str:
+    return f"store {path} is corrupted: {what} rows {rows} fail their checksum; {FIX}"
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    """A clean store and a copy with a few bytes of row 17 of layer2 changed (rows 16-19)."""
+    folder = tmp_path_factory.mktemp("integrity")
+    clean = _synthetic_store(folder / "clean")
+    bad = folder / "bad.h5"
+    bad.write_bytes(clean.read_bytes())
+    _corrupt(bad, "features/layer2", 17)
+    return clean, bad
+
+
+def test_stores_have_checksums_by_default_and_none_with_checksum_false(stores, tmp_path):
+    clean, _ = stores
+    with h5py.File(clean) as f:
+        assert all(f[key].fletcher32 for key in CHUNKED)
+        assert not f["progress"].fletcher32  # rewritten in place; not chunked
+    assert has_checksums(clean) and has_checksums(FeatureStore(clean))
+    plain = _synthetic_store(tmp_path, checksum=False)
+    with h5py.File(plain) as f:
+        assert not any(f[key].fletcher32 for key in CHUNKED)
+    assert not has_checksums(plain)
+    # checksums leave the stored values and the config fingerprint as they are
+    a, b = FeatureStore(clean), FeatureStore(plain)
+    assert a.attrs["config_fingerprint"] == b.attrs["config_fingerprint"]
+    assert a.attrs["config"]["store"]["checksum"] and not b.attrs["config"]["store"]["checksum"]
+    for layer in a.layers:
+        assert torch.equal(a.read(layer), b.read(layer))
+
+
+def test_extract_takes_the_checksum_option(resnet18, images, tmp_path):
+    store = featcache.extract(
+        resnet18, images, ["layer1"], tmp_path / "s.h5", checksum=False, progress=False
+    )
+    assert not has_checksums(store.path) and scan_chunks(store) == []
+    store = featcache.extract(resnet18, images, ["layer1"], tmp_path / "t.h5", progress=False)
+    assert has_checksums(store.path)
+
+
+def test_store_reads_fail_naming_the_layer_and_rows_of_the_bad_chunk(stores):
+    clean, bad = stores
+    message = _message(bad, "layer layer2", "16-19")
+    store = FeatureStore(bad)
+    for rows in (slice(None), slice(10, 18), [3, 17, 25], [17], np.array([19, 16])):
+        with pytest.raises(CorruptStoreError) as caught:
+            store.read("layer2", rows)
+        assert str(caught.value) == message
+        assert isinstance(caught.value, FeatcacheError) and caught.value.exit_code == 1
+        assert isinstance(caught.value.__cause__, OSError)
+    good = FeatureStore(clean)
+    for rows in (slice(0, 16), slice(20, None), slice(0, 30, 5), [0, 15, 20, 29]):
+        assert torch.equal(store.read("layer2", rows), good.read("layer2", rows))
+    assert torch.equal(store.read("layer4"), good.read("layer4"))
+    assert store.ids == good.ids and np.array_equal(store.labels, good.labels)
+
+
+def test_dataset_reads_fail_naming_the_layer_and_rows_of_the_bad_chunk(stores):
+    clean, bad = stores
+    message = _message(bad, "layer layer2", "16-19")
+    dataset = FeatureDataset(bad, "layer2")
+    for i in (16, 17, 19):
+        with pytest.raises(CorruptStoreError) as caught:
+            dataset[i]
+        assert str(caught.value) == message
+    good = FeatureDataset(clean, "layer2")
+    for i in (0, 15, 20, 29):
+        assert torch.equal(dataset[i][0], good[i][0])
+    with pytest.raises(CorruptStoreError) as caught:
+        list(dataset.batches(8, shuffle=True, seed=1))
+    assert str(caught.value) == message
+    with pytest.raises(CorruptStoreError) as caught:
+        list(dataset.batches(8, shuffle=True, buffer_rows=4))  # one chunk per buffer
+    assert str(caught.value) == message
+    with pytest.raises(CorruptStoreError) as caught:
+        list(DataLoader(dataset.shuffled(8), batch_size=None))
+    assert str(caught.value) == message
+    with pytest.raises(CorruptStoreError) as caught:
+        list(DataLoader(dataset, batch_size=8, shuffle=True))  # __getitems__
+    assert str(caught.value) == message
+    both = FeatureDataset(bad, ["layer4", "layer2"])
+    with pytest.raises(CorruptStoreError) as caught:
+        both[18]
+    assert str(caught.value) == message
+    with pytest.raises(CorruptStoreError) as caught:
+        FeatureDataset(bad, "layer2", in_memory=True)
+    assert str(caught.value) == message
+    assert len(list(FeatureDataset(bad, "layer4").batches(8))) == 4  # other layers read
+
+
+def test_scan_chunks_finds_exactly_the_bad_chunks(stores, tmp_path):
+    clean, bad = stores
+    assert scan_chunks(clean) == [] and scan_chunks(FeatureStore(clean)) == []
+    (found,) = scan_chunks(bad)
+    assert isinstance(found, BadChunk)
+    assert (found.key, found.start, found.stop) == ("features/layer2", 16, 20)
+    assert "filter returned failure during read" in found.message
+    assert scan_chunks(FeatureStore(bad)) == [found]
+    labels = tmp_path / "labels.h5"
+    labels.write_bytes(bad.read_bytes())
+    _corrupt(labels, "labels", 9)
+    _corrupt(labels, "labels", 29)
+    chunks = {(b.key, b.start, b.stop) for b in scan_chunks(labels)}
+    assert chunks == {("features/layer2", 16, 20), ("labels", 8, 12), ("labels", 28, 30)}
+    with pytest.raises(CorruptStoreError) as caught:
+        _ = FeatureStore(labels).labels
+    assert str(caught.value) == _message(labels, "dataset labels", "8-11")
+    with pytest.raises(CorruptStoreError, match="dataset labels rows 8-11 fail"):
+        FeatureDataset(labels, "layer4")
+
+
+def test_copies_and_merges_keep_checksums(tmp_path):
+    path = _written_store(tmp_path / "s.h5")
+    copy_store(path, tmp_path / "copy.h5")
+    copy_store(path, tmp_path / "gzip.h5", "gzip")
+    for copy in ("copy.h5", "gzip.h5"):
+        with h5py.File(tmp_path / copy) as f:
+            assert all(f[key].fletcher32 for key in ("features/a", "labels", "index", "ids"))
+    assert has_checksums(tmp_path / "gzip.h5") and scan_chunks(tmp_path / "gzip.h5") == []
+    copy_store(_written_store(tmp_path / "p.h5", checksum=False), tmp_path / "plain.h5")
+    assert not has_checksums(tmp_path / "plain.h5")
+
+    shards = [_written_store(shard_path(tmp_path / "t.h5", r, 2), 10, seed=r) for r in (0, 1)]
+    combined = combine_shards(tmp_path / "t.h5", shards)
+    assert has_checksums(combined)  # through the virtual datasets' sources
+    merged = merge_store(combined.path, tmp_path / "merged.h5", progress=False)
+    with h5py.File(merged.path) as f:
+        assert not f["features/a"].is_virtual and f["features/a"].fletcher32
+    assert torch.equal(merged.read("a"), combined.read("a"))
+
+    _corrupt(tmp_path / "copy.h5", "features/a", 6)
+    with pytest.raises(CorruptStoreError, match="layer a rows 4-7 fail their checksum"):
+        merge_store(tmp_path / "copy.h5", tmp_path / "again.h5", progress=False)
+
+    _corrupt(shards[1], "features/a", 5)  # the shard's rows 4-7: rows 14-17 of the store
+    with pytest.raises(CorruptStoreError) as caught:
+        combined.read("a", [15])
+    assert str(caught.value) == _message(combined.path, "layer a", "14-17")
+    assert [(b.key, b.start, b.stop) for b in scan_chunks(combined)] == [("features/a", 14, 18)]
+
+
+def test_a_resumed_store_keeps_the_filters_it_was_created_with(tmp_path):
+    path = tmp_path / "r.h5"
+    first = StoreWriter(path, 8, ids_width=1, chunk_rows=4, checksum=True)
+    first.append(np.arange(4), list("abcd"), np.zeros(4), {"a": np.ones((4, 2), np.float16)})
+    first.close()
+    resumed = StoreWriter(
+        path, 8, ids_width=1, chunk_rows=4, checksum=False, resume=ResumePoint(4, 4, [])
+    )
+    resumed.append(np.arange(4, 8), list("efgh"), np.ones(4), {"a": np.zeros((4, 2), np.float16)})
+    resumed.close(complete=True)
+    assert has_checksums(path) and scan_chunks(path) == []
+    assert FeatureStore(path).read("a").sum() == 8
