@@ -96,7 +96,11 @@ def extract(
 @_friendly
 def layers(
     model_or_config: Annotated[
-        str, typer.Argument(help="A torchvision model name (e.g. resnet50) or a YAML config.")
+        str,
+        typer.Argument(
+            help="A model name (resnet50, timm:vit_small_patch16_224, hf:<repo or folder>, "
+            "open_clip:<architecture>) or a YAML config."
+        ),
     ],
     input_size: Annotated[
         int | None,
@@ -108,24 +112,26 @@ def layers(
 ) -> None:
     """List module names, types and per-sample output shapes, to choose layers from."""
     from featcache.layers import describe_layers
-    from featcache.models import build_backbone
+    from featcache.models import build_backbone, build_preprocessing
     from featcache.spec import ModelSpec, PreprocessSpec, load_config
 
     if model_or_config.endswith((".yaml", ".yml")) or Path(model_or_config).is_file():
         spec = load_config(model_or_config)
         model_spec, preprocess = spec.model, spec.preprocess
-        size = input_size or preprocess.crop or preprocess.resize or 224
     else:
         model_spec, preprocess = ModelSpec(name=model_or_config), PreprocessSpec()
-        size = input_size or 224
+    seen = build_preprocessing(model_spec, preprocess)  # the size the model expects
+    size = input_size or seen.crop_size or seen.decode_size or 224
     if size < 1:
         raise ConfigError("--input-size must be at least 1")
     backbone = build_backbone(model_spec, preprocess)
-    rows = [
-        info
-        for info in describe_layers(backbone.model, input_size=size)
-        if all_ or info.output != "-"
-    ]
+    found = describe_layers(
+        backbone.model,
+        input_size=size,
+        prefix_tokens=backbone.prefix_tokens,
+        sequence_first=backbone.sequence_first,
+    )
+    rows = [info for info in found if all_ or info.output != "-"]
     width = max(len(info.name) for info in rows)
     type_width = max(len(info.type) for info in rows)
     typer.echo(f"{'name':<{width}}  {'type':<{type_width}}  output (per sample, input {size}px)")

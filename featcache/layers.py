@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+PROBE_BATCH = 2  # samples in the probe batch
+
 
 @dataclass(frozen=True)
 class LayerInfo:
@@ -22,22 +24,30 @@ class LayerInfo:
 
 
 def describe_layers(
-    model: nn.Module, input_size: int = 224, channels: int = 3, device: str = "cpu"
+    model: nn.Module,
+    input_size: int = 224,
+    channels: int = 3,
+    device: str = "cpu",
+    *,
+    prefix_tokens: int | None = None,
+    sequence_first: bool = False,
 ) -> list[LayerInfo]:
     """Run one ``[2, channels, input_size, input_size]`` batch and record every module's output.
 
     The batch is float32 zeros on ``device``. Shapes are reported per sample (without the
     batch dimension), as of the module's first call; a tuple/list output reads
-    ``"([C, H, W], [D])"``, a dict ``"{key: [D]}"``, anything else its type name. Modules
-    are listed in ``named_modules()`` order, the root excluded. The model's train/eval
-    flag is restored afterwards and all hooks are removed.
+    ``"([C, H, W], [D])"``, a dict ``"{key: [D]}"``, anything else its type name. For a
+    model with a token layout (``prefix_tokens`` set), token outputs read ``"[T, D]
+    tokens (1 prefix)"``, sequence-first ones transposed to that form. Modules are
+    listed in ``named_modules()`` order, the root excluded. The model's train/eval flag
+    is restored afterwards and all hooks are removed.
     """
     shapes: dict[str, str] = {}
     handles: list[RemovableHandle] = []
 
     def recorder(name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            shapes.setdefault(name, _describe(output))
+            shapes.setdefault(name, _describe(output, prefix_tokens, sequence_first))
 
         return hook
 
@@ -48,7 +58,7 @@ def describe_layers(
                 handles.append(module.register_forward_hook(recorder(name)))
         model.eval()
         with torch.inference_mode():
-            model(torch.zeros(2, channels, input_size, input_size, device=device))
+            model(torch.zeros(PROBE_BATCH, channels, input_size, input_size, device=device))
     finally:
         for handle in handles:
             handle.remove()
@@ -65,11 +75,17 @@ def describe_layers(
     ]
 
 
-def _describe(output: Any) -> str:
+def _describe(output: Any, prefix: int | None = None, sequence_first: bool = False) -> str:
     if isinstance(output, torch.Tensor):
-        return str(list(output.shape[1:]))
+        shape = list(output.shape)
+        if prefix is not None and output.dim() == 3:
+            if sequence_first and shape[1] == PROBE_BATCH and shape[0] != PROBE_BATCH:
+                shape = [shape[1], shape[0], shape[2]]
+            return f"{shape[1:]} tokens ({prefix} prefix)"
+        return str(shape[1:])
     if isinstance(output, (tuple, list)):
-        return "(" + ", ".join(_describe(item) for item in output) + ")"
+        return "(" + ", ".join(_describe(item, prefix, sequence_first) for item in output) + ")"
     if isinstance(output, dict):
-        return "{" + ", ".join(f"{k}: {_describe(v)}" for k, v in output.items()) + "}"
+        items = (f"{k}: {_describe(v, prefix, sequence_first)}" for k, v in output.items())
+        return "{" + ", ".join(items) + "}"
     return type(output).__name__

@@ -25,6 +25,8 @@ FORMAT_VERSION = 1
 CONTENT_FREE_KEYS: dict[str, tuple[str, ...] | None] = {
     "output": None,
     "runtime": ("progress",),
+    # Whether a repository's own code may run; the weights identity records what was read.
+    "model": ("trust_remote_code",),
     # on_error only decides which rows are left out, and the store lists those; so a run
     # stopped by a bad sample can be resumed with on_error=skip.
     "loader": ("num_workers", "pin_memory", "on_error"),
@@ -68,12 +70,15 @@ class StoreKey:
     layout: Mapping[str, Any]
     world_size: int | None = None
     featcache_format: int = FORMAT_VERSION
+    # The model's token layout, when it declares one: {"prefix_tokens", "sequence_first"}.
+    tokens: Mapping[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """Plain JSON data, as stored; ``world_size`` only when set."""
+        """Plain JSON data, as stored; ``world_size`` and ``tokens`` only when set."""
         data = json.loads(json.dumps(dataclasses.asdict(self)))
-        if self.world_size is None:
-            data.pop("world_size")
+        for optional in ("world_size", "tokens"):
+            if data[optional] is None:
+                data.pop(optional)
         return data
 
     def differences(self, stored: Mapping[str, Any] | None) -> list[str]:

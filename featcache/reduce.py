@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,16 +17,20 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ReduceContext:
-    """What a reduction may need to know about the batch besides the captured value.
+    """What a reduction may need to know besides the captured value.
 
-    ``attention_mask`` is ``[B, T]`` (1 for real tokens) for token inputs, else None;
-    ``prefix_tokens`` counts the tokens before the patch tokens (class, register tokens)
-    in the model's token outputs; ``sequence_first`` says token outputs are ``[T, B, D]``.
+    The model's token layout: ``prefix_tokens`` counts the tokens before the patch tokens
+    (class, distillation, register tokens) of its ``[B, T, D]`` token outputs (None: the
+    model declares no token layout, and token reductions treat token 0 as the class
+    token and average every token); ``sequence_first`` says its token outputs are
+    ``[T, B, D]``. The batch: ``batch_size`` (None: not checked) and ``attention_mask``
+    ``[B, T]`` (1 for real tokens) for token inputs, else None.
     """
 
     attention_mask: torch.Tensor | None = None
-    prefix_tokens: int = 0
+    prefix_tokens: int | None = None
     sequence_first: bool = False
+    batch_size: int | None = None
 
 
 NO_CONTEXT = ReduceContext()
@@ -34,19 +39,27 @@ NO_CONTEXT = ReduceContext()
 def reduce_tensor(x: torch.Tensor, tap: Tap, context: ReduceContext = NO_CONTEXT) -> torch.Tensor:
     """Apply ``tap.reduce`` to a batch ``x`` of shape ``[B, ...]``; returns ``[B, ...]``.
 
-    ``context`` carries what the batch says beyond ``x`` (see :class:`ReduceContext`);
-    the reductions of today use none of it.
-
     ``avg``/``max`` pool over every dimension after the channel dimension (``[B, C, ...]``
     -> ``[B, C]``); ``adaptive_avg`` pools ``[B, C, H, W]`` to ``[B, C, k, k]``;
-    ``flatten`` gives ``[B, prod(...)]``; ``cls`` and ``mean`` take token 0 or the mean
-    over tokens of a ``[B, T, D]`` sequence (-> ``[B, D]``).
+    ``flatten`` gives ``[B, prod(...)]``.
+
+    Token outputs ``[B, T, D]`` of a model with a token layout (``context.prefix_tokens``
+    set): ``cls`` is token 0 (``[B, D]``); ``mean`` averages the patch tokens, prefix
+    tokens excluded (``[B, D]``); ``cls+mean`` is the two concatenated (``[B, 2D]``);
+    ``patches`` lays the patch tokens out as their square grid ``[B, D, h, w]``, and
+    ``avg``, ``max`` and ``adaptive_avg`` pool that grid, never the feature axis.
+    Sequence-first outputs ``[T, B, D]`` are transposed first; an output whose batch axis
+    cannot be told is refused.
     """
+    x = _batch_first(x, tap, context)
     how = tap.reduce
     if how == "none":
         return x
     if how == "flatten":
         return x.flatten(1)
+    tokens = context.prefix_tokens is not None and x.dim() == 3
+    if how in ("cls", "mean", "cls+mean", "patches") or tokens:
+        return _reduce_tokens(x, tap, context)
     if how in ("avg", "max"):
         _need_dims(x, tap, minimum=3, shape="[B, C, ...spatial]")
         dims = tuple(range(2, x.dim()))
@@ -54,10 +67,61 @@ def reduce_tensor(x: torch.Tensor, tap: Tap, context: ReduceContext = NO_CONTEXT
     if how == "adaptive_avg":
         _need_dims(x, tap, minimum=4, maximum=4, shape="[B, C, H, W]")
         return F.adaptive_avg_pool2d(x, tap.size)
-    if how in ("cls", "mean"):
-        _need_dims(x, tap, minimum=3, maximum=3, shape="[B, T, D] tokens")
-        return x[:, 0] if how == "cls" else x.mean(dim=1)
     raise ConfigError(f"layer {tap.key!r}: unknown reduce {how!r}")
+
+
+def _reduce_tokens(x: torch.Tensor, tap: Tap, context: ReduceContext) -> torch.Tensor:
+    _need_dims(x, tap, minimum=3, maximum=3, shape="[B, T, D] tokens")
+    how = tap.reduce
+    prefix = context.prefix_tokens
+    if how in ("cls", "cls+mean") and prefix == 0:
+        raise ConfigError(
+            f"layer {tap.key!r}: reduce={how} needs a class token, and this model's token "
+            "outputs have none; use mean (the patch tokens' average) instead"
+        )
+    patches = x[:, prefix or 0 :]
+    if how == "cls":
+        return x[:, 0]
+    if how == "mean":
+        return patches.mean(dim=1)
+    if how == "cls+mean":
+        return torch.cat([x[:, 0], patches.mean(dim=1)], dim=1)
+    if how == "max":
+        return patches.amax(dim=1)
+    if how == "avg":
+        return patches.mean(dim=1)
+    grid = _patch_grid(patches, tap)  # patches, adaptive_avg
+    return grid if how == "patches" else F.adaptive_avg_pool2d(grid, tap.size)
+
+
+def _patch_grid(patches: torch.Tensor, tap: Tap) -> torch.Tensor:
+    """``[B, N, D]`` patch tokens -> ``[B, D, h, w]`` with ``h = w = sqrt(N)``."""
+    n = patches.shape[1]
+    side = math.isqrt(n)
+    if side * side != n or n == 0:
+        raise ConfigError(
+            f"layer {tap.key!r}: its {n} patch tokens do not form a square grid; "
+            "use reduce mean, cls or none"
+        )
+    return patches.transpose(1, 2).reshape(len(patches), -1, side, side)
+
+
+def _batch_first(x: torch.Tensor, tap: Tap, context: ReduceContext) -> torch.Tensor:
+    """``x`` with the batch axis first: a sequence-first ``[T, B, ...]`` is transposed."""
+    b = context.batch_size
+    if b is None or x.dim() < 2:
+        return x
+    first, second = x.shape[0] == b, x.shape[1] == b
+    if context.sequence_first and second and (not first or x.shape[0] == x.shape[1]):
+        return x.transpose(0, 1)
+    if first:
+        return x
+    if second:
+        return x.transpose(0, 1)  # sequence-first where the model declared none
+    raise ConfigError(
+        f"layer {tap.key!r}: its {tap.capture} of shape {list(x.shape)} has no axis of the "
+        f"batch size {b}; capture another module"
+    )
 
 
 def _need_dims(

@@ -23,7 +23,9 @@ import yaml
 from featcache.errors import ConfigError
 from featcache.validation import build, check, choices, option
 
-Reduction = Literal["none", "avg", "max", "adaptive_avg", "flatten", "cls", "mean"]
+Reduction = Literal[
+    "none", "avg", "max", "adaptive_avg", "flatten", "cls", "mean", "cls+mean", "patches"
+]
 Capture = Literal["output", "input", "grad"]
 StoreDtype = Literal["float16", "bfloat16", "float32"]
 Compression = Literal["lzf", "gzip"] | None
@@ -50,18 +52,27 @@ INTERPOLATIONS = choices(Interpolation)
 class ModelSpec:
     """Which backbone to build. Exactly one of ``name`` and ``factory`` is set."""
 
-    name: str | None = None  # torchvision model name, for torchvision.models.get_model
-    weights: str | None = None  # weights enum name ("DEFAULT", "IMAGENET1K_V2") or null
+    # A torchvision name ("resnet50", "torchvision:resnet50") or a zoo reference:
+    # "timm:<name>[.<tag>]", "hf:<repo id>[@<revision>]" or "hf:<folder>",
+    # "open_clip:<architecture>[/<tag>]"
+    name: str | None = None
+    # null: random weights (seeded). torchvision: a weights enum name ("DEFAULT",
+    # "IMAGENET1K_V2"); timm, hf, open_clip: "pretrained" (the zoo's own weights)
+    weights: str | None = None
     factory: str | None = None  # "package.module:callable" returning an nn.Module
-    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to get_model / the factory
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the model's builder
     checkpoint: str | None = None  # local state dict file, loaded with weights_only=True
     strip_prefix: str | None = None  # removed from checkpoint keys, e.g. "module."
+    # hf only: let transformers run the repository's own Python code (its modelling
+    # files). Only for repositories you trust; never taken from a store by verify.
+    trust_remote_code: bool = False
 
     def validate(self, at: str) -> None:
         at = at or "model"
         if (self.name is None) == (self.factory is None):
             raise ConfigError(
-                f"{at}: set exactly one of model.name (torchvision) and model.factory"
+                f"{at}: set exactly one of model.name (a torchvision name or zoo reference) "
+                "and model.factory"
             )
         if self.factory is not None and ":" not in self.factory:
             raise ConfigError(
@@ -71,6 +82,8 @@ class ModelSpec:
             raise ConfigError(
                 f"{at}.weights names torchvision weights; with a factory use checkpoint"
             )
+        if self.trust_remote_code and not (self.name or "").startswith("hf:"):
+            raise ConfigError(f"{at}.trust_remote_code applies only to hf: models")
 
 
 @dataclass

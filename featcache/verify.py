@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Subset
 
 from featcache.errors import ConfigError
 from featcache.provenance import config_fingerprint as fingerprint
+from featcache.reduce import ReduceContext
 from featcache.runtime import Layout, choose_layout
 from featcache.spec import Spec, load_config
 from featcache.store import FeatureStore, codec
@@ -140,9 +141,13 @@ def verify_store(
             result.add("labels", not wrong, _rows_text(wrong, "labels match the source"))
         runtime = dataclasses.replace(spec.runtime, device=device or spec.runtime.device)
         layout = choose_layout(backbone.model, runtime)
-        _recompute(
-            result, store, spec, backbone.model, source, index, labels, samples, seed, layout
+        tokens = ReduceContext(
+            prefix_tokens=backbone.prefix_tokens, sequence_first=backbone.sequence_first
         )
+        _recompute(
+            result, store, spec, backbone.model, source, index, labels, samples, seed, layout,
+            tokens,
+        )  # fmt: skip
     return result
 
 
@@ -276,6 +281,7 @@ def _recompute(
     samples: int,
     seed: int,
     layout: Layout,
+    tokens: ReduceContext,
 ) -> None:
     n = len(store)
     if n == 0:
@@ -303,7 +309,9 @@ def _recompute(
             batch_rows = rows[done : done + len(images)]
             with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
                 extra = {"labels": batch_labels} if tapset.needs_grad else {}
-                values = tapset.run(images.to(device, memory_format=layout.memory_format), **extra)
+                context = dataclasses.replace(tokens, batch_size=len(images))
+                inputs = images.to(device, memory_format=layout.memory_format)
+                values = tapset.run(inputs, context=context, **extra)
             for key, value in values.items():
                 expected = _as_stored(value, dtype).float().cpu()
                 stored = store.read(key, batch_rows).float()

@@ -332,3 +332,63 @@ def test_dataset_of_pil_images_gets_a_clear_error(resnet18, tmp_path):
     with pytest.raises(ConfigError, match="must be image tensors .* got a Image.*transform"):
         featcache.extract(resnet18, Pictures(), ["layer1"], tmp_path / "s.h5")
     assert not (tmp_path / "s.h5").exists()
+
+
+def _tiny_vit():
+    import torchvision
+
+    torch.manual_seed(0)
+    return torchvision.models.VisionTransformer(
+        image_size=32, patch_size=8, num_layers=3, num_heads=2, hidden_dim=16, mlp_dim=32
+    ).eval()
+
+
+def test_token_reductions_of_a_vit_equal_a_direct_computation(tmp_path):
+    vit = _tiny_vit()
+    x = torch.randn(6, 3, 32, 32)
+    layers = [
+        {"name": "encoder.layers[-1]", "reduce": "cls", "key": "cls"},
+        {"name": "encoder.layers[-1]", "reduce": "mean", "key": "mean"},
+        {"name": "encoder.layers[-1]", "reduce": "cls+mean", "key": "both"},
+        {"name": "encoder.layers[-1]", "reduce": "patches", "key": "grid"},
+        {"name": "encoder.layers[:2]", "reduce": "avg"},
+    ]
+    dataset = torch.utils.data.TensorDataset(x)
+    store = featcache.extract(
+        vit, dataset, layers, tmp_path / "vit.h5", prefix_tokens=1, dtype="float32",
+        batch_size=4, progress=False,
+    )  # fmt: skip
+    seen = {}
+    hooks = [
+        vit.encoder.layers[i].register_forward_hook(
+            lambda m, a, out, i=i: seen.__setitem__(i, out.detach())
+        )
+        for i in range(3)
+    ]
+    with torch.no_grad():
+        vit(x)
+    for hook in hooks:
+        hook.remove()
+    last = seen[2]  # [6, 1 + 16, 16]: a class token, then a 4 x 4 grid of patch tokens
+    expected = {
+        "cls": last[:, 0],
+        "mean": last[:, 1:].mean(1),
+        "both": torch.cat([last[:, 0], last[:, 1:].mean(1)], 1),
+        "grid": last[:, 1:].transpose(1, 2).reshape(6, 16, 4, 4),
+        "encoder.layers.encoder_layer_0": seen[0][:, 1:].mean(1),
+        "encoder.layers.encoder_layer_1": seen[1][:, 1:].mean(1),
+    }
+    assert store.layers == list(expected)
+    for key, want in expected.items():
+        torch.testing.assert_close(store.read(key), want, rtol=1e-4, atol=1e-5)
+    key = store.attrs["resume_key"]
+    assert key["tokens"] == {"prefix_tokens": 1, "sequence_first": False}
+
+
+def test_layer_index_out_of_range_names_the_container_length(tmp_path):
+    dataset = torch.utils.data.TensorDataset(torch.randn(2, 3, 32, 32))
+    with pytest.raises(ConfigError, match=r"index 3 is out of range; encoder.layers has 3 entr"):
+        featcache.extract(
+            _tiny_vit(), dataset, ["encoder.layers[3]"], tmp_path / "x.h5", progress=False
+        )
+    assert not (tmp_path / "x.h5").exists()

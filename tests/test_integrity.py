@@ -25,27 +25,10 @@ from featcache.store import (
 )
 from featcache.store.paths import shard_path
 from featcache.store.resume import ResumePoint
+from tests.stores import corrupt_row, synthetic_store
 
 CHUNKED = ("features/layer2", "features/layer4", "labels", "index", "ids")
 FIX = "re-extract it (featcache extract <config> --overwrite) or restore it from a copy"
-
-
-def _synthetic_store(tmp_path, **store):
-    """30 rows of resnet18 layer2 ([128, 4, 4]) and pooled layer4, 4 rows per chunk."""
-    config = {
-        "model": {"name": "resnet18"},
-        "layers": [{"name": "layer2"}, {"name": "layer4", "reduce": "avg"}],
-        "data": {
-            "source": "synthetic",
-            "kwargs": {"image_size": 32, "num_classes": 4},
-            "splits": {"val": {"size": 30}},
-        },
-        "loader": {"batch_size": 8},
-        "store": {"chunk_rows": 4, **store},
-        "output": {"dir": str(tmp_path / "out")},
-        "runtime": {"progress": False},
-    }
-    return featcache.extract_from_config(config)["val"].path
 
 
 def _written_store(path, rows=20, *, checksum=True, seed=0):
@@ -59,23 +42,6 @@ def _written_store(path, rows=20, *, checksum=True, seed=0):
     return path
 
 
-def _corrupt(path, key: str, row: int, nbytes: int = 4) -> None:
-    """Invert ``nbytes`` stored bytes of one row of dataset ``key`` directly in the file."""
-    with h5py.File(path, "r") as f:
-        dataset = f[key]
-        chunk_rows = dataset.chunks[0]
-        row_bytes = int(np.prod(dataset.shape[1:])) * dataset.dtype.itemsize
-        info = dataset.id.get_chunk_info_by_coord(
-            (row // chunk_rows * chunk_rows,) + (0,) * (dataset.ndim - 1)
-        )
-        offset = info.byte_offset + (row % chunk_rows) * row_bytes
-    with open(path, "r+b") as handle:
-        handle.seek(offset)
-        data = handle.read(nbytes)
-        handle.seek(offset)
-        handle.write(bytes(b ^ 0xFF for b in data))
-
-
 def _message(path, what: str, rows: str) -> str:
     return f"store {path} is corrupted: {what} rows {rows} fail their checksum; {FIX}"
 
@@ -84,10 +50,10 @@ def _message(path, what: str, rows: str) -> str:
 def stores(tmp_path_factory):
     """A clean store and a copy with a few bytes of row 17 of layer2 changed (rows 16-19)."""
     folder = tmp_path_factory.mktemp("integrity")
-    clean = _synthetic_store(folder / "clean")
+    clean = synthetic_store(folder / "clean")
     bad = folder / "bad.h5"
     bad.write_bytes(clean.read_bytes())
-    _corrupt(bad, "features/layer2", 17)
+    corrupt_row(bad, "features/layer2", 17)
     return clean, bad
 
 
@@ -97,7 +63,7 @@ def test_stores_have_checksums_by_default_and_none_with_checksum_false(stores, t
         assert all(f[key].fletcher32 for key in CHUNKED)
         assert not f["progress"].fletcher32  # rewritten in place; not chunked
     assert has_checksums(clean) and has_checksums(FeatureStore(clean))
-    plain = _synthetic_store(tmp_path, checksum=False)
+    plain = synthetic_store(tmp_path, checksum=False)
     with h5py.File(plain) as f:
         assert not any(f[key].fletcher32 for key in CHUNKED)
     assert not has_checksums(plain)
@@ -178,8 +144,8 @@ def test_scan_chunks_finds_exactly_the_bad_chunks(stores, tmp_path):
     assert scan_chunks(FeatureStore(bad)) == [found]
     labels = tmp_path / "labels.h5"
     labels.write_bytes(bad.read_bytes())
-    _corrupt(labels, "labels", 9)
-    _corrupt(labels, "labels", 29)
+    corrupt_row(labels, "labels", 9)
+    corrupt_row(labels, "labels", 29)
     chunks = {(b.key, b.start, b.stop) for b in scan_chunks(labels)}
     assert chunks == {("features/layer2", 16, 20), ("labels", 8, 12), ("labels", 28, 30)}
     with pytest.raises(CorruptStoreError) as caught:
@@ -208,11 +174,11 @@ def test_copies_and_merges_keep_checksums(tmp_path):
         assert not f["features/a"].is_virtual and f["features/a"].fletcher32
     assert torch.equal(merged.read("a"), combined.read("a"))
 
-    _corrupt(tmp_path / "copy.h5", "features/a", 6)
+    corrupt_row(tmp_path / "copy.h5", "features/a", 6)
     with pytest.raises(CorruptStoreError, match="layer a rows 4-7 fail their checksum"):
         merge_store(tmp_path / "copy.h5", tmp_path / "again.h5", progress=False)
 
-    _corrupt(shards[1], "features/a", 5)  # the shard's rows 4-7: rows 14-17 of the store
+    corrupt_row(shards[1], "features/a", 5)  # the shard's rows 4-7: rows 14-17 of the store
     with pytest.raises(CorruptStoreError) as caught:
         combined.read("a", [15])
     assert str(caught.value) == _message(combined.path, "layer a", "14-17")

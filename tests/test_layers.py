@@ -105,3 +105,16 @@ def test_hooks_are_removed_when_the_forward_fails():
         describe_layers(model, input_size=8)
     assert model.training
     assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_token_outputs_are_listed_with_their_prefix_tokens():
+    import torchvision
+
+    vit = torchvision.models.VisionTransformer(
+        image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32
+    )
+    rows = {info.name: info.output for info in describe_layers(vit, 32, prefix_tokens=1)}
+    assert rows["encoder.layers.encoder_layer_1"] == "[17, 16] tokens (1 prefix)"
+    assert rows["conv_proj"] == "[16, 4, 4]"
+    plain = {info.name: info.output for info in describe_layers(vit, 32)}
+    assert plain["encoder.layers.encoder_layer_1"] == "[17, 16]"

@@ -111,7 +111,7 @@ def test_kind_for_maps_spec_fields_to_kinds(toy):
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("timm:vit_small_patch16_224", r"unknown model kind 'timm'.*one of: torchvision$"),
+        ("tim:vit_small_patch16_224", r"unknown model kind .tim. .*\(did you mean timm\?\)"),
         ("torchvison:resnet18", r"'torchvison'.*\(did you mean torchvision\?\)"),
         ("factory:torchvision.models:resnet18", "a factory goes in model.factory"),
     ],
@@ -240,10 +240,10 @@ def test_each_backbone_reports_its_weights_identity(tmp_path, fake_get_model):
         assert list(backbone.weights)[:2] == ["model", "source"]  # the order stores show
         assert json.loads(json.dumps(backbone.weights)) == backbone.weights
         assert backbone.kind == ("factory" if spec.factory else "torchvision")
-        # image models: no tokenizer, batch-first token outputs without prefix tokens
+        # CNNs: no tokenizer and no token layout declared
         assert (backbone.tokenizer, backbone.prefix_tokens, backbone.sequence_first) == (
             None,
-            0,
+            None,
             False,
         )
     assert [name for name, _ in fake_get_model] == ["resnet18"] * 4
@@ -262,7 +262,11 @@ def test_backbone_keeps_its_positional_fields():
     module = nn.Identity()
     backbone = Backbone(module, build_transform(PreprocessSpec()), {"source": "x"}, 32, kind="x")
     assert backbone.model is module and backbone.decode_size == 32 and backbone.kind == "x"
-    assert (backbone.tokenizer, backbone.prefix_tokens, backbone.sequence_first) == (None, 0, False)
+    assert (backbone.tokenizer, backbone.prefix_tokens, backbone.sequence_first) == (
+        None,
+        None,
+        False,
+    )
     with pytest.raises(TypeError):
         Backbone(module, build_transform(PreprocessSpec()), {}, 32, "x")  # kind is keyword-only
 

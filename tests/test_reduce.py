@@ -39,6 +39,64 @@ def test_reduction_shape_errors_name_the_layer():
 def test_reductions_receive_the_batch_context_without_changing_todays_values():
     x = torch.randn(2, 5, 8)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
-    context = ReduceContext(attention_mask=mask, prefix_tokens=1)
+    context = ReduceContext(attention_mask=mask)
     tap = Tap("k", "m", reduce="mean")
     torch.testing.assert_close(reduce_tensor(x, tap, context), x.mean(1), rtol=0, atol=0)
+
+
+# Token outputs of models that declare their token layout.
+
+TOKENS = torch.arange(2 * 5 * 3, dtype=torch.float32).reshape(2, 5, 3)  # [B=2, T=1+4, D=3]
+VIT = ReduceContext(prefix_tokens=1, batch_size=2)
+
+
+@pytest.mark.parametrize(
+    ("reduce", "expected"),
+    [
+        ("cls", TOKENS[:, 0]),
+        ("mean", TOKENS[:, 1:].mean(1)),  # the class token is left out
+        ("cls+mean", torch.cat([TOKENS[:, 0], TOKENS[:, 1:].mean(1)], 1)),
+        ("avg", TOKENS[:, 1:].mean(1)),  # pools the patch grid, never the feature axis
+        ("max", TOKENS[:, 1:].amax(1)),
+        ("patches", TOKENS[:, 1:].transpose(1, 2).reshape(2, 3, 2, 2)),
+    ],
+)
+def test_token_reductions_know_the_prefix_tokens(reduce, expected):
+    assert torch.equal(reduce_tensor(TOKENS, Tap("k", "m", reduce=reduce), VIT), expected)
+
+
+def test_patch_grid_pools_like_a_feature_map():
+    grid = TOKENS[:, 1:].transpose(1, 2).reshape(2, 3, 2, 2)
+    pooled = reduce_tensor(TOKENS, Tap("k", "m", reduce="adaptive_avg", size=1), VIT)
+    assert torch.equal(pooled, F.adaptive_avg_pool2d(grid, 1))
+
+
+def test_sequence_first_outputs_are_transposed():
+    sequence_first = TOKENS.transpose(0, 1).contiguous()  # [T=5, B=2, D=3]
+    context = ReduceContext(prefix_tokens=1, sequence_first=True, batch_size=2)
+    for reduce in ("none", "cls", "mean"):
+        tap = Tap("k", "m", reduce=reduce)
+        expected = reduce_tensor(TOKENS, tap, VIT)
+        assert torch.equal(reduce_tensor(sequence_first, tap, context), expected)
+    square = torch.randn(2, 2, 3)  # T == B: the declared layout decides
+    assert torch.equal(reduce_tensor(square, Tap("k", "m"), context), square.transpose(0, 1))
+
+
+@pytest.mark.parametrize(
+    ("value", "context", "reduce", "message"),
+    [
+        (TOKENS, ReduceContext(prefix_tokens=0), "cls", "needs a class token"),
+        (torch.randn(2, 4, 3), VIT, "patches", "3 patch tokens do not form a square grid"),
+        (torch.randn(3, 4, 5), VIT, "none", "has no axis of the batch size 2"),
+    ],
+)
+def test_token_reduction_errors(value, context, reduce, message):
+    with pytest.raises(ConfigError, match=message):
+        reduce_tensor(value, Tap("k", "m", reduce=reduce), context)
+
+
+def test_undeclared_token_layout_keeps_the_plain_rules():
+    plain = ReduceContext()  # a model that declares no token layout: v1 behaviour
+    assert torch.equal(reduce_tensor(TOKENS, Tap("k", "m", reduce="cls"), plain), TOKENS[:, 0])
+    assert torch.equal(reduce_tensor(TOKENS, Tap("k", "m", reduce="mean"), plain), TOKENS.mean(1))
+    assert torch.equal(reduce_tensor(TOKENS, Tap("k", "m", reduce="avg"), plain), TOKENS.mean(2))

@@ -15,30 +15,14 @@ import featcache
 from featcache.cli import app
 from featcache.errors import ConfigError
 from featcache.verify import verify_store
+from tests.stores import corrupt_row, synthetic_store
 
 runner = CliRunner()
 
 
-def _synthetic_store(tmp_path, dtype="float16", checksum=True):
-    config = {
-        "model": {"name": "resnet18"},
-        "layers": [{"name": "layer2"}, {"name": "layer4", "reduce": "avg"}],
-        "data": {
-            "source": "synthetic",
-            "kwargs": {"image_size": 32, "num_classes": 4},
-            "splits": {"val": {"size": 30}},
-        },
-        "loader": {"batch_size": 8},
-        "store": {"dtype": dtype, "chunk_rows": 4, "checksum": checksum},
-        "output": {"dir": str(tmp_path / "out")},
-        "runtime": {"progress": False},
-    }
-    return featcache.extract_from_config(config)["val"].path
-
-
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_verify_passes_on_a_good_store(tmp_path, dtype):
-    result = verify_store(_synthetic_store(tmp_path, dtype), samples=-1)
+    result = verify_store(synthetic_store(tmp_path, dtype), samples=-1)
     assert result.passed, [c for c in result.checks if not c.ok]
     names = {check.name for check in result.checks}
     assert {"complete", "config", "weights", "dataset", "alignment", "ids", "labels"} <= names
@@ -48,7 +32,7 @@ def test_verify_passes_on_a_good_store(tmp_path, dtype):
 
 def test_verify_compares_the_recorded_store_key(tmp_path):
     """The layers and weights recorded in the store's key are checked, not only the config."""
-    path = _synthetic_store(tmp_path)
+    path = synthetic_store(tmp_path)
     with h5py.File(path, "r+") as f:
         key = json.loads(f.attrs["resume_key"])
         key["taps"][1]["reduce"] = "max"
@@ -59,24 +43,9 @@ def test_verify_compares_the_recorded_store_key(tmp_path):
     assert failed == {"taps", "weights"}
 
 
-def _flip_bytes(path, layer: str, row: int) -> None:
-    """Overwrite the stored bytes of one row directly in the file."""
-    with h5py.File(path, "r") as f:
-        dataset = f[f"features/{layer}"]
-        chunk_rows = dataset.chunks[0]
-        row_bytes = int(np.prod(dataset.shape[1:])) * dataset.dtype.itemsize
-        info = dataset.id.get_chunk_info_by_coord(
-            (row // chunk_rows * chunk_rows,) + (0,) * (dataset.ndim - 1)
-        )
-        offset = info.byte_offset + (row % chunk_rows) * row_bytes
-    with open(path, "r+b") as handle:
-        handle.seek(offset + 16)
-        handle.write(bytes([0x7B]) * 64)
-
-
 def test_verify_fails_naming_the_altered_row(tmp_path):
-    path = _synthetic_store(tmp_path, checksum=False)  # only recomputing can tell
-    _flip_bytes(path, "layer2", 17)
+    path = synthetic_store(tmp_path, checksum=False)  # only recomputing can tell
+    corrupt_row(path, "features/layer2", 17, nbytes=64, skip=16, fill=0x7B)
     result = verify_store(path, samples=-1)
     assert not result.passed
     (values,) = [c for c in result.checks if c.name == "values"]
@@ -88,20 +57,22 @@ def test_verify_fails_naming_the_altered_row(tmp_path):
 
 
 def test_verify_always_checks_first_and_last_rows(tmp_path):
-    path = _synthetic_store(tmp_path, checksum=False)
-    _flip_bytes(path, "layer2", 29)
+    path = synthetic_store(tmp_path, checksum=False)
+    corrupt_row(path, "features/layer2", 29, nbytes=64, skip=16, fill=0x7B)
     result = verify_store(path, samples=2, seed=3)
     assert 0 in result.rows and 29 in result.rows and len(result.rows) == 4
     assert not result.passed
 
 
 def test_checksums_catch_a_flipped_byte_without_the_model(tmp_path):
-    path = _synthetic_store(tmp_path)
+    path = synthetic_store(tmp_path)
     quick = runner.invoke(app, ["verify", str(path), "--quick"])
     assert quick.exit_code == 0, quick.output
     assert "ok    checksums  every chunk matches its checksum" in quick.stdout
     assert "values" not in quick.stdout  # nothing was recomputed
-    _flip_bytes(path, "layer2", 17)  # chunk_rows 4: the chunk of rows 16-19
+    corrupt_row(
+        path, "features/layer2", 17, nbytes=64, skip=16
+    )  # chunk_rows 4: the chunk of rows 16-19
     for extra in (["--quick"], []):
         cli = runner.invoke(app, ["verify", str(path), *extra])
         assert cli.exit_code == 1, cli.output
@@ -110,7 +81,7 @@ def test_checksums_catch_a_flipped_byte_without_the_model(tmp_path):
 
 
 def test_quick_verify_checks_alignment_and_the_key(tmp_path):
-    path = _synthetic_store(tmp_path)
+    path = synthetic_store(tmp_path)
     with h5py.File(path, "r+") as f:
         f["index"][3] = f["index"][2]  # a row claims another row's source sample
     result = verify_store(path, quick=True)
@@ -168,7 +139,7 @@ def test_verify_runs_no_code_named_in_a_store(tmp_path):
 
 
 def test_verify_cli_pass_and_altered_ids(tmp_path):
-    path = _synthetic_store(tmp_path)
+    path = synthetic_store(tmp_path)
     ok = runner.invoke(app, ["verify", str(path)])
     assert ok.exit_code == 0, ok.output
     assert "verify: PASS (10 rows recomputed)" in ok.stdout
@@ -214,8 +185,8 @@ def test_verify_needs_a_recorded_config(resnet18, images, tmp_path):
 
 
 def test_same_config_twice_same_arrays_and_fingerprints(tmp_path):
-    a = featcache.FeatureStore(_synthetic_store(tmp_path / "a"))
-    b = featcache.FeatureStore(_synthetic_store(tmp_path / "b"))
+    a = featcache.FeatureStore(synthetic_store(tmp_path / "a"))
+    b = featcache.FeatureStore(synthetic_store(tmp_path / "b"))
     for layer in a.layers:
         assert torch.equal(a.read(layer), b.read(layer))
     for key in ("config_fingerprint", "dataset_fingerprint", "weights"):

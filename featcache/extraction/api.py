@@ -28,6 +28,7 @@ from featcache.extraction.loop import run_loop
 from featcache.extraction.writer_thread import WriterThread
 from featcache.fingerprints import ids_fingerprint, module_fingerprint
 from featcache.provenance import StoreKey, store_attributes
+from featcache.reduce import ReduceContext
 from featcache.runtime import Layout, choose_layout
 from featcache.spec import LayerSpec, LoaderSpec, RuntimeSpec, StoreSpec
 from featcache.store import (
@@ -85,6 +86,8 @@ class _Plan:
     class_names: list[str] | None
     layout: Layout
     key: Callable[[], StoreKey]  # the weights may still be being fingerprinted
+    tokens: ReduceContext  # the model's token layout, for the reductions
+    provenance: Mapping[str, Any]  # config, weights, source: written into the store
 
 
 def extract(
@@ -98,6 +101,8 @@ def extract(
     provenance: Mapping[str, Any] | None = None,
     dataset_fingerprint: str | None = None,
     rows: range | None = None,
+    prefix_tokens: int | None = None,
+    sequence_first: bool = False,
     **options: Any,
 ) -> FeatureStore:
     """Run ``model`` over ``dataset`` and store the activations of ``layers`` at ``path``.
@@ -110,8 +115,13 @@ def extract(
     source positions, default all) limits the store to a contiguous block: one shard of a
     distributed run. ``options`` are the config keys of the loader, store and runtime
     sections (``batch_size``, ``num_workers``, ``on_error``, ``dtype``, ``compression``,
-    ``chunk_rows``, ``on_nonfinite``, ``device``, ``amp``, ``channels_last``,
-    ``progress`` ...) plus ``overwrite``.
+    ``chunk_rows``, ``on_nonfinite``, ``checksum``, ``device``, ``amp``,
+    ``channels_last``, ``progress`` ...) plus ``overwrite``.
+
+    ``prefix_tokens`` and ``sequence_first`` describe the model's token outputs for the
+    token reductions (see :func:`~featcache.reduce.reduce_tensor`): the number of class or
+    register tokens before the patch tokens (default: the model's ``num_prefix_tokens``
+    attribute, as timm models have, else undeclared), and whether they are ``[T, B, D]``.
 
     The store is written to ``<path>.partial`` and moved to ``path`` when complete. If an
     earlier run with the same settings, data and model was interrupted, this one resumes
@@ -128,27 +138,31 @@ def extract(
     run = RunOptions.from_kwargs(**options)
     path = Path(path)
     with writer_lock(path):  # before anything of the store is touched, until it is in place
-        return _extract(
-            model, dataset, layers, path, run, ids, class_names, provenance,
-            dataset_fingerprint, rows,
+        tokens = token_layout(model, prefix_tokens, sequence_first)
+        plan = _plan(
+            model, dataset, layers, run, ids, class_names, provenance, dataset_fingerprint,
+            rows, tokens,
         )  # fmt: skip
+        return _extract(model, dataset, path, run, plan)
+
+
+def token_layout(
+    model: nn.Module, prefix_tokens: int | None, sequence_first: bool
+) -> ReduceContext:
+    """The token layout the reductions use: ``prefix_tokens`` (default: the model's
+    ``num_prefix_tokens`` attribute, if any) and ``sequence_first``."""
+    if prefix_tokens is None:
+        declared = getattr(model, "num_prefix_tokens", None)
+        prefix_tokens = declared if isinstance(declared, int) else None
+    if prefix_tokens is not None and prefix_tokens < 0:
+        raise ConfigError(f"prefix_tokens must be a whole number >= 0, got {prefix_tokens}")
+    return ReduceContext(prefix_tokens=prefix_tokens, sequence_first=bool(sequence_first))
 
 
 def _extract(
-    model: nn.Module,
-    dataset: Dataset,
-    layers: Iterable[LayerSpec | str | Mapping[str, Any]] | str,
-    path: Path,
-    run: RunOptions,
-    ids: Sequence[str] | None,
-    class_names: Sequence[str] | None,
-    provenance: Mapping[str, Any] | None,
-    dataset_fingerprint: str | None,
-    rows: range | None,
+    model: nn.Module, dataset: Dataset, path: Path, run: RunOptions, plan: _Plan
 ) -> FeatureStore:
-    plan = _plan(
-        model, dataset, layers, run, ids, class_names, provenance, dataset_fingerprint, rows
-    )
+    """Write (or resume, or find complete) the store ``plan`` describes at ``path``."""
     if run.overwrite:
         remove_store(path)
     elif path.exists() and plan.key().matches(stored_resume_key(path)):
@@ -171,7 +185,7 @@ def _extract(
 
     def open_writer() -> StoreWriter:
         attrs = store_attributes(
-            plan.key(), provenance or {}, device=str(device), class_names=plan.class_names
+            plan.key(), plan.provenance, device=str(device), class_names=plan.class_names
         )
         return StoreWriter(
             path,
@@ -193,7 +207,7 @@ def _extract(
         with WriterThread(open_writer, path) as sink:
             timing = run_loop(
                 model, batches, plan.taps, sink, plan.ids, options_, plan.layout, pin,
-                total=len(plan.rows), done_before=done,
+                total=len(plan.rows), done_before=done, tokens=plan.tokens,
             )  # fmt: skip
         timing["seconds_waiting_for_disk"] = sink.waited
         timing["seconds"] = time.perf_counter() - start
@@ -220,6 +234,7 @@ def _plan(
     provenance: Mapping[str, Any] | None,
     dataset_fingerprint: str | None,
     rows: range | None,
+    tokens: ReduceContext,
 ) -> _Plan:
     """Check the arguments of :func:`extract` and decide what the run will do."""
     taps = resolve_taps(model, layers)  # type: ignore[arg-type]
@@ -259,6 +274,9 @@ def _plan(
         batch_size=run.loader.batch_size,
         on_nonfinite=run.store.on_nonfinite,
         layout=layout.describe(),
+        tokens=None
+        if tokens.prefix_tokens is None and not tokens.sequence_first
+        else {"prefix_tokens": tokens.prefix_tokens, "sequence_first": tokens.sequence_first},
     )
     made: list[StoreKey] = []
 
@@ -279,4 +297,6 @@ def _plan(
         class_names=None if class_names is None else [str(n) for n in class_names],
         layout=layout,
         key=key,
+        tokens=tokens,
+        provenance=dict(provenance or {}),
     )

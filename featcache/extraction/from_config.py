@@ -85,6 +85,8 @@ def _extract_splits(spec: Spec, rank: Rank | None, command: str | None) -> dict[
         arguments = dict(
             provenance=provenance,
             dataset_fingerprint=source.fingerprint(content=spec.data.content_hash),
+            prefix_tokens=backbone.prefix_tokens,
+            sequence_first=backbone.sequence_first,
             **options,
         )
         path = spec.store_path(split)

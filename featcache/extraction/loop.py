@@ -9,6 +9,7 @@ accumulates across batches: memory stays flat.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -27,7 +28,7 @@ from featcache.extraction.writer_thread import (
     HostBuffers,
     WriterThread,
 )
-from featcache.reduce import ReduceContext
+from featcache.reduce import NO_CONTEXT, ReduceContext
 from featcache.runtime import Layout, placed
 from featcache.spec import LoaderSpec, RuntimeSpec, StoreSpec
 from featcache.store.codec import encode
@@ -54,9 +55,11 @@ def run_loop(
     pin: bool,
     total: int,
     done_before: int = 0,
+    tokens: ReduceContext = NO_CONTEXT,
 ) -> dict[str, float]:
     """Run every batch into ``sink``: ``total`` rows in the store, ``done_before`` of them
-    written by an earlier run. Returns where the time went, in seconds."""
+    written by an earlier run. ``tokens`` is the model's token layout (prefix tokens,
+    sequence-first), for the reductions. Returns where the time went, in seconds."""
     loader, store, runtime = options
     device = layout.device
     was_training = model.training
@@ -98,7 +101,10 @@ def run_loop(
                     batch.rows.numpy(), [], batch.labels.numpy(), {}, None, skipped
                 )
                 if batch.inputs is not None:
-                    forward(tapset, batch, captured, layout, pin, store, ids, host_buffers)
+                    forward(
+                        tapset, batch, captured, layout, pin, store, ids, host_buffers,
+                        tokens=tokens,
+                    )  # fmt: skip
                 captured.ids = [ids[i] for i in captured.index]
                 timing["seconds_in_model"] += time.perf_counter() - computing_since
                 sink.put(captured, attrs)
@@ -120,17 +126,19 @@ def forward(
     store: StoreSpec,
     ids: Sequence[str],
     host_buffers: HostBuffers | None,
-    context: ReduceContext | None = None,
+    tokens: ReduceContext = NO_CONTEXT,
 ) -> None:
     """Run one batch through the taps and fill ``captured`` with what goes to the writer.
 
     A tensor input is the model's one positional argument; a mapping of tensors is passed
-    as keyword arguments. ``context`` defaults to what the batch itself says (its mask).
+    as keyword arguments. The reductions see the model's token layout ``tokens`` and
+    what the batch itself says (its size and mask).
     """
     device, amp = layout.device, layout.amp
     on_device = batch.to(device, non_blocking=pin, memory_format=layout.memory_format)
-    if context is None:
-        context = ReduceContext(attention_mask=on_device.attention_mask)
+    context = dataclasses.replace(
+        tokens, attention_mask=on_device.attention_mask, batch_size=len(batch.rows)
+    )
     autocast = torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()
     # Gradient taps need autograd; everything else runs in inference mode.
     mode = torch.enable_grad() if tapset.needs_grad else torch.inference_mode()

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from featcache.distributed import Rank, block, check_other_world_sizes, combine_shards, shard_path
-from featcache.extraction.api import RunOptions, _plan, extract
+from featcache.extraction.api import RunOptions, _plan, extract, token_layout
 from featcache.extraction.batches import source_length
 from featcache.provenance import StoreKey
 from featcache.spec import LayerSpec
@@ -43,9 +43,8 @@ def extract_shard(
         device=rank.device(arguments["device"]),
         progress=arguments["progress"] and rank.is_main,
     )
-    plan_options = {
-        k: v for k, v in shard_arguments.items() if k not in ("provenance", "dataset_fingerprint")
-    }
+    per_call = ("provenance", "dataset_fingerprint", "prefix_tokens", "sequence_first")
+    plan_options = {k: v for k, v in shard_arguments.items() if k not in per_call}
     plan = _plan(
         model,
         source,
@@ -56,6 +55,9 @@ def extract_shard(
         provenance=arguments.get("provenance"),
         dataset_fingerprint=arguments.get("dataset_fingerprint"),
         rows=None,
+        tokens=token_layout(
+            model, arguments.get("prefix_tokens"), arguments.get("sequence_first", False)
+        ),
     )
     done_key = combined_key(plan.key(), num_rows, world)
     if path.exists() and not overwrite and done_key.matches(stored_resume_key(path)):

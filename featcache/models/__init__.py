@@ -9,6 +9,8 @@ from __future__ import annotations
 from featcache.models.backbone import Backbone, build_backbone, build_preprocessing
 from featcache.models.checkpoint import load_checkpoint
 from featcache.models.factory import FactoryKind, import_factory
+from featcache.models.hf import HFKind
+from featcache.models.open_clip import OpenClipKind
 from featcache.models.preprocess import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -25,10 +27,14 @@ from featcache.models.registry import (
     registered,
     unregister,
 )
+from featcache.models.timm import TimmKind
 from featcache.models.torchvision import TorchvisionKind, resolve_weights
 
 register(TorchvisionKind())
 register(FactoryKind())
+register(TimmKind())
+register(HFKind())
+register(OpenClipKind())
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -37,8 +43,11 @@ __all__ = [
     "Backbone",
     "BuiltModel",
     "FactoryKind",
+    "HFKind",
     "ModelKind",
+    "OpenClipKind",
     "Preprocessing",
+    "TimmKind",
     "Tokenizer",
     "TorchvisionKind",
     "build_backbone",

@@ -43,7 +43,8 @@ class Backbone:
     _: KW_ONLY
     kind: str
     tokenizer: Tokenizer | None = None  # None: the model takes images
-    prefix_tokens: int = 0  # class/register tokens before the patch tokens of token outputs
+    # class/register tokens before the patch tokens of token outputs (None: undeclared)
+    prefix_tokens: int | None = None
     sequence_first: bool = False  # token outputs are [T, B, D] rather than [B, T, D]
 
 

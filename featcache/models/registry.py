@@ -62,7 +62,7 @@ class BuiltModel:
     module: nn.Module
     weights: dict[str, Any]
     tokenizer: Tokenizer | None = None
-    prefix_tokens: int = 0
+    prefix_tokens: int | None = None  # None: the model declares no token layout
     sequence_first: bool = False
 
 

@@ -42,9 +42,12 @@ class TorchvisionKind(ModelKind):
     def build(self, ref: str, model: ModelSpec, seed: int) -> BuiltModel:
         enum = resolve_weights(ref, model.weights)
         module = _get_model(ref, enum, model.kwargs, seed)
+        # torchvision's ViTs put one class token before the patch tokens.
+        prefix = 1 if isinstance(module, torchvision.models.VisionTransformer) else None
         if enum is None:
-            return BuiltModel(module, random_weights(seed))
-        return BuiltModel(module, {"source": "torchvision", "enum": enum_id(enum), "url": enum.url})
+            return BuiltModel(module, random_weights(seed), prefix_tokens=prefix)
+        identity = {"source": "torchvision", "enum": enum_id(enum), "url": enum.url}
+        return BuiltModel(module, identity, prefix_tokens=prefix)
 
 
 def resolve_weights(name: str, weights: str | None) -> torchvision.models.WeightsEnum | None:

@@ -1,0 +1,47 @@
+"""Optional dependencies (extras): imported only when used, missing in one line."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from featcache.errors import FeatcacheError
+
+# import name -> the extra of featcache that installs it
+EXTRAS = {
+    "matplotlib": "plot",
+    "timm": "timm",
+    "transformers": "hf",
+    "open_clip": "open_clip",
+}
+
+
+def install_command(extra: str) -> str:
+    """``pip install 'featcache[<extra>]'``."""
+    return f"pip install 'featcache[{extra}]'"
+
+
+def has_module(name: str) -> bool:
+    """Whether the optional package ``name`` can be imported."""
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
+
+
+def require(name: str, purpose: str) -> ModuleType:
+    """Import the optional package ``name`` (a key of :data:`EXTRAS`) and return it.
+
+    ``purpose`` leads the error: ``"timm:vit_small_patch16_224 needs timm; install it
+    with: pip install 'featcache[timm]'"``.
+
+    Raises:
+        FeatcacheError: the package is not installed; one line naming the extra.
+    """
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise FeatcacheError(
+            f"{purpose} needs {name}; install it with: {install_command(EXTRAS[name])}"
+        ) from None

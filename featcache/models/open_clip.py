@@ -1,0 +1,307 @@
+"""The open_clip model kind: CLIP architectures and pretrained tags, built as their image tower.
+
+``model.name`` is ``"open_clip:<architecture>[/<tag>]"``: an architecture from
+``open_clip.list_models()`` and, optionally, one of its pretrained tags
+(``open_clip.list_pretrained_tags_by_model``), e.g. ``open_clip:ViT-B-32/laion2b_s34b_b79k``.
+``model.weights`` is null (random, seeded), ``"pretrained"`` (the tag's weights, which
+open_clip reads from the Hugging Face hub cache and downloads there when online) or the
+path of a local file holding the whole CLIP model's state dict, loaded by
+``open_clip.create_model(architecture, pretrained=<path>)``. The module is the image tower
+``model.visual``, called as ``visual(images)``; layer names are relative to it
+(``transformer.resblocks.11``). Text towers are not built as backbones: no tokenizer.
+
+Weights identity: ``{"source": "open_clip", "architecture": ..., "tag": ..., "files":
+{<file name>: <sha256>}}`` (``"tag"`` is null for a local file), or
+``{"source": "random", "seed": seed, "config_sha256": ...}`` without weights, the hash
+being that of the architecture's config as open_clip registers it.
+
+Preprocessing is open_clip's own eval transform, built without the model: the
+architecture's image size (``model.kwargs`` ``force_image_size`` wins) and the tag's mean,
+std, interpolation and resize mode, or OpenAI's defaults without a tag, then
+``force_preprocess_cfg`` from ``model.kwargs``. Explicit ``preprocess`` keys win.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from featcache.errors import ConfigError, FeatcacheError, first_line
+from featcache.extras import require
+from featcache.fingerprints import file_sha256
+from featcache.models.preprocess import Preprocessing, spec_preprocessing
+from featcache.models.registry import BuiltModel, ModelKind, random_weights
+from featcache.spec import ModelSpec, PreprocessSpec
+
+PRETRAINED = "pretrained"  # the model.weights value that names the tag's weights
+
+
+@dataclass(frozen=True)
+class OpenClipRef:
+    """A parsed reference: ``architecture`` from ``open_clip.list_models()`` and the
+    pretrained ``tag`` (as open_clip lists it) or ``None``."""
+
+    architecture: str
+    tag: str | None = None
+
+    def __str__(self) -> str:
+        return self.architecture if self.tag is None else f"{self.architecture}/{self.tag}"
+
+
+class OpenClipKind(ModelKind):
+    """``open_clip.create_model(architecture, pretrained=..., **model.kwargs).visual``."""
+
+    name = "open_clip"
+
+    def preprocessing(
+        self, ref: str, model: ModelSpec, preprocess: PreprocessSpec
+    ) -> Preprocessing:
+        open_clip = _require(model)
+        parsed = parse_ref(open_clip, ref)
+        weights_file(parsed, model.weights)  # a bad model.weights fails here already
+        if preprocess.is_set():
+            return spec_preprocessing(preprocess)
+        return eval_preprocessing(open_clip, parsed, model.kwargs)
+
+    def build(self, ref: str, model: ModelSpec, seed: int) -> BuiltModel:
+        open_clip = _require(model)
+        parsed = parse_ref(open_clip, ref)
+        path = weights_file(parsed, model.weights)
+        pretrained = model.weights == PRETRAINED
+        if pretrained:
+            path = cached_weights(open_clip, parsed)
+        torch.manual_seed(seed)
+        clip = _create_model(open_clip, parsed.architecture, path, model.kwargs)
+        visual = getattr(clip, "visual", None)
+        if not isinstance(visual, nn.Module):
+            raise ConfigError(f"open_clip's {parsed} has no image tower (model.visual)")
+        prefix_tokens, sequence_first = token_layout(visual)
+        if path is None:
+            weights = {
+                **random_weights(seed),
+                "config_sha256": config_sha256(open_clip, parsed.architecture),
+            }
+        else:
+            weights = {
+                "source": "open_clip",
+                "architecture": parsed.architecture,
+                "tag": parsed.tag if pretrained else None,
+                "files": {Path(path).name: file_sha256(path)},
+            }
+        return BuiltModel(
+            visual, weights, prefix_tokens=prefix_tokens, sequence_first=sequence_first
+        )
+
+
+def parse_ref(open_clip: ModuleType, ref: str) -> OpenClipRef:
+    """``"ViT-B-32/laion2b_s34b_b79k"`` -> ``OpenClipRef("ViT-B-32", "laion2b_s34b_b79k")``.
+
+    The tag is matched as open_clip matches it (case and ``-``/``_`` aside) and given as
+    open_clip lists it. An unknown architecture or tag is a :class:`ConfigError` with
+    close matches; nothing is downloaded.
+    """
+    architecture, slash, tag = ref.partition("/")
+    names = open_clip.list_models()
+    if architecture not in names:
+        close = difflib.get_close_matches(architecture, names, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ConfigError(
+            f"unknown open_clip architecture {architecture!r}{hint} "
+            "(open_clip.list_models() lists them all; model.name is "
+            "'open_clip:<architecture>[/<pretrained tag>]')"
+        )
+    if not slash:
+        return OpenClipRef(architecture)
+    tags = open_clip.list_pretrained_tags_by_model(architecture)
+    by_key = {_tag_key(known): known for known in tags}
+    if _tag_key(tag) not in by_key:
+        close = difflib.get_close_matches(tag, tags, n=3)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        available = f"its tags: {', '.join(tags)}" if tags else "it has no pretrained tags"
+        raise ConfigError(
+            f"unknown pretrained tag {tag!r} for open_clip {architecture}{hint}; {available}"
+        )
+    return OpenClipRef(architecture, by_key[_tag_key(tag)])
+
+
+def weights_file(ref: OpenClipRef, weights: str | None) -> str | None:
+    """The local weights file ``model.weights`` names, checking the value.
+
+    ``None`` (random weights) and ``"pretrained"`` (needs a tag in the reference) give
+    ``None``; a path to an existing file gives the path; anything else is a
+    :class:`ConfigError` naming what is allowed.
+    """
+    if weights is None:
+        return None
+    if weights == PRETRAINED:
+        if ref.tag is None:
+            raise ConfigError(
+                f"model.weights 'pretrained' needs a pretrained tag in model.name: "
+                f"'open_clip:{ref.architecture}/<tag>' (open_clip."
+                f"list_pretrained_tags_by_model({ref.architecture!r}) lists them)"
+            )
+        return None
+    if os.path.isfile(weights):
+        return weights
+    raise ConfigError(
+        f"model.weights {weights!r} is neither 'pretrained' nor an existing file; "
+        "for open_clip models use null (random, seeded), 'pretrained' (the tag's weights, e.g. "
+        "open_clip:ViT-B-32/laion2b_s34b_b79k) or the path of a CLIP state dict file"
+    )
+
+
+def cached_weights(open_clip: ModuleType, ref: OpenClipRef) -> str:
+    """The path of the tag's weights file, as open_clip resolves it: from its cache (the
+    Hugging Face hub cache, or ``~/.cache/clip`` for URLs), downloaded there when online.
+
+    Raises:
+        FeatcacheError: the file is not cached and cannot be downloaded; one line naming
+            the cache folder and the command that fetches it.
+    """
+    assert ref.tag is not None
+    cfg = open_clip.get_pretrained_cfg(ref.architecture, ref.tag)
+    try:
+        path = open_clip.pretrained.download_pretrained(cfg)
+    except (OSError, RuntimeError) as exc:  # a failed hub or URL download
+        raise FeatcacheError(_not_cached(open_clip, ref, cfg, exc)) from exc
+    if not path or not os.path.isfile(path):
+        raise FeatcacheError(_not_cached(open_clip, ref, cfg, None))
+    return str(path)
+
+
+def eval_preprocessing(
+    open_clip: ModuleType, ref: OpenClipRef, kwargs: dict[str, Any]
+) -> Preprocessing:
+    """open_clip's eval transform for ``ref`` (PIL RGB -> float32 [3, H, W]) and its sizes.
+
+    What ``open_clip.create_model_and_transforms(architecture, pretrained=tag)`` returns as
+    its eval transform, computed from the configs alone: the image size of the
+    architecture's vision config, the tag's mean/std, interpolation and resize mode
+    (OpenAI's defaults without a tag), ``force_image_size`` and ``force_preprocess_cfg``
+    from ``kwargs``. ``decode_size``/``crop_size`` are the side of a square ``shortest``
+    resize and crop; a ``squash`` resize has no crop; ``longest`` (resize, then pad) has
+    neither.
+    """
+    from open_clip.transform import PreprocessCfg, image_transform_v2, merge_preprocess_dict
+
+    # model.kwargs replace top-level config keys whole, as create_model applies them
+    vision_cfg = (
+        kwargs.get("vision_cfg") or open_clip.get_model_config(ref.architecture)["vision_cfg"]
+    )
+    size = kwargs.get("force_image_size") or vision_cfg.get("image_size", 224)
+    tag_cfg = open_clip.get_pretrained_cfg(ref.architecture, ref.tag) if ref.tag else {}
+    values = merge_preprocess_dict(PreprocessCfg(), tag_cfg)
+    values["size"] = size
+    values = merge_preprocess_dict(values, kwargs.get("force_preprocess_cfg") or {})
+    cfg = PreprocessCfg(**values)
+    transform = image_transform_v2(cfg, is_train=False)
+    height, width = (cfg.size, cfg.size) if isinstance(cfg.size, int) else tuple(cfg.size)
+    if height != width or cfg.resize_mode == "longest":
+        return Preprocessing(transform)
+    crop = height if cfg.resize_mode == "shortest" else None
+    return Preprocessing(transform, int(height), crop)
+
+
+def token_layout(visual: nn.Module) -> tuple[int, bool]:
+    """``(prefix_tokens, sequence_first)`` of an open_clip image tower's token outputs.
+
+    ``VisionTransformer`` (with or without attentional pooling) puts one class token
+    (``class_embedding``) before the patch tokens; its transformer runs batch-first
+    (``[B, T, D]``) when ``transformer.batch_first``, as in open_clip 3.x, and
+    sequence-first (``[T, B, D]``) when false or, in older open_clip, absent. A timm trunk
+    (``TimmModel``) has ``trunk.num_prefix_tokens`` (class and register tokens) and runs
+    batch-first; ``ModifiedResNet`` (the RN50 family) has no tokens: ``(0, False)``.
+    """
+    if isinstance(getattr(visual, "class_embedding", None), torch.Tensor):
+        prefix = 1
+    else:
+        prefix = int(getattr(getattr(visual, "trunk", None), "num_prefix_tokens", 0) or 0)
+    transformer = getattr(visual, "transformer", None)
+    sequence_first = hasattr(transformer, "resblocks") and not getattr(
+        transformer, "batch_first", False
+    )
+    return prefix, sequence_first
+
+
+def config_sha256(open_clip: ModuleType, architecture: str) -> str:
+    """sha256 of the architecture's config (canonical JSON), as open_clip registers it."""
+    config = open_clip.get_model_config(architecture)
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+
+
+def _require(model: ModelSpec) -> ModuleType:
+    return require("open_clip", f"model.name {model.name!r}")
+
+
+def _tag_key(tag: str) -> str:
+    return tag.lower().replace("-", "_")  # how open_clip normalises tags
+
+
+def _create_model(
+    open_clip: ModuleType, architecture: str, path: str | None, kwargs: dict[str, Any]
+) -> nn.Module:
+    # pretrained_hf=False: a random model must not fetch a pretrained Hugging Face text
+    # tower (the image tower is all that is used); a weights file sets every weight anyway.
+    options = {"pretrained_hf": False, **kwargs}
+    try:
+        return open_clip.create_model(architecture, pretrained=path, **options)
+    except TypeError as exc:  # an unknown keyword of create_model or the model class
+        raise ConfigError(
+            f"model.kwargs {kwargs} rejected by open_clip's {architecture}: {first_line(exc)}"
+        ) from exc
+    except OSError as exc:  # a download open_clip makes besides the weights (an HF text config)
+        raise FeatcacheError(
+            f"open_clip could not build {architecture}: {first_line(exc)}"
+        ) from exc
+    except (RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError) as exc:
+        if path is not None:
+            raise ConfigError(
+                f"open_clip could not load the weights file {path} into {architecture} "
+                f"({first_line(exc, with_type=True)}); it must hold the whole CLIP model's "
+                "state dict"
+            ) from exc
+        with_kwargs = f" with model.kwargs {kwargs}" if kwargs else ""
+        raise ConfigError(
+            f"open_clip could not build {architecture}{with_kwargs}: {first_line(exc)}"
+        ) from exc
+
+
+def _not_cached(
+    open_clip: ModuleType, ref: OpenClipRef, cfg: dict[str, Any], exc: BaseException | None
+) -> str:
+    hub = cfg.get("hf_hub") and open_clip.pretrained.has_hf_hub()
+    if hub:
+        from huggingface_hub import constants
+
+        cache = constants.HF_HUB_CACHE  # read now: tests and users may repoint it
+        where = f"Hugging Face hub repo {cfg['hf_hub'].rstrip('/')}"
+        offline = constants.HF_HUB_OFFLINE
+    else:
+        cache = os.path.expanduser("~/.cache/clip")
+        where = cfg.get("url") or "no download source"
+        offline = False
+    if offline:
+        reason = " and HF_HUB_OFFLINE is set"
+    elif exc is not None:
+        reason = f" and could not be downloaded ({first_line(exc)})"
+    else:
+        reason = ""
+    fetch = (
+        f"python -c \"import open_clip; open_clip.create_model('{ref.architecture}', "
+        f"pretrained='{ref.tag}')\""
+    )
+    return (
+        f"the weights of open_clip:{ref} ({where}) are not in the local cache {cache}{reason}; "
+        f"fetch them with network access: {fetch} (then copy {cache} here if needed), "
+        "or set model.weights to a local weights file"
+    )

@@ -1,0 +1,52 @@
+"""Small stores the tests share, and a way to damage a stored row on disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+import featcache
+
+
+def synthetic_store(folder: Path, dtype: str = "float16", **store: Any) -> Path:
+    """30 rows of a random resnet18's layer2 ([128, 4, 4]) and pooled layer4, 4 rows per
+    chunk, extracted from a config into ``folder / "out" / "val.h5"``; ``store`` adds
+    store options (``checksum=False`` ...)."""
+    config = {
+        "model": {"name": "resnet18"},
+        "layers": [{"name": "layer2"}, {"name": "layer4", "reduce": "avg"}],
+        "data": {
+            "source": "synthetic",
+            "kwargs": {"image_size": 32, "num_classes": 4},
+            "splits": {"val": {"size": 30}},
+        },
+        "loader": {"batch_size": 8},
+        "store": {"dtype": dtype, "chunk_rows": 4, **store},
+        "output": {"dir": str(folder / "out")},
+        "runtime": {"progress": False},
+    }
+    return featcache.extract_from_config(config)["val"].path
+
+
+def corrupt_row(
+    path: Path, key: str, row: int, nbytes: int = 4, skip: int = 0, fill: int | None = None
+) -> None:
+    """Invert ``nbytes`` stored bytes of row ``row`` of dataset ``key`` (from ``skip``
+    bytes into the row), or set them to ``fill``, directly in the file, past HDF5 and its
+    checksums."""
+    with h5py.File(path, "r") as f:
+        dataset = f[key]
+        chunk_rows = dataset.chunks[0]
+        row_bytes = int(np.prod(dataset.shape[1:])) * dataset.dtype.itemsize
+        info = dataset.id.get_chunk_info_by_coord(
+            (row // chunk_rows * chunk_rows,) + (0,) * (dataset.ndim - 1)
+        )
+        offset = info.byte_offset + (row % chunk_rows) * row_bytes + skip
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        data = handle.read(nbytes)
+        handle.seek(offset)
+        handle.write(bytes(b ^ 0xFF if fill is None else fill for b in data))

@@ -1,0 +1,415 @@
+"""The hf model kind with tiny transformers models saved into tmp_path: weights, preprocessing,
+image towers, token layout, extraction end to end, and the one-line errors."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import featcache
+from featcache.errors import ConfigError, FeatcacheError
+from featcache.fingerprints import file_sha256
+from featcache.models import build_backbone, build_preprocessing, kind_for
+from featcache.sources.synthetic import synthetic_source
+from featcache.spec import DataSpec, ModelSpec, PreprocessSpec
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2)
+TEXT = dict(
+    vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, bos_token_id=0
+)
+# featcache's pipeline rebuilds the processor's own steps (uint8 resize, floor crop, fused
+# normalisation): what is left is float32 rounding of the normalisation.
+PROCESSOR_TOLERANCE = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch, tmp_path):
+    """No hub access: offline mode and an empty cache, whatever the machine has."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf_cache"
+    cache.mkdir()
+    for name, value in {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    transformers.logging.set_verbosity_error()
+    return cache
+
+
+def tiny_config(kind: str):
+    """Tiny configs of the families the kind supports."""
+    t = transformers
+    if kind == "vit":
+        return t.ViTConfig(**TINY, intermediate_size=64)
+    if kind == "deit":
+        return t.DeiTConfig(**TINY, intermediate_size=64)
+    if kind == "dinov2":
+        return t.Dinov2Config(**TINY, mlp_ratio=2)
+    if kind == "dinov2_registers":
+        return t.Dinov2WithRegistersConfig(**TINY, mlp_ratio=2, num_register_tokens=4)
+    if kind == "clip_vision":
+        return t.CLIPVisionConfig(**TINY, intermediate_size=64)
+    if kind == "clip":
+        vision = t.CLIPVisionConfig(**TINY, intermediate_size=64)
+        text = t.CLIPTextConfig(**TEXT, intermediate_size=64, eos_token_id=1)
+        return t.CLIPConfig(
+            vision_config=vision.to_dict(), text_config=text.to_dict(), projection_dim=16
+        )
+    if kind == "siglip":
+        vision = t.SiglipVisionConfig(**TINY, intermediate_size=64)
+        text = t.SiglipTextConfig(**TEXT, intermediate_size=64, eos_token_id=1)
+        return t.SiglipConfig(vision_config=vision.to_dict(), text_config=text.to_dict())
+    raise AssertionError(kind)
+
+
+def save(folder, kind: str = "vit", processor=None, seed: int = 7):
+    """A randomly initialised tiny model of ``kind`` saved with save_pretrained; the model."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModel.from_config(tiny_config(kind)).eval()
+    model.save_pretrained(folder)
+    if processor is not None:
+        processor.save_pretrained(folder)
+    return model
+
+
+def vit_processor():
+    return transformers.ViTImageProcessor(size={"height": 32, "width": 32})
+
+
+def spec(folder, weights=None, **kw) -> ModelSpec:
+    return ModelSpec(name=f"hf:{folder}", weights=weights, **kw)
+
+
+def build(folder, weights=None, seed: int = 0, **kw):
+    return build_backbone(spec(folder, weights, **kw), PreprocessSpec(), seed)
+
+
+def test_pretrained_folder_loads_exactly_the_saved_weights(tmp_path):
+    saved = save(tmp_path / "vit", processor=vit_processor())
+    backbone = build(tmp_path / "vit", "pretrained")
+    expected, loaded = saved.state_dict(), backbone.model.state_dict()
+    assert expected.keys() == loaded.keys()
+    assert all(torch.equal(expected[k], loaded[k]) for k in expected)
+    assert backbone.kind == "hf" and backbone.tokenizer is None
+    assert backbone.prefix_tokens == 1 and backbone.sequence_first is False
+    assert backbone.weights == {
+        "model": f"hf:{tmp_path / 'vit'}",
+        "source": "hf",
+        "repo": str(tmp_path / "vit"),
+        "revision": None,
+        "files": {"model.safetensors": file_sha256(tmp_path / "vit" / "model.safetensors")},
+    }
+    assert next(backbone.model.parameters()).dtype == torch.float32
+
+
+def test_relative_folder_and_sharded_weights(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    saved = transformers.AutoModel.from_config(tiny_config("vit"))
+    saved.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    shards = sorted(p.name for p in (tmp_path / "sharded").glob("model-*.safetensors"))
+    assert len(shards) > 1
+    monkeypatch.chdir(tmp_path)
+    backbone = build_backbone(
+        ModelSpec(name="hf:sharded", weights="pretrained"), PreprocessSpec(resize=32), 0
+    )
+    assert list(backbone.weights["files"]) == shards
+    assert all(
+        torch.equal(v, backbone.model.state_dict()[k]) for k, v in saved.state_dict().items()
+    )
+
+
+def test_random_weights_are_seeded_and_identify_the_config(tmp_path):
+    saved = save(tmp_path / "vit", processor=vit_processor())
+    first, again, other = (build(tmp_path / "vit", None, seed) for seed in (0, 0, 1))
+    params = [dict(b.model.named_parameters()) for b in (first, again, other)]
+    name = "layers.0.attention.q_proj.weight"
+    assert torch.equal(params[0][name], params[1][name])
+    assert not torch.equal(params[0][name], params[2][name])
+    assert not torch.equal(params[0][name], dict(saved.named_parameters())[name])
+    assert first.weights == {
+        "model": f"hf:{tmp_path / 'vit'}",
+        "source": "random",
+        "seed": 0,
+        "config_sha256": file_sha256(tmp_path / "vit" / "config.json"),
+    }
+
+
+def _images() -> list[Image.Image]:
+    """Odd sizes (odd crop offsets, both orientations), one from a grayscale image."""
+    generator = np.random.default_rng(0)
+    shapes = [(57, 43), (45, 70), (32, 32), (101, 33)]
+    images = [
+        Image.fromarray(generator.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in shapes
+    ]
+    gray = Image.fromarray(generator.integers(0, 256, (50, 61), dtype=np.uint8))
+    return images + [gray.convert("RGB")]
+
+
+@pytest.mark.parametrize(
+    "processor",
+    [
+        pytest.param(lambda t: t.ViTImageProcessor(size={"height": 32, "width": 32}), id="vit"),
+        pytest.param(
+            lambda t: t.CLIPImageProcessor(
+                size={"shortest_edge": 37}, crop_size={"height": 32, "width": 32}
+            ),
+            id="clip",
+        ),
+        pytest.param(
+            lambda t: t.BitImageProcessor(
+                size={"shortest_edge": 36}, crop_size={"height": 32, "width": 32}, resample=2
+            ),
+            id="bit-bilinear",
+        ),
+        pytest.param(
+            lambda t: t.SiglipImageProcessor(size={"height": 30, "width": 34}), id="siglip"
+        ),
+        pytest.param(
+            lambda t: t.ViTImageProcessor(size={"height": 32, "width": 32}, resample=1),
+            id="vit-lanczos",
+        ),
+        pytest.param(
+            lambda t: t.ViTImageProcessor(size={"height": 32, "width": 32}, resample=0),
+            id="vit-nearest",
+        ),
+    ],
+)
+def test_preprocessing_equals_the_image_processor(tmp_path, processor):
+    hf_processor = processor(transformers)
+    save(tmp_path / "m", processor=hf_processor)
+    preprocessing = build_preprocessing(spec(tmp_path / "m"), PreprocessSpec())
+    size = dict(hf_processor.size)
+    assert preprocessing.decode_size == size.get(
+        "shortest_edge", 32 if "height" in size and size["height"] == size["width"] else None
+    )
+    assert preprocessing.crop_size == (32 if hf_processor.do_center_crop else None)
+    for image in _images():
+        ours = preprocessing.transform(image)
+        theirs = hf_processor(image, return_tensors="pt")["pixel_values"][0]
+        assert ours.dtype == torch.float32 and ours.shape == theirs.shape
+        assert (ours - theirs).abs().max() <= PROCESSOR_TOLERANCE
+
+
+def test_preprocessing_is_picklable(tmp_path):
+    import pickle
+
+    save(tmp_path / "m", processor=vit_processor())
+    transform = build_preprocessing(spec(tmp_path / "m"), PreprocessSpec()).transform
+    image = _images()[0]
+    assert torch.equal(pickle.loads(pickle.dumps(transform))(image), transform(image))
+
+
+def test_preprocessing_without_a_processor_uses_the_model_types_default(tmp_path):
+    save(tmp_path / "clip", "clip")  # no preprocessor_config.json
+    preprocessing = build_preprocessing(spec(tmp_path / "clip"), PreprocessSpec())
+    assert (preprocessing.decode_size, preprocessing.crop_size) == (32, 32)  # 224/224 * 32
+    default = transformers.CLIPImageProcessor(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+    )
+    for image in _images():
+        theirs = default(image, return_tensors="pt")["pixel_values"][0]
+        assert (preprocessing.transform(image) - theirs).abs().max() <= PROCESSOR_TOLERANCE
+
+
+def test_explicit_preprocess_wins(tmp_path):
+    save(tmp_path / "m", processor=vit_processor())
+    preprocessing = build_preprocessing(spec(tmp_path / "m"), PreprocessSpec(resize=40, crop=32))
+    assert (preprocessing.decode_size, preprocessing.crop_size) == (40, 32)
+    image = _images()[0]
+    explicit = featcache.models.build_transform(PreprocessSpec(resize=40, crop=32))(image)
+    assert torch.equal(preprocessing.transform(image), explicit)
+
+
+@pytest.mark.parametrize(
+    ("kind", "prefix"),
+    [
+        ("vit", 1),
+        ("deit", 2),
+        ("dinov2", 1),
+        ("dinov2_registers", 5),
+        ("clip_vision", 1),
+        ("clip", 1),
+        ("siglip", 0),
+    ],
+)
+def test_prefix_tokens_match_the_token_outputs(tmp_path, kind, prefix):
+    save(tmp_path / kind, kind, processor=vit_processor())
+    backbone = build(tmp_path / kind, "pretrained")
+    assert backbone.prefix_tokens == prefix and backbone.sequence_first is False
+    with torch.no_grad():
+        out = backbone.model(torch.randn(2, 3, 32, 32))  # one positional [B, 3, H, W]
+    tokens = out.last_hidden_state
+    assert tokens.shape == (2, prefix + (32 // 8) ** 2, 32)
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+def test_dual_encoders_give_their_vision_tower(tmp_path, kind):
+    saved = save(tmp_path / kind, kind, processor=vit_processor())
+    pretrained = build(tmp_path / kind, "pretrained").model
+    random = build(tmp_path / kind, None).model
+    tower = {"clip": transformers.CLIPVisionModel, "siglip": transformers.SiglipVisionModel}
+    assert type(pretrained) is type(random) is tower[kind]
+    expected = saved.vision_model.state_dict()
+    assert all(torch.equal(v, pretrained.state_dict()[k]) for k, v in expected.items())
+    assert [n for n, _ in pretrained.named_modules()] == [n for n, _ in random.named_modules()]
+    assert "encoder.layers.1" in dict(pretrained.named_modules())
+
+
+def test_extract_from_config_stores_the_hidden_states(tmp_path):
+    processor = transformers.BitImageProcessor(
+        size={"shortest_edge": 36}, crop_size={"height": 32, "width": 32}
+    )
+    saved = save(tmp_path / "dinov2", "dinov2", processor=processor)
+    config = {
+        "model": {"name": f"hf:{tmp_path / 'dinov2'}", "weights": "pretrained"},
+        "layers": [{"name": "encoder.layer.1"}, {"name": "layernorm", "reduce": "none"}],
+        "data": {
+            "source": "synthetic",
+            "kwargs": {"image_size": 45, "num_classes": 3},
+            "splits": {"val": {"size": 6}},
+        },
+        "loader": {"batch_size": 4, "num_workers": 0},
+        "store": {"dtype": "float32"},
+        "output": {"dir": str(tmp_path / "out")},
+        "runtime": {"progress": False, "device": "cpu"},
+    }
+    store = featcache.extract_from_config(config)["val"]
+    source = synthetic_source(
+        DataSpec(source="synthetic", kwargs={"image_size": 45, "num_classes": 3}),
+        "val",
+        {"size": 6},
+        None,
+    )
+    images = [source[i][0] for i in range(6)]
+    pixels = processor(images, return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        out = saved(pixels, output_hidden_states=True)
+    stored = store.read("encoder.layer.1")
+    assert stored.shape == (6, 17, 32)  # the block outputs a tensor: no select needed
+    torch.testing.assert_close(stored, out.hidden_states[2], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(store.read("layernorm"), out.last_hidden_state, atol=1e-4, rtol=1e-4)
+    assert store.attrs["weights"]["source"] == "hf"
+
+
+def test_folder_without_config_is_one_config_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="has no config.json, so it is not a transformers"):
+        build_preprocessing(spec(tmp_path / "empty"), PreprocessSpec())
+
+
+@pytest.mark.parametrize("ref", ["not a repo", "a/b/c", "owner/name@"])
+def test_bad_references_are_config_errors(ref):
+    with pytest.raises(ConfigError, match="neither an existing folder nor a Hugging Face repo id"):
+        build_preprocessing(ModelSpec(name=f"hf:{ref}"), PreprocessSpec(resize=32))
+
+
+@pytest.mark.parametrize("weights", ["pretrained", None])
+def test_hub_id_not_cached_offline_names_the_cache_and_the_download(offline, weights):
+    model = ModelSpec(name="hf:facebook/dinov2-small@main", weights=weights)
+    for call in (
+        lambda: build_preprocessing(model, PreprocessSpec()),
+        lambda: build_backbone(model, PreprocessSpec(resize=32)),
+    ):
+        with pytest.raises(FeatcacheError) as error:
+            call()
+        message = str(error.value)
+        assert "\n" not in message
+        assert f"not in the local Hugging Face cache {offline}" in message
+        assert message.endswith("hf download facebook/dinov2-small --revision main")
+
+
+def test_hub_id_in_the_cache_records_the_snapshot(offline, tmp_path):
+    """A repository laid out as the hub cache does: revision is the snapshot folder's name."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = offline / "models--owner--tiny-vit" / "snapshots" / commit
+    saved = save(snapshot, processor=vit_processor())
+    (offline / "models--owner--tiny-vit" / "refs").mkdir()
+    (offline / "models--owner--tiny-vit" / "refs" / "main").write_text(commit)
+    backbone = build("owner/tiny-vit", "pretrained")
+    assert backbone.weights == {
+        "model": "hf:owner/tiny-vit",
+        "source": "hf",
+        "repo": "owner/tiny-vit",
+        "revision": commit,
+        "files": {"model.safetensors": file_sha256(snapshot / "model.safetensors")},
+    }
+    assert all(
+        torch.equal(v, backbone.model.state_dict()[k]) for k, v in saved.state_dict().items()
+    )
+    random = build(f"owner/tiny-vit@{commit}", None)
+    assert random.weights["config_sha256"] == file_sha256(snapshot / "config.json")
+
+
+@pytest.mark.parametrize("weights", ["DEFAULT", "IMAGENET1K_V1", "/some/file.pt"])
+def test_other_weights_are_refused(tmp_path, weights):
+    save(tmp_path / "m", processor=vit_processor())
+    with pytest.raises(ConfigError, match=f"model.weights '{weights}' is not available for hf"):
+        build_preprocessing(spec(tmp_path / "m", weights), PreprocessSpec())
+
+
+def test_kwargs_rejected_by_the_model_are_a_config_error(tmp_path):
+    save(tmp_path / "m", processor=vit_processor())
+    with pytest.raises(ConfigError, match="model.kwargs {'bogus': 1} rejected by hf:"):
+        build(tmp_path / "m", None, kwargs={"bogus": 1})
+
+
+@pytest.mark.parametrize("trust", [False, True])
+@pytest.mark.parametrize("weights", [None, "pretrained"])
+def test_trust_remote_code_is_passed_only_when_set(tmp_path, monkeypatch, trust, weights):
+    save(tmp_path / "m", processor=vit_processor())
+    calls = []
+    for cls, method in [
+        (transformers.AutoConfig, "from_pretrained"),
+        (transformers.AutoModel, "from_pretrained"),
+        (transformers.AutoModel, "from_config"),
+        (transformers.AutoImageProcessor, "from_pretrained"),
+    ]:
+        original = getattr(cls, method)
+
+        def spy(*args, _original=original, _name=f"{cls.__name__}.{method}", **kwargs):
+            calls.append((_name, dict(kwargs)))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(cls, method, spy)
+    model = spec(tmp_path / "m", weights, trust_remote_code=trust)
+    build_backbone(model, PreprocessSpec(), 0)
+    assert {name for name, _ in calls} >= {"AutoConfig.from_pretrained"}
+    for name, kwargs in calls:
+        if trust:
+            assert kwargs.get("trust_remote_code") is True, name
+        else:
+            assert "trust_remote_code" not in kwargs, name
+    kind, ref = kind_for(model)
+    described = kind.code_run(ref, model)
+    if trust:
+        assert described == (
+            f"run the Python code of the Hugging Face repository {tmp_path / 'm'} "
+            "(model.trust_remote_code)"
+        )
+    else:
+        assert described is None
+
+
+def test_missing_transformers_names_the_extra(tmp_path, monkeypatch):
+    save(tmp_path / "m", processor=vit_processor())
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(
+        FeatcacheError, match=r"needs transformers; install it with: pip install 'featcache\[hf\]'"
+    ):
+        build(tmp_path / "m", "pretrained")
+
+
+def test_processors_with_steps_of_their_own_are_refused(tmp_path):
+    save(tmp_path / "m", processor=transformers.ConvNextImageProcessor())
+    with pytest.raises(ConfigError, match=r"ConvNextImageProcessor preprocesses in its own way"):
+        build_preprocessing(spec(tmp_path / "m"), PreprocessSpec())
+    # an explicit preprocess section still works
+    assert build_preprocessing(spec(tmp_path / "m"), PreprocessSpec(resize=32)).decode_size == 32

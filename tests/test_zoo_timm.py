@@ -1,0 +1,314 @@
+"""The timm model kind: references, seeded and local/cached weights, timm's own preprocessing."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import featcache
+from featcache.errors import ConfigError, FeatcacheError
+from featcache.fingerprints import file_sha256
+from featcache.models import build_backbone, build_preprocessing, build_transform
+from featcache.sources import build_source
+from featcache.spec import ModelSpec, PreprocessSpec, load_config
+
+timm = pytest.importorskip("timm")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+VIT = "timm:vit_tiny_patch16_224"
+TINY_VIT = {"img_size": 32, "patch_size": 8, "depth": 2, "embed_dim": 32, "num_heads": 2}
+NONE = PreprocessSpec()
+
+
+def _backbone(name=VIT, kwargs=TINY_VIT, weights=None, seed=0, preprocess=NONE):
+    return build_backbone(
+        ModelSpec(name=name, weights=weights, kwargs=dict(kwargs)), preprocess, seed
+    )
+
+
+def _state(module):
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def _same_state(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _image(width=50, height=40, seed=0):
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """An empty Hugging Face cache in tmp_path, offline: env and huggingface_hub's constants."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def _put_in_hub_cache(cache, repo, filename, state):
+    """Lay out ``state`` as ``repo``'s ``filename`` at revision main, as huggingface_hub does."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    folder = cache / f"models--{repo.replace('/', '--')}"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(commit)
+    snapshot = folder / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    safetensors_torch.save_file(state, str(snapshot / filename))
+    return snapshot / filename
+
+
+def test_random_weights_are_seeded_and_the_vit_has_one_prefix_token():
+    first, again, other = _backbone(seed=0), _backbone(seed=0), _backbone(seed=1)
+    assert _same_state(_state(first.model), _state(again.model))
+    assert not _same_state(_state(first.model), _state(other.model))
+    assert first.weights == {"model": VIT, "source": "random", "seed": 0}
+    assert first.kind == "timm"
+    assert first.prefix_tokens == 1 and not first.sequence_first
+    tokens = first.model.blocks[1](first.model.patch_embed(torch.zeros(1, 3, 32, 32)))
+    assert tokens.shape == (1, 16, 32)  # the hook-level layout is [B, T, D]
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "prefix"),
+    [
+        (VIT, {**TINY_VIT, "reg_tokens": 4}, 5),
+        (VIT, {**TINY_VIT, "class_token": False, "global_pool": "avg"}, 0),
+        ("timm:deit_tiny_distilled_patch16_224", TINY_VIT, 2),
+        ("timm:resnet10t", {}, 0),
+    ],
+)
+def test_prefix_tokens_count_class_distillation_and_register_tokens(name, kwargs, prefix):
+    backbone = _backbone(name, kwargs)
+    assert backbone.prefix_tokens == prefix and not backbone.sequence_first
+
+
+def test_a_small_cnn_is_seeded_too():
+    first, again = _backbone("timm:resnet10t", {}), _backbone("timm:resnet10t", {})
+    assert _same_state(_state(first.model), _state(again.model))
+    with torch.no_grad():
+        assert first.model(torch.zeros(1, 3, 32, 32)).shape == (1, 1000)
+
+
+def test_preprocessing_is_timms_eval_transform():
+    image = _image()
+    preprocessing = build_preprocessing(ModelSpec(name="timm:resnet10t"), NONE)
+    model = timm.create_model("resnet10t", pretrained=False)
+    expected = timm.data.create_transform(
+        **timm.data.resolve_model_data_config(model), is_training=False
+    )
+    assert torch.equal(preprocessing.transform(image), expected(image))
+    assert preprocessing.crop_size == 176 and preprocessing.decode_size == int(176 / 0.875)
+    tagged = build_preprocessing(ModelSpec(name="timm:vit_small_patch16_224.augreg_in21k"), NONE)
+    reference = timm.data.create_transform(
+        **timm.data.resolve_data_config(
+            pretrained_cfg=timm.models.get_pretrained_cfg(
+                "vit_small_patch16_224.augreg_in21k"
+            ).to_dict()
+        ),
+        is_training=False,
+    )
+    assert torch.equal(tagged.transform(image), reference(image))
+    assert tagged.crop_size == 224 and tagged.decode_size == int(224 / 0.9)
+
+
+def test_img_size_in_kwargs_sets_the_crop():
+    image = _image()
+    preprocessing = build_preprocessing(ModelSpec(name=VIT, kwargs=TINY_VIT), NONE)
+    expected = timm.data.create_transform(
+        input_size=(3, 32, 32),
+        interpolation="bicubic",
+        mean=(0.5, 0.5, 0.5),
+        std=(0.5, 0.5, 0.5),
+        crop_pct=0.9,
+        crop_mode="center",
+        is_training=False,
+    )
+    out = preprocessing.transform(image)
+    assert out.shape == (3, 32, 32) and out.dtype == torch.float32
+    assert torch.equal(out, expected(image))
+    assert preprocessing.crop_size == 32 and preprocessing.decode_size == int(32 / 0.9)
+
+
+def test_a_model_the_meta_device_cannot_build_still_gets_its_crop(monkeypatch):
+    create = timm.create_model
+
+    def no_meta(*args, **kwargs):
+        if torch.get_default_device().type == "meta":
+            raise NotImplementedError("not on meta")
+        return create(*args, **kwargs)
+
+    monkeypatch.setattr(timm, "create_model", no_meta)
+    preprocessing = build_preprocessing(ModelSpec(name=VIT, kwargs=TINY_VIT), NONE)
+    assert preprocessing.crop_size == 32 and preprocessing.decode_size == int(32 / 0.9)
+    assert preprocessing.transform(_image()).shape == (3, 32, 32)
+
+
+def test_explicit_preprocess_wins():
+    explicit = PreprocessSpec(resize=40, crop=36, mean=[0.1, 0.2, 0.3], std=[0.4, 0.5, 0.6])
+    preprocessing = build_preprocessing(ModelSpec(name=VIT, kwargs=TINY_VIT), explicit)
+    assert (preprocessing.decode_size, preprocessing.crop_size) == (40, 36)
+    image = _image()
+    assert torch.equal(preprocessing.transform(image), build_transform(explicit)(image))
+
+
+def test_extraction_stores_the_hooked_forward_of_the_same_model(tmp_path):
+    config = {
+        "model": {"name": VIT, "kwargs": TINY_VIT},
+        "layers": [{"name": "blocks.1"}, {"name": "norm", "reduce": "none"}],
+        "data": {
+            "source": "synthetic",
+            "kwargs": {"image_size": 40, "num_classes": 3},
+            "splits": {"val": {"size": 6}},
+        },
+        "loader": {"batch_size": 4, "num_workers": 0},
+        "store": {"dtype": "float32"},
+        "output": {"dir": str(tmp_path / "out")},
+        "runtime": {"progress": False},
+    }
+    store = featcache.extract_from_config(config)["val"]
+    assert store.attrs["weights"] == {"model": VIT, "source": "random", "seed": 0}
+    stored = store.read("blocks.1")
+    assert stored.shape == (6, 17, 32)
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, **TINY_VIT).eval()
+    transform = timm.data.create_transform(
+        input_size=(3, 32, 32),
+        interpolation="bicubic",
+        mean=(0.5, 0.5, 0.5),
+        std=(0.5, 0.5, 0.5),
+        crop_pct=0.9,
+        is_training=False,
+    )
+    source = build_source(load_config(config).data, "val", transform)
+    images = torch.stack([source[i][0] for i in range(len(source))])
+    captured = []
+    handle = model.blocks[1].register_forward_hook(lambda m, i, o: captured.append(o))
+    with torch.no_grad():
+        model(images)
+    handle.remove()
+    torch.testing.assert_close(stored, captured[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
+def test_a_local_weights_file_is_loaded_through_timm(tmp_path, suffix):
+    source = _backbone(seed=7)
+    state = _state(source.model)
+    path = tmp_path / f"tiny{suffix}"
+    if suffix == ".safetensors":
+        safetensors_torch.save_file(state, str(path))
+    else:
+        torch.save(state, path)
+    loaded = _backbone(weights=str(path), seed=0)
+    assert _same_state(_state(loaded.model), state)
+    assert loaded.weights == {
+        "model": VIT,
+        "source": "timm",
+        "name": "vit_tiny_patch16_224",
+        "tag": timm.models.get_pretrained_cfg("vit_tiny_patch16_224").tag,
+        "files": {path.name: file_sha256(path)},
+    }
+    assert loaded.prefix_tokens == 1
+    # Other weights in the same file: another identity.
+    state["head.bias"] = state["head.bias"] + 1
+    if suffix == ".safetensors":
+        safetensors_torch.save_file(state, str(path))
+    else:
+        torch.save(state, path)
+    assert _backbone(weights=str(path)).weights["files"] != loaded.weights["files"]
+
+
+def test_a_local_file_that_does_not_fit_is_one_config_error(tmp_path):
+    path = tmp_path / "other.pth"
+    torch.save(_state(_backbone("timm:resnet10t", {}).model), path)
+    with pytest.raises(ConfigError, match=r"timm could not load .*other\.pth into timm:vit_tiny"):
+        _backbone(weights=str(path))
+
+
+def test_pretrained_weights_are_read_from_the_hub_cache(offline_hub):
+    ref = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
+    state = _state(_backbone(f"timm:{ref}", seed=5).model)
+    cached = _put_in_hub_cache(offline_hub, f"timm/{ref}", "model.safetensors", state)
+    loaded = _backbone(f"timm:{ref}", weights="pretrained", seed=0)
+    assert _same_state(_state(loaded.model), state)
+    assert loaded.weights == {
+        "model": f"timm:{ref}",
+        "source": "timm",
+        "name": "vit_tiny_patch16_224",
+        "tag": "augreg_in21k_ft_in1k",
+        "files": {"model.safetensors": file_sha256(cached)},
+    }
+
+
+def test_pretrained_offline_and_not_cached_is_one_line_naming_the_cache(offline_hub):
+    ref = "timm:resnet10t.c3_in1k"
+    assert build_preprocessing(ModelSpec(name=ref, weights="pretrained"), NONE).crop_size == 176
+    with pytest.raises(FeatcacheError) as caught:
+        build_backbone(ModelSpec(name=ref, weights="pretrained"), NONE)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert str(offline_hub) in message and "HF_HUB_OFFLINE" in message
+    assert "hf download timm/resnet10t.c3_in1k" in message
+
+
+@pytest.mark.parametrize(
+    ("name", "weights", "kwargs", "match"),
+    [
+        (
+            "timm:vit_smal_patch16_224",
+            None,
+            {},
+            r"unknown timm model 'vit_smal_patch16_224'; did you mean vit_small_patch16_224",
+        ),
+        (
+            "timm:resnet50.a1_in1kk",
+            None,
+            {},
+            r"unknown pretrained tag 'a1_in1kk' for timm model resnet50; "
+            r"did you mean resnet50\.a1_in1k",
+        ),
+        (
+            "timm:convnext_tiny_in22ft1k",
+            None,
+            {},
+            r"deprecated; use timm:convnext_tiny\.fb_in22k_ft_in1k",
+        ),
+        (
+            "timm:resnet50",
+            "DEFAULT",
+            {},
+            r"model.weights 'DEFAULT' for timm:resnet50: use null \(random weights\), "
+            r"'pretrained' .* or the path of an existing weights file",
+        ),
+        ("timm:resnet50", "missing/weights.pth", {}, r"'missing/weights.pth' .*no such file"),
+        ("timm:resnet10t", None, {"no_such_kwarg": 1}, r"model.kwargs .* rejected by timm's"),
+    ],
+)
+def test_bad_references_are_one_config_error(name, weights, kwargs, match):
+    spec = ModelSpec(name=name, weights=weights, kwargs=kwargs)
+    with pytest.raises(ConfigError, match=match) as caught:
+        build_preprocessing(spec, NONE)  # before anything is built or read
+    assert "\n" not in str(caught.value)
+    with pytest.raises(ConfigError, match=match):
+        build_backbone(spec, NONE)
+
+
+def test_missing_timm_is_one_line_naming_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "timm", None)
+    for call in (build_preprocessing, build_backbone):
+        with pytest.raises(FeatcacheError, match=r"pip install 'featcache\[timm\]'") as caught:
+            call(ModelSpec(name="timm:resnet10t"), NONE)
+        assert "\n" not in str(caught.value) and "timm:resnet10t" in str(caught.value)
