@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from featcache.errors import ConfigError
 
 if TYPE_CHECKING:
-    from featcache.taps import Tap
+    from featcache.selectors import Tap
 
 
 @dataclass(frozen=True)

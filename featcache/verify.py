@@ -30,10 +30,11 @@ from featcache.errors import ConfigError
 from featcache.provenance import config_fingerprint as fingerprint
 from featcache.reduce import ReduceContext
 from featcache.runtime import Layout, choose_layout
+from featcache.selectors import resolve_taps
 from featcache.spec import Spec, load_config
 from featcache.store import FeatureStore, codec
 from featcache.store.integrity import has_checksums, scan_chunks
-from featcache.taps import TapSet, resolve_taps
+from featcache.taps import TapSet
 
 # |stored - recomputed| <= TOLERANCE * max(|recomputed| over the row): a few units in the
 # last place of the stored dtype, with room for batch-composition effects in float32.

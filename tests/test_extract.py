@@ -392,3 +392,37 @@ def test_layer_index_out_of_range_names_the_container_length(tmp_path):
             _tiny_vit(), dataset, ["encoder.layers[3]"], tmp_path / "x.h5", progress=False
         )
     assert not (tmp_path / "x.h5").exists()
+
+
+class _OneByOne(torch.utils.data.Dataset):
+    """The same samples as a TensorDataset, served one at a time."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        return self.dataset[i]
+
+
+@pytest.mark.parametrize("labelled", [True, False])
+def test_tensor_datasets_are_sliced_whole_with_the_same_result(
+    resnet18, images, tmp_path, labelled
+):
+    from featcache.extraction.batches import Batch, SourceRows
+
+    dataset = images if labelled else torch.utils.data.TensorDataset(images.tensors[0])
+    block = SourceRows(dataset, range(4, 20)).__getitems__([2, 3, 4])
+    assert isinstance(block, Batch) and block.rows.tolist() == [6, 7, 8]
+    assert block.inputs.data_ptr() == dataset.tensors[0][6].data_ptr()  # a view, no copy
+    options = dict(batch_size=6, chunk_rows=4, dtype="float32", progress=False)
+    fast = featcache.extract(resnet18, dataset, ["layer1"], tmp_path / "a.h5", **options)
+    slow = featcache.extract(
+        resnet18, _OneByOne(dataset), ["layer1"], tmp_path / "b.h5", ids=fast.ids, **options
+    )
+    assert torch.equal(fast.read("layer1"), slow.read("layer1"))
+    assert fast.has_labels == labelled
+    if labelled:
+        assert fast.labels.tolist() == slow.labels.tolist() == (torch.arange(20) % 5).tolist()

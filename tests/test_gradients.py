@@ -10,8 +10,9 @@ from torch import nn
 
 import featcache
 from featcache.errors import ConfigError
+from featcache.selectors import resolve_taps
 from featcache.spec import LayerSpec, parse_layers
-from featcache.taps import TapSet, resolve_taps
+from featcache.taps import TapSet
 
 
 def _direct_grads(model, x, labels, modules, target):

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.taps import TapSet, resolve_taps
+from featcache.selectors import resolve_taps
+from featcache.taps import TapSet
 
 
 def _hook_count(model: nn.Module) -> int:

@@ -30,6 +30,7 @@ from featcache.fingerprints import ids_fingerprint, module_fingerprint
 from featcache.provenance import StoreKey, store_attributes
 from featcache.reduce import ReduceContext
 from featcache.runtime import Layout, choose_layout
+from featcache.selectors import Tap, resolve_taps
 from featcache.spec import LayerSpec, LoaderSpec, RuntimeSpec, StoreSpec
 from featcache.store import (
     FeatureStore,
@@ -41,7 +42,6 @@ from featcache.store import (
     stored_resume_key,
 )
 from featcache.store.lock import writer_lock
-from featcache.taps import Tap, resolve_taps
 from featcache.validation import build
 
 _SECTIONS = {"loader": LoaderSpec, "store": StoreSpec, "runtime": RuntimeSpec}

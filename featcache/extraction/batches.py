@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
 from featcache.errors import ConfigError, FeatcacheError, first_line
 
@@ -111,6 +111,28 @@ class SourceRows(Dataset):
     def __len__(self) -> int:
         return len(self.rows)
 
+    def __getitems__(self, js: list[int]) -> list[tuple[Any, int, int, str]] | Batch:
+        """A whole batch at once. Consecutive rows of a :class:`TensorDataset` of images
+        (and labels) are sliced out as one block, without a per-sample copy and stack;
+        anything else goes sample by sample."""
+        tensors = getattr(self.dataset, "tensors", None)
+        consecutive = bool(js) and js == list(range(js[0], js[0] + len(js)))
+        if (
+            isinstance(self.dataset, TensorDataset)
+            and consecutive
+            and tensors
+            and len(tensors) <= 2
+            and tensors[0].dim() == 4
+            and (len(tensors) == 1 or tensors[1].dim() == 1)
+        ):
+            block = slice(self.rows[js[0]], self.rows[js[-1]] + 1)
+            labels = tensors[1][block].long() if len(tensors) == 2 else None
+            rows = torch.arange(block.start, block.stop, dtype=torch.long)
+            if labels is None:
+                labels = torch.full_like(rows, -1)
+            return Batch(tensors[0][block], labels, rows, [])
+        return [self[j] for j in js]
+
     def __getitem__(self, j: int) -> tuple[Any, int, int, str]:
         i = self.rows[j]
         try:
@@ -121,8 +143,11 @@ class SourceRows(Dataset):
             return None, -1, i, reason or first_line(exc, with_type=True)
 
 
-def collate(samples: list[tuple[Any, int, int, str]]) -> Batch:
-    """Stack the readable samples of a :class:`SourceRows` batch into one :class:`Batch`."""
+def collate(samples: list[tuple[Any, int, int, str]] | Batch) -> Batch:
+    """Stack the readable samples of a :class:`SourceRows` batch into one :class:`Batch`
+    (a batch :meth:`SourceRows.__getitems__` made whole passes through)."""
+    if isinstance(samples, Batch):
+        return samples
     good = [s for s in samples if not s[3]]
     failed = [(s[2], s[3]) for s in samples if s[3]]
     rows = torch.tensor([s[2] for s in good], dtype=torch.long)

@@ -1,0 +1,199 @@
+"""Layer selectors: which modules a layer list names, resolved into :class:`Tap` s.
+
+A selector is an exact module name, a name with index or slice steps over containers
+(``blocks[-1]``, ``encoder.layer[::2]``), a glob over module names, or ``type:ClassName``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from torch import nn
+
+from featcache.errors import ConfigError
+from featcache.spec import LayerSpec, parse_layers
+
+
+@dataclass(frozen=True)
+class Tap:
+    """One resolved capture point. ``key`` names its dataset in the store."""
+
+    key: str
+    module_name: str
+    capture: str = "output"
+    reduce: str = "none"
+    size: int | None = None
+    select: int | str | None = None
+    target: str | int | None = None  # capture="grad" only: see LayerSpec.target
+
+
+def resolve_taps(model: nn.Module, layers: Iterable[LayerSpec | str | dict]) -> list[Tap]:
+    """Expand layer selectors into taps, in the order given.
+
+    A selector is an exact module name, a name with index or slice steps over
+    containers (``blocks[-1]``, ``blocks[-4:]``, ``encoder.layer[::2]``,
+    ``stages[2].blocks[0]``), a glob over module names (``layer*.1``: ``*`` stays within
+    one dotted part, ``**`` spans several), or ``type:ClassName`` (every module of that
+    class, e.g. ``type:Conv2d``).
+    """
+    modules = {name: module for name, module in model.named_modules() if name}
+    taps: list[Tap] = []
+    for layer in parse_layers(layers):
+        names = _match(layer.name, modules)
+        if layer.key is not None and len(names) > 1:
+            raise ConfigError(
+                f"layer {layer.name!r} matches {len(names)} modules but sets one key "
+                f"{layer.key!r}; drop key or select a single module"
+            )
+        for name in names:
+            suffix = {"input": "@input", "grad": "@grad"}.get(layer.capture, "")
+            key = layer.key or name + suffix
+            target = None
+            if layer.capture == "grad":
+                target = "label" if layer.target is None else layer.target
+            taps.append(
+                Tap(key, name, layer.capture, layer.reduce, layer.size, layer.select, target)
+            )
+    seen: set[str] = set()
+    for tap in taps:
+        if tap.key in seen:
+            raise ConfigError(
+                f"layer key {tap.key!r} is selected twice; give one of them a distinct key"
+            )
+        seen.add(tap.key)
+    return taps
+
+
+# "name[...]" steps: an index ("-1"), or a slice ("-4:", "::2", "1:3")
+_SUBSCRIPT = re.compile(r"-?\d+|-?\d*:-?\d*(?::-?\d*)?")
+_STEP = re.compile(r"([^.\[\]]+)|\[([^\]]*)\]|(\.)")
+
+
+def _match(selector: str, modules: dict[str, nn.Module]) -> list[str]:
+    indexed = _match_indexed(selector, modules)
+    if indexed is not None:
+        return indexed
+    if selector.startswith("type:"):
+        type_name = selector[len("type:") :]
+        names = [
+            name
+            for name, module in modules.items()
+            if type_name in (type(module).__name__, type(module).__qualname__)
+            or type_name == f"{type(module).__module__}.{type(module).__qualname__}"
+        ]
+        if not names:
+            present = sorted({type(m).__name__ for m in modules.values()})
+            close = difflib.get_close_matches(type_name, present, n=5)
+            hint = f"; did you mean: {', '.join(close)}" if close else ""
+            raise ConfigError(f"no module of type {type_name!r} in the model{hint}")
+        return names
+    if any(ch in selector for ch in "*?["):
+        pattern = _glob_regex(selector)
+        names = [name for name in modules if pattern.fullmatch(name)]
+        if not names:
+            raise ConfigError(
+                f"layer glob {selector!r} matches no module; list them with `featcache layers`"
+            )
+        return names
+    if selector not in modules:
+        close = difflib.get_close_matches(selector, list(modules), n=5, cutoff=0.5)
+        hint = f"; close matches: {', '.join(close)}" if close else ""
+        raise ConfigError(f"unknown layer {selector!r}{hint} (list all with `featcache layers`)")
+    return [selector]
+
+
+def _match_indexed(selector: str, modules: dict[str, nn.Module]) -> list[str] | None:
+    """Names a selector with index or slice steps means (``blocks[-1]``, ``blocks[-4:]``,
+    ``encoder.layer[::2]``, ``stages[2].blocks[0]``), or None when it has none (or reads
+    as a glob instead: ``layer[12]`` where ``layer`` is no module).
+
+    A subscript picks among a container's children in their order (``nn.Sequential``,
+    ``nn.ModuleList`` ...). An index out of range is an error naming the container's
+    length; nothing is dropped silently.
+    """
+    steps = _STEP.findall(selector)
+    if "".join(a or (f"[{b}]" if b or c == "" else c) for a, b, c in steps) != selector:
+        return None
+    if not any(b and _SUBSCRIPT.fullmatch(b) for _, b, _ in steps):
+        return None
+    current = [""]  # module names reached so far ("" is the model itself)
+    for name, subscript, dot in steps:
+        if dot:
+            continue
+        if name:
+            current = [f"{c}.{name}" if c else name for c in current]
+            missing = [c for c in current if c not in modules]
+            if missing:
+                if current == [name]:
+                    return None  # no such module at the top: a glob like layer[12]
+                raise ConfigError(
+                    f"layer {selector!r}: {missing[0]!r} is not a module (list them with "
+                    "`featcache layers`)"
+                )
+            continue
+        if not _SUBSCRIPT.fullmatch(subscript):
+            return None
+        picked = []
+        for parent in current:
+            children = [
+                f"{parent}.{child}" if parent else child
+                for child, _ in (modules[parent] if parent else _root(modules)).named_children()
+            ]
+            picked += _subscript(selector, parent or "the model", children, subscript)
+        if not picked:
+            raise ConfigError(f"layer {selector!r}: [{subscript}] selects no module")
+        current = picked
+    return current
+
+
+def _root(modules: dict[str, nn.Module]) -> nn.Module:
+    """A stand-in whose children are the model's top-level modules."""
+    root = nn.Module()
+    for name, module in modules.items():
+        if "." not in name:
+            root.add_module(name, module)
+    return root
+
+
+def _subscript(selector: str, parent: str, children: list[str], subscript: str) -> list[str]:
+    if ":" in subscript:
+        parts = [int(p) if p else None for p in subscript.split(":")]
+        return children[slice(*parts)]
+    index = int(subscript)
+    if not -len(children) <= index < len(children):
+        span = f"0..{len(children) - 1}" if children else "none"
+        raise ConfigError(
+            f"layer {selector!r}: index {index} is out of range; {parent} has "
+            f"{len(children)} entries ({span})"
+        )
+    return [children[index]]
+
+
+def _glob_regex(glob: str) -> re.Pattern[str]:
+    """Module-name glob: ``*`` and ``?`` stay within one dotted part, ``**`` crosses dots."""
+    out = []
+    i = 0
+    while i < len(glob):
+        if glob.startswith("**", i):
+            out.append(".*")
+            i += 2
+            continue
+        ch = glob[i]
+        if ch == "*":
+            out.append("[^.]*")
+        elif ch == "?":
+            out.append("[^.]")
+        elif ch == "[":
+            end = glob.find("]", i + 1)
+            if end == -1:
+                out.append(re.escape(ch))
+            else:
+                out.append(glob[i : end + 1])
+                i = end
+        else:
+            out.append(re.escape(ch))
+        i += 1
+    return re.compile("".join(out))
