@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 
 class FeatcacheError(Exception):
     """A failure the user can act on. ``str(err)`` is a single line; no traceback needed.
@@ -34,3 +37,13 @@ def first_line(exc: BaseException, *, with_type: bool = False) -> str:
     if not text:
         return type(exc).__name__
     return f"{type(exc).__name__}: {text}" if with_type else text
+
+
+def did_you_mean(name: str, choices: Iterable[str], *, parenthesised: bool = False) -> str:
+    """``"; did you mean a, b?"`` (or ``" (did you mean a, b?)"``) naming up to three close
+    matches of ``name`` among ``choices``; ``""`` when none is close."""
+    close = difflib.get_close_matches(name, list(choices), n=3)
+    if not close:
+        return ""
+    question = f"did you mean {', '.join(close)}?"
+    return f" ({question})" if parenthesised else f"; {question}"

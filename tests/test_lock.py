@@ -122,6 +122,14 @@ def _start(config: Path, *extra: str) -> subprocess.Popen:
     )
 
 
+def _run_extract(config: Path, *extra: str) -> subprocess.CompletedProcess:
+    """`featcache extract CONFIG ...` to its end, output captured."""
+    command = [sys.executable, "-m", "featcache", "extract", str(config), *extra]
+    return subprocess.run(
+        command, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300
+    )
+
+
 def _wait_for(condition, process: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -138,14 +146,7 @@ def test_a_second_run_is_refused_and_the_first_finishes(tmp_path, second):
     first = _start(config)
     _wait_for(partial_path(store).exists, first)  # the first is writing rows
     time.sleep(1.0)
-    result = subprocess.run(
-        [sys.executable, "-m", "featcache", "extract", str(config), *second],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        cwd=REPO,
-        timeout=120,
-    )
+    result = _run_extract(config, *second)
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(errors) == 1, result.stderr
@@ -182,14 +183,7 @@ def test_info_on_a_partial_store_names_its_writer_and_the_resume_command(tmp_pat
     assert "writer     none: the run stopped" in text
 
     # The killed run's lock blocks nothing: a rerun resumes and completes the store.
-    rerun = subprocess.run(
-        [sys.executable, "-m", "featcache", "extract", str(config)],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        cwd=REPO,
-        timeout=300,
-    )
+    rerun = _run_extract(config)
     assert rerun.returncode == 0, rerun.stderr
     with FeatureStore(store) as fs:
         assert len(fs) == 320 and fs.complete

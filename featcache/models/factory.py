@@ -10,7 +10,6 @@ cannot see that; load them with ``model.checkpoint`` instead to have them record
 
 from __future__ import annotations
 
-import difflib
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from featcache.errors import ConfigError, first_line
+from featcache.errors import ConfigError, did_you_mean, first_line
 from featcache.models.registry import BuiltModel, ModelKind, random_weights
 from featcache.spec import ModelSpec
 
@@ -54,8 +53,7 @@ def import_factory(target: str) -> Callable[..., nn.Module]:
         if not hasattr(obj, attr):
             where = ".".join([module_name, *attr_path.split(".")[:depth]])
             names = [n for n in dir(obj) if not n.startswith("_")]
-            close = difflib.get_close_matches(attr, names, n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            hint = did_you_mean(attr, names)
             raise ConfigError(f"model.factory {target!r}: {where} has no attribute {attr!r}{hint}")
         obj = getattr(obj, attr)
     if not callable(obj):

@@ -23,7 +23,6 @@ std, interpolation and resize mode, or OpenAI's defaults without a tag, then
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import os
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from featcache.errors import ConfigError, FeatcacheError, first_line
+from featcache.errors import ConfigError, FeatcacheError, did_you_mean, first_line
 from featcache.extras import require
 from featcache.fingerprints import file_sha256
 from featcache.models.preprocess import Preprocessing, spec_preprocessing
@@ -113,8 +112,7 @@ def parse_ref(open_clip: ModuleType, ref: str) -> OpenClipRef:
     architecture, slash, tag = ref.partition("/")
     names = open_clip.list_models()
     if architecture not in names:
-        close = difflib.get_close_matches(architecture, names, n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        hint = did_you_mean(architecture, names)
         raise ConfigError(
             f"unknown open_clip architecture {architecture!r}{hint} "
             "(open_clip.list_models() lists them all; model.name is "
@@ -125,8 +123,7 @@ def parse_ref(open_clip: ModuleType, ref: str) -> OpenClipRef:
     tags = open_clip.list_pretrained_tags_by_model(architecture)
     by_key = {_tag_key(known): known for known in tags}
     if _tag_key(tag) not in by_key:
-        close = difflib.get_close_matches(tag, tags, n=3)
-        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        hint = did_you_mean(tag, tags, parenthesised=True)
         available = f"its tags: {', '.join(tags)}" if tags else "it has no pretrained tags"
         raise ConfigError(
             f"unknown pretrained tag {tag!r} for open_clip {architecture}{hint}; {available}"

@@ -19,7 +19,6 @@ a weights-loading step applied on top of any kind (see :mod:`featcache.models.ch
 
 from __future__ import annotations
 
-import difflib
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -29,7 +28,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from featcache.errors import ConfigError
+from featcache.errors import ConfigError, did_you_mean
 from featcache.models.preprocess import Preprocessing, spec_preprocessing
 from featcache.spec import ModelSpec, PreprocessSpec
 
@@ -151,8 +150,7 @@ def kind_for(model: ModelSpec) -> tuple[ModelKind, str]:
         return _get(DEFAULT_KIND, "model.name"), model.name
     kinds = [name for name in _KINDS if name != FACTORY_KIND]
     if prefix not in kinds:
-        close = difflib.get_close_matches(prefix, kinds, n=3)
-        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        hint = did_you_mean(prefix, kinds, parenthesised=True)
         factory = "; a factory goes in model.factory" if prefix == FACTORY_KIND else ""
         raise ConfigError(
             f"unknown model kind {prefix!r} in model.name {model.name!r}{hint}; "

@@ -19,7 +19,6 @@ to ``size / crop_pct``, centre crop, the tag's interpolation and mean/std; an
 
 from __future__ import annotations
 
-import difflib
 import os
 from pathlib import Path
 from types import ModuleType
@@ -29,7 +28,7 @@ import torch
 from torch import nn
 from torchvision import transforms as T
 
-from featcache.errors import ConfigError, FeatcacheError, first_line
+from featcache.errors import ConfigError, FeatcacheError, did_you_mean, first_line
 from featcache.extras import require
 from featcache.fingerprints import file_sha256
 from featcache.models.preprocess import Preprocessing, single_size, spec_preprocessing
@@ -98,13 +97,11 @@ def parse_ref(timm: ModuleType, ref: str) -> tuple[str, str]:
         raise ConfigError(f"timm model {name!r} is deprecated{use}")
     names = timm.list_models()
     if name not in names:
-        close = difflib.get_close_matches(name, names, n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        hint = did_you_mean(name, names)
         raise ConfigError(f"unknown timm model {name!r}{hint} (timm.list_models() lists them all)")
     if tag and ref not in timm.models.get_arch_pretrained_cfgs(name):
         tagged = timm.list_pretrained(f"{name}.*")
-        close = difflib.get_close_matches(ref, tagged, n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        hint = did_you_mean(ref, tagged)
         known = f"timm.list_pretrained('{name}.*') lists its tags" if tagged else "it has none"
         raise ConfigError(f"unknown pretrained tag {tag!r} for timm model {name}{hint} ({known})")
     return name, tag

@@ -12,14 +12,13 @@ Weights identity: ``{"source": "torchvision", "enum": "ResNet18_Weights.IMAGENET
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
 import torch
 import torchvision
 from torch import nn
 
-from featcache.errors import ConfigError, FeatcacheError, first_line
+from featcache.errors import ConfigError, FeatcacheError, did_you_mean, first_line
 from featcache.models.preprocess import Preprocessing, single_size, spec_preprocessing
 from featcache.models.registry import BuiltModel, ModelKind, random_weights
 from featcache.spec import ModelSpec, PreprocessSpec
@@ -69,8 +68,7 @@ def resolve_weights(name: str, weights: str | None) -> torchvision.models.Weight
         )
     available = list(enum_cls.__members__)
     if member not in available:
-        close = difflib.get_close_matches(member, available, n=3)
-        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        hint = did_you_mean(member, available, parenthesised=True)
         raise ConfigError(
             f"unknown weights {weights!r} for {name}{hint}; available: {', '.join(available)}"
         )
@@ -81,8 +79,7 @@ def check_model_name(name: str) -> None:
     """Raise a :class:`ConfigError` with close matches unless torchvision has model ``name``."""
     names = torchvision.models.list_models()
     if name not in names:
-        close = difflib.get_close_matches(name, names, n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        hint = did_you_mean(name, names)
         raise ConfigError(
             f"unknown torchvision model {name!r}{hint} "
             "(torchvision.models.list_models() lists them all)"
