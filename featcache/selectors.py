@@ -36,13 +36,14 @@ def resolve_taps(model: nn.Module, layers: Iterable[LayerSpec | str | dict]) -> 
     A selector is an exact module name, a name with index or slice steps over
     containers (``blocks[-1]``, ``blocks[-4:]``, ``encoder.layer[::2]``,
     ``stages[2].blocks[0]``), a glob over module names (``layer*.1``: ``*`` stays within
-    one dotted part, ``**`` spans several), or ``type:ClassName`` (every module of that
-    class, e.g. ``type:Conv2d``).
+    one dotted part, ``**`` spans several), ``type:ClassName`` (every module of that
+    class, e.g. ``type:Conv2d``), or ``.``: the model itself, whose output (an open_clip
+    image tower's projected embedding, say) is stored under the key ``output``.
     """
     modules = {name: module for name, module in model.named_modules() if name}
     taps: list[Tap] = []
     for layer in parse_layers(layers):
-        names = _match(layer.name, modules)
+        names = [""] if layer.name == MODEL else _match(layer.name, modules)
         if layer.key is not None and len(names) > 1:
             raise ConfigError(
                 f"layer {layer.name!r} matches {len(names)} modules but sets one key "
@@ -50,7 +51,7 @@ def resolve_taps(model: nn.Module, layers: Iterable[LayerSpec | str | dict]) -> 
             )
         for name in names:
             suffix = {"input": "@input", "grad": "@grad"}.get(layer.capture, "")
-            key = layer.key or name + suffix
+            key = layer.key or (name or MODEL_KEY) + suffix
             target = None
             if layer.capture == "grad":
                 target = "label" if layer.target is None else layer.target
@@ -66,6 +67,9 @@ def resolve_taps(model: nn.Module, layers: Iterable[LayerSpec | str | dict]) -> 
         seen.add(tap.key)
     return taps
 
+
+MODEL = "."  # the selector of the model itself
+MODEL_KEY = "output"  # ... and the key its output is stored under by default
 
 # "name[...]" steps: an index ("-1"), or a slice ("-4:", "::2", "1:3")
 _SUBSCRIPT = re.compile(r"-?\d+|-?\d*:-?\d*(?::-?\d*)?")

@@ -25,3 +25,39 @@ def test_readme_has_the_two_commands_and_ci_runs_the_test_one_verbatim():
 def test_constraints_pin_the_torch_pair():
     pins = (REPO / "constraints.txt").read_text().split()
     assert "torch==2.13.0" in pins and "torchvision==0.28.0" in pins
+
+
+def test_constraints_pin_the_zoo_extras():
+    pins = (REPO / "constraints.txt").read_text().split()
+    for package in ("timm", "transformers", "open_clip_torch"):
+        assert any(pin.startswith(f"{package}==") for pin in pins), package
+
+
+def test_every_shipped_config_loads():
+    from featcache.spec import load_config
+
+    configs = sorted((REPO / "configs").glob("*.yaml"))
+    assert len(configs) >= 6
+    for path in configs:
+        assert load_config(path).layers, path.name
+
+
+def test_zoo_configs_select_their_layers_on_the_architecture():
+    """The layer selectors of the timm and open_clip configs resolve on random weights of
+    the same architectures (the pretrained weights need a download)."""
+    import dataclasses
+
+    from featcache.models import build_backbone
+    from featcache.selectors import resolve_taps
+    from featcache.spec import load_config
+
+    expected = {
+        "convnext_tiny_timm.yaml": ["stages.2", "stages.3", "head.pre_logits"],
+        "clip_vit_b32.yaml": ["embedding", "transformer.resblocks.11"],
+    }
+    for name, keys in expected.items():
+        spec = load_config(REPO / "configs" / name)
+        name_only = spec.model.name.split(".")[0] if name.startswith("convnext") else None
+        model = dataclasses.replace(spec.model, weights=None, name=name_only or spec.model.name)
+        backbone = build_backbone(model, spec.preprocess)
+        assert [tap.key for tap in resolve_taps(backbone.model, spec.layers)] == keys

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 from featcache.errors import ConfigError
@@ -52,3 +53,22 @@ def test_bad_steps_are_errors_never_dropped(model, selector, message):
 def test_brackets_on_no_module_stay_a_glob(resnet18):
     assert [tap.key for tap in resolve_taps(resnet18, ["layer[12]"])] == ["layer1", "layer2"]
     assert [tap.key for tap in resolve_taps(resnet18, ["layer4[-1].conv1"])] == ["layer4.1.conv1"]
+
+
+def test_the_model_itself_is_selected_by_a_dot(tmp_path):
+    import featcache
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2)
+    ).eval()
+    (tap,) = resolve_taps(model, ["."])
+    assert (tap.key, tap.module_name) == ("output", "")
+    images = torch.utils.data.TensorDataset(torch.randn(10, 3, 8, 8))
+    store = featcache.extract(
+        model, images, [".", "0"], tmp_path / "s.h5", dtype="float32", progress=False
+    )
+    with torch.no_grad():
+        expected = model(images.tensors[0])
+    assert store.layers == ["output", "0"]
+    torch.testing.assert_close(store.read("output"), expected, rtol=1e-5, atol=1e-6)

@@ -413,3 +413,48 @@ def test_processors_with_steps_of_their_own_are_refused(tmp_path):
         build_preprocessing(spec(tmp_path / "m"), PreprocessSpec())
     # an explicit preprocess section still works
     assert build_preprocessing(spec(tmp_path / "m"), PreprocessSpec(resize=32)).decode_size == 32
+
+
+def test_featcache_layers_lists_a_saved_folder_with_its_token_layout(tmp_path):
+    from typer.testing import CliRunner
+
+    from featcache.cli import app
+
+    save(tmp_path / "reg", "dinov2_registers", processor=vit_processor())
+    result = CliRunner().invoke(app, ["layers", f"hf:{tmp_path / 'reg'}"])
+    assert result.exit_code == 0, result.output
+    header, *rows = result.stdout.splitlines()
+    assert "input 32px" in header  # the folder's image processor
+    lines = {row.split()[0]: row for row in rows}
+    # a class token and four register tokens before the 4 x 4 patch tokens
+    assert lines["encoder.layer.1"].endswith("[21, 32] tokens (5 prefix)")
+
+
+def test_verify_refuses_a_store_whose_config_trusts_remote_code(tmp_path):
+    from typer.testing import CliRunner
+
+    from featcache.cli import app
+
+    save(tmp_path / "vit", "vit", processor=vit_processor())
+    config = {
+        "model": {
+            "name": f"hf:{tmp_path / 'vit'}",
+            "weights": "pretrained",
+            "trust_remote_code": True,
+        },
+        "layers": [{"name": "layers.1", "reduce": "cls"}],
+        "data": {
+            "source": "synthetic",
+            "kwargs": {"image_size": 32, "num_classes": 3},
+            "splits": {"val": {"size": 4}},
+        },
+        "output": {"dir": str(tmp_path / "out")},
+        "runtime": {"progress": False},
+    }
+    path = featcache.extract_from_config(config)["val"].path
+    result = CliRunner().invoke(app, ["verify", str(path)])
+    assert result.exit_code == 2
+    assert "would run the Python code of the Hugging Face repository" in result.stderr
+    assert "--trust-factory" in result.stderr
+    trusted = CliRunner().invoke(app, ["verify", str(path), "--trust-factory"])
+    assert trusted.exit_code == 0, trusted.output

@@ -172,7 +172,7 @@ def test_a_resnet_tower_has_no_tokens():
 def test_extraction_stores_what_a_hooked_forward_gives(tmp_path):
     config = {
         "model": {"name": f"open_clip:{VIT}"},
-        "layers": [{"name": "transformer.resblocks.1"}],
+        "layers": [{"name": "transformer.resblocks.1"}, {"name": "."}],
         "data": {
             "source": "synthetic",
             "kwargs": {"image_size": 32, "num_classes": 4},
@@ -193,6 +193,8 @@ def test_extraction_stores_what_a_hooked_forward_gives(tmp_path):
     images = torch.stack([source[i][0] for i in range(6)])
     want = _tokens(clip.visual, "transformer.resblocks", images)["1"]
     _close(got, want)
+    with torch.no_grad():
+        _close(store.read("output"), clip.encode_image(images))  # the projected embedding
     assert store.attrs["resume_key"]["weights"]["seed"] == 7
 
 
@@ -356,3 +358,16 @@ def test_missing_open_clip_names_the_extra(monkeypatch):
         f"model.name 'open_clip:{VIT}' needs open_clip; "
         "install it with: pip install 'featcache[open_clip]'"
     )
+
+
+def test_featcache_layers_lists_the_image_tower_with_its_token_layout():
+    from typer.testing import CliRunner
+
+    from featcache.cli import app
+
+    result = CliRunner().invoke(app, ["layers", f"open_clip:{VIT}"])
+    assert result.exit_code == 0, result.output
+    header, *rows = result.stdout.splitlines()
+    assert "input 32px" in header
+    lines = {row.split()[0]: row for row in rows}
+    assert lines["transformer.resblocks.1"].endswith("[17, 32] tokens (1 prefix)")

@@ -7,9 +7,12 @@ import sys
 import numpy as np
 import pytest
 import torch
+import yaml
 from PIL import Image
+from typer.testing import CliRunner
 
 import featcache
+from featcache.cli import app
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.fingerprints import file_sha256
 from featcache.models import build_backbone, build_preprocessing, build_transform
@@ -167,7 +170,11 @@ def test_explicit_preprocess_wins():
 def test_extraction_stores_the_hooked_forward_of_the_same_model(tmp_path):
     config = {
         "model": {"name": VIT, "kwargs": TINY_VIT},
-        "layers": [{"name": "blocks.1"}, {"name": "norm", "reduce": "none"}],
+        "layers": [
+            {"name": "blocks.1"},
+            {"name": "norm", "reduce": "none"},
+            {"name": "blocks[-1]", "reduce": "patches", "key": "grid"},
+        ],
         "data": {
             "source": "synthetic",
             "kwargs": {"image_size": 40, "num_classes": 3},
@@ -201,6 +208,29 @@ def test_extraction_stores_the_hooked_forward_of_the_same_model(tmp_path):
         model(images)
     handle.remove()
     torch.testing.assert_close(stored, captured[0], rtol=1e-5, atol=1e-5)
+    # timm's own API: the last block's patch tokens as a [D, h, w] map, prefix tokens dropped
+    with torch.no_grad():
+        (grid,) = model.forward_intermediates(images, indices=[1], intermediates_only=True)
+    torch.testing.assert_close(store.read("grid"), grid, rtol=1e-5, atol=1e-5)
+
+
+def test_register_tokens_stay_out_of_the_patch_mean(tmp_path):
+    kwargs = {**TINY_VIT, "depth": 5, "reg_tokens": 4}
+    backbone = _backbone(kwargs=kwargs)
+    assert backbone.prefix_tokens == 5  # the class token and four register tokens
+    layers = [
+        {"name": "blocks[-4:]", "reduce": "mean"},
+        {"name": "blocks[-1]", "reduce": "none", "key": "tokens"},
+    ]
+    images = torch.utils.data.TensorDataset(torch.randn(3, 3, 32, 32))
+    store = featcache.extract(
+        backbone.model, images, layers, tmp_path / "s.h5", dtype="float32", progress=False
+    )  # prefix_tokens from the model's num_prefix_tokens
+    assert store.layers == ["blocks.1", "blocks.2", "blocks.3", "blocks.4", "tokens"]
+    tokens = store.read("tokens")  # [3, 5 + 16, 32]
+    torch.testing.assert_close(store.read("blocks.4"), tokens[:, 5:].mean(1))
+    with pytest.raises(ConfigError, match=r"index 99 is out of range; blocks has 5 entries"):
+        featcache.extract(backbone.model, images, ["blocks[99]"], tmp_path / "t.h5", progress=False)
 
 
 @pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
@@ -312,3 +342,53 @@ def test_missing_timm_is_one_line_naming_the_extra(monkeypatch):
         with pytest.raises(FeatcacheError, match=r"pip install 'featcache\[timm\]'") as caught:
             call(ModelSpec(name="timm:resnet10t"), NONE)
         assert "\n" not in str(caught.value) and "timm:resnet10t" in str(caught.value)
+
+
+class _FailsAt(torch.utils.data.Dataset):
+    """12 seeded 32 px images; reading row ``fail_at`` raises, as a crash mid-run would."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.fail_at = fail_at
+        self.images = torch.randn(12, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        if i == self.fail_at:
+            raise OSError("the disk went away")
+        return self.images[i], 0
+
+
+def test_a_changed_weights_file_is_refused_on_resume(tmp_path):
+    path = tmp_path / "tiny.pth"
+    torch.save(_state(_backbone(seed=3).model), path)
+    store = tmp_path / "s.h5"
+
+    def run(dataset):
+        backbone = _backbone(weights=str(path))
+        return featcache.extract(
+            backbone.model, dataset, ["blocks.1"], store, provenance={"weights": backbone.weights},
+            batch_size=4, num_workers=0, progress=False,
+        )  # fmt: skip
+
+    with pytest.raises(FeatcacheError, match="the disk went away"):
+        run(_FailsAt(fail_at=9))  # rows 0-7 are kept in the partial store
+    torch.save(_state(_backbone(seed=4).model), path)  # other weights in the same file
+    with pytest.raises(ConfigError, match=r"cannot resume .*: its weights differs"):
+        run(_FailsAt())
+    torch.save(_state(_backbone(seed=3).model), path)  # the original weights again
+    assert len(run(_FailsAt())) == 12  # resumes
+
+
+def test_featcache_layers_lists_a_timm_model_with_its_token_layout(tmp_path):
+    config = tmp_path / "c.yaml"
+    model = {"name": VIT, "kwargs": TINY_VIT}
+    config.write_text(yaml.safe_dump({"model": model, "layers": ["blocks.1"]}))
+    result = CliRunner().invoke(app, ["layers", str(config)])
+    assert result.exit_code == 0, result.output
+    header, *rows = result.stdout.splitlines()
+    assert "input 32px" in header  # timm's data config for img_size=32
+    lines = {row.split()[0]: row for row in rows}
+    assert lines["blocks.1"].endswith("[17, 32] tokens (1 prefix)")
+    assert lines["patch_embed.proj"].endswith("[32, 4, 4]")
