@@ -12,6 +12,10 @@ Ratios are images/s against baselines measured in the same run:
   lists then saved with h5py, torchvision's ``create_feature_extractor``, and
   ``featcache.extract`` (with its default Fletcher-32 chunk checksums; ``--checksum-cost``
   adds ``featcache.extract, checksum off`` and prints the images/s ratio of the two);
+* throughput of a timm ViT by featcache reference (``--models timm:vit_small_patch16_224``,
+  random weights, ``img_size`` the ``--size``): the bare forward, the bare forward cut after
+  a middle and the last block, and ``featcache.extract`` storing those blocks' patch-token
+  mean (its early stop against the cut);
 * peak RSS growth from 1,024 to 8,192 images capturing unpooled ``layer3`` of resnet18;
 * a JPEG pipeline over real photos (``../shared/data/hymenoptera.tar``, resize 256, crop
   224, resnet18): torchvision ImageFolder + DataLoader + a hook saving to lists, against
@@ -20,6 +24,7 @@ Ratios are images/s against baselines measured in the same run:
     python scripts/bench_extract.py                      # everything (about 10 minutes)
     python scripts/bench_extract.py --parts throughput --models resnet18 --images 256
     python scripts/bench_extract.py --parts throughput --models resnet18 --checksum-cost
+    python scripts/bench_extract.py --parts throughput --models timm:vit_small_patch16_224
 """
 
 from __future__ import annotations
@@ -305,6 +310,64 @@ def jpeg_pipeline(repeats: int, batch: int) -> None:
         print(f"{name:<48} {n / seconds:>9.1f} {base / seconds:>11.2f}x")
 
 
+def vit_truncated(model: nn.Module, block: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A timm ViT's forward cut right after ``blocks[block]``: what an early stop can at
+    best do."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        x = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
+        for layer in model.blocks[: block + 1]:
+            x = layer(x)
+        return x
+
+    return forward
+
+
+def timed_forward(forward: Callable[[torch.Tensor], torch.Tensor], data, batch: int) -> None:
+    with torch.inference_mode():
+        for start in range(0, len(data), batch):
+            forward(data[start : start + batch])
+
+
+def timm_throughput(reference: str, images: int, size: int, batch: int, repeats: int) -> None:
+    """A timm ViT by featcache reference (random weights, ``img_size=size``): the bare
+    forward, the bare forward cut after a middle and the last block, and featcache storing
+    the patch-token mean of those blocks."""
+    from featcache.models import build_backbone
+    from featcache.spec import ModelSpec, PreprocessSpec
+
+    spec = ModelSpec(name=reference, kwargs={"img_size": size})
+    model = build_backbone(spec, PreprocessSpec()).model.eval()
+    data = torch.randn(images, 3, size, size)
+    dataset = TensorDataset(data, torch.zeros(images, dtype=torch.long))
+    folder = Path(tempfile.mkdtemp(prefix="featcache-bench-"))
+    depth = len(model.blocks)
+    cases: dict[str, Callable[[], None]] = {
+        "bare forward": lambda: timed_forward(model, data, batch),
+    }
+    for block in (depth // 2 - 1, depth - 1):
+        name = f"blocks.{block}"
+        cases[f"[{name}] bare truncated"] = lambda b=block: timed_forward(
+            vit_truncated(model, b), data, batch
+        )
+        cases[f"[{name}] featcache.extract"] = lambda name=name: featcache.extract(
+            model, dataset, [{"name": name, "reduce": "mean"}], folder / "vit.h5",
+            batch_size=batch, num_workers=0, progress=False, overwrite=True,
+        )  # fmt: skip
+    timed(cases, 1)
+    medians = timed(cases, repeats)
+    print(
+        f"\n{reference} at {size}px (random weights), {images} images, batch {batch}, "
+        f"{torch.get_num_threads()} threads, median of {repeats}"
+    )
+    print(f"{'case':<44} {'images/s':>9} {'vs truncated':>13}")
+    for name, seconds in medians.items():
+        best = seconds
+        if name.startswith("["):
+            best = medians[name.split("]")[0] + "] bare truncated"]
+        print(f"{name:<44} {images / seconds:>9.1f} {best / seconds:>12.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -330,7 +393,12 @@ def main() -> None:
     )
     if "throughput" in args.parts:
         for name in args.models:
-            throughput(name, args.images, args.size, args.batch, args.repeats, args.checksum_cost)
+            if name.startswith("timm:"):
+                timm_throughput(name, args.images, args.size, args.batch, args.repeats)
+            else:
+                throughput(
+                    name, args.images, args.size, args.batch, args.repeats, args.checksum_cost
+                )
     if "rss" in args.parts:
         peak_rss(args.size)
     if "jpeg" in args.parts:

@@ -426,3 +426,22 @@ def test_tensor_datasets_are_sliced_whole_with_the_same_result(
     assert fast.has_labels == labelled
     if labelled:
         assert fast.labels.tolist() == slow.labels.tolist() == (torch.arange(20) % 5).tolist()
+
+
+def test_the_resolved_preprocessing_is_recorded(tmp_path):
+    config = {
+        "model": {"name": "resnet18"},
+        "layers": [{"name": "layer1", "reduce": "avg"}],
+        "data": {
+            "source": "synthetic",
+            "kwargs": {"image_size": 32},
+            "splits": {"val": {"size": 4}},
+        },
+        "preprocess": {"resize": 36, "crop": 32},
+        "output": {"dir": str(tmp_path / "out")},
+        "runtime": {"progress": False},
+    }
+    store = featcache.extract_from_config(config)["val"]
+    recorded = store.attrs["preprocessing"]
+    assert recorded.startswith("Compose(") and "Resize(size=36" in recorded
+    assert "CenterCrop(size=(32, 32))" in recorded

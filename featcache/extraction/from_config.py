@@ -79,6 +79,8 @@ def _extract_splits(spec: Spec, rank: Rank | None, command: str | None) -> dict[
             "weights": backbone.weights,
             "split": split,
             "source": {"kind": spec.data.source, "split": spec.data.splits[split]},
+            # The transform as resolved (the zoo's own, or the preprocess keys), as text.
+            "preprocessing": repr(backbone.transform),
         }
         if command is not None:
             provenance["resume_command"] = command
