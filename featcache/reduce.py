@@ -48,8 +48,9 @@ def reduce_tensor(x: torch.Tensor, tap: Tap, context: ReduceContext = NO_CONTEXT
     tokens excluded (``[B, D]``); ``cls+mean`` is the two concatenated (``[B, 2D]``);
     ``patches`` lays the patch tokens out as their square grid ``[B, D, h, w]``, and
     ``avg``, ``max`` and ``adaptive_avg`` pool that grid, never the feature axis.
-    Sequence-first outputs ``[T, B, D]`` are transposed first; an output whose batch axis
-    cannot be told is refused.
+    Sequence-first outputs ``[T, B, D]`` of a model that declares them are transposed
+    first; an undeclared one, or an output without a batch axis, is refused, so that no
+    batch is ever reduced over the wrong axis.
     """
     x = _batch_first(x, tap, context)
     how = tap.reduce
@@ -112,12 +113,18 @@ def _batch_first(x: torch.Tensor, tap: Tap, context: ReduceContext) -> torch.Ten
     if b is None or x.dim() < 2:
         return x
     first, second = x.shape[0] == b, x.shape[1] == b
-    if context.sequence_first and second and (not first or x.shape[0] == x.shape[1]):
+    if context.sequence_first and second:
         return x.transpose(0, 1)
     if first:
         return x
     if second:
-        return x.transpose(0, 1)  # sequence-first where the model declared none
+        # Transposing here would read a batch whose size equals T the other way round.
+        raise ConfigError(
+            f"layer {tap.key!r}: its {tap.capture} of shape {list(x.shape)} is "
+            f"sequence-first (the batch size {b} is on axis 1) but the model does not say "
+            "so; pass sequence_first=True to featcache.extract so that every batch is read "
+            "the same way"
+        )
     raise ConfigError(
         f"layer {tap.key!r}: its {tap.capture} of shape {list(x.shape)} has no axis of the "
         f"batch size {b}; capture another module"

@@ -88,6 +88,7 @@ def test_sequence_first_outputs_are_transposed():
         (TOKENS, ReduceContext(prefix_tokens=0), "cls", "needs a class token"),
         (torch.randn(2, 4, 3), VIT, "patches", "3 patch tokens do not form a square grid"),
         (torch.randn(3, 4, 5), VIT, "none", "has no axis of the batch size 2"),
+        (torch.randn(5, 2, 3), VIT, "none", r"is sequence-first .* pass sequence_first=True"),
     ],
 )
 def test_token_reduction_errors(value, context, reduce, message):
