@@ -43,7 +43,7 @@ def resolve_taps(model: nn.Module, layers: Iterable[LayerSpec | str | dict]) -> 
     modules = {name: module for name, module in model.named_modules() if name}
     taps: list[Tap] = []
     for layer in parse_layers(layers):
-        names = [""] if layer.name == MODEL else _match(layer.name, modules)
+        names = [""] if layer.name == MODEL else _match(layer.name, model, modules)
         if layer.key is not None and len(names) > 1:
             raise ConfigError(
                 f"layer {layer.name!r} matches {len(names)} modules but sets one key "
@@ -76,8 +76,8 @@ _SUBSCRIPT = re.compile(r"-?\d+|-?\d*:-?\d*(?::-?\d*)?")
 _STEP = re.compile(r"([^.\[\]]+)|\[([^\]]*)\]|(\.)")
 
 
-def _match(selector: str, modules: dict[str, nn.Module]) -> list[str]:
-    indexed = _match_indexed(selector, modules)
+def _match(selector: str, model: nn.Module, modules: dict[str, nn.Module]) -> list[str]:
+    indexed = _match_indexed(selector, model, modules)
     if indexed is not None:
         return indexed
     if selector.startswith("type:"):
@@ -109,7 +109,9 @@ def _match(selector: str, modules: dict[str, nn.Module]) -> list[str]:
     return [selector]
 
 
-def _match_indexed(selector: str, modules: dict[str, nn.Module]) -> list[str] | None:
+def _match_indexed(
+    selector: str, model: nn.Module, modules: dict[str, nn.Module]
+) -> list[str] | None:
     """Names a selector with index or slice steps means (``blocks[-1]``, ``blocks[-4:]``,
     ``encoder.layer[::2]``, ``stages[2].blocks[0]``), or None when it has none (or reads
     as a glob instead: ``layer[12]`` where ``layer`` is no module).
@@ -118,9 +120,10 @@ def _match_indexed(selector: str, modules: dict[str, nn.Module]) -> list[str] | 
     ``nn.ModuleList`` ...). An index out of range is an error naming the container's
     length; nothing is dropped silently.
     """
-    steps = _STEP.findall(selector)
-    if "".join(a or (f"[{b}]" if b or c == "" else c) for a, b, c in steps) != selector:
-        return None
+    matches = list(_STEP.finditer(selector))
+    if sum(len(m.group(0)) for m in matches) != len(selector):
+        return None  # characters no step reads: not this syntax
+    steps = [m.groups() for m in matches]
     if not any(b and _SUBSCRIPT.fullmatch(b) for _, b, _ in steps):
         return None
     current = [""]  # module names reached so far ("" is the model itself)
@@ -144,22 +147,13 @@ def _match_indexed(selector: str, modules: dict[str, nn.Module]) -> list[str] | 
         for parent in current:
             children = [
                 f"{parent}.{child}" if parent else child
-                for child, _ in (modules[parent] if parent else _root(modules)).named_children()
+                for child, _ in (modules[parent] if parent else model).named_children()
             ]
             picked += _subscript(selector, parent or "the model", children, subscript)
         if not picked:
             raise ConfigError(f"layer {selector!r}: [{subscript}] selects no module")
         current = picked
     return current
-
-
-def _root(modules: dict[str, nn.Module]) -> nn.Module:
-    """A stand-in whose children are the model's top-level modules."""
-    root = nn.Module()
-    for name, module in modules.items():
-        if "." not in name:
-            root.add_module(name, module)
-    return root
 
 
 def _subscript(selector: str, parent: str, children: list[str], subscript: str) -> list[str]:

@@ -155,13 +155,14 @@ def verify_store(
 def recorded_code(path: str | os.PathLike) -> str | None:
     """What rebuilding the model of the store at ``path`` from its recorded config would
     import and run, in words; None when nothing but featcache's own libraries."""
-    from featcache.models import kind_for
-
     with FeatureStore(path, allow_incomplete=True) as store:
         recorded = store.config
-    if recorded is None:
-        return None
-    spec = load_config(recorded)
+    return None if recorded is None else _code_run(load_config(recorded))
+
+
+def _code_run(spec: Spec) -> str | None:
+    from featcache.models import kind_for
+
     kind, ref = kind_for(spec.model)
     return kind.code_run(ref, spec.model)
 
@@ -171,18 +172,20 @@ def _rebuild_spec(
 ) -> Spec:
     if config is not None:
         return load_config(config)
-    if store.config is None:
+    recorded = store.config
+    if recorded is None:
         raise ConfigError(
             f"{store.path} records no config (it was made from Python); verify needs a store "
             "made by `featcache extract` or extract_from_config, or a config given with --config"
         )
-    code = recorded_code(store.path)
+    spec = load_config(recorded)
+    code = _code_run(spec)
     if code is not None and not trust:
         raise ConfigError(
             f"{store.path} records a config that would {code}; verify runs no code named in a "
             "store: pass --trust-factory to run it, or --config FILE to rebuild from your own"
         )
-    return load_config(store.config)
+    return spec
 
 
 def _check_file(result: VerifyResult, store: FeatureStore) -> None:

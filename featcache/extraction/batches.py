@@ -107,6 +107,10 @@ class SourceRows(Dataset):
     def __init__(self, dataset: Dataset, rows: range):
         self.dataset = dataset
         self.rows = rows
+        # A TensorDataset of images [N, C, H, W] (and labels [N]) is read in blocks.
+        tensors = dataset.tensors if isinstance(dataset, TensorDataset) else ()
+        whole = 0 < len(tensors) <= 2 and tensors[0].dim() == 4
+        self._blocks = tensors if whole and (len(tensors) == 1 or tensors[1].dim() == 1) else ()
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -115,21 +119,11 @@ class SourceRows(Dataset):
         """A whole batch at once. Consecutive rows of a :class:`TensorDataset` of images
         (and labels) are sliced out as one block, without a per-sample copy and stack;
         anything else goes sample by sample."""
-        tensors = getattr(self.dataset, "tensors", None)
-        consecutive = bool(js) and js == list(range(js[0], js[0] + len(js)))
-        if (
-            isinstance(self.dataset, TensorDataset)
-            and consecutive
-            and tensors
-            and len(tensors) <= 2
-            and tensors[0].dim() == 4
-            and (len(tensors) == 1 or tensors[1].dim() == 1)
-        ):
+        tensors = self._blocks
+        if tensors and js == list(range(js[0], js[0] + len(js))):
             block = slice(self.rows[js[0]], self.rows[js[-1]] + 1)
-            labels = tensors[1][block].long() if len(tensors) == 2 else None
             rows = torch.arange(block.start, block.stop, dtype=torch.long)
-            if labels is None:
-                labels = torch.full_like(rows, -1)
+            labels = tensors[1][block].long() if len(tensors) == 2 else torch.full_like(rows, -1)
             return Batch(tensors[0][block], labels, rows, [])
         return [self[j] for j in js]
 

@@ -31,11 +31,10 @@ LOCK_SUFFIX = ".lock"
 # A probe (`featcache info`) holds the lock for an instant; a writer retries that long.
 _ATTEMPTS, _PAUSE = 5, 0.05
 
-# The stores this process holds, with a count: POSIX locks belong to the process (a
-# second lock from the same process would succeed, and closing any descriptor of the
-# file would drop it), so nesting and probing are decided here instead.
-_held: dict[Path, int] = {}
-_holders: dict[Path, Holder] = {}
+# The stores this process holds. POSIX locks belong to the process (a second lock from
+# the same process would succeed, and closing any descriptor of the file would drop it),
+# so nesting and probing are decided here.
+_held: dict[Path, Holder] = {}
 _guard = threading.Lock()
 
 
@@ -76,28 +75,20 @@ def writer_lock(path: str | os.PathLike) -> Iterator[Holder]:
     """
     key = Path(os.path.abspath(path))
     with _guard:
-        if key in _held:
-            _held[key] += 1
-            nested = True
-        else:
-            nested = False
-    if nested:
-        try:
-            yield _holders[key]
-        finally:
-            with _guard:
-                _held[key] -= 1
+        outer = _held.get(key)
+    if outer is not None:  # the outermost hold releases
+        yield outer
         return
 
     prepare_output_folder(key.parent)
-    fd, holder = _acquire(key)
+    fd, record = _acquire(key)
     with _guard:
-        _held[key], _holders[key] = 1, holder
+        _held[key] = record
     try:
-        yield holder
+        yield record
     finally:
         with _guard:
-            del _held[key], _holders[key]
+            del _held[key]
         # Unlinked while still locked: a run that opened the old file and then gets its
         # lock sees that the path now names another file, and starts again (see _acquire).
         with contextlib.suppress(OSError):
@@ -112,8 +103,8 @@ def holder(path: str | os.PathLike) -> Holder | None:
     """
     key = Path(os.path.abspath(path))
     with _guard:
-        if key in _holders:
-            return _holders[key]
+        if key in _held:
+            return _held[key]
     lock = lock_path(key)
     try:
         fd = os.open(lock, os.O_RDWR)
