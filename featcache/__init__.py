@@ -21,6 +21,7 @@ _PUBLIC = {
     "FeatureDataset": "featcache.dataset",
     "FeatureStore": "featcache.store",
     "ShuffledBatches": "featcache.dataset",
+    "TokenDataset": "featcache.token_view",
     "extract": "featcache.extraction",
     "extract_from_config": "featcache.extraction",
 }
@@ -31,6 +32,7 @@ __all__ = [
     "FeatureDataset",
     "FeatureStore",
     "ShuffledBatches",
+    "TokenDataset",
     "extract",
     "extract_from_config",
 ]
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from featcache.errors import ConfigError, FeatcacheError
     from featcache.extraction import extract, extract_from_config
     from featcache.store import FeatureStore
+    from featcache.token_view import TokenDataset
 
 
 def __getattr__(name: str) -> Any:

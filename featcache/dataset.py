@@ -25,7 +25,14 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from featcache.errors import ConfigError
 from featcache.store import codec
 from featcache.store.chunks import chunk_rows_of, row_bytes
-from featcache.store.reader import FeatureStore, StoreFile, read_rows, read_runs, row_numbers
+from featcache.store.reader import (
+    FeatureStore,
+    StoreFile,
+    read_rows,
+    read_runs,
+    read_token_rows,
+    row_numbers,
+)
 
 Features = torch.Tensor | dict[str, torch.Tensor]
 Batch = tuple[Features, torch.Tensor] | tuple[Features, torch.Tensor, torch.Tensor]
@@ -59,6 +66,12 @@ class FeatureDataset(Dataset):
 
     A chunk that fails its checksum raises :class:`~featcache.errors.CorruptStoreError`
     naming the layer and the rows of that chunk, from every read path.
+
+    A layer of per-token rows (text models with ``reduce: none``) gives row ``i`` as
+    ``[T_i, *shape]``; such rows differ in length, so they are read one batch at a time
+    through :meth:`__getitems__` (a DataLoader needs a ``collate_fn`` that pads, or
+    ``batch_size=None``), not through :meth:`batches`. :class:`~featcache.TokenDataset`
+    serves their single tokens, shuffled by chunk.
     """
 
     def __init__(
@@ -80,6 +93,8 @@ class FeatureDataset(Dataset):
         for layer in self.layers:
             store.shape(layer)  # raises a clear error for a missing layer
         self.num_rows = store.rows_written if allow_incomplete else len(store)
+        self.per_token = [layer for layer in self.layers if store.is_per_token(layer)]
+        self.offsets = store.offsets if self.per_token else None
         labels = store.labels
         self.has_labels = labels is not None
         self.labels = torch.from_numpy(
@@ -107,7 +122,11 @@ class FeatureDataset(Dataset):
         self._memory: dict[str, torch.Tensor] | None = None
         if in_memory:
             self._memory = {
-                layer: self._convert(store.read(layer, slice(0, self.num_rows)))
+                layer: self._convert(
+                    store.read_tokens(layer, slice(0, self.num_rows))[0]
+                    if layer in self.per_token
+                    else store.read(layer, slice(0, self.num_rows))
+                )
                 for layer in self.layers
             }
         store.close()
@@ -130,12 +149,26 @@ class FeatureDataset(Dataset):
     def _convert(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self.dtype is None else tensor.to(self.dtype)
 
-    def _rows(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
+    def _rows(self, rows: np.ndarray) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+        out: dict[str, torch.Tensor | list[torch.Tensor]] = {}
+        for layer in self.layers:
+            if layer in self.per_token:
+                out[layer] = self._token_rows(layer, rows)
+            elif self._memory is not None:
+                out[layer] = _take(self._memory[layer], rows)
+            else:
+                out[layer] = self._convert(read_rows(self.features(layer), rows))
+        return out
+
+    def _token_rows(self, layer: str, rows: np.ndarray) -> list[torch.Tensor]:
+        """Rows of a per-token layer: one ``[T_i, *shape]`` tensor each."""
+        assert self.offsets is not None
         if self._memory is not None:
-            return {layer: _take(self._memory[layer], rows) for layer in self.layers}
-        return {
-            layer: self._convert(read_rows(self.features(layer), rows)) for layer in self.layers
-        }
+            tokens = self._memory[layer]
+            return [tokens[self.offsets[r] : self.offsets[r + 1]].clone() for r in rows]
+        values, starts = read_token_rows(self.features(layer), self.offsets, rows)
+        values = self._convert(values)
+        return [values[starts[j] : starts[j + 1]] for j in range(len(rows))]
 
     def __getitem__(self, i: int) -> tuple[Features, torch.Tensor]:
         (sample,) = self.__getitems__([i])
@@ -202,6 +235,12 @@ class FeatureDataset(Dataset):
     ) -> Iterator[Batch]:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if self.per_token:
+            raise ConfigError(
+                f"layer {self.per_token[0]!r} holds per-token rows of different lengths, "
+                "which do not stack into batches; read single tokens with "
+                "featcache.TokenDataset, or rows through a DataLoader with a padding collate_fn"
+            )
         if buffer_rows is not None and buffer_rows < 1:
             raise ValueError(f"buffer_rows must be at least 1, got {buffer_rows}")
         starts = np.arange(0, self.num_rows, self.block_rows)
@@ -284,13 +323,17 @@ class FeatureDataset(Dataset):
                     layer: self._convert(_take(buffers[layer], position)) for layer in self.layers
                 }
                 out: Features = features[self.layers[0]] if self.single else features
-                labels = self.labels[torch.from_numpy(index)]
-                yield (out, labels, torch.from_numpy(index)) if with_index else (out, labels)
+                extra = (torch.from_numpy(index),) if with_index else ()
+                yield (out, *self._targets(index), *extra)
             rest = order[full:]
             rows_left = rows[rest]
             if self._memory is None and len(rest):
                 for buffer in buffers.values():  # carried to the front of the next buffer
                     buffer[: len(rest)] = _take(buffer, rest)
+
+    def _targets(self, index: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """What comes with the features of the rows ``index`` in a batch: their labels."""
+        return (self.labels[torch.from_numpy(index)],)
 
     def _read_spans(
         self, layer: str, spans: list[tuple[int, int]], buffer: torch.Tensor, start: int

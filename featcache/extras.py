@@ -13,6 +13,8 @@ EXTRAS = {
     "timm": "timm",
     "transformers": "hf",
     "open_clip": "open_clip",
+    "datasets": "datasets",
+    "pyarrow": "parquet",
 }
 
 

@@ -46,20 +46,27 @@ def reduce_tensor(x: torch.Tensor, tap: Tap, context: ReduceContext = NO_CONTEXT
     Token outputs ``[B, T, D]`` of a model with a token layout (``context.prefix_tokens``
     set): ``cls`` is token 0 (``[B, D]``); ``mean`` averages the patch tokens, prefix
     tokens excluded (``[B, D]``); ``cls+mean`` is the two concatenated (``[B, 2D]``);
+    ``last`` is the last token;
     ``patches`` lays the patch tokens out as their square grid ``[B, D, h, w]``, and
     ``avg``, ``max`` and ``adaptive_avg`` pool that grid, never the feature axis.
     Sequence-first outputs ``[T, B, D]`` of a model that declares them are transposed
     first; an undeclared one, or an output without a batch axis, is refused, so that no
     batch is ever reduced over the wrong axis.
+
+    A padded token batch (``context.attention_mask`` set) is reduced over its real tokens
+    only (see :func:`_reduce_masked`); ``none`` returns the padded ``[B, T, ...]`` value,
+    which the run loop packs into per-token rows.
     """
     x = _batch_first(x, tap, context)
     how = tap.reduce
     if how == "none":
         return x
+    if context.attention_mask is not None:
+        return _reduce_masked(x, tap, context.attention_mask)
     if how == "flatten":
         return x.flatten(1)
     tokens = context.prefix_tokens is not None and x.dim() == 3
-    if how in ("cls", "mean", "cls+mean", "patches") or tokens:
+    if how in ("cls", "mean", "cls+mean", "patches", "last") or tokens:
         return _reduce_tokens(x, tap, context)
     if how in ("avg", "max"):
         _need_dims(x, tap, minimum=3, shape="[B, C, ...spatial]")
@@ -83,6 +90,8 @@ def _reduce_tokens(x: torch.Tensor, tap: Tap, context: ReduceContext) -> torch.T
     patches = x[:, prefix or 0 :]
     if how == "cls":
         return x[:, 0]
+    if how == "last":
+        return x[:, -1]
     if how == "mean":
         return patches.mean(dim=1)
     if how == "cls+mean":
@@ -93,6 +102,43 @@ def _reduce_tokens(x: torch.Tensor, tap: Tap, context: ReduceContext) -> torch.T
         return patches.mean(dim=1)
     grid = _patch_grid(patches, tap)  # patches, adaptive_avg
     return grid if how == "patches" else F.adaptive_avg_pool2d(grid, tap.size)
+
+
+def _reduce_masked(x: torch.Tensor, tap: Tap, mask: torch.Tensor) -> torch.Tensor:
+    """Reduce token outputs ``[B, T, ...]`` of a padded batch over its real tokens only.
+
+    ``mask`` is the batch's ``[B, T]`` attention mask (nonzero for real tokens). ``mean``
+    (and ``avg``) averages the real tokens, special tokens included (as sentence encoders
+    pool), ``max`` takes their maximum, ``cls`` is token
+    0 and ``last`` the last real token (for decoder models; wherever the padding is);
+    ``cls+mean`` concatenates two. Padded positions never reach a result.
+    """
+    how = tap.reduce
+    if x.dim() < 3 or tuple(x.shape[:2]) != tuple(mask.shape):
+        raise ConfigError(
+            f"layer {tap.key!r}: reduce={how} reads the tokens of a padded batch, but its "
+            f"{tap.capture} of shape {list(x.shape)} has no token axis matching the attention "
+            f"mask {list(mask.shape)}; capture a token output ([B, T, D]) or use reduce none"
+        )
+    if how not in ("mean", "avg", "max", "cls", "last", "cls+mean"):
+        raise ConfigError(
+            f"layer {tap.key!r}: reduce={how} would mix padding into the stored values of a "
+            "padded token batch; use mean, max, cls, last, cls+mean, or none (one row of "
+            "tokens per sample)"
+        )
+    real = (mask != 0).reshape(*mask.shape, *(1,) * (x.dim() - 2))
+    if how == "cls":
+        return x[:, 0]
+    if how == "last":
+        # The last real token: the highest position whose mask is set.
+        positions = torch.arange(x.shape[1], device=x.device).expand(mask.shape)
+        last = torch.where(mask != 0, positions, -1).amax(dim=1).clamp(min=0)
+        return x[torch.arange(len(x), device=x.device), last]
+    if how == "max":
+        return x.masked_fill(~real, float("-inf")).amax(dim=1)
+    counts = real.sum(dim=1).clamp(min=1)
+    mean = x.masked_fill(~real, 0).sum(dim=1) / counts.to(x.dtype)
+    return torch.cat([x[:, 0], mean], dim=1) if how == "cls+mean" else mean
 
 
 def _patch_grid(patches: torch.Tensor, tap: Tap) -> torch.Tensor:

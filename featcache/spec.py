@@ -24,12 +24,14 @@ from featcache.errors import ConfigError
 from featcache.validation import build, check, choices, option
 
 Reduction = Literal[
-    "none", "avg", "max", "adaptive_avg", "flatten", "cls", "mean", "cls+mean", "patches"
+    "none", "avg", "max", "adaptive_avg", "flatten", "cls", "mean", "cls+mean", "patches", "last"
 ]
 Capture = Literal["output", "input", "grad"]
 StoreDtype = Literal["float16", "bfloat16", "float32"]
 Compression = Literal["lzf", "gzip"] | None
-SourceKind = Literal["imagefolder", "manifest", "torchvision", "synthetic"]
+SourceKind = Literal[
+    "imagefolder", "manifest", "torchvision", "synthetic", "text", "hf", "webdataset", "parquet"
+]
 AmpDtype = Literal["fp16", "bf16", "auto"] | None
 OnError = Literal["fail", "skip"]
 OnNonfinite = Literal["fail", "skip", "keep"]
@@ -144,6 +146,13 @@ class DataSpec:
     # keyword arguments (torchvision, synthetic). A list of names means {name: name}.
     splits: dict[str, Any] = option(default_factory=lambda: {"train": "train"}, convert=_split_map)
     content_hash: bool = False  # dataset fingerprint hashes file contents, not only sizes
+    # Columns of tabular sources (text, hf, parquet). null: the source's default
+    # (text: "text", and "label" / "id" when the file has them).
+    image_column: str | None = None  # image bytes, a PIL image or a path
+    text_column: str | None = None  # text to tokenise with the model's tokenizer
+    label_column: str | None = None  # class index or class name
+    id_column: str | None = None  # stable sample id; default <dataset>/<split>/<index>
+    max_length: int | None = option(None, ge=1)  # tokens per text; null: the model's limit
 
     def validate(self, at: str) -> None:
         if not self.splits:
@@ -153,6 +162,11 @@ class DataSpec:
                 raise ConfigError(f"{at}.splits: {split!r} is not a usable split name")
         if self.source == "torchvision" and not self.dataset:
             raise ConfigError(f"{at}.dataset must name a torchvision dataset class, e.g. CIFAR10")
+        if self.source == "hf" and not self.dataset:
+            raise ConfigError(
+                f"{at}.dataset must name a Hugging Face dataset (hub name, or a folder "
+                "written by save_to_disk)"
+            )
         if self.source in ("imagefolder", "manifest") and not self.root:
             raise ConfigError(f"{at}.root is required for data.source={self.source}")
 

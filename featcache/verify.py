@@ -14,6 +14,7 @@ last) within the tolerance of the stored dtype.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -27,13 +28,17 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from featcache.errors import ConfigError
+from featcache.extraction.batches import Collate, SourceRows
+from featcache.extraction.loop import forward
+from featcache.extraction.writer_thread import CapturedBatch
 from featcache.provenance import config_fingerprint as fingerprint
 from featcache.reduce import ReduceContext
 from featcache.runtime import Layout, choose_layout
 from featcache.selectors import resolve_taps
-from featcache.spec import Spec, load_config
+from featcache.spec import Spec, StoreSpec, load_config
 from featcache.store import FeatureStore, codec
 from featcache.store.integrity import has_checksums, scan_chunks
+from featcache.store.reader import read_rows
 from featcache.taps import TapSet
 
 # |stored - recomputed| <= TOLERANCE * max(|recomputed| over the row): a few units in the
@@ -266,8 +271,14 @@ def _check_alignment(
 def _nonfinite(store: FeatureStore) -> list[str]:
     bad = []
     for layer in store.layers:
-        for start in range(0, len(store), CHUNK_ROWS_FOR_SCAN):
-            block = store.read(layer, slice(start, start + CHUNK_ROWS_FOR_SCAN)).float()
+        dataset = store.file["features"][layer]
+        end = len(store)
+        if store.is_per_token(layer):
+            offsets = store.offsets
+            end = int(offsets[-1]) if offsets is not None else 0
+        for start in range(0, end, CHUNK_ROWS_FOR_SCAN):
+            stop = min(start + CHUNK_ROWS_FOR_SCAN, end)
+            block = read_rows(dataset, slice(start, stop)).float()
             if not torch.isfinite(block).all():
                 bad.append(layer)
                 break
@@ -298,47 +309,64 @@ def _recompute(
     result.rows = rows
     taps = resolve_taps(model, spec.layers)
     dtype = spec.store.dtype
-    device, amp = layout.device, layout.amp
     # Module.to takes memory_format (documented), but torch's type stubs lack it.
     place: Callable[..., torch.nn.Module] = model.eval().to
-    place(device=device, memory_format=layout.memory_format)
-    subset = Subset(source, [int(index[r]) for r in rows])
-    loader = DataLoader(subset, batch_size=spec.loader.batch_size, shuffle=False)
+    place(device=layout.device, memory_format=layout.memory_format)
+    # The rows go through the run loop's own batching, padding and forward.
+    positions = [int(index[r]) for r in rows]
+    loader = DataLoader(
+        SourceRows(Subset(source, positions), range(len(positions))),
+        batch_size=spec.loader.batch_size,
+        shuffle=False,
+        collate_fn=Collate(getattr(source, "pad_values", {})),
+    )
+    keep_all = StoreSpec(dtype=dtype, on_nonfinite="keep")
+    convert = functools.partial(codec.encode, dtype=dtype)
     mismatches: dict[str, list[int]] = {}
     worst: dict[str, float] = {}
     wrong_labels = []
     done = 0
-    with TapSet(model, taps) as tapset, torch.inference_mode():
-        for images, batch_labels in loader:
-            batch_rows = rows[done : done + len(images)]
-            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-                extra = {"labels": batch_labels} if tapset.needs_grad else {}
-                context = dataclasses.replace(tokens, batch_size=len(images))
-                inputs = images.to(device, memory_format=layout.memory_format)
-                values = tapset.run(inputs, context=context, **extra)
-            for key, value in values.items():
-                expected = _as_stored(value, dtype).float().cpu()
-                stored = store.read(key, batch_rows).float()
+    with TapSet(model, taps, convert=convert) as tapset:
+        for batch in loader:
+            if batch.error or batch.failed:
+                result.add("values", False, batch.error or batch.failed[0][1])
+                return
+            batch_rows = rows[done : done + len(batch.rows)]
+            captured = CapturedBatch(batch.rows.numpy(), [], batch.labels.numpy(), {}, None, [])
+            forward(tapset, batch, captured, layout, False, keep_all, [], None, tokens=tokens)
+            for key, value in captured.features.items():
+                expected = codec.values(value, dtype).float().cpu()
+                if key in captured.ragged:
+                    stored, _ = store.read_tokens(key, batch_rows)
+                else:
+                    stored = store.read(key, batch_rows)
+                stored = stored.float()
                 if stored.shape != expected.shape:
                     result.add(
                         "shapes",
                         False,
-                        f"{key}: stored {list(stored.shape[1:])}, "
-                        f"recomputed {list(expected.shape[1:])}",
+                        f"{key}: stored {list(stored.shape)}, recomputed {list(expected.shape)}",
                     )
                     return
                 error = (stored - expected).abs().flatten(1)
                 scale = expected.abs().flatten(1).amax(dim=1, keepdim=True).clamp_min(1e-6)
                 relative = (error / scale).amax(dim=1)
+                if key in captured.ragged:  # the worst token of each row
+                    owner = torch.repeat_interleave(
+                        torch.arange(len(batch_rows)), torch.from_numpy(captured.lengths)
+                    )
+                    relative = torch.zeros(len(batch_rows)).index_reduce_(
+                        0, owner, relative, "amax"
+                    )
                 worst[key] = max(worst.get(key, 0.0), float(relative.max()))
                 for j, r in enumerate(batch_rows):
                     if not relative[j] <= TOLERANCE[dtype]:  # NaN counts as a mismatch
                         mismatches.setdefault(key, []).append(r)
             if labels is not None:
                 wrong_labels += [
-                    r for j, r in enumerate(batch_rows) if int(batch_labels[j]) != labels[r]
+                    r for j, r in enumerate(batch_rows) if int(batch.labels[j]) != labels[r]
                 ]
-            done += len(images)
+            done += len(batch.rows)
     if labels is not None and getattr(source, "labels", None) is None:
         result.add("labels", not wrong_labels, _rows_text(wrong_labels, "labels match"))
     if mismatches:
@@ -352,11 +380,6 @@ def _recompute(
             f"(tolerance {TOLERANCE[dtype]:g})"
         )
     result.add("values", not mismatches, detail)
-
-
-def _as_stored(value: torch.Tensor, dtype: str) -> torch.Tensor:
-    """``value`` rounded to the store dtype ``dtype``, as the store holds it."""
-    return codec.values(codec.encode(value, dtype), dtype)
 
 
 def _weights_text(weights: dict) -> str:

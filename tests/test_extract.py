@@ -329,7 +329,7 @@ def test_dataset_of_pil_images_gets_a_clear_error(resnet18, tmp_path):
         def __getitem__(self, i):
             return Image.new("RGB", (32, 32)), 0
 
-    with pytest.raises(ConfigError, match="must be image tensors .* got a Image.*transform"):
+    with pytest.raises(ConfigError, match="must be a tensor .* got a Image.*transform"):
         featcache.extract(resnet18, Pictures(), ["layer1"], tmp_path / "s.h5")
     assert not (tmp_path / "s.h5").exists()
 

@@ -36,12 +36,54 @@ def test_reduction_shape_errors_name_the_layer():
         reduce_tensor(torch.randn(2, 3), Tap("k", "m", reduce="avg"))
 
 
-def test_reductions_receive_the_batch_context_without_changing_todays_values():
-    x = torch.randn(2, 5, 8)
-    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
-    context = ReduceContext(attention_mask=mask)
-    tap = Tap("k", "m", reduce="mean")
-    torch.testing.assert_close(reduce_tensor(x, tap, context), x.mean(1), rtol=0, atol=0)
+# Padded token batches: reductions read the real tokens only.
+
+MASK = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+PADDED = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0))
+PADDED[0, 3:] = float("nan")  # padding that leaks anywhere shows up as NaN
+
+
+@pytest.mark.parametrize(
+    ("reduce", "expected"),
+    [
+        ("mean", [PADDED[0, :3].mean(0), PADDED[1].mean(0)]),
+        ("avg", [PADDED[0, :3].mean(0), PADDED[1].mean(0)]),
+        ("max", [PADDED[0, :3].amax(0), PADDED[1].amax(0)]),
+        ("cls", [PADDED[0, 0], PADDED[1, 0]]),
+        ("last", [PADDED[0, 2], PADDED[1, 4]]),
+        (
+            "cls+mean",
+            [
+                torch.cat([PADDED[0, 0], PADDED[0, :3].mean(0)]),
+                torch.cat([PADDED[1, 0], PADDED[1].mean(0)]),
+            ],
+        ),
+    ],
+)
+def test_masked_reductions_read_real_tokens_only(reduce, expected):
+    context = ReduceContext(attention_mask=MASK, batch_size=2)
+    out = reduce_tensor(PADDED, Tap("k", "m", reduce=reduce), context)
+    torch.testing.assert_close(out, torch.stack(expected))
+
+
+def test_last_finds_the_last_real_token_under_left_padding():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    context = ReduceContext(attention_mask=mask, batch_size=2)
+    out = reduce_tensor(PADDED.nan_to_num(), Tap("k", "m", reduce="last"), context)
+    torch.testing.assert_close(out, PADDED.nan_to_num()[:, 4])
+
+
+def test_masked_reduce_on_an_output_without_a_token_axis_is_refused():
+    context = ReduceContext(attention_mask=MASK, batch_size=2)
+    with pytest.raises(ConfigError, match="layer 'k': reduce=mean .*no token axis .*mask"):
+        reduce_tensor(torch.randn(2, 8), Tap("k", "m", reduce="mean"), context)
+    with pytest.raises(ConfigError, match="reduce=flatten would mix padding"):
+        reduce_tensor(PADDED, Tap("k", "m", reduce="flatten"), context)
+
+
+def test_reduce_none_keeps_the_padded_batch_for_the_loop_to_pack():
+    context = ReduceContext(attention_mask=MASK, batch_size=2)
+    assert reduce_tensor(PADDED, Tap("k", "m"), context) is PADDED
 
 
 # Token outputs of models that declare their token layout.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import time
 import warnings
@@ -10,18 +11,21 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
 
 from featcache.errors import ConfigError
 from featcache.extraction.batches import (
+    Collate,
     SourceRows,
-    collate,
     describe_value,
     first_sample,
     num_workers,
     source_length,
+    split_sample,
     started,
 )
 from featcache.extraction.loop import run_loop
@@ -88,6 +92,7 @@ class _Plan:
     key: Callable[[], StoreKey]  # the weights may still be being fingerprinted
     tokens: ReduceContext  # the model's token layout, for the reductions
     provenance: Mapping[str, Any]  # config, weights, source: written into the store
+    token_capacity: int | None = None  # tokens of the rows, when they may be stored per token
 
 
 def extract(
@@ -174,13 +179,14 @@ def _extract(
     todo = range(resume.position if resume else plan.rows.start, plan.rows.stop)
     device = plan.layout.device
     pin = device.type == "cuda" if run.loader.pin_memory == "auto" else bool(run.loader.pin_memory)
+    source_rows = SourceRows(dataset, todo)
     loader = DataLoader(
-        SourceRows(dataset, todo),
+        source_rows,
         batch_size=run.loader.batch_size,
         shuffle=False,
         num_workers=num_workers(run.loader.num_workers, len(todo), run.loader.batch_size),
         pin_memory=pin,
-        collate_fn=collate,
+        collate_fn=Collate(source_rows.pad_values),
     )
 
     def open_writer() -> StoreWriter:
@@ -198,6 +204,7 @@ def _extract(
             has_labels=plan.has_labels,
             attrs=attrs,
             resume=resume,
+            token_capacity=plan.token_capacity,
         )
 
     start = time.perf_counter()
@@ -214,7 +221,7 @@ def _extract(
         timing["images_per_second"] = len(todo) / max(timing["seconds"], 1e-9)
         writer = sink.writer
         assert writer is not None  # the thread raised otherwise
-        writer.close(complete=True, attrs=timing)
+        writer.close(complete=True, attrs=timing, row_columns=getattr(dataset, "row_columns", None))
     if writer.skipped:
         warnings.warn(
             f"{len(writer.skipped)} of {len(plan.rows)} samples skipped (first: "
@@ -252,14 +259,13 @@ def _plan(
         class_names = getattr(dataset, "class_names", None) or getattr(dataset, "classes", None)
     has_labels = getattr(dataset, "has_labels", None)
     first = first_sample(dataset)
+    token_capacity = None
     if first is not None:
-        if not isinstance(first[0], torch.Tensor) or first[0].dim() != 3:
-            raise ConfigError(
-                f"dataset items must be image tensors [C, H, W], got {describe_value(first[0])}; "
-                "give the dataset a transform that ends in a tensor (e.g. weights.transforms())"
-            )
+        check_inputs(model, first[0])
         if has_labels is None:
             has_labels = first[1] is not None
+        if isinstance(first[0], Mapping) and any(tap.reduce == "none" for tap in taps):
+            token_capacity = int(token_lengths(dataset)[rows.start : rows.stop].sum())
     layout = choose_layout(model, run.runtime)
     weights = (provenance or {}).get("weights")
     key_parts = dict(
@@ -299,4 +305,64 @@ def _plan(
         key=key,
         tokens=tokens,
         provenance=dict(provenance or {}),
+        token_capacity=token_capacity,
     )
+
+
+def check_inputs(model: nn.Module, value: Any) -> None:
+    """Refuse a source item the run cannot feed to ``model``: neither a tensor nor a
+    mapping of tensors, or a mapping key that ``model.forward`` takes no argument for."""
+    if isinstance(value, torch.Tensor):
+        return
+    if not isinstance(value, Mapping) or not all(
+        isinstance(v, torch.Tensor) for v in value.values()
+    ):
+        raise ConfigError(
+            f"dataset items must be a tensor (an image [C, H, W], a clip [C, T, H, W], "
+            f"audio [L], ...) or a mapping of named tensors, got {describe_value(value)}; "
+            "give the dataset a transform that ends in a tensor (e.g. weights.transforms())"
+        )
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return
+    # Hugging Face models take **kwargs for options (output_attentions, ...) and ignore
+    # the rest silently, so only their named inputs count; other modules' **kwargs do.
+    hf_model = hasattr(model, "main_input_name")
+    if not hf_model and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return
+    accepted = [
+        p.name
+        for p in parameters
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
+    for key in value:
+        if key not in accepted:
+            raise ConfigError(
+                f"input {key!r} of the dataset's items is not an argument of "
+                f"{type(model).__name__}.forward, which takes: {', '.join(accepted)}; "
+                "rename or drop that key"
+            )
+
+
+def token_lengths(dataset: Dataset) -> np.ndarray:
+    """``[N]`` int64 tokens per source row: the dataset's ``token_lengths`` attribute
+    (text sources have one), else one pass over its items counting each mapping's real
+    tokens (the ones of its ``attention_mask``, else the length of its first sequence)."""
+    declared = getattr(dataset, "token_lengths", None)
+    if declared is not None:
+        return np.asarray(declared, dtype=np.int64)
+    count = source_length(dataset)
+    lengths = np.zeros(count, dtype=np.int64)
+    for i in tqdm(range(count), desc="counting tokens", unit="row", disable=count < 10_000):
+        try:
+            item, _ = split_sample(dataset[i])
+        except Exception:
+            continue  # unreadable: the run reports it, and it stores no tokens
+        mask = item.get("attention_mask") if isinstance(item, Mapping) else None
+        if mask is not None:
+            lengths[i] = int((mask != 0).sum())
+        elif isinstance(item, Mapping):
+            sequences = [v for v in item.values() if isinstance(v, torch.Tensor) and v.dim()]
+            lengths[i] = len(sequences[0]) if sequences else 0
+    return lengths

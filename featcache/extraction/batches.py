@@ -1,11 +1,12 @@
 """The batch type of the run loop and the DataLoader adapters that make it.
 
-A source item is ``input`` or ``(input, label)``: ``input`` is a tensor (an image
-``[C, H, W]`` today) or a mapping of named tensors (passed to the model as keyword
-arguments). :class:`SourceRows` wraps a map-style dataset so that a sample that cannot be
-read comes back as a recorded failure instead of an exception in a worker, and
-:func:`collate` stacks the readable ones into one :class:`Batch`, which moves to the
-device and on to the taps as a whole.
+A source item is ``input`` or ``(input, label)``: ``input`` is a tensor of any rank (an
+image ``[C, H, W]``, a video ``[C, T, H, W]``, audio ``[L]``) or a mapping of named
+tensors (passed to the model as keyword arguments). :class:`SourceRows` wraps a
+map-style dataset so that a sample that cannot be read comes back as a recorded failure
+instead of an exception in a worker, and :class:`Collate` stacks the readable ones into
+one :class:`Batch` (padding token inputs of different lengths per batch), which moves to
+the device and on to the taps as a whole.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ class Batch:
     """One batch, from the loader to the device to the taps.
 
     ``inputs`` is ``[B, ...]`` (or a mapping of such tensors); it is None when no sample
-    of the batch could be read. ``attention_mask`` (``[B, T]``, 1 for real tokens) is set
-    by sources of token inputs. ``labels`` is ``[B]`` int64 with -1 where there is none,
-    ``rows`` the ``[B]`` int64 source positions of the readable samples.
+    of the batch could be read. ``attention_mask`` (int64 ``[B, T]``, 1 for real tokens)
+    is the mapping's ``"attention_mask"`` when it has one (token inputs). ``labels`` is
+    ``[B]`` int64 with -1 where there is none, ``rows`` the ``[B]`` int64 source positions
+    of the readable samples.
     """
 
     inputs: Inputs | None
@@ -115,6 +117,12 @@ class SourceRows(Dataset):
     def __len__(self) -> int:
         return len(self.rows)
 
+    @property
+    def pad_values(self) -> dict[str, int]:
+        """What :class:`Collate` pads each mapping input with: the dataset's
+        ``pad_values`` (e.g. a text source's pad token id), {} when it has none."""
+        return dict(getattr(self.dataset, "pad_values", None) or {})
+
     def __getitems__(self, js: list[int]) -> list[tuple[Any, int, int, str]] | Batch:
         """A whole batch at once. Consecutive rows of a :class:`TensorDataset` of images
         (and labels) are sliced out as one block, without a per-sample copy and stack;
@@ -137,32 +145,106 @@ class SourceRows(Dataset):
             return None, -1, i, reason or first_line(exc, with_type=True)
 
 
-def collate(samples: list[tuple[Any, int, int, str]] | Batch) -> Batch:
+class Collate:
     """Stack the readable samples of a :class:`SourceRows` batch into one :class:`Batch`
-    (a batch :meth:`SourceRows.__getitems__` made whole passes through)."""
-    if isinstance(samples, Batch):
-        return samples
-    good = [s for s in samples if not s[3]]
-    failed = [(s[2], s[3]) for s in samples if s[3]]
-    rows = torch.tensor([s[2] for s in good], dtype=torch.long)
-    labels = torch.tensor([s[1] for s in good], dtype=torch.long)
-    if not good:
-        return Batch(None, labels, rows, failed)
-    values = [s[0] for s in good]
-    problem = _shape_problem(values)
-    if problem:
-        return Batch(None, labels, rows, failed, error=problem)
-    return Batch(default_collate(values), labels, rows, failed)
+    (a batch :meth:`SourceRows.__getitems__` made whole passes through).
+
+    Tensor inputs (an image ``[C, H, W]``, a video ``[C, T, H, W]``, audio ``[L]``) must
+    share one shape and are stacked to ``[B, ...]``. Mapping inputs are padded per batch
+    (dynamic padding): a tensor whose first axis differs between samples is right-padded
+    to the batch's longest with ``pad_values[key]`` (0 for keys not named). When a key
+    was padded and the mapping has no ``"attention_mask"``, one is added (int64 ``[B, T]``,
+    1 at real positions of the first padded key). A mapping's ``"attention_mask"`` also
+    becomes :attr:`Batch.attention_mask`.
+
+    Holds only a plain dict, so it pickles into DataLoader workers.
+    """
+
+    def __init__(self, pad_values: Mapping[str, int] | None = None) -> None:
+        self.pad_values: dict[str, int] = dict(pad_values or {})
+
+    def __call__(self, samples: list[tuple[Any, int, int, str]] | Batch) -> Batch:
+        if isinstance(samples, Batch):
+            return samples
+        good = [s for s in samples if not s[3]]
+        failed = [(s[2], s[3]) for s in samples if s[3]]
+        rows = torch.tensor([s[2] for s in good], dtype=torch.long)
+        labels = torch.tensor([s[1] for s in good], dtype=torch.long)
+        if not good:
+            return Batch(None, labels, rows, failed)
+        values = [s[0] for s in good]
+        if isinstance(values[0], Mapping):
+            inputs, problem = _pad_mappings(values, self.pad_values)
+            if problem:
+                return Batch(None, labels, rows, failed, error=problem)
+            mask = inputs.get("attention_mask")
+            return Batch(inputs, labels, rows, failed, attention_mask=mask)
+        problem = _shape_problem(values)
+        if problem:
+            return Batch(None, labels, rows, failed, error=problem)
+        return Batch(default_collate(values), labels, rows, failed)
+
+    def __repr__(self) -> str:
+        return f"Collate(pad_values={self.pad_values})"
+
+
+collate = Collate()  # no pad values: pads every mapping input with 0
+
+
+def _pad_mappings(
+    values: list[Any], pad_values: Mapping[str, int]
+) -> tuple[dict[str, torch.Tensor], str]:
+    """The mappings ``values`` as one mapping of ``[B, ...]`` tensors, padded where their
+    first axes differ, and why they cannot be ("" when they can)."""
+    keys = list(values[0])
+    for value in values[1:]:
+        if not isinstance(value, Mapping) or list(value) != keys:
+            other = list(value) if isinstance(value, Mapping) else describe_value(value)
+            return {}, (
+                f"input items of one batch differ: {keys} and {other}; every item must be a "
+                "mapping with the same keys"
+            )
+    out: dict[str, torch.Tensor] = {}
+    lengths: torch.Tensor | None = None  # of the first padded key
+    for key in keys:
+        items = [value[key] for value in values]
+        if not all(isinstance(x, torch.Tensor) for x in items):
+            out[key] = default_collate(items)
+            continue
+        shapes = {tuple(x.shape) for x in items}
+        if len(shapes) == 1:
+            out[key] = torch.stack(items)
+            continue
+        tails = {shape[1:] for shape in shapes}
+        if any(len(shape) == 0 for shape in shapes) or len(tails) > 1:
+            a, b = sorted(shapes)[:2]
+            return {}, (
+                f"input {key!r}: items of shapes {list(a)} and {list(b)} in one batch; only "
+                "the first axis may differ (it is padded), give the rest one fixed size"
+            )
+        out[key] = _pad(items, pad_values.get(key, 0))
+        if lengths is None:
+            lengths = torch.tensor([len(x) for x in items], dtype=torch.long)
+    if lengths is not None and "attention_mask" not in out:
+        positions = torch.arange(int(lengths.max()), dtype=torch.long)
+        out["attention_mask"] = (positions < lengths[:, None]).long()
+    return out, ""
+
+
+def _pad(items: list[torch.Tensor], pad: int) -> torch.Tensor:
+    """``items`` (shapes ``[T_i, *rest]``) right-padded with ``pad`` to ``[B, max T_i, *rest]``."""
+    dtype = items[0].dtype
+    for x in items[1:]:
+        dtype = torch.promote_types(dtype, x.dtype)
+    longest = max(len(x) for x in items)
+    out = torch.full((len(items), longest, *items[0].shape[1:]), pad, dtype=dtype)
+    for i, x in enumerate(items):
+        out[i, : len(x)] = x
+    return out
 
 
 def _shape_problem(values: list[Any]) -> str:
-    """Why ``values`` cannot be stacked into one batch ("" when they can)."""
-    if isinstance(values[0], Mapping):
-        for key in values[0]:
-            problem = _shape_problem([v[key] for v in values])
-            if problem:
-                return f"input {key!r}: {problem}"
-        return ""
+    """Why the tensors ``values`` cannot be stacked into one batch ("" when they can)."""
     shapes = {tuple(v.shape) for v in values if isinstance(v, torch.Tensor)}
     if len(shapes) > 1:
         a, b = sorted(shapes)[:2]

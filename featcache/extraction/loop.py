@@ -149,19 +149,53 @@ def forward(
             values = tapset.run(context=context, **extra, **inputs)
         else:
             values = tapset.run(inputs, context=context, **extra)
-        keep = check_finite(values, batch.rows, ids, store, captured.skipped)
+        lengths = token_ids = None
+        if on_device.attention_mask is not None:
+            real = on_device.attention_mask != 0
+            values, captured.ragged = pack_tokens(values, tapset.taps, real)
+            if captured.ragged:
+                lengths = real.sum(dim=1).cpu()
+                ids_in = inputs.get("input_ids") if isinstance(inputs, dict) else None
+                token_ids = ids_in[real].cpu() if ids_in is not None else None
+        keep = check_finite(
+            values, batch.rows, ids, store, captured.skipped, lengths, captured.ragged
+        )
         if keep is not None:
-            values = {k: v[keep.to(v.device)] for k, v in values.items()}
-            captured.index, captured.labels = (
-                captured.index[keep.numpy()],
-                captured.labels[keep.numpy()],
-            )
+            token_keep = keep.repeat_interleave(lengths) if lengths is not None else keep
+            values = {
+                k: v[(token_keep if k in captured.ragged else keep).to(v.device)]
+                for k, v in values.items()
+            }
+            captured.index = captured.index[keep.numpy()]
+            captured.labels = captured.labels[keep.numpy()]
+            if lengths is not None:
+                token_ids = None if token_ids is None else token_ids[token_keep]
+                lengths = lengths[keep]
+        if lengths is not None:
+            captured.lengths = lengths.numpy()
+            captured.token_ids = None if token_ids is None else token_ids.numpy()
     if host_buffers is None:
         captured.features = values  # already fresh CPU tensors
         return
     captured.features, captured.release = host_buffers.copy(values)
     captured.ready = torch.cuda.Event()
     captured.ready.record()
+
+
+def pack_tokens(
+    values: Mapping[str, torch.Tensor], taps: Sequence[Tap], real: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
+    """Per-token rows out of a padded token batch: each ``reduce: none`` value whose first
+    two axes are the batch's ``[B, T]`` mask (``real``: True for real tokens) becomes
+    ``[real tokens, ...]``, row by row in order, and no padded position is kept. Returns
+    the values and the keys so packed."""
+    packed, ragged = dict(values), set()
+    for tap in taps:
+        value = values[tap.key]
+        if tap.reduce == "none" and value.dim() >= 3 and value.shape[:2] == real.shape:
+            packed[tap.key] = value[real]
+            ragged.add(tap.key)
+    return packed, frozenset(ragged)
 
 
 def _bar_note(timing: Mapping[str, float], disk_wait: float, skipped: int) -> str:

@@ -22,13 +22,23 @@ def check_finite(
     ids: Sequence[str],
     store: StoreSpec,
     skipped: list[dict[str, Any]],
+    lengths: torch.Tensor | None = None,
+    ragged: frozenset[str] = frozenset(),
 ) -> torch.Tensor | None:
-    """Apply ``store.on_nonfinite``; returns a row mask when rows must be dropped."""
+    """Apply ``store.on_nonfinite``; returns a row mask when rows must be dropped.
+
+    The layers in ``ragged`` are per-token rows ``[sum(lengths), ...]`` (``lengths``:
+    ``[B]`` tokens per row): a row is bad when any of its tokens is.
+    """
     if store.on_nonfinite == "keep":
         return None
-    bad_by_layer = {
-        key: nonfinite_rows(codec.values(value, store.dtype)) for key, value in captured.items()
-    }
+    bad_by_layer = {}
+    for key, value in captured.items():
+        bad = nonfinite_rows(codec.values(value, store.dtype))
+        if key in ragged and lengths is not None:
+            owner = torch.repeat_interleave(torch.arange(len(index)), lengths.cpu())
+            bad = torch.zeros(len(index), dtype=torch.long).index_add_(0, owner, bad.long()) > 0
+        bad_by_layer[key] = bad
     bad_rows = torch.stack(list(bad_by_layer.values())).any(dim=0)
     if not bad_rows.any():
         return None

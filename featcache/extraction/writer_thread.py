@@ -38,6 +38,11 @@ class CapturedBatch:
     ready: Any  # a CUDA event to wait on before reading ``features``, or None
     skipped: list[dict[str, Any]]  # samples of this batch left out, with the reason
     release: Callable[[], None] | None = None  # hands host buffers back once written
+    # Per-token rows: the layers packed as [tokens, ...], each row's token count [rows]
+    # and, when the inputs had them, the token ids [tokens].
+    ragged: frozenset[str] = frozenset()
+    lengths: np.ndarray | None = None
+    token_ids: np.ndarray | None = None
 
 
 class WriterThread:
@@ -115,7 +120,15 @@ class WriterThread:
             batch.ready.synchronize()
         features = {key: to_numpy(value) for key, value in batch.features.items()}
         self.writer.append(
-            batch.index, batch.ids, batch.labels, features, feature_attrs, skipped=batch.skipped
+            batch.index,
+            batch.ids,
+            batch.labels,
+            features,
+            feature_attrs,
+            skipped=batch.skipped,
+            lengths=batch.lengths,
+            token_ids=batch.token_ids,
+            ragged=batch.ragged,
         )
 
     def __exit__(self, exc_type: object, *rest: object) -> None:

@@ -9,13 +9,18 @@ workers under both fork and spawn.
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
 from featcache.errors import ConfigError
 from featcache.sources.base import IMAGE_EXTENSIONS, SourceDataset, Transform
 from featcache.sources.decode import load_rgb
-from featcache.sources.files import FileSource, imagefolder_source, manifest_source
-from featcache.sources.synthetic import SyntheticOptions, synthetic_source
-from featcache.sources.torchvision_datasets import torchvision_source
+from featcache.sources.files import FileSource
+from featcache.sources.synthetic import SyntheticOptions
 from featcache.spec import SOURCES, DataSpec
+
+if TYPE_CHECKING:
+    from featcache.models.tokenizer import Tokenizer
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -27,30 +32,51 @@ __all__ = [
 ]
 
 
-def build_source(
-    data: DataSpec, split: str, transform: Transform | None, decode_size: int | None = None
-) -> SourceDataset:
-    """The dataset of split ``split`` of ``data``; rows yield ``(transform(rgb), label)``.
+# source kind -> "module:function" building it; imported only when used, so that an
+# optional extra (datasets, pyarrow) is needed only by the configs that name its source.
+BUILDERS: dict[str, str] = {
+    "imagefolder": "featcache.sources.files:imagefolder_source",
+    "manifest": "featcache.sources.files:manifest_source",
+    "torchvision": "featcache.sources.torchvision_datasets:torchvision_source",
+    "synthetic": "featcache.sources.synthetic:synthetic_source",
+    "text": "featcache.sources.text:text_source",
+    "hf": "featcache.sources.hf:hf_source",
+    "webdataset": "featcache.sources.webdataset:webdataset_source",
+    "parquet": "featcache.sources.parquet:parquet_source",
+}
 
-    ``decode_size`` is the shorter side ``transform`` resizes to first, if it does: JPEG
-    files are then decoded at a reduced scale that still covers it (see :func:`load_rgb`).
+
+def build_source(
+    data: DataSpec,
+    split: str,
+    transform: Transform | None,
+    decode_size: int | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> SourceDataset:
+    """The dataset of split ``split`` of ``data``.
+
+    Image rows yield ``(transform(rgb), label)``; text rows (``source: text``, or a
+    ``text_column``) yield ``({"input_ids": int64 [T], "attention_mask": int64 [T]},
+    label)``, tokenised by ``tokenizer`` (the model's). ``decode_size`` is the shorter
+    side ``transform`` resizes to first, if it does: JPEG files are then decoded at a
+    reduced scale that still covers it (see :func:`load_rgb`).
 
     Raises:
         ConfigError: unknown split or source, missing root/folder/manifest, an empty split,
-            a bad manifest row, or a torchvision dataset that is unknown or not on disk.
+            a bad manifest row, a torchvision dataset that is unknown or not on disk, or
+            text data for a model without a tokenizer.
     """
     if split not in data.splits:
         known = ", ".join(map(str, data.splits)) or "none"
         raise ConfigError(f"unknown split {split!r}; data.splits has: {known}")
-    builders = {
-        "imagefolder": imagefolder_source,
-        "manifest": manifest_source,
-        "torchvision": torchvision_source,
-        "synthetic": synthetic_source,
-    }
-    if data.source not in builders:
+    if data.source not in BUILDERS:
         raise ConfigError(f"data.source is {data.source!r}; choose one of: {', '.join(SOURCES)}")
-    source = builders[data.source](data, split, data.splits[split], transform)
+    module, _, name = BUILDERS[data.source].partition(":")
+    builder = getattr(importlib.import_module(module), name)
+    if data.source in ("text", "hf", "webdataset", "parquet"):
+        source = builder(data, split, data.splits[split], transform, tokenizer)
+    else:
+        source = builder(data, split, data.splits[split], transform)
     if isinstance(source, FileSource):
         source.decode_size = decode_size
     return source

@@ -22,8 +22,20 @@ TIME_SPLIT = {"waiting_for_data": "data", "in_model": "model", "waiting_for_disk
 class LayerDescription:
     """One stored layer: its row shape (without N) and its dataset's attributes."""
 
-    shape: tuple[int, ...]
-    attrs: dict[str, Any]  # dtype, module, capture, reduce (, target)
+    shape: tuple[int, ...]  # of one token, for per-token rows
+    attrs: dict[str, Any]  # dtype, module, capture, reduce (, target, layout)
+
+    @property
+    def per_token(self) -> bool:
+        """Whether the layer holds per-token rows (row ``i`` is ``[T_i, *shape]``)."""
+        return self.attrs.get("layout") == "tokens"
+
+    @property
+    def row_shape(self) -> str:
+        """A row's shape as text: ``[512]``, or ``[T, 384]`` for per-token rows."""
+        return (
+            f"[T, {', '.join(map(str, self.shape))}]" if self.per_token else str(list(self.shape))
+        )
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,7 @@ class StoreDescription:
     # The process writing an incomplete store now: {"pid", "host", "started", "output"};
     # None when none is (the run stopped, or the store is complete).
     writer: dict[str, Any] | None = None
+    tokens: int | None = None  # tokens in the per-token rows (None: no per-token layers)
 
     @property
     def shards(self) -> list[str]:
@@ -80,6 +93,7 @@ class StoreDescription:
             "complete": self.complete,
             "rows_written": self.rows_written,
             "writer": self.writer,
+            "tokens": self.tokens,
             "layers": {
                 key: {"shape": list(layer.shape), **layer.attrs}
                 for key, layer in self.layers.items()
@@ -94,7 +108,7 @@ class StoreDescription:
     def summary(self) -> str:
         """One line: path, rows, layer shapes, size, run time and speed."""
         attrs = self.attrs
-        shapes = ", ".join(f"{key} {list(layer.shape)}" for key, layer in self.layers.items())
+        shapes = ", ".join(f"{key} {layer.row_shape}" for key, layer in self.layers.items())
         return (
             f"{self.path}: {self.rows} rows; {shapes}; {format_bytes(self.bytes)}; "
             f"{attrs.get('seconds', 0):.1f} s, {attrs.get('images_per_second', 0):.0f} images/s"
@@ -114,7 +128,9 @@ class StoreDescription:
         for key, layer in self.layers.items():
             la = layer.attrs
             detail = f"{la.get('module')} {la.get('capture')}, reduce={la.get('reduce')}"
-            lines.append(f"  {key:<24} {list(layer.shape)!s:<18} {la.get('dtype'):<9} {detail}")
+            lines.append(f"  {key:<24} {layer.row_shape:<18} {la.get('dtype'):<9} {detail}")
+        if self.tokens is not None:
+            lines.append(f"tokens     {self.tokens} in per-token rows (read with TokenDataset)")
         lines.append(f"labels     {self._labels_text()}")
         if self.skipped:
             shown = "; ".join(f"{r['reason']}" for r in self.skipped[:3])
@@ -193,6 +209,7 @@ def describe(store: FeatureStore) -> StoreDescription:
         name = store.path.name.removesuffix(PARTIAL_SUFFIX)
         found = holder(store.path.with_name(name))
         writer = None if found is None else asdict(found)
+    offsets = store.offsets
     return StoreDescription(
         path=store.path,
         bytes=store_bytes(store),
@@ -207,4 +224,5 @@ def describe(store: FeatureStore) -> StoreDescription:
         skipped=store.skipped,
         attrs=store.attrs,
         writer=writer,
+        tokens=None if offsets is None else int(offsets[-1]),
     )

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import h5py
+import numpy as np
 from tqdm.auto import tqdm
 
 from featcache.errors import ConfigError, FeatcacheError
@@ -165,6 +166,9 @@ def _combine(
     del features  # created first so that layers keep their capture order
     for name in names:
         first = opened[0][name]
+        if name == "offsets":  # per-token rows: each shard counts its tokens from 0
+            out.create_dataset(name, data=combined_offsets([f[name][:] for f in opened]))
+            continue
         total = sum(len(f[name]) for f in opened)
         layout = h5py.VirtualLayout(shape=(total, *first.shape[1:]), dtype=first.dtype)
         offset = 0
@@ -180,6 +184,15 @@ def _combine(
     records = [record for f in opened for record in read_skipped(f)]
     if records:
         write_skipped(out, records)
+
+
+def combined_offsets(offsets: Sequence[np.ndarray]) -> np.ndarray:
+    """The ``[N + 1]`` row offsets of stores laid end to end, from each one's own."""
+    parts, base = [np.zeros(1, dtype=np.int64)], 0
+    for part in offsets:
+        parts.append(part[1:] + base)
+        base += int(part[-1])
+    return np.concatenate(parts)
 
 
 def merge_store(

@@ -180,8 +180,48 @@ class FeatureStore:
         return list(self.file["features"])
 
     def shape(self, layer: str) -> tuple[int, ...]:
-        """Shape of one row of ``layer`` (without the leading N)."""
+        """Shape of one row of ``layer`` (without the leading N); of one token for a layer
+        of per-token rows (:meth:`is_per_token`)."""
         return tuple(self._features(layer).shape[1:])
+
+    def is_per_token(self, layer: str) -> bool:
+        """Whether ``layer`` holds per-token rows: row ``i`` is ``[T_i, *shape]``, tokens
+        ``offsets[i]:offsets[i + 1]`` of its ``[total_tokens, *shape]`` dataset."""
+        return self._features(layer).attrs.get("layout") == "tokens"
+
+    @property
+    def offsets(self) -> np.ndarray | None:
+        """``[N + 1]`` int64 token offsets of the rows (None: no per-token layers)."""
+        if "offsets" not in self.file:
+            return None
+        return _read_head(self.file["offsets"], len(self) + 1)
+
+    @property
+    def token_ids(self) -> np.ndarray | None:
+        """``[total_tokens]`` int64 input token ids of the per-token rows, when recorded."""
+        offsets = self.offsets
+        if offsets is None or "token_ids" not in self.file:
+            return None
+        return _read_head(self.file["token_ids"], int(offsets[-1]))
+
+    def read_tokens(self, layer: str, rows: Rows = slice(None)) -> tuple[torch.Tensor, np.ndarray]:
+        """The tokens of ``rows`` of a per-token layer: ``(values, offsets)``.
+
+        ``values`` is ``[sum T_i, *shape]`` in the stored dtype, the rows' tokens one row
+        after the other in the order asked; ``offsets`` (``[n + 1]`` int64) says row ``j``
+        of the request is ``values[offsets[j]:offsets[j + 1]]``.
+        """
+        features = self._features(layer)
+        offsets = self.offsets
+        if offsets is None or not self.is_per_token(layer):
+            raise ConfigError(f"layer {layer!r} holds one row per sample; read it with read()")
+        n = len(self)
+        picked = (
+            np.arange(*rows.indices(n), dtype=np.int64)
+            if isinstance(rows, slice)
+            else row_numbers(rows, n)
+        )
+        return read_token_rows(features, offsets, picked)
 
     def dtype(self, layer: str) -> torch.dtype:
         """The torch dtype rows of ``layer`` come back as."""
@@ -248,6 +288,11 @@ class FeatureStore:
         :class:`~featcache.errors.CorruptStoreError`.
         """
         features = self._features(layer)
+        if features.attrs.get("layout") == "tokens":
+            raise ConfigError(
+                f"layer {layer!r} holds per-token rows of different lengths; read them with "
+                "read_tokens(), FeatureDataset (one [T, D] row per item) or TokenDataset"
+            )
         if isinstance(rows, slice):
             return read_rows(features, slice(*rows.indices(len(self))))
         return read_rows(features, row_numbers(rows, len(self)))
@@ -301,6 +346,27 @@ def read_rows(dataset: h5py.Dataset, rows: slice | np.ndarray) -> torch.Tensor:
         if not np.array_equal(unique, rows):
             array = array[inverse.reshape(-1)]
     return codec.decode(array, str(dataset.attrs.get("dtype", "")))
+
+
+def read_token_rows(
+    dataset: h5py.Dataset, offsets: np.ndarray, rows: np.ndarray
+) -> tuple[torch.Tensor, np.ndarray]:
+    """The tokens of ``rows`` (int64 row numbers, any order) of a per-token dataset whose
+    row ``i`` is ``offsets[i]:offsets[i + 1]``: ``(values [sum T, ...], offsets [n + 1])``,
+    the rows in the order asked. The file is read once per run of consecutive rows."""
+    unique, inverse = np.unique(rows, return_inverse=True)
+    counts = offsets[unique + 1] - offsets[unique]
+    packed = np.empty((int(counts.sum()), *dataset.shape[1:]), dtype=dataset.dtype)
+    spans = [(int(offsets[a]), int(offsets[b])) for a, b in _runs(unique)]
+    read_runs(dataset, spans, packed)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    if not np.array_equal(unique, rows):  # put back in the order asked
+        order = inverse.reshape(-1)
+        pieces = [packed[starts[j] : starts[j + 1]] for j in order]
+        packed = np.concatenate(pieces) if pieces else packed[:0]
+        counts = counts[order]
+        starts = np.concatenate([[0], np.cumsum(counts)])
+    return codec.decode(packed, str(dataset.attrs.get("dtype", ""))), starts.astype(np.int64)
 
 
 def read_runs(

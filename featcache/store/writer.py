@@ -43,6 +43,13 @@ class StoreWriter:
     With ``checksum`` (the default) every chunked dataset (features, labels, index, ids)
     gets HDF5's Fletcher-32 filter: each chunk carries a checksum that every read checks.
     A resumed store keeps the filters it was created with.
+
+    Per-token rows: a layer appended as *ragged* (its values packed as ``[tokens, ...]``,
+    one block of ``lengths[i]`` tokens per row) is stored as one ``[total_tokens, ...]``
+    dataset (attribute ``layout="tokens"``), allocated for ``token_capacity`` tokens, with
+    ``/offsets`` ``[N + 1]`` int64 (row ``i`` is tokens ``offsets[i]:offsets[i + 1]``) and,
+    when given, ``/token_ids`` ``[total_tokens]`` int64. A row is durable once its tokens
+    are, so a resume restarts at a row boundary in every dataset.
     """
 
     def __init__(
@@ -59,6 +66,7 @@ class StoreWriter:
         attrs: Mapping[str, Any] | None = None,
         resume: ResumePoint | None = None,
         mark_seconds: float = MARK_SECONDS,
+        token_capacity: int | None = None,
     ):
         self.path = Path(path)
         self.partial = partial_path(self.path)
@@ -74,8 +82,15 @@ class StoreWriter:
         self.start_row = resume.row if resume else 0
         self.rows_appended = self.start_row
         self.skipped: list[dict[str, Any]] = list(resume.skipped) if resume else []
+        self.token_capacity = token_capacity
+        self.tokens_appended = 0  # set from /offsets on resume
         self.file: h5py.File | None = None
         self._staging: dict[str, _Staged] = {}
+        self._token_names: list[str] = []  # staged datasets indexed by token, not by row
+        # End offsets of the rows appended since row ``_ends_base`` whose durability is
+        # not yet known (per-token stores only; trimmed at every mark).
+        self._ends = np.empty(0, dtype=np.int64)
+        self._ends_base = self.start_row
         self._marked = self.start_row
         self._last_mark = time.monotonic()
         log = skipped_log_path(self.path)
@@ -89,8 +104,19 @@ class StoreWriter:
 
     # -- creation and resume -------------------------------------------------------------
 
-    def _create(self, features: Mapping[str, np.ndarray], feature_attrs: Mapping) -> None:
+    def _create(
+        self,
+        features: Mapping[str, np.ndarray],
+        feature_attrs: Mapping,
+        ragged: frozenset[str] = frozenset(),
+        token_ids: bool = False,
+    ) -> None:
         """Create the whole file under a temporary name, then rename it to ``.partial``."""
+        if ragged and self.token_capacity is None:
+            raise FeatcacheError(
+                f"layer {sorted(ragged)[0]!r} gives per-token rows, but {self.path} was not "
+                "sized for tokens; give the dataset a token_lengths attribute"
+            )
         creating = self.partial.with_name(self.partial.name + ".creating")
         f = h5py.File(creating, "w", rdcc_nbytes=0)  # whole-chunk writes skip the cache
         try:
@@ -102,19 +128,30 @@ class StoreWriter:
             meta_rows = self.chunk_rows or min(self.capacity, MAX_META_CHUNK_ROWS)
             for name, dtype in self._meta_dtypes().items():
                 _allocate(f, name, (self.capacity,), dtype, meta_rows, self.checksum)
+            if ragged:
+                offsets = _allocate(
+                    f, "offsets", (self.capacity + 1,), np.int64, meta_rows, self.checksum
+                )
+                offsets[0] = 0
+                tokens = max(self.token_capacity or 0, 1)
+                if token_ids:
+                    _allocate(f, "token_ids", (tokens,), np.int64, meta_rows, self.checksum)
             group = f.create_group("features", track_order=True)
             for key, array in features.items():
                 shape = array.shape[1:]
-                chunk = self.chunk_rows or chunk_rows_for(shape, self.dtype, self.capacity)
+                length = tokens if key in ragged else self.capacity
+                chunk = self.chunk_rows or chunk_rows_for(shape, self.dtype, length)
                 dataset = _allocate(
                     group,
                     key,
-                    (self.capacity, *shape),
+                    (length, *shape),
                     codec.numpy_dtype(self.dtype),
                     chunk,
                     self.checksum,
                 )
-                for attr, value in dict(feature_attrs.get(key, {}), dtype=self.dtype).items():
+                layout = {"layout": "tokens"} if key in ragged else {}
+                attrs = dict(feature_attrs.get(key, {}), dtype=self.dtype, **layout)
+                for attr, value in attrs.items():
                     dataset.attrs[attr] = value
             f.flush()
             os.fsync(f.id.get_vfd_handle())
@@ -134,12 +171,28 @@ class StoreWriter:
 
     def _open_partial(self) -> None:
         self.file = h5py.File(self.partial, "r+", rdcc_nbytes=0)
+        if "offsets" in self.file:
+            self.tokens_appended = int(self.file["offsets"][self.start_row])
         self._stage()
 
     def _stage(self) -> None:
-        assert self.file is not None
-        names = [*self._meta_dtypes(), *(f"features/{k}" for k in self.file["features"])]
-        self._staging = {name: _Staged(self.file[name], self.start_row) for name in names}
+        f = self.file
+        assert f is not None
+        starts = dict.fromkeys(self._meta_dtypes(), self.start_row)
+        tokens = self.tokens_appended
+        if "offsets" in f:
+            starts["offsets"] = self.start_row + 1  # entry 0 is written at creation
+            if "token_ids" in f:
+                starts["token_ids"] = tokens
+        for key, dataset in f["features"].items():
+            ragged = dataset.attrs.get("layout") == "tokens"
+            starts[f"features/{key}"] = tokens if ragged else self.start_row
+        self._token_names = [
+            name
+            for name in starts
+            if name == "token_ids" or f[name].attrs.get("layout") == "tokens"
+        ]
+        self._staging = {name: _Staged(f[name], start) for name, start in starts.items()}
 
     # -- appending ---------------------------------------------------------------------------
 
@@ -151,12 +204,18 @@ class StoreWriter:
         features: Mapping[str, np.ndarray],
         feature_attrs: Mapping[str, Mapping[str, Any]] | None = None,
         skipped: Sequence[Mapping[str, Any]] = (),
+        lengths: np.ndarray | None = None,
+        token_ids: np.ndarray | None = None,
+        ragged: frozenset[str] = frozenset(),
     ) -> None:
         """Append ``len(index)`` rows and the skip records of source positions among them.
 
         ``index``: ``[rows]`` source positions; ``labels``: ``[rows]`` ints (None without
         labels); ``features[key]``: ``[rows, *shape]`` in the HDF5 dtype of the store dtype
-        (``codec.to_numpy(codec.encode(x, dtype))``: ``uint16`` bits for bfloat16).
+        (``codec.to_numpy(codec.encode(x, dtype))``: ``uint16`` bits for bfloat16). The
+        layers in ``ragged`` are per-token rows instead: ``[sum(lengths), *shape]``, row
+        ``i`` owning ``lengths[i]`` consecutive tokens, whose ids ``token_ids`` (int64
+        ``[sum(lengths)]``) are stored beside them when given.
         """
         for record in skipped:
             self._log_skip(dict(record))
@@ -164,9 +223,24 @@ class StoreWriter:
         if rows == 0:
             return
         if self.file is None:
-            self._create(features, feature_attrs or {})
+            self._create(features, feature_attrs or {}, ragged, token_ids is not None)
         if self.rows_appended + rows > self.capacity:
             raise FeatcacheError(f"more rows than the {self.capacity} the store was sized for")
+        self._check_layout(features, ragged)
+        if self._token_names:
+            if lengths is None:
+                raise FeatcacheError(f"{self.path} holds per-token rows; append their lengths")
+            ends = self.tokens_appended + np.cumsum(lengths, dtype=np.int64)
+            if self.token_capacity is not None and ends[-1] > self.token_capacity:
+                raise FeatcacheError(
+                    f"more tokens than the {self.token_capacity} the store was sized for; "
+                    "the dataset's token_lengths do not match its items"
+                )
+            self._staging["offsets"].push(ends)
+            if "token_ids" in self._staging and token_ids is not None:
+                self._staging["token_ids"].push(np.asarray(token_ids, dtype=np.int64))
+            self._ends = np.concatenate([self._ends, ends])
+            self.tokens_appended = int(ends[-1])
         for key, array in features.items():
             self._staging[f"features/{key}"].push(array)
         self._staging["index"].push(np.asarray(index, dtype=np.int64))
@@ -183,12 +257,35 @@ class StoreWriter:
         self._log.write(json.dumps(record) + "\n")
         self.skipped.append(record)
 
+    def _check_layout(self, features: Mapping[str, np.ndarray], ragged: frozenset[str]) -> None:
+        """Refuse a batch whose layers differ from the store's (per-token or not, shape)."""
+        assert self.file is not None
+        for key, array in features.items():
+            dataset = self.file["features"][key]
+            stored = dataset.attrs.get("layout") == "tokens"
+            if stored != (key in ragged) or dataset.shape[1:] != array.shape[1:]:
+                got = "per-token rows" if key in ragged else "one row per sample"
+                raise FeatcacheError(
+                    f"layer {key!r} changed shape between batches (now {got} of shape "
+                    f"{list(array.shape[1:])}, stored {list(dataset.shape[1:])}); reduce it "
+                    "to a fixed shape (mean, cls, last, avg, ...)"
+                )
+
     @property
     def durable_rows(self) -> int:
         """Rows written to every dataset (staged rows not included)."""
         if not self._staging:
             return self.start_row
-        return min(staged.flushed for staged in self._staging.values())
+        rows = min(
+            staged.flushed - (name == "offsets")
+            for name, staged in self._staging.items()
+            if name not in self._token_names
+        )
+        if self._token_names:
+            tokens = min(self._staging[name].flushed for name in self._token_names)
+            covered = int(np.searchsorted(self._ends, tokens, side="right"))
+            rows = min(rows, self._ends_base + covered)
+        return rows
 
     def mark(self) -> None:
         """Make every flushed row durable, then record the count in ``/progress``."""
@@ -204,15 +301,28 @@ class StoreWriter:
         self.file["progress"][0] = durable
         self.file.flush()
         self._marked = durable
+        if len(self._ends):  # rows before the durable one need no more tracking
+            drop = max(0, durable - self._ends_base)
+            self._ends, self._ends_base = self._ends[drop:], self._ends_base + drop
 
     # -- closing ---------------------------------------------------------------------------
 
-    def close(self, complete: bool = False, attrs: Mapping[str, Any] | None = None) -> None:
+    def close(
+        self,
+        complete: bool = False,
+        attrs: Mapping[str, Any] | None = None,
+        row_columns: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
         """Close. With ``complete=True``, finish the store and move it into place; otherwise
-        keep what was appended (best effort) so that a rerun resumes."""
+        keep what was appended (best effort) so that a rerun resumes.
+
+        ``row_columns`` are per-source-row arrays (``[source rows]``, indexed by source
+        position, e.g. a text source's ``truncated`` flags): each is stored, for the rows
+        written, as a 1-d dataset of that name when the store completes.
+        """
         try:
             if complete:
-                self._finish(attrs or {})
+                self._finish(attrs or {}, row_columns or {})
             else:
                 for staged in self._staging.values():
                     with contextlib.suppress(Exception):  # e.g. the disk that just filled up
@@ -226,7 +336,7 @@ class StoreWriter:
             if self.file is not None and self.file.id.valid:
                 self.file.close()
 
-    def _finish(self, attrs: Mapping[str, Any]) -> None:
+    def _finish(self, attrs: Mapping[str, Any], row_columns: Mapping[str, np.ndarray]) -> None:
         if self.file is None:
             raise FeatcacheError(
                 f"no rows to write to {self.path}: every sample was skipped "
@@ -237,9 +347,16 @@ class StoreWriter:
         self.mark()
         f = self.file
         rows = self.rows_appended
-        if rows < self.capacity:  # samples were skipped
-            for name in self._staging:
-                f[name].resize(rows, axis=0)
+        for name in self._staging:
+            size = rows + (name == "offsets")
+            if name in self._token_names:
+                size = self.tokens_appended
+            if len(f[name]) != size:  # samples were skipped, or fewer tokens than sized for
+                f[name].resize(size, axis=0)
+        if row_columns:
+            index = f["index"][:rows]
+            for name, column in row_columns.items():
+                f.create_dataset(name, data=np.asarray(column)[index])
         if self.skipped:
             write_skipped(f, sorted(self.skipped, key=lambda r: r["index"]))
         codec.write_attrs(f, attrs)

@@ -1,0 +1,289 @@
+"""Token batches: masked reductions, per-token (ragged) rows, the token view, resume, shards."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+import featcache
+from featcache import FeatureDataset, TokenDataset
+from featcache.errors import ConfigError
+from featcache.sources.text import texts_source
+from featcache.store import partial_path
+from featcache.store.merge import combine_shards, merge_store
+from featcache.verify import verify_store
+from tests.test_resume import assert_same_store
+from tests.texts import ByteTokenizer, tiny_bert, tiny_gpt2
+
+TEXTS = [
+    "a",
+    "the cat sat on the mat",
+    "feature caches",
+    "a much longer sentence, to make the padding of its batch mates visible",
+    "hi",
+    "tokens per row differ",
+    "x y z",
+    "one more text for the last batch",
+    "padding never leaks",
+    "ok",
+]
+
+
+def text_rows(texts=TEXTS, labels=None, max_length=None):
+    labels = labels if labels is not None else [i % 2 for i in range(len(texts))]
+    ids = [f"t{i}" for i in range(len(texts))]
+    return texts_source(texts, labels, ids, None, ByteTokenizer(), max_length, "test")
+
+
+def padded(source, rows):
+    """The rows' inputs padded by hand: ``input_ids`` and ``attention_mask`` [B, T]."""
+    items = [source[i][0] for i in rows]
+    length = max(len(item["input_ids"]) for item in items)
+    ids = torch.zeros(len(items), length, dtype=torch.long)
+    mask = torch.zeros(len(items), length, dtype=torch.long)
+    for j, item in enumerate(items):
+        ids[j, : len(item["input_ids"])] = item["input_ids"]
+        mask[j, : len(item["input_ids"])] = 1
+    return ids, mask
+
+
+def run(model, source, layers, path, **options):
+    options = {"batch_size": 4, "num_workers": 0, "dtype": "float32", "progress": False} | options
+    return featcache.extract(model, source, layers, path, **options)
+
+
+@pytest.mark.parametrize(("build", "layer"), [(tiny_bert, "encoder.layer.0"), (tiny_gpt2, "h.0")])
+def test_masked_reductions_equal_hidden_states_with_the_mask_applied_by_hand(
+    build, layer, tmp_path
+):
+    model = build()
+    source = text_rows()
+    layers = [{"name": layer, "reduce": r, "key": r} for r in ("mean", "cls", "last", "max")]
+    store = run(model, source, layers, tmp_path / "s.h5")
+    ids, mask = padded(source, range(len(TEXTS)))
+    with torch.no_grad():
+        hidden = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    h = hidden.hidden_states[1]  # the output of block 0
+    real = mask.bool().unsqueeze(-1)
+    lengths = mask.sum(1)
+    expected = {
+        "mean": (h * real).sum(1) / lengths[:, None],
+        "cls": h[:, 0],
+        "last": h[torch.arange(len(h)), lengths - 1],
+        "max": h.masked_fill(~real, float("-inf")).amax(1),
+    }
+    for key, value in expected.items():
+        torch.testing.assert_close(store.read(key), value, atol=1e-5, rtol=1e-5, msg=key)
+
+
+def test_padding_changes_nothing(tmp_path):
+    """The same text in batches padded to different lengths gives the same values."""
+    model = tiny_bert()
+    layers = [
+        {"name": "encoder.layer.1", "reduce": "mean", "key": "mean"},
+        {"name": "encoder.layer.1", "reduce": "cls", "key": "cls"},
+        {"name": "encoder.layer.1", "key": "tokens"},
+    ]
+    text = "feature caches"
+    short = run(model, text_rows([text, "a"]), layers, tmp_path / "short.h5", batch_size=2)
+    long = run(model, text_rows([text, TEXTS[3] * 3]), layers, tmp_path / "long.h5", batch_size=2)
+    alone = run(model, text_rows([text]), layers, tmp_path / "alone.h5", batch_size=1)
+    for key in ("mean", "cls"):
+        reference = alone.read(key)[0]
+        torch.testing.assert_close(short.read(key)[0], reference, atol=1e-6, rtol=0)
+        torch.testing.assert_close(long.read(key)[0], reference, atol=1e-6, rtol=0)
+    reference = alone.read_tokens("tokens", [0])[0]
+    torch.testing.assert_close(long.read_tokens("tokens", [0])[0], reference, atol=1e-6, rtol=0)
+
+
+def test_per_token_rows_hold_exactly_the_tokens_of_each_text(tmp_path):
+    model = tiny_bert()
+    source = text_rows()
+    path = tmp_path / "tokens.h5"
+    layers = [
+        {"name": "encoder.layer.1"},
+        {"name": "encoder.layer.1", "reduce": "mean", "key": "m"},
+    ]
+    store = run(model, source, layers, path, chunk_rows=16)
+    offsets = store.offsets
+    assert np.diff(offsets).tolist() == source.token_lengths.tolist()
+    assert store.is_per_token("encoder.layer.1") and not store.is_per_token("m")
+    assert store.file["features/encoder.layer.1"].shape == (offsets[-1], 32)
+    for i in range(len(TEXTS)):
+        item = source[i][0]
+        with torch.no_grad():
+            alone = model(**{k: v[None] for k, v in item.items()}).last_hidden_state[0]
+        row = store.read_tokens("encoder.layer.1", [i])[0]
+        torch.testing.assert_close(row, alone, atol=1e-5, rtol=1e-5)
+        assert store.token_ids[offsets[i] : offsets[i + 1]].tolist() == item["input_ids"].tolist()
+    # FeatureDataset serves each row as [T_i, D]; TokenDataset serves single tokens.
+    rows = FeatureDataset(path, "encoder.layer.1")
+    tokens = TokenDataset(path, "encoder.layer.1")
+    assert len(tokens) == offsets[-1]
+    for i in (0, 3, 9):
+        features, label = rows[i]
+        assert features.shape == (source.token_lengths[i], 32) and int(label) == i % 2
+        for position in range(len(features)):
+            token, row, at = tokens[int(offsets[i]) + position]
+            assert (int(row), int(at)) == (i, position)
+            assert torch.equal(token, features[position])
+    seen = set()
+    for batch, batch_rows, positions in tokens.batches(7, seed=3):
+        for token, row, position in zip(batch, batch_rows, positions, strict=True):
+            assert torch.equal(token, rows[int(row)][0][int(position)])
+            seen.add((int(row), int(position)))
+    assert len(seen) == offsets[-1]  # every token once
+    with pytest.raises(ConfigError, match="per-token rows .*TokenDataset"):
+        next(iter(rows.batches(4)))
+    with pytest.raises(ConfigError, match="per-token rows .*read_tokens"):
+        store.read("encoder.layer.1")
+
+
+def test_skipped_rows_store_no_tokens(tmp_path):
+    texts = ["first", "", "third text", "   ", "fifth"]
+    source = text_rows(texts)
+    with pytest.warns(UserWarning, match="2 of 5 samples skipped"):
+        store = run(tiny_bert(), source, ["encoder.layer.0"], tmp_path / "s.h5", on_error="skip")
+    assert store.ids == ["t0", "t2", "t4"]
+    assert np.diff(store.offsets).tolist() == source.token_lengths[[0, 2, 4]].tolist()
+    assert len(store.file["features/encoder.layer.0"]) == store.offsets[-1]
+    assert [r["id"] for r in store.skipped] == ["t1", "t3"]
+
+
+def test_torchrun_shards_combine_into_the_one_process_store(tmp_path):
+    model, source = tiny_bert(), text_rows()
+    layers = ["encoder.layer.1", {"name": "encoder.layer.1", "reduce": "last", "key": "last"}]
+    whole = run(model, source, layers, tmp_path / "whole.h5")
+    shards = [tmp_path / "s0.h5", tmp_path / "s1.h5"]
+    run(model, source, layers, shards[0], rows=range(0, 4))
+    run(model, source, layers, shards[1], rows=range(4, len(TEXTS)))
+    # As torchrun's rank 0 does, with the key of the store over all rows.
+    combined = combine_shards(
+        tmp_path / "combined.h5", shards, {"resume_key": whole.attrs["resume_key"]}
+    )
+    np.testing.assert_array_equal(combined.offsets, whole.offsets)
+    np.testing.assert_array_equal(combined.token_ids, whole.token_ids)
+    for key in ("encoder.layer.1",):
+        assert torch.equal(combined.read_tokens(key)[0], whole.read_tokens(key)[0])
+    assert torch.equal(combined.read("last"), whole.read("last"))
+    merged = merge_store(tmp_path / "combined.h5", tmp_path / "merged.h5", progress=False)
+    np.testing.assert_array_equal(merged.offsets, whole.offsets)
+    assert torch.equal(
+        merged.read_tokens("encoder.layer.1")[0], whole.read_tokens("encoder.layer.1")[0]
+    )
+    assert verify_store(tmp_path / "merged.h5", quick=True).passed
+
+
+def test_info_and_quick_verify_describe_per_token_stores(tmp_path):
+    store = run(tiny_bert(), text_rows(), ["encoder.layer.1"], tmp_path / "s.h5")
+    text = store.describe().format()
+    assert "[T, 32]" in text and f"tokens     {store.offsets[-1]}" in text
+    result = verify_store(tmp_path / "s.h5", quick=True)
+    assert result.passed, [(c.name, c.detail) for c in result.checks]
+
+
+def test_token_batch_errors_are_one_clear_line(tmp_path):
+    model = tiny_bert()
+
+    class Extra(torch.utils.data.Dataset):
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            return {"input_ids": torch.tensor([5, 6]), "pixel_mask": torch.ones(2)}, 0
+
+    with pytest.raises(
+        ConfigError,
+        match="input 'pixel_mask' .*BertModel.forward, which takes: input_ids, attention_mask",
+    ):
+        run(model, Extra(), ["encoder.layer.0"], tmp_path / "a.h5")
+    with pytest.raises(ConfigError, match="layer 'pooler': reduce=mean .*no token axis"):
+        run(model, text_rows(), [{"name": "pooler", "reduce": "mean"}], tmp_path / "b.h5")
+    assert not (tmp_path / "b.h5").exists()
+
+
+RESUME_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    import torch
+    import featcache
+    from tests.test_tokens import text_rows
+    from tests.texts import tiny_bert
+
+    model = tiny_bert()
+    model.encoder.layer[0].register_forward_pre_hook(lambda m, a: time.sleep(0.03))
+    rng = __import__("random").Random(5)
+    texts = [" ".join("w%d" % rng.randrange(99) for _ in range(rng.randrange(1, 30)))
+             for _ in range(1500)]
+    featcache.extract(
+        model, text_rows(texts), ["encoder.layer.1", {"name": "encoder.layer.1",
+        "reduce": "mean", "key": "mean"}], sys.argv[1], batch_size=8, num_workers=0,
+        chunk_rows=50, progress=False,
+    )
+    """
+)
+
+
+def test_sigkill_mid_run_and_resume_gives_the_same_bytes(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(RESUME_SCRIPT)
+    root = Path(__file__).resolve().parents[1]
+    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}
+
+    def command(out):
+        return [sys.executable, str(script), str(out)]
+
+    reference = tmp_path / "reference.h5"
+    subprocess.run(command(reference), check=True, env=env, cwd=root, timeout=300)
+    store = tmp_path / "killed.h5"
+    kills = 0
+    while kills < 2 and not store.exists():
+        process = subprocess.Popen(command(store), env=env, cwd=root)
+        deadline = time.monotonic() + 120
+        while not partial_path(store).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(1.2 + kills * 0.7)
+        if process.poll() is None:
+            process.kill()
+            kills += 1
+        process.wait(timeout=60)
+    assert kills >= 1, "no kill landed during the run; the test proves nothing"
+    with h5py.File(partial_path(store), "r") as f:
+        assert 0 < int(f["progress"][0]) < 1500
+    subprocess.run(command(store), check=True, env=env, cwd=root, timeout=300)
+    assert_same_store(store, reference)
+
+
+def test_a_video_model_takes_clips_through_the_python_api(tmp_path):
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.video.r3d_18().eval()
+    clips = torch.randn(6, 3, 4, 32, 32, generator=torch.Generator().manual_seed(1))
+    data = torch.utils.data.TensorDataset(clips, torch.arange(6) % 3)
+    layers = [{"name": "layer1", "reduce": "avg"}, {"name": "avgpool", "reduce": "flatten"}]
+    store = run(model, data, layers, tmp_path / "video.h5", batch_size=3)
+    captured = {}
+    hooks = [
+        model.layer1.register_forward_hook(lambda m, i, o: captured.__setitem__("layer1", o)),
+        model.avgpool.register_forward_hook(lambda m, i, o: captured.__setitem__("avgpool", o)),
+    ]
+    with torch.no_grad():
+        model(clips)
+    for hook in hooks:
+        hook.remove()
+    assert store.shape("layer1") == (64,)
+    torch.testing.assert_close(
+        store.read("layer1"), captured["layer1"].mean(dim=(2, 3, 4)), atol=1e-5, rtol=1e-5
+    )
+    torch.testing.assert_close(
+        store.read("avgpool"), captured["avgpool"].flatten(1), atol=1e-5, rtol=1e-5
+    )
