@@ -109,32 +109,49 @@ def layers(
     all_: Annotated[
         bool, typer.Option("--all", help="Also list modules that forward() never calls.")
     ] = False,
+    text: Annotated[
+        bool,
+        typer.Option(
+            "--text",
+            help="Probe the model's text side with a short text (a config with "
+            "text data does so by itself).",
+        ),
+    ] = False,
 ) -> None:
     """List module names, types and per-sample output shapes, to choose layers from."""
-    from featcache.layers import describe_layers
+    from featcache.layers import describe_layers, text_example
     from featcache.models import build_backbone, build_preprocessing
     from featcache.spec import ModelSpec, PreprocessSpec, load_config
 
     if model_or_config.endswith((".yaml", ".yml")) or Path(model_or_config).is_file():
         spec = load_config(model_or_config)
         model_spec, preprocess = spec.model, spec.preprocess
+        text = text or spec.data.inputs == "text"
     else:
         model_spec, preprocess = ModelSpec(name=model_or_config), PreprocessSpec()
-    seen = build_preprocessing(model_spec, preprocess)  # the size the model expects
-    size = input_size or seen.crop_size or seen.decode_size or 224
-    if size < 1:
-        raise ConfigError("--input-size must be at least 1")
-    backbone = build_backbone(model_spec, preprocess)
+    example, size = None, 0
+    if text:
+        backbone = build_backbone(model_spec, preprocess, inputs="text")
+        example = text_example(backbone.tokenizer)
+        shown = f"input {example['input_ids'].shape[1]} tokens"
+    else:
+        seen = build_preprocessing(model_spec, preprocess)  # the size the model expects
+        size = input_size or seen.crop_size or seen.decode_size or 224
+        if size < 1:
+            raise ConfigError("--input-size must be at least 1")
+        backbone = build_backbone(model_spec, preprocess)
+        shown = f"input {size}px"
     found = describe_layers(
         backbone.model,
         input_size=size,
         prefix_tokens=backbone.prefix_tokens,
         sequence_first=backbone.sequence_first,
+        example=example,
     )
     rows = [info for info in found if all_ or info.output != "-"]
     width = max(len(info.name) for info in rows)
     type_width = max(len(info.type) for info in rows)
-    typer.echo(f"{'name':<{width}}  {'type':<{type_width}}  output (per sample, input {size}px)")
+    typer.echo(f"{'name':<{width}}  {'type':<{type_width}}  output (per sample, {shown})")
     for info in rows:
         typer.echo(f"{info.name:<{width}}  {info.type:<{type_width}}  {info.output}")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,23 +31,27 @@ def describe_layers(
     *,
     prefix_tokens: int | None = None,
     sequence_first: bool = False,
+    example: Mapping[str, torch.Tensor] | None = None,
 ) -> list[LayerInfo]:
     """Run one ``[2, channels, input_size, input_size]`` batch and record every module's output.
 
-    The batch is float32 zeros on ``device``. Shapes are reported per sample (without the
-    batch dimension), as of the module's first call; a tuple/list output reads
-    ``"([C, H, W], [D])"``, a dict ``"{key: [D]}"``, anything else its type name. For a
-    model with a token layout (``prefix_tokens`` set), token outputs read ``"[T, D]
-    tokens (1 prefix)"``, sequence-first ones transposed to that form. Modules are
-    listed in ``named_modules()`` order, the root excluded. The model's train/eval flag
-    is restored afterwards and all hooks are removed.
+    The batch is float32 zeros on ``device``; a text model is given ``example`` instead
+    (``{"input_ids": [2, T], "attention_mask": [2, T]}``, passed as keyword arguments),
+    and its outputs with a token axis of length ``T`` read ``"[T, D] tokens"``. Shapes are
+    reported per sample (without the batch dimension), as of the module's first call; a
+    tuple/list output reads ``"([C, H, W], [D])"``, a dict ``"{key: [D]}"``, anything else
+    its type name. For a model with a token layout (``prefix_tokens`` set), token outputs
+    read ``"[T, D] tokens (1 prefix)"``, sequence-first ones transposed to that form.
+    Modules are listed in ``named_modules()`` order, the root excluded. The model's
+    train/eval flag is restored afterwards and all hooks are removed.
     """
     shapes: dict[str, str] = {}
+    tokens = None if example is None else int(example["input_ids"].shape[1])
     handles: list[RemovableHandle] = []
 
     def recorder(name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            shapes.setdefault(name, _describe(output, prefix_tokens, sequence_first))
+            shapes.setdefault(name, _describe(output, prefix_tokens, sequence_first, tokens))
 
         return hook
 
@@ -58,7 +62,10 @@ def describe_layers(
                 handles.append(module.register_forward_hook(recorder(name)))
         model.eval()
         with torch.inference_mode():
-            model(torch.zeros(PROBE_BATCH, channels, input_size, input_size, device=device))
+            if example is not None:
+                model(**{key: value.to(device) for key, value in example.items()})
+            else:
+                model(torch.zeros(PROBE_BATCH, channels, input_size, input_size, device=device))
     finally:
         for handle in handles:
             handle.remove()
@@ -75,17 +82,29 @@ def describe_layers(
     ]
 
 
-def _describe(output: Any, prefix: int | None = None, sequence_first: bool = False) -> str:
+def text_example(tokenizer: Any, text: str = "a short text to look inside the model") -> dict:
+    """A probe batch for a text model: ``text`` twice through its featcache tokenizer, as
+    ``{"input_ids": int64 [2, T], "attention_mask": int64 [2, T]}``."""
+    ids = torch.tensor(tokenizer([text] * PROBE_BATCH, None).ids, dtype=torch.long)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def _describe(
+    output: Any, prefix: int | None = None, sequence_first: bool = False, tokens: int | None = None
+) -> str:
     if isinstance(output, torch.Tensor):
         shape = list(output.shape)
+        if tokens is not None and output.dim() >= 3 and shape[1] == tokens:
+            return f"[T, {', '.join(map(str, shape[2:]))}] tokens"
         if prefix is not None and output.dim() == 3:
             if sequence_first and shape[1] == PROBE_BATCH and shape[0] != PROBE_BATCH:
                 shape = [shape[1], shape[0], shape[2]]
             return f"{shape[1:]} tokens ({prefix} prefix)"
         return str(shape[1:])
     if isinstance(output, (tuple, list)):
-        return "(" + ", ".join(_describe(item, prefix, sequence_first) for item in output) + ")"
+        parts = (_describe(item, prefix, sequence_first, tokens) for item in output)
+        return "(" + ", ".join(parts) + ")"
     if isinstance(output, dict):
-        items = (f"{k}: {_describe(v, prefix, sequence_first)}" for k, v in output.items())
+        items = (f"{k}: {_describe(v, prefix, sequence_first, tokens)}" for k, v in output.items())
         return "{" + ", ".join(items) + "}"
     return type(output).__name__

@@ -154,6 +154,12 @@ class DataSpec:
     id_column: str | None = None  # stable sample id; default <dataset>/<split>/<index>
     max_length: int | None = option(None, ge=1)  # tokens per text; null: the model's limit
 
+    @property
+    def inputs(self) -> Literal["image", "text"]:
+        """What the rows hold for the model: texts for its tokenizer (``source: text``, or a
+        ``text_column`` of a tabular source), else images."""
+        return "text" if self.source == "text" or self.text_column is not None else "image"
+
     def validate(self, at: str) -> None:
         if not self.splits:
             raise ConfigError(f"{at}.splits is empty; name at least one split, e.g. [train]")

@@ -101,8 +101,7 @@ def verify_store(
         ConfigError: a store without a recorded config (and no ``config``), or one
             naming code to run without ``trust_factory``.
     """
-    from featcache.models import build_backbone
-    from featcache.sources import build_source
+    from featcache.extraction.from_config import build_backbone_for, build_source_for
 
     with FeatureStore(path, allow_incomplete=True) as store:
         result = VerifyResult(store.path)
@@ -118,14 +117,14 @@ def verify_store(
             f"fingerprint {(config_fp or '?')[:12]}"
             + ("" if config is None else f" (rebuilt from {_config_name(config)})"),
         )
-        backbone = build_backbone(spec.model, spec.preprocess, seed=spec.runtime.seed)
+        backbone = build_backbone_for(spec)
         weights_ok = backbone.weights == recorded.get("weights")
         result.add("weights", weights_ok, _weights_text(backbone.weights))
         taps = [dataclasses.asdict(tap) for tap in resolve_taps(backbone.model, spec.layers)]
         taps_ok = json.loads(json.dumps(taps)) == recorded.get("taps")
         result.add("taps", taps_ok, ", ".join(tap["key"] for tap in taps))
         split = store.attrs["split"]
-        source = build_source(spec.data, split, backbone.transform, backbone.decode_size)
+        source = build_source_for(spec, split, backbone)
         dataset_fp = source.fingerprint(content=spec.data.content_hash)
         same_data = dataset_fp == recorded.get("dataset_fingerprint") and len(
             source

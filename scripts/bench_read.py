@@ -26,6 +26,13 @@ checksums and times the per-row, ``FeatureDataset`` and ``ShuffledBatches`` case
 too (rows ``..., no checksum``), then prints each case's speed with checksums over its
 speed without.
 
+``--tokens`` times the token view instead, on a store of per-token rows (as a text model
+with ``reduce: none`` writes): ``--rows`` tokens of ``--dim`` values in rows of 1 to 64
+tokens. Cases: the same in-memory baseline over the ``[tokens, dim]`` array, and
+``TokenDataset.batches`` (shuffled single tokens, with their row and position) from the
+file, from memory, and through ``ShuffledBatches`` workers. Target: the shuffled token
+view at >= 0.5x in-memory indexing.
+
 Flags: ``--rows``, ``--dim``: the store's shape; ``--dtype``: its dtype (float16,
 float32, bfloat16); ``--batch``: rows per batch; ``--repeats``: timed repeats;
 ``--per-row``, ``--sampled``: rows read per repeat by the per-row and ``__getitems__``
@@ -33,11 +40,13 @@ cases (the slow ones); ``--workers``: DataLoader workers for ``ShuffledBatches``
 ``--float32``: convert every batch to float32, in the baseline too (by default batches
 stay in the stored dtype); ``--threads``: torch intra-op threads, 1 by default, as in a
 DataLoader worker (on a busy 2-core machine torch's multi-threaded gathers stall);
-``--checksum-cost``: the cases above also on a store without checksums.
+``--checksum-cost``: the cases above also on a store without checksums; ``--tokens``: the
+token view (see above).
 
     python scripts/bench_read.py [--rows 50000] [--dim 512] [--dtype float16] [--batch 256]
                                  [--repeats 5] [--per-row 5000] [--sampled 25600]
                                  [--workers 2] [--float32] [--threads 1] [--checksum-cost]
+                                 [--tokens]
 """
 
 from __future__ import annotations
@@ -58,6 +67,7 @@ from torch.utils.data import DataLoader
 import featcache  # noqa: F401  (before torchvision, which this script does not need)
 from featcache.dataset import FeatureDataset, ShuffledBatches
 from featcache.store import FeatureStore, StoreWriter
+from featcache.token_view import TokenDataset
 
 BASELINE = "in-memory tensor x[idx]"
 PER_ROW = "per-row h5py, default chunk cache"
@@ -80,6 +90,35 @@ def write_store(path: Path, rows: int, dim: int, dtype: str, checksum: bool = Tr
     writer.close(complete=True)
 
 
+def write_token_store(path: Path, tokens: int, dim: int, dtype: str) -> None:
+    """A store whose layer ``x`` holds per-token rows of 1 to 64 standard normal tokens."""
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 65, size=tokens)  # more rows than needed; cut below
+    lengths = lengths[: int(np.searchsorted(np.cumsum(lengths), tokens)) + 1]
+    lengths[-1] -= int(lengths.sum()) - tokens
+    rows = len(lengths)
+    writer = StoreWriter(path, rows, ids_width=8, dtype=dtype, token_capacity=tokens)
+    for start in range(0, rows, 256):
+        stop = min(start + 256, rows)
+        index = np.arange(start, stop)
+        count = int(lengths[start:stop].sum())
+        x = torch.from_numpy(rng.standard_normal((count, dim), dtype=np.float32))
+        x = (
+            x.to(torch.bfloat16).view(torch.int16)
+            if dtype == "bfloat16"
+            else x.to(getattr(torch, dtype))
+        )
+        writer.append(
+            index,
+            [f"{i:08d}" for i in index],
+            index % 10,
+            {"x": x.numpy()},
+            lengths=lengths[start:stop],
+            ragged=frozenset({"x"}),
+        )
+    writer.close(complete=True)
+
+
 def with_workers(dataset: FeatureDataset, batch: int, workers: int) -> Callable[[], int]:
     """One epoch of ShuffledBatches through persistent DataLoader workers, a new order each."""
     shuffled = ShuffledBatches(dataset, batch)
@@ -87,7 +126,7 @@ def with_workers(dataset: FeatureDataset, batch: int, workers: int) -> Callable[
 
     def run() -> int:
         shuffled.set_epoch(shuffled.epoch + 1)
-        return sum(len(labels) for _, labels in loader)
+        return sum(len(batch[0]) for batch in loader)
 
     return run
 
@@ -107,11 +146,77 @@ def main() -> None:
     parser.add_argument(
         "--checksum-cost", action="store_true", help="also time a store without checksums"
     )
+    parser.add_argument("--tokens", action="store_true", help="time the token view")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory(prefix="featcache-bench-read-") as folder:
-        bench(args, Path(folder) / "read.h5")
+        if args.tokens:
+            bench_tokens(args, Path(folder) / "tokens.h5")
+        else:
+            bench(args, Path(folder) / "read.h5")
+
+
+def bench_tokens(args: argparse.Namespace, path: Path) -> None:
+    write_token_store(path, args.rows, args.dim, args.dtype)
+    dtype = torch.float32 if args.float32 else None
+    batch = args.batch
+    with FeatureStore(path) as store:
+        memory = store.read_tokens("x")[0]
+    convert = (lambda t: t.float()) if args.float32 else (lambda t: t)
+
+    def in_memory() -> int:
+        order = torch.randperm(len(memory))
+        for start in range(0, len(order), batch):
+            convert(memory[order[start : start + batch]])
+        return len(order)
+
+    def token_view(dataset: TokenDataset) -> Callable[[], int]:
+        epochs = iter(range(1 << 30))
+
+        def run() -> int:
+            seen = sum(len(rows) for _, rows, _ in dataset.batches(batch, epoch=next(epochs)))
+            dataset.close()
+            return seen
+
+        return run
+
+    file_view = TokenDataset(path, "x", dtype=dtype)
+    cases: dict[str, Callable[[], int]] = {
+        BASELINE: in_memory,
+        "TokenDataset.batches, shuffled": token_view(file_view),
+        "  same, in_memory=True": token_view(TokenDataset(path, "x", dtype=dtype, in_memory=True)),
+    }
+    if args.workers:
+        cases[f"ShuffledBatches(TokenDataset), {args.workers} workers"] = with_workers(
+            file_view, batch, args.workers
+        )
+    speed = time_cases(cases, args.repeats)
+    print(
+        f"[{args.rows} tokens, {args.dim}] {args.dtype} per-token store with checksums "
+        f"({file_view.num_rows} tokens in {len(file_view.row_offsets) - 1} rows), chunks of "
+        f"{file_view.block_rows} tokens, batch {batch}; {torch.get_num_threads()} torch threads; "
+        f"median of {args.repeats}"
+    )
+    width = max(42, *(len(name) for name in speed))
+    print(f"{'case':<{width}} {'tokens/s':>11} {'vs in-memory':>13}")
+    for name, value in speed.items():
+        print(f"{name:<{width}} {value:>11,.0f} {value / speed[BASELINE]:>12.2f}x")
+
+
+def time_cases(cases: dict[str, Callable[[], int]], repeats: int) -> dict[str, float]:
+    """Items per second of each case: the median of ``repeats`` interleaved timed runs,
+    after one warm-up run of each (imports, page cache, worker start)."""
+    for run in cases.values():
+        run()
+    seconds: dict[str, list[float]] = {name: [] for name in cases}
+    items: dict[str, int] = {}
+    for _ in range(repeats):  # interleaved, so drift hits every case alike
+        for name, run in cases.items():
+            start = time.perf_counter()
+            items[name] = run()
+            seconds[name].append(time.perf_counter() - start)
+    return {name: items[name] / statistics.median(times) for name, times in seconds.items()}
 
 
 def bench(args: argparse.Namespace, path: Path) -> None:
@@ -200,17 +305,7 @@ def bench(args: argparse.Namespace, path: Path) -> None:
             name = f"ShuffledBatches, DataLoader {args.workers} workers"
             cases[name + NO_CHECKSUM] = with_workers(plain_dataset, batch, args.workers)
 
-    for run in cases.values():  # warm-up: imports, page cache, worker start
-        run()
-    seconds: dict[str, list[float]] = {name: [] for name in cases}
-    rows: dict[str, int] = {}
-    for _ in range(args.repeats):  # interleaved, so drift hits every case alike
-        for name, run in cases.items():
-            start = time.perf_counter()
-            rows[name] = run()
-            seconds[name].append(time.perf_counter() - start)
-
-    speed = {name: rows[name] / statistics.median(times) for name, times in seconds.items()}
+    speed = time_cases(cases, args.repeats)
     print(
         f"[{args.rows}, {args.dim}] {args.dtype} store with checksums, chunks of "
         f"{file_dataset.block_rows} rows, batch {batch}, "

@@ -7,7 +7,7 @@ import dataclasses
 import os
 import shlex
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from featcache.distributed import Rank, current_rank
 from featcache.extraction.api import extract
@@ -16,6 +16,10 @@ from featcache.provenance import config_fingerprint
 from featcache.spec import Spec, load_config, to_dict
 from featcache.store import FeatureStore, check_output_path, stored_resume_key
 from featcache.store.lock import writer_lock
+
+if TYPE_CHECKING:
+    from featcache.models import Backbone
+    from featcache.sources import SourceDataset
 
 
 def extract_from_config(
@@ -51,20 +55,43 @@ def resume_command(
     return shlex.join(words)
 
 
-def _extract_splits(spec: Spec, rank: Rank | None, command: str | None) -> dict[str, FeatureStore]:
+def build_backbone_for(spec: Spec) -> Backbone:
+    """The backbone ``spec.model`` names, built for what the data holds (images or text)."""
     from featcache.models import build_backbone
+
+    return build_backbone(
+        spec.model, spec.preprocess, seed=spec.runtime.seed, inputs=spec.data.inputs
+    )
+
+
+def build_source_for(spec: Spec, split: str, backbone: Backbone) -> SourceDataset:
+    """The source of ``split``, decoded by ``backbone``'s transform or its tokenizer."""
     from featcache.sources import build_source
 
+    return build_source(
+        spec.data, split, backbone.transform, backbone.decode_size, backbone.tokenizer
+    )
+
+
+def preprocessing_record(backbone: Backbone, max_length: int | None) -> str:
+    """What a text store records as its preprocessing: the tokenizer and the length cap."""
+    tokenizer = backbone.tokenizer
+    assert tokenizer is not None  # a text backbone always has one
+    limit = tokenizer.max_length  # data.max_length caps it, never raises it
+    if max_length is not None:
+        limit = max_length if limit is None else min(limit, max_length)
+    return f"tokenizer {tokenizer.name}, max_length {limit}"
+
+
+def _extract_splits(spec: Spec, rank: Rank | None, command: str | None) -> dict[str, FeatureStore]:
     for split in spec.data.splits:  # fail before any work on a store made differently
         path = spec.store_path(split)
         key = stored_resume_key(path) if path.exists() else None
         if key is None or key.get("config_fingerprint") != config_fingerprint(spec):
             check_output_path(path, spec.output.overwrite)
-    backbone = build_backbone(spec.model, spec.preprocess, seed=spec.runtime.seed)
-    sources = {
-        split: build_source(spec.data, split, backbone.transform, backbone.decode_size)
-        for split in spec.data.splits
-    }
+    text = spec.data.inputs == "text"
+    backbone = build_backbone_for(spec)
+    sources = {split: build_source_for(spec, split, backbone) for split in spec.data.splits}
     options = {
         **dataclasses.asdict(spec.loader),
         **dataclasses.asdict(spec.store),
@@ -79,8 +106,9 @@ def _extract_splits(spec: Spec, rank: Rank | None, command: str | None) -> dict[
             "weights": backbone.weights,
             "split": split,
             "source": {"kind": spec.data.source, "split": spec.data.splits[split]},
-            # The transform as resolved (the zoo's own, or the preprocess keys), as text.
-            "preprocessing": repr(backbone.transform),
+            "preprocessing": preprocessing_record(backbone, spec.data.max_length)
+            if text
+            else repr(backbone.transform),  # as resolved: the zoo's own, or preprocess keys
         }
         if command is not None:
             provenance["resume_command"] = command

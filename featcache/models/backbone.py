@@ -15,14 +15,24 @@ weights do (and never with the kind's bookkeeping).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from torch import nn
 
+from featcache.errors import ConfigError
 from featcache.models.checkpoint import apply_checkpoint
-from featcache.models.preprocess import Preprocessing, Transform
-from featcache.models.registry import Tokenizer, kind_for
+from featcache.models.preprocess import Preprocessing, Transform, spec_preprocessing
+from featcache.models.registry import (
+    INPUTS,
+    BuiltModel,
+    Inputs,
+    ModelKind,
+    Tokenizer,
+    kind_for,
+    refuse_text,
+)
 from featcache.spec import ModelSpec, PreprocessSpec
 from featcache.validation import check
 
@@ -48,7 +58,9 @@ class Backbone:
     sequence_first: bool = False  # token outputs are [T, B, D] rather than [B, T, D]
 
 
-def build_backbone(model: ModelSpec, preprocess: PreprocessSpec, seed: int = 0) -> Backbone:
+def build_backbone(
+    model: ModelSpec, preprocess: PreprocessSpec, seed: int = 0, inputs: Inputs = "image"
+) -> Backbone:
     """Build the model described by ``model`` and the transform described by ``preprocess``.
 
     ``torch.manual_seed(seed)`` is called right before the model is constructed, so a
@@ -57,12 +69,21 @@ def build_backbone(model: ModelSpec, preprocess: PreprocessSpec, seed: int = 0) 
     weights' ``transforms()``); otherwise it is
     :func:`~featcache.models.preprocess.build_transform`. ``model.checkpoint``, if set, is
     loaded on top of what the kind built.
+
+    ``inputs="text"`` builds the model's text side (a text model, or a dual encoder's text
+    tower) with its :attr:`Backbone.tokenizer`; the module then takes ``input_ids`` and
+    ``attention_mask`` keyword arguments. No image is read then, so the transform is
+    ``preprocess``'s alone and the model's image preprocessing is never looked up.
     """
     check(model, "model")
+    if inputs not in INPUTS:
+        raise ConfigError(f"inputs {inputs!r} is neither 'image' nor 'text'")
     kind, ref = kind_for(model)
-    # Before the model, so that a bad option fails before any download.
-    preprocessing = kind.preprocessing(ref, model, preprocess)
-    built = kind.build(ref, model, seed)
+    if inputs == "text":
+        preprocessing = spec_preprocessing(preprocess)
+    else:  # before the model, so that a bad option fails before any download
+        preprocessing = kind.preprocessing(ref, model, preprocess)
+    built = _build(kind, ref, model, seed, inputs)
     weights = built.weights
     if model.checkpoint is not None:
         weights = apply_checkpoint(built.module, model.checkpoint, model.strip_prefix, weights)
@@ -76,6 +97,20 @@ def build_backbone(model: ModelSpec, preprocess: PreprocessSpec, seed: int = 0) 
         prefix_tokens=built.prefix_tokens,
         sequence_first=built.sequence_first,
     )
+
+
+def _build(kind: ModelKind, ref: str, model: ModelSpec, seed: int, inputs: Inputs) -> BuiltModel:
+    if inputs == "image":  # also kinds written before ``inputs`` existed
+        return kind.build(ref, model, seed)
+    if "inputs" not in inspect.signature(kind.build).parameters:
+        raise refuse_text(model)
+    built = kind.build(ref, model, seed, inputs=inputs)
+    if built.tokenizer is None:
+        raise ConfigError(
+            f"model kind {kind.name!r} built {model.name or model.factory} for text "
+            "without a tokenizer; its build must return BuiltModel(tokenizer=...)"
+        )
+    return built
 
 
 def build_preprocessing(model: ModelSpec, preprocess: PreprocessSpec) -> Preprocessing:

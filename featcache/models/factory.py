@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from featcache.errors import ConfigError, did_you_mean, first_line
-from featcache.models.registry import BuiltModel, ModelKind, random_weights
+from featcache.models.registry import BuiltModel, Inputs, ModelKind, random_weights, refuse_text
 from featcache.spec import ModelSpec
 
 
@@ -32,7 +32,9 @@ class FactoryKind(ModelKind):
         arguments = ", ".join(f"{k}={v!r}" for k, v in model.kwargs.items())
         return f"import {module_name} and call {ref}({arguments}) (model.factory)"
 
-    def build(self, ref: str, model: ModelSpec, seed: int) -> BuiltModel:
+    def build(self, ref: str, model: ModelSpec, seed: int, inputs: Inputs = "image") -> BuiltModel:
+        if inputs != "image":
+            raise refuse_text(model)
         module = call_factory(ref, import_factory(ref), model.kwargs, seed)
         return BuiltModel(module, random_weights(seed))
 

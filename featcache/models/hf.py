@@ -10,6 +10,8 @@ local Hugging Face cache when ``HF_HUB_OFFLINE=1``. Both are float32 unless
 Dual encoders (a config with a ``vision_config``: CLIP, SigLIP) give their image tower:
 the whole model is built the same way and its ``vision_model`` (``CLIPVisionModel``,
 ``SiglipVisionModel``) returned, so layer names are relative to it (``encoder.layers.0``).
+On text data (``inputs="text"``) the model is built the same way and its text side is
+returned with its tokenizer: see :mod:`featcache.models.text`.
 The repository's own Python code runs only with ``model.trust_remote_code: true``.
 
 Weights identity: ``{"source": "hf", "repo": ..., "revision": <commit of the cached
@@ -44,7 +46,7 @@ from featcache.errors import ConfigError, FeatcacheError, first_line
 from featcache.extras import require
 from featcache.fingerprints import file_sha256
 from featcache.models.preprocess import Preprocessing, spec_preprocessing
-from featcache.models.registry import BuiltModel, ModelKind, random_weights
+from featcache.models.registry import BuiltModel, Inputs, ModelKind, random_weights
 from featcache.spec import ModelSpec, PreprocessSpec
 
 PRETRAINED = "pretrained"
@@ -102,7 +104,7 @@ class HFKind(ModelKind):
             "(model.trust_remote_code)"
         )
 
-    def build(self, ref: str, model: ModelSpec, seed: int) -> BuiltModel:
+    def build(self, ref: str, model: ModelSpec, seed: int, inputs: Inputs = "image") -> BuiltModel:
         source = parse_ref(ref)
         check_weights(model)
         transformers = _transformers(model)
@@ -113,28 +115,33 @@ class HFKind(ModelKind):
             module = _call(
                 transformers.AutoModel.from_config, source, model, config, **_trust(model), **kwargs
             )
-            snapshot = _snapshot(source)
+            folder = snapshot(source)
             weights = random_weights(seed)
-            weights["config_sha256"] = file_sha256(snapshot / "config.json")
+            weights["config_sha256"] = file_sha256(folder / "config.json")
         else:
             module = _call(
                 transformers.AutoModel.from_pretrained,
                 source,
                 model,
                 source.location,
-                **_remote(source, model),
+                **remote_kwargs(source, model),
                 **kwargs,
             )
-            snapshot = _snapshot(source)
+            folder = snapshot(source)
             weights = {
                 "source": "hf",
                 "repo": source.repo,
-                "revision": None if source.folder is not None else snapshot.name,
+                "revision": None if source.folder is not None else folder.name,
                 "files": {
-                    path.relative_to(snapshot).as_posix(): file_sha256(path)
-                    for path in weight_files(snapshot, model.kwargs)
+                    path.relative_to(folder).as_posix(): file_sha256(path)
+                    for path in weight_files(folder, model.kwargs)
                 },
             }
+        if inputs == "text":
+            from featcache.models.text import hf_text_model  # it builds on this module
+
+            tower, tokenizer = hf_text_model(transformers, module, source, model)
+            return BuiltModel(tower, weights, tokenizer)
         module = image_tower(module, source)
         return BuiltModel(module, weights, None, prefix_tokens(module), False)
 
@@ -320,7 +327,7 @@ def _transformers(model: ModelSpec) -> Any:
     return require("transformers", f"model.name {model.name!r}")
 
 
-def _remote(source: Source, model: ModelSpec) -> dict[str, Any]:
+def remote_kwargs(source: Source, model: ModelSpec) -> dict[str, Any]:
     """``trust_remote_code=True`` only when the config says so; otherwise nothing is passed."""
     if source.revision is not None:
         return {"revision": source.revision, **_trust(model)}
@@ -339,7 +346,7 @@ def _call(load: Callable[..., Any], source: Source, model: ModelSpec, *args: Any
             f"model.kwargs {model.kwargs} rejected by hf:{source.ref}: {first_line(exc)}"
         ) from exc
     except OSError as exc:  # not cached, offline, or no network
-        raise _not_cached(source, exc) from exc
+        raise not_cached(source, exc) from exc
     except ValueError as exc:  # e.g. custom code without trust_remote_code
         raise ConfigError(f"model.name 'hf:{source.ref}': {first_line(exc)}") from exc
 
@@ -351,12 +358,12 @@ def _load_config(transformers: Any, source: Source, model: ModelSpec, *, local_o
         source,
         model,
         source.location,
-        **_remote(source, model),
+        **remote_kwargs(source, model),
         **extra,
     )
 
 
-def _not_cached(source: Source, exc: BaseException) -> FeatcacheError:
+def not_cached(source: Source, exc: BaseException) -> FeatcacheError:
     if source.folder is not None:
         return FeatcacheError(f"hf:{source.ref}: cannot load {source.folder}: {first_line(exc)}")
     from huggingface_hub import constants
@@ -369,7 +376,7 @@ def _not_cached(source: Source, exc: BaseException) -> FeatcacheError:
     )
 
 
-def _snapshot(source: Source) -> Path:
+def snapshot(source: Source) -> Path:
     """The folder holding the files just read: the local folder or the cached snapshot."""
     if source.folder is not None:
         return source.folder
@@ -377,7 +384,7 @@ def _snapshot(source: Source) -> Path:
 
     path = try_to_load_from_cache(source.repo, "config.json", revision=source.revision)
     if not isinstance(path, str):
-        raise _not_cached(source, FileNotFoundError("config.json"))
+        raise not_cached(source, FileNotFoundError("config.json"))
     return Path(path).parent
 
 
@@ -385,7 +392,7 @@ def _image_processor(transformers: Any, source: Source, model: ModelSpec, config
     """The repository's image processor from local files, or the model type's default."""
     try:
         return transformers.AutoImageProcessor.from_pretrained(
-            source.location, **_remote(source, model), local_files_only=True
+            source.location, **remote_kwargs(source, model), local_files_only=True
         )
     except OSError:  # no preprocessor_config.json
         pass

@@ -8,7 +8,9 @@ open_clip reads from the Hugging Face hub cache and downloads there when online)
 path of a local file holding the whole CLIP model's state dict, loaded by
 ``open_clip.create_model(architecture, pretrained=<path>)``. The module is the image tower
 ``model.visual``, called as ``visual(images)``; layer names are relative to it
-(``transformer.resblocks.11``). Text towers are not built as backbones: no tokenizer.
+(``transformer.resblocks.11``). On text data (``inputs="text"``) it is the text tower,
+:class:`OpenClipTextTower`, with ``open_clip.get_tokenizer(architecture)`` as its tokenizer
+(:class:`~featcache.models.text.OpenClipTokenizer`).
 
 Weights identity: ``{"source": "open_clip", "architecture": ..., "tag": ..., "files":
 {<file name>: <sha256>}}`` (``"tag"`` is null for a local file), or
@@ -39,7 +41,7 @@ from featcache.errors import ConfigError, FeatcacheError, did_you_mean, first_li
 from featcache.extras import require
 from featcache.fingerprints import file_sha256
 from featcache.models.preprocess import Preprocessing, spec_preprocessing
-from featcache.models.registry import BuiltModel, ModelKind, random_weights
+from featcache.models.registry import BuiltModel, Inputs, ModelKind, random_weights
 from featcache.spec import ModelSpec, PreprocessSpec
 
 PRETRAINED = "pretrained"  # the model.weights value that names the tag's weights
@@ -72,7 +74,7 @@ class OpenClipKind(ModelKind):
             return spec_preprocessing(preprocess)
         return eval_preprocessing(open_clip, parsed, model.kwargs)
 
-    def build(self, ref: str, model: ModelSpec, seed: int) -> BuiltModel:
+    def build(self, ref: str, model: ModelSpec, seed: int, inputs: Inputs = "image") -> BuiltModel:
         open_clip = _require(model)
         parsed = parse_ref(open_clip, ref)
         path = weights_file(parsed, model.weights)
@@ -81,10 +83,6 @@ class OpenClipKind(ModelKind):
             path = cached_weights(open_clip, parsed)
         torch.manual_seed(seed)
         clip = _create_model(open_clip, parsed.architecture, path, model.kwargs)
-        visual = getattr(clip, "visual", None)
-        if not isinstance(visual, nn.Module):
-            raise ConfigError(f"open_clip's {parsed} has no image tower (model.visual)")
-        prefix_tokens, sequence_first = token_layout(visual)
         if path is None:
             weights = {
                 **random_weights(seed),
@@ -97,9 +95,114 @@ class OpenClipKind(ModelKind):
                 "tag": parsed.tag if pretrained else None,
                 "files": {Path(path).name: file_sha256(path)},
             }
+        if inputs == "text":
+            return text_built(open_clip, parsed, clip, weights)
+        visual = getattr(clip, "visual", None)
+        if not isinstance(visual, nn.Module):
+            raise ConfigError(f"open_clip's {parsed} has no image tower (model.visual)")
+        prefix_tokens, sequence_first = token_layout(visual)
         return BuiltModel(
             visual, weights, prefix_tokens=prefix_tokens, sequence_first=sequence_first
         )
+
+
+class OpenClipTextTower(nn.Module):
+    """The text tower of an open_clip model: ``tower(input_ids) == clip.encode_text(ids)``.
+
+    ``input_ids`` is int64 ``[B, T]`` with ``T`` up to the context length, padded on the
+    right; ``attention_mask`` is accepted and ignored: the tower is causal, so positions
+    after a text's end-of-text token change none of its own, and the pooled position
+    (``argmax``: the end-of-text token, the highest id; ``eos``; ``first``) is a real
+    token. The positional embedding and causal mask are cut to ``T``, so the token
+    outputs of its submodules (``token_embedding``, ``transformer.resblocks.<i>``,
+    ``ln_final``) have ``T`` positions, those of the padded ids that ``encode_text`` sees
+    up to ``T``. Towers that attend both ways or pool the last position need every
+    position: their tokenizer keeps the padding
+    (:class:`~featcache.models.text.OpenClipTokenizer` ``fixed_length``).
+    """
+
+    token_embedding: nn.Module
+    positional_embedding: torch.Tensor  # [context length, width]
+    transformer: Any  # open_clip's Transformer (resblocks)
+    ln_final: nn.Module
+    text_projection: Any  # [width, E] parameter, nn.Linear or None
+    attn_mask: torch.Tensor | None  # additive causal mask; None: attention both ways
+
+    def __init__(self, text: Any) -> None:
+        """``text``: a ``CLIP`` model (its text modules are its own attributes) or an
+        open_clip ``TextTransformer``; the tower shares their modules, not copies."""
+        super().__init__()
+        self.token_embedding = text.token_embedding
+        self.positional_embedding = text.positional_embedding
+        self.transformer = text.transformer
+        self.ln_final = text.ln_final
+        self.text_projection = text.text_projection
+        self.register_buffer("attn_mask", text.attn_mask, persistent=False)
+        self.context_length = int(text.context_length)
+        if isinstance(text, open_clip_module().CLIP):
+            self.pool_type, self.eos_id = text.text_pool_type, text.text_eos_id
+        else:
+            self.pool_type, self.eos_id = text.pool_type, text.eos_id
+
+    @property
+    def fixed_length(self) -> bool:
+        """Whether every text must fill the context (attention both ways, or last-position
+        pooling), padding included."""
+        return self.attn_mask is None or self.pool_type == "last"
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """int64 ``[B, T]`` ids -> the projected text embedding ``[B, E]`` (float32)."""
+        from open_clip.transformer import text_global_pool
+
+        length = input_ids.shape[1]
+        dtype = self.transformer.get_cast_dtype()
+        x = self.token_embedding(input_ids).to(dtype)
+        x = x + self.positional_embedding[:length].to(dtype)
+        mask = None if self.attn_mask is None else self.attn_mask[:length, :length]
+        x = self.ln_final(self.transformer(x, attn_mask=mask))
+        x = text_global_pool(x, input_ids, self.pool_type, eos_token_id=self.eos_id)
+        if isinstance(self.text_projection, nn.Linear):
+            return self.text_projection(x)
+        return x if self.text_projection is None else x @ self.text_projection
+
+
+def text_built(
+    open_clip: ModuleType, ref: OpenClipRef, clip: nn.Module, weights: dict[str, Any]
+) -> BuiltModel:
+    """The :class:`BuiltModel` of ``clip``'s text tower and tokenizer.
+
+    A ``CLIP`` model or a ``CustomTextCLIP`` whose text tower is a ``TextTransformer``
+    without a class token (CoCa) or padding mask; others are one :class:`ConfigError`.
+    """
+    from featcache.models.text import open_clip_tokenizer
+
+    text = clip if isinstance(clip, open_clip.CLIP) else getattr(clip, "text", None)
+    supported = isinstance(text, open_clip.CLIP) or (
+        isinstance(text, open_clip.transformer.TextTransformer)
+        and text.cls_emb is None
+        and not text.use_pad_mask
+    )
+    if not supported:
+        raise ConfigError(
+            f"open_clip's {ref} has a text tower ({type(text).__name__}) that featcache does "
+            "not run on text data; for a Hugging Face text tower use hf:<its repo>, or call "
+            "featcache.extract with a module of your own"
+        )
+    tower = OpenClipTextTower(text)
+    tokenizer = open_clip_tokenizer(
+        open_clip, ref.architecture, tower.context_length, tower.fixed_length
+    )
+    _, sequence_first = token_layout(tower)
+    return BuiltModel(tower, weights, tokenizer, None, sequence_first)
+
+
+def open_clip_module() -> ModuleType:
+    """open_clip, imported (it is an optional extra)."""
+    import open_clip
+
+    return open_clip
 
 
 def parse_ref(open_clip: ModuleType, ref: str) -> OpenClipRef:
@@ -248,7 +351,8 @@ def _create_model(
     open_clip: ModuleType, architecture: str, path: str | None, kwargs: dict[str, Any]
 ) -> nn.Module:
     # pretrained_hf=False: a random model must not fetch a pretrained Hugging Face text
-    # tower (the image tower is all that is used); a weights file sets every weight anyway.
+    # tower (featcache runs open_clip's own text towers only); a weights file sets every
+    # weight anyway.
     options = {"pretrained_hf": False, **kwargs}
     try:
         return open_clip.create_model(architecture, pretrained=path, **options)

@@ -9,7 +9,10 @@ the same questions, as the methods of :class:`ModelKind`:
   size), given the explicit ``preprocess`` section, which wins over the kind's own;
 * :meth:`ModelKind.build`: the ``nn.Module``, the identity of the weights it actually
   read, and (as :class:`BuiltModel` fields with defaults) its tokenizer, the number of
-  prefix tokens in its token outputs and whether those are sequence-first.
+  prefix tokens in its token outputs and whether those are sequence-first. ``inputs``
+  says what the data holds: ``"image"`` or ``"text"`` (token ids, for the kinds whose
+  models read text: ``hf`` and ``open_clip``; the others refuse it with
+  :func:`refuse_text`).
 
 Which kind a :class:`~featcache.spec.ModelSpec` names (:func:`kind_for`): ``model.factory``
 names the ``factory`` kind; ``model.name`` is ``"<kind>:<reference>"`` or, with no
@@ -21,22 +24,22 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
-import torch
 from torch import nn
 
 from featcache.errors import ConfigError, did_you_mean
 from featcache.models.preprocess import Preprocessing, spec_preprocessing
+from featcache.models.tokenizer import Tokenizer
 from featcache.spec import ModelSpec, PreprocessSpec
 
 DEFAULT_KIND = "torchvision"  # the kind of a model.name without a "<kind>:" prefix
 FACTORY_KIND = "factory"  # the kind model.factory names; never a model.name prefix
 
-#: Texts -> model inputs: ``{"input_ids": int64 [B, T], "attention_mask": [B, T], ...}``.
-Tokenizer = Callable[[Sequence[str]], Mapping[str, torch.Tensor]]
+
+Inputs = Literal["image", "text"]  # what a model is built to read
+INPUTS: tuple[Inputs, ...] = ("image", "text")
 
 _KIND_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
@@ -98,11 +101,15 @@ class ModelKind(ABC):
         return None
 
     @abstractmethod
-    def build(self, ref: str, model: ModelSpec, seed: int) -> BuiltModel:
+    def build(self, ref: str, model: ModelSpec, seed: int, inputs: Inputs = "image") -> BuiltModel:
         """Construct the module (any mode, any device) and say which weights it read.
 
         Call ``torch.manual_seed(seed)`` right before constructing it, so that randomly
-        initialised parameters are the same for the same seed.
+        initialised parameters are the same for the same seed. With ``inputs="text"`` the
+        module takes ``input_ids`` and ``attention_mask`` (int64 ``[B, T]``, right padded)
+        as keyword arguments and :attr:`BuiltModel.tokenizer` is set; a kind whose models
+        read images only raises :func:`refuse_text`'s error. A kind written without the
+        ``inputs`` parameter is called without it, for images only.
         """
 
 
@@ -163,6 +170,20 @@ def kind_for(model: ModelSpec) -> tuple[ModelKind, str]:
 def random_weights(seed: int) -> dict[str, Any]:
     """The identity of randomly initialised weights: ``{"source": "random", "seed": seed}``."""
     return {"source": "random", "seed": seed}
+
+
+def refuse_text(model: ModelSpec) -> ConfigError:
+    """The one-line error of a kind whose models read images only, given text data."""
+    named = model.name or model.factory
+    api = (
+        "; featcache.extract takes any model, with a dataset of tokenised dicts"
+        if model.factory is not None
+        else ""
+    )
+    return ConfigError(
+        f"model {named} takes images; text data needs a text model: "
+        f"hf:<text model or dual encoder> or open_clip:<architecture>{api}"
+    )
 
 
 def _get(name: str, field: str) -> ModelKind:

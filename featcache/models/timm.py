@@ -32,7 +32,7 @@ from featcache.errors import ConfigError, FeatcacheError, did_you_mean, first_li
 from featcache.extras import require
 from featcache.fingerprints import file_sha256
 from featcache.models.preprocess import Preprocessing, single_size, spec_preprocessing
-from featcache.models.registry import BuiltModel, ModelKind, random_weights
+from featcache.models.registry import BuiltModel, Inputs, ModelKind, random_weights, refuse_text
 from featcache.spec import ModelSpec, PreprocessSpec
 
 PRETRAINED = "pretrained"
@@ -56,7 +56,9 @@ class TimmKind(ModelKind):
             return spec_preprocessing(preprocess)
         return timm_preprocessing(timm, ref, model.kwargs)
 
-    def build(self, ref: str, model: ModelSpec, seed: int) -> BuiltModel:
+    def build(self, ref: str, model: ModelSpec, seed: int, inputs: Inputs = "image") -> BuiltModel:
+        if inputs != "image":
+            raise refuse_text(model)
         timm = _import_timm(model)
         name, tag = parse_ref(timm, ref)
         weights = check_weights(timm, name, tag, model.weights)

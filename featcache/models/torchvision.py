@@ -20,7 +20,7 @@ from torch import nn
 
 from featcache.errors import ConfigError, FeatcacheError, did_you_mean, first_line
 from featcache.models.preprocess import Preprocessing, single_size, spec_preprocessing
-from featcache.models.registry import BuiltModel, ModelKind, random_weights
+from featcache.models.registry import BuiltModel, Inputs, ModelKind, random_weights, refuse_text
 from featcache.spec import ModelSpec, PreprocessSpec
 
 
@@ -38,7 +38,9 @@ class TorchvisionKind(ModelKind):
             return weights_preprocessing(enum)
         return spec_preprocessing(preprocess)
 
-    def build(self, ref: str, model: ModelSpec, seed: int) -> BuiltModel:
+    def build(self, ref: str, model: ModelSpec, seed: int, inputs: Inputs = "image") -> BuiltModel:
+        if inputs != "image":
+            raise refuse_text(model)
         enum = resolve_weights(ref, model.weights)
         module = _get_model(ref, enum, model.kwargs, seed)
         # torchvision's ViTs put one class token before the patch tokens.

@@ -1,0 +1,257 @@
+"""Text sides of models and their tokenizers, as :class:`~featcache.models.tokenizer.Tokenizer`.
+
+On text data (``build_backbone(..., inputs="text")``) a model kind returns the part of the
+model that reads token ids, called as ``module(input_ids=..., attention_mask=...)`` with
+int64 ``[B, T]`` tensors padded on the right, and a tokenizer that gives unpadded ids:
+
+* ``hf:`` (:func:`hf_text_model`): a text model (BERT, GPT-2, RoBERTa...) as it is; the
+  encoder of an encoder-decoder (T5); the ``text_model`` of a dual encoder (a config with
+  a ``text_config``: CLIP, SigLIP), layer names relative to it (``encoder.layers.0``). Its
+  tokenizer is ``AutoTokenizer`` from local files only (:class:`HFTokenizer`).
+* ``open_clip:``: the text tower of :class:`~featcache.models.open_clip.OpenClipTextTower`
+  with ``open_clip.get_tokenizer`` (:class:`OpenClipTokenizer`).
+
+Text towers have no prefix-token layout (reductions over tokens use the attention mask),
+so these kinds leave ``prefix_tokens`` as None. The weights identity is the model's, as
+for images; the tokenizer's identity is its :attr:`~featcache.models.tokenizer.Tokenizer.name`,
+which text sources record in their fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import nn
+
+from featcache.errors import ConfigError, FeatcacheError, first_line
+from featcache.fingerprints import file_sha256
+from featcache.models.tokenizer import Tokenized
+
+if TYPE_CHECKING:
+    from featcache.models.hf import Source
+    from featcache.spec import ModelSpec
+
+# Files a transformers tokenizer reads, whichever a repository or folder has.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tokenizer.model",
+)
+# transformers' model_max_length when a tokenizer states none (int(1e30)).
+_NO_LIMIT = 1_000_000
+
+
+class HFTokenizer:
+    """A transformers tokenizer as a featcache :class:`~featcache.models.tokenizer.Tokenizer`.
+
+    ``pad_id`` is the tokenizer's pad token, else its end-of-sequence token (GPT-2 has no
+    pad token), else 0: padded positions are masked out, so only its range matters.
+    """
+
+    def __init__(self, tokenizer: Any, name: str, max_length: int | None) -> None:
+        self.tokenizer = tokenizer
+        self.name = name
+        self.max_length = max_length
+        pad = tokenizer.pad_token_id
+        if pad is None:
+            pad = tokenizer.eos_token_id
+        self.pad_id = int(pad) if pad is not None else 0
+
+    def __call__(self, texts: Sequence[str], max_length: int | None) -> Tokenized:
+        """Ids of ``texts`` with the tokenizer's special tokens, cut to ``max_length``
+        (None, or more than the model's :attr:`max_length`: that) the tokenizer's way (its
+        end token kept)."""
+        texts = list(texts)
+        limit = _limit(max_length, self.max_length)
+        ids = self.tokenizer(texts, truncation=False, verbose=False)["input_ids"]
+        truncated = [limit is not None and len(row) > limit for row in ids]
+        long = [i for i, cut in enumerate(truncated) if cut]
+        if long:  # tokenised again, so that the tokenizer places its end tokens itself
+            cut = self.tokenizer(
+                [texts[i] for i in long], truncation=True, max_length=limit, verbose=False
+            )["input_ids"]
+            for i, row in zip(long, cut, strict=True):
+                ids[i] = row
+        return Tokenized([[int(t) for t in row] for row in ids], truncated)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, max_length={self.max_length})"
+
+
+def hf_text_model(
+    transformers: Any, module: nn.Module, source: Source, model: ModelSpec
+) -> tuple[nn.Module, HFTokenizer]:
+    """The text side of a transformers model just built from ``source``, and its tokenizer.
+
+    ``max_length`` is the smaller of the tokenizer's ``model_max_length`` (when it states
+    one) and the text config's ``max_position_embeddings`` (when it has one), else None.
+    """
+    tower = text_tower(module, source)
+    tokenizer = load_tokenizer(transformers, source, model)
+    config = getattr(module.config, "text_config", None) or module.config
+    limits = [int(tokenizer.model_max_length)] if tokenizer.model_max_length < _NO_LIMIT else []
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and positions > 0:
+        limits.append(positions)
+    name = f"hf:{source.repo} sha256:{tokenizer_sha256(tokenizer_folder(source))}"
+    return tower, HFTokenizer(tokenizer, name, min(limits) if limits else None)
+
+
+def text_tower(module: nn.Module, source: Source) -> nn.Module:
+    """The part of ``module`` that reads token ids: a dual encoder's ``text_model``, an
+    encoder-decoder's encoder, or the model itself."""
+    config = module.config
+    if getattr(config, "text_config", None) is not None:
+        tower = getattr(module, "text_model", None)
+        if not isinstance(tower, nn.Module):
+            raise ConfigError(
+                f"model.name 'hf:{source.ref}': {type(module).__name__} has a text_config but "
+                "no text_model to take text; use featcache.extract with its text encoder"
+            )
+        return tower
+    if getattr(config, "is_encoder_decoder", False):
+        return cast(nn.Module, module.get_encoder())  # type: ignore[operator]
+    if getattr(config, "vocab_size", None) is None:  # ViT, DINOv2...: no token embedding
+        raise ConfigError(
+            f"model.name 'hf:{source.ref}': {type(module).__name__} is an image model "
+            "with no text tower; text data needs a text model or a dual encoder"
+        )
+    return module
+
+
+def load_tokenizer(transformers: Any, source: Source, model: ModelSpec) -> Any:
+    """``AutoTokenizer.from_pretrained`` from local files only; one line when it is missing.
+
+    A folder or cached snapshot without any of the :data:`TOKENIZER_FILES` has no
+    tokenizer (transformers would build one with an empty vocabulary).
+    """
+    from featcache.models.hf import not_cached, remote_kwargs
+
+    folder = tokenizer_folder(source)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        missing = FileNotFoundError(f"none of {', '.join(TOKENIZER_FILES[:4])}...")
+        if source.folder is None:
+            raise not_cached(source, missing)
+        raise ConfigError(
+            f"hf:{source.ref} has no tokenizer files ({first_line(missing)}); save one into "
+            f"the folder with tokenizer.save_pretrained('{source.folder}')"
+        )
+    try:
+        return transformers.AutoTokenizer.from_pretrained(
+            source.location, **remote_kwargs(source, model), local_files_only=True
+        )
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        if source.folder is not None:
+            raise ConfigError(
+                f"hf:{source.ref} has no tokenizer that transformers can load "
+                f"({first_line(exc)}); save one into the folder with "
+                f"tokenizer.save_pretrained('{source.folder}')"
+            ) from exc
+        raise not_cached(source, exc) from exc
+
+
+def tokenizer_folder(source: Source) -> Path:
+    """The folder whose tokenizer files were read: the local folder or the cached snapshot."""
+    from featcache.models.hf import snapshot
+
+    return snapshot(source)
+
+
+def tokenizer_sha256(folder: Path) -> str:
+    """One sha256 over the :data:`TOKENIZER_FILES` in ``folder``: names and contents."""
+    digest = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        path = folder / name
+        if path.is_file():
+            digest.update(f"{name}\0{file_sha256(path)}\n".encode())
+    return digest.hexdigest()
+
+
+class OpenClipTokenizer:
+    """An open_clip tokenizer as a featcache :class:`~featcache.models.tokenizer.Tokenizer`.
+
+    open_clip pads every text to its context length. With ``fixed_length`` false the ids
+    are cut after the first end-of-text token (padding removed: the causal text tower never
+    lets a later position change an earlier one); with ``fixed_length`` true (towers that
+    attend in both directions, or pool the last position) each text keeps all its
+    positions, padding included, as ``encode_text`` sees them.
+    """
+
+    def __init__(
+        self,
+        tokenize: Callable[..., torch.Tensor],
+        name: str,
+        context_length: int,
+        end_id: int | None,
+        pad_id: int = 0,
+        fixed_length: bool = False,
+    ) -> None:
+        self.tokenize = tokenize
+        self.name = name
+        self.max_length: int | None = context_length
+        self.end_id = end_id
+        self.pad_id = pad_id
+        self.fixed_length = fixed_length
+
+    def __call__(self, texts: Sequence[str], max_length: int | None) -> Tokenized:
+        """Ids of ``texts`` cut to ``max_length`` (None, or more than the context length:
+        that) open_clip's way (the end-of-text token kept at the last place)."""
+        texts = list(texts)
+        limit = _limit(max_length, self.max_length) or 1
+        # one position more tells which texts needed cutting
+        wide = self.tokenize(texts, context_length=limit + 1)
+        truncated = [bool(row[limit] != self.pad_id) for row in wide]
+        rows = self.tokenize(texts, context_length=limit).tolist()
+        if not self.fixed_length:
+            rows = [self._unpad(row) for row in rows]
+        return Tokenized([[int(t) for t in row] for row in rows], truncated)
+
+    def _unpad(self, row: list[int]) -> list[int]:
+        if self.end_id is not None and self.end_id in row:
+            return row[: row.index(self.end_id) + 1]
+        while row and row[-1] == self.pad_id:  # no end token: trailing padding
+            row = row[:-1]
+        return row
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, max_length={self.max_length})"
+
+
+def open_clip_tokenizer(
+    open_clip: Any, architecture: str, context_length: int, fixed_length: bool
+) -> OpenClipTokenizer:
+    """``open_clip.get_tokenizer(architecture)`` as an :class:`OpenClipTokenizer`."""
+    try:
+        tokenize = open_clip.get_tokenizer(architecture, context_length=context_length)
+    except (OSError, ValueError) as exc:  # an HF tokenizer that is not cached
+        raise FeatcacheError(
+            f"open_clip could not load the tokenizer of {architecture}: {first_line(exc)}"
+        ) from exc
+    end_id = getattr(tokenize, "eot_token_id", None)
+    inner = getattr(tokenize, "tokenizer", None)  # open_clip's HF and SigLIP tokenizers
+    pad_id = 0
+    if inner is not None:
+        end_id = getattr(inner, "eos_token_id", None) if end_id is None else end_id
+        pad_id = getattr(inner, "pad_token_id", None) or 0
+    return OpenClipTokenizer(
+        tokenize, f"open_clip:{architecture}", context_length, end_id, pad_id, fixed_length
+    )
+
+
+def _limit(asked: int | None, model_limit: int | None) -> int | None:
+    """The length texts are cut to: the one asked for, never past the model's limit (its
+    positions end there)."""
+    if asked is None or model_limit is None:
+        return model_limit if asked is None else asked
+    return min(asked, model_limit)

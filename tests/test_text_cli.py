@@ -1,0 +1,115 @@
+"""A text source end to end through the CLI: extract, info, layers, verify, probe."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from featcache.cli import app
+from featcache.store import FeatureStore
+
+transformers = pytest.importorskip("transformers")
+runner = CliRunner()
+
+WORDS = {0: ["calm", "quiet", "soft", "still"], 1: ["loud", "noisy", "harsh", "shrill"]}
+
+
+@pytest.fixture
+def text_config(tmp_path):
+    """A tiny random BERT saved with a byte-level tokenizer, JSONL splits, and a config."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=384,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+    )
+    transformers.BertModel(config).save_pretrained(tmp_path / "bert")
+    transformers.ByT5Tokenizer().save_pretrained(tmp_path / "bert")
+    rng = random.Random(0)
+    for split, count in (("train", 60), ("test", 20)):
+        with open(tmp_path / f"{split}.jsonl", "w") as f:
+            for i in range(count):
+                label = i % 2
+                words = [rng.choice(WORDS[label]) for _ in range(rng.randrange(1, 8))]
+                f.write(
+                    json.dumps({"id": f"{split}-{i}", "text": " ".join(words), "label": label})
+                    + "\n"
+                )
+    spec = {
+        "model": {"name": f"hf:{tmp_path / 'bert'}"},
+        "layers": [
+            {"name": "encoder.layer.1", "reduce": "mean", "key": "mean"},
+            {"name": "encoder.layer.1", "key": "tokens"},
+        ],
+        "data": {
+            "source": "text",
+            "root": str(tmp_path),
+            "splits": {"train": "train.jsonl", "test": "test.jsonl"},
+            "max_length": 24,
+        },
+        "loader": {"batch_size": 8, "num_workers": 0},
+        "store": {"dtype": "float32"},
+        "output": {"dir": str(tmp_path / "out")},
+        "runtime": {"progress": False},
+    }
+    path = tmp_path / "text.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_text_source_from_jsonl_through_the_cli_then_probe(text_config, tmp_path):
+    result = runner.invoke(app, ["extract", str(text_config)])
+    assert result.exit_code == 0, result.output
+    train = tmp_path / "out" / "train.h5"
+    store = FeatureStore(train)
+    assert len(store) == 60
+    assert store.labels.tolist() == [i % 2 for i in range(60)]
+    assert store.ids[:2] == ["train-0", "train-1"]
+    assert store.is_per_token("tokens") and not store.is_per_token("mean")
+    assert store.file["truncated"].shape == (60,) and store.file["num_tokens"].shape == (60,)
+    assert store.attrs["preprocessing"].startswith("tokenizer hf:")
+
+    info = runner.invoke(app, ["info", str(train)])
+    assert info.exit_code == 0 and "[T, 32]" in info.stdout, info.output
+    layers = runner.invoke(app, ["layers", str(text_config)])
+    assert layers.exit_code == 0, layers.output
+    assert "tokens)" in layers.stdout and "encoder.layer.1" in layers.stdout
+    assert "[T, 32] tokens" in layers.stdout
+
+    verify = runner.invoke(app, ["verify", str(train), "--samples", "-1"])
+    assert verify.exit_code == 0, verify.output
+    assert "60 rows recomputed" in verify.stdout
+
+    probe = runner.invoke(
+        app,
+        ["probe", str(train), "--layer", "mean", "--test", str(tmp_path / "out" / "test.h5"),
+         "--no-progress"],
+    )  # fmt: skip
+    assert probe.exit_code == 0, probe.output
+    # The two word classes are separable from the pooled features of a random BERT.
+    accuracy = float(re.search(r"test +top-1 ([\d.]+)%", probe.stdout).group(1))
+    assert accuracy >= 80, probe.stdout
+
+
+def test_text_data_for_an_image_model_is_one_line(text_config):
+    spec = yaml.safe_load(text_config.read_text())
+    spec["model"] = {"name": "resnet18"}
+    text_config.write_text(yaml.safe_dump(spec))
+    result = runner.invoke(app, ["extract", str(text_config)])
+    assert result.exit_code == 2
+    assert "takes images; text data needs a text model" in result.stderr
+
+
+def test_a_missing_text_column_lists_the_columns(text_config):
+    result = runner.invoke(app, ["extract", str(text_config), "--set", "data.text_column=body"])
+    assert result.exit_code == 2
+    assert "body" in result.stderr and "id, text, label" in result.stderr
