@@ -61,3 +61,19 @@ def test_zoo_configs_select_their_layers_on_the_architecture():
         model = dataclasses.replace(spec.model, weights=None, name=name_only or spec.model.name)
         backbone = build_backbone(model, spec.preprocess)
         assert [tap.key for tap in resolve_taps(backbone.model, spec.layers)] == keys
+
+
+def test_text_config_selects_its_layers_on_a_minilm_shaped_bert():
+    """configs/minilm_text.yaml's selectors resolve on a random BERT of MiniLM-L6's shape."""
+    import transformers
+
+    from featcache.selectors import resolve_taps
+    from featcache.spec import load_config
+
+    spec = load_config(REPO / "configs" / "minilm_text.yaml")
+    assert spec.data.inputs == "text"
+    config = transformers.BertConfig(
+        hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=64
+    )
+    model = transformers.BertModel(config)
+    assert [tap.key for tap in resolve_taps(model, spec.layers)] == ["sentence", "tokens"]

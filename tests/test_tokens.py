@@ -287,3 +287,28 @@ def test_a_video_model_takes_clips_through_the_python_api(tmp_path):
     torch.testing.assert_close(
         store.read("avgpool"), captured["avgpool"].flatten(1), atol=1e-5, rtol=1e-5
     )
+
+
+class TinyAudioNet(torch.nn.Module):
+    """Waveforms ``[B, L]`` -> a 1-d conv stack ``[B, 8, L']`` -> class scores."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(1, 8, 9, stride=4)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, waveform):
+        features = self.conv(waveform.unsqueeze(1))
+        return self.head(features.mean(-1))
+
+
+def test_an_audio_model_takes_1d_waveforms(tmp_path):
+    torch.manual_seed(0)
+    model = TinyAudioNet().eval()
+    waves = torch.randn(5, 400, generator=torch.Generator().manual_seed(2))
+    data = torch.utils.data.TensorDataset(waves)
+    store = run(model, data, [{"name": "conv", "reduce": "max"}], tmp_path / "audio.h5")
+    with torch.no_grad():
+        expected = model.conv(waves.unsqueeze(1)).amax(-1)
+    assert not store.has_labels
+    torch.testing.assert_close(store.read("conv"), expected, atol=1e-5, rtol=1e-5)

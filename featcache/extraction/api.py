@@ -112,9 +112,17 @@ def extract(
 ) -> FeatureStore:
     """Run ``model`` over ``dataset`` and store the activations of ``layers`` at ``path``.
 
-    ``dataset`` is a map-style dataset yielding ``(image_tensor [3, H, W], label)`` like
-    torchvision datasets (a bare tensor, or a label of None, means no labels). Rows keep
-    the dataset's order. ``ids`` (default: the dataset's ``ids`` attribute, else
+    ``dataset`` is a map-style dataset yielding ``(input, label)`` (a bare input, or a
+    label of None, means no labels); rows keep the dataset's order. ``input`` is a tensor
+    of any rank (an image ``[3, H, W]`` as torchvision datasets give, a clip
+    ``[C, T, H, W]``, audio ``[L]``), passed to the model as its one argument, or a
+    mapping of named tensors (``{"input_ids": [T], "attention_mask": [T]}``), passed as
+    keyword arguments. Tensors of a mapping that differ in length are padded per batch
+    (with the dataset's ``pad_values``, else 0) and an ``attention_mask`` is added if the
+    items have none; token reductions (``mean``, ``max``, ``cls``, ``last``) then read
+    the real tokens only, and ``reduce: none`` on a token output stores per-token rows
+    (see :class:`~featcache.store.StoreWriter`), sized from the dataset's
+    ``token_lengths`` attribute when it has one (else one pass over its items). ``ids`` (default: the dataset's ``ids`` attribute, else
     ``"<DatasetClass>:<index>"``) and ``class_names`` go into the store;
     ``dataset_fingerprint`` defaults to a hash of the sorted ids. ``rows`` (a range of
     source positions, default all) limits the store to a contiguous block: one shard of a
