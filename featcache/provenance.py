@@ -35,6 +35,21 @@ CONTENT_FREE_KEYS: dict[str, tuple[str, ...] | None] = {
 }
 
 
+# Keys added after stores were first written, counted only when set to something other
+# than their default: the fingerprint of a config that leaves them alone stays what it
+# was, so older stores still resume and verify.
+LATER_KEYS: dict[str, dict[str, Any]] = {
+    "data": {
+        "image_column": None,
+        "text_column": None,
+        "label_column": None,
+        "id_column": None,
+        "max_length": None,
+    },
+    "loader": {"bucket_by_length": False},
+}
+
+
 def config_fingerprint(spec: Spec) -> str:
     """sha256 of the canonical JSON of every config key that decides the stored values."""
     data = to_dict(spec)
@@ -43,6 +58,10 @@ def config_fingerprint(spec: Spec) -> str:
             data.pop(section, None)
         else:
             for key in keys:
+                data[section].pop(key, None)
+    for section, defaults in LATER_KEYS.items():
+        for key, default in defaults.items():
+            if data[section].get(key, default) == default:
                 data[section].pop(key, None)
     return _json_sha256(data)
 
@@ -72,11 +91,14 @@ class StoreKey:
     featcache_format: int = FORMAT_VERSION
     # The model's token layout, when it declares one: {"prefix_tokens", "sequence_first"}.
     tokens: Mapping[str, Any] | None = None
+    # Rows per window of length-bucketed batches (loader.bucket_by_length), when bucketed.
+    bucket_window: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """Plain JSON data, as stored; ``world_size`` and ``tokens`` only when set."""
+        """Plain JSON data, as stored; ``world_size``, ``tokens`` and ``bucket_window``
+        only when set."""
         data = json.loads(json.dumps(dataclasses.asdict(self)))
-        for optional in ("world_size", "tokens"):
+        for optional in ("world_size", "tokens", "bucket_window"):
             if data[optional] is None:
                 data.pop(optional)
         return data

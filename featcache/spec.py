@@ -204,6 +204,9 @@ class LoaderSpec:
     num_workers: int | Auto = option("auto", ge=0)
     pin_memory: bool | Auto = "auto"  # "auto": on when the device is CUDA
     on_error: OnError = "fail"  # a sample that cannot be read: "fail" (stop) or "skip" (record)
+    # Token sources: run the rows of each window of 16 batches longest first, so batches
+    # pad less; rows are still stored in source order.
+    bucket_by_length: bool = False
 
 
 @dataclass

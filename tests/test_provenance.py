@@ -63,3 +63,18 @@ def test_config_fingerprint_leaves_out_only_content_free_keys():
     same = load_config(BASE, ["loader.num_workers=0", "output.dir=x", "loader.on_error=skip"])
     assert config_fingerprint(same) == base
     assert config_fingerprint(load_config(BASE, ["loader.batch_size=8"])) != base
+
+
+def test_keys_added_later_leave_older_fingerprints_alone():
+    """Stores written before the text and bucketing keys existed still resume and verify:
+    those keys count only when set."""
+    from pathlib import Path
+
+    from featcache.provenance import config_fingerprint
+    from featcache.spec import load_config
+
+    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    before = "46da3231fe426448512a98c32e85c683c2b492b11245f28dd9526b58d9ab6bbf"
+    assert config_fingerprint(load_config(demo)) == before
+    assert config_fingerprint(load_config(demo, ["loader.bucket_by_length=true"])) != before
+    assert config_fingerprint(load_config(demo, ["data.max_length=32"])) != before

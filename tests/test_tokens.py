@@ -312,3 +312,69 @@ def test_an_audio_model_takes_1d_waveforms(tmp_path):
         expected = model.conv(waves.unsqueeze(1)).amax(-1)
     assert not store.has_labels
     torch.testing.assert_close(store.read("conv"), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bucket_batches_sort_each_window_and_cover_every_row():
+    from featcache.extraction.bucketing import BucketBatches
+
+    lengths = np.array([3, 9, 1, 7, 7, 2, 8, 5, 4])
+    batches = list(BucketBatches(lengths, batch_size=2, window=4))
+    assert batches == [[1, 3], [0, 2], [6, 4], [7, 5], [8]]  # longest first, window by window
+    assert len(BucketBatches(lengths, 2, 4)) == len(batches)
+
+
+def test_bucketed_batches_store_the_same_rows_in_source_order(tmp_path):
+    rng = np.random.default_rng(0)
+    texts = [" ".join(["w"] * int(n)) for n in rng.integers(0, 30, size=70)]  # a few empty
+    source = text_rows(texts)
+    layers = ["encoder.layer.1", {"name": "encoder.layer.1", "reduce": "mean", "key": "m"}]
+    options = {"on_error": "skip", "batch_size": 4}
+    with pytest.warns(UserWarning, match="skipped"):
+        plain = run(tiny_bert(), source, layers, tmp_path / "plain.h5", **options)
+    with pytest.warns(UserWarning, match="skipped"):
+        bucketed = run(
+            tiny_bert(), source, layers, tmp_path / "b.h5", bucket_by_length=True, **options
+        )
+    assert bucketed.ids == plain.ids and bucketed.labels.tolist() == plain.labels.tolist()
+    assert bucketed.skipped == plain.skipped
+    np.testing.assert_array_equal(bucketed.offsets, plain.offsets)
+    np.testing.assert_array_equal(bucketed.token_ids, plain.token_ids)
+    torch.testing.assert_close(bucketed.read("m"), plain.read("m"), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        bucketed.read_tokens("encoder.layer.1")[0],
+        plain.read_tokens("encoder.layer.1")[0],
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    assert bucketed.attrs["resume_key"]["bucket_window"] == 4 * 16
+
+
+def test_a_bucketed_run_resumes_on_its_window_grid(tmp_path):
+    texts = [" ".join(["w"] * (i % 23 + 1)) for i in range(300)]
+    source = text_rows(texts)
+    layers = ["encoder.layer.0"]
+    options = {"batch_size": 2, "bucket_by_length": True, "chunk_rows": 10}
+    reference = run(tiny_bert(), source, layers, tmp_path / "ref.h5", **options)
+    model = tiny_bert()
+    calls = {"n": 0}
+
+    def fail_late(module, args):
+        calls["n"] += 1
+        if calls["n"] == 100:
+            raise RuntimeError("stopped on purpose")
+
+    handle = model.encoder.layer[0].register_forward_pre_hook(fail_late)
+    path = tmp_path / "resumed.h5"
+    with pytest.raises(Exception, match="stopped on purpose"):
+        run(model, source, layers, path, **options)
+    with h5py.File(partial_path(path), "r") as f:
+        durable = int(f["progress"][0])
+    assert 0 < durable < 300
+    handle.remove()
+    run(model, source, layers, path, **options)
+    assert_same_store(path, reference.path)
+
+
+def test_bucketing_needs_token_inputs(tmp_path, images, resnet18):
+    with pytest.raises(ConfigError, match="bucket_by_length .*not mappings of token tensors"):
+        run(resnet18, images, ["layer1"], tmp_path / "x.h5", bucket_by_length=True)

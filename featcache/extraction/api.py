@@ -28,6 +28,7 @@ from featcache.extraction.batches import (
     split_sample,
     started,
 )
+from featcache.extraction.bucketing import WINDOW_BATCHES, BucketBatches, WindowReorder
 from featcache.extraction.loop import run_loop
 from featcache.extraction.writer_thread import WriterThread
 from featcache.fingerprints import ids_fingerprint, module_fingerprint
@@ -93,6 +94,9 @@ class _Plan:
     tokens: ReduceContext  # the model's token layout, for the reductions
     provenance: Mapping[str, Any]  # config, weights, source: written into the store
     token_capacity: int | None = None  # tokens of the rows, when they may be stored per token
+    row_tokens: np.ndarray | None = None  # [source rows] tokens per row, for bucketing
+    bucket_window: int | None = None  # rows per window of length-bucketed batches
+    unit: str = "img"  # what the progress bar counts
 
 
 def extract(
@@ -122,12 +126,14 @@ def extract(
     items have none; token reductions (``mean``, ``max``, ``cls``, ``last``) then read
     the real tokens only, and ``reduce: none`` on a token output stores per-token rows
     (see :class:`~featcache.store.StoreWriter`), sized from the dataset's
-    ``token_lengths`` attribute when it has one (else one pass over its items). ``ids`` (default: the dataset's ``ids`` attribute, else
-    ``"<DatasetClass>:<index>"``) and ``class_names`` go into the store;
-    ``dataset_fingerprint`` defaults to a hash of the sorted ids. ``rows`` (a range of
-    source positions, default all) limits the store to a contiguous block: one shard of a
-    distributed run. ``options`` are the config keys of the loader, store and runtime
-    sections (``batch_size``, ``num_workers``, ``on_error``, ``dtype``, ``compression``,
+    ``token_lengths`` attribute when it has one (else one pass over its items).
+
+    ``ids`` (default: the dataset's ``ids`` attribute, else ``"<DatasetClass>:<index>"``)
+    and ``class_names`` go into the store; ``dataset_fingerprint`` defaults to a hash of
+    the sorted ids. ``rows`` (a range of source positions, default all) limits the store
+    to a contiguous block: one shard of a distributed run. ``options`` are the config keys
+    of the loader, store and runtime sections (``batch_size``, ``num_workers``,
+    ``on_error``, ``bucket_by_length``, ``dtype``, ``compression``,
     ``chunk_rows``, ``on_nonfinite``, ``checksum``, ``device``, ``amp``,
     ``channels_last``, ``progress`` ...) plus ``overwrite``.
 
@@ -182,19 +188,25 @@ def _extract(
         return FeatureStore(path)  # a rerun after this store completed: nothing left to do
     check_output_path(path, run.overwrite)  # before any work starts
     resume = None
+    batch_size = run.loader.batch_size
     if partial_path(path).exists():
-        resume = plan_resume(path, plan.key().to_json(), run.loader.batch_size, plan.rows.start)
+        # Restart on the batch grid of the first run (or its grid of bucketed windows).
+        grid = plan.bucket_window or batch_size
+        resume = plan_resume(path, plan.key().to_json(), grid, plan.rows.start)
     todo = range(resume.position if resume else plan.rows.start, plan.rows.stop)
     device = plan.layout.device
     pin = device.type == "cuda" if run.loader.pin_memory == "auto" else bool(run.loader.pin_memory)
     source_rows = SourceRows(dataset, todo)
+    batching: dict[str, Any] = {"batch_size": batch_size, "shuffle": False}
+    if plan.bucket_window is not None and plan.row_tokens is not None:
+        lengths = plan.row_tokens[todo.start : todo.stop]
+        batching = {"batch_sampler": BucketBatches(lengths, batch_size, plan.bucket_window)}
     loader = DataLoader(
         source_rows,
-        batch_size=run.loader.batch_size,
-        shuffle=False,
-        num_workers=num_workers(run.loader.num_workers, len(todo), run.loader.batch_size),
+        num_workers=num_workers(run.loader.num_workers, len(todo), batch_size),
         pin_memory=pin,
         collate_fn=Collate(source_rows.pad_values),
+        **batching,
     )
 
     def open_writer() -> StoreWriter:
@@ -223,6 +235,10 @@ def _extract(
             timing = run_loop(
                 model, batches, plan.taps, sink, plan.ids, options_, plan.layout, pin,
                 total=len(plan.rows), done_before=done, tokens=plan.tokens,
+                reorder=None if plan.bucket_window is None else WindowReorder(
+                    todo, plan.bucket_window
+                ),
+                unit=plan.unit,
             )  # fmt: skip
         timing["seconds_waiting_for_disk"] = sink.waited
         timing["seconds"] = time.perf_counter() - start
@@ -267,13 +283,22 @@ def _plan(
         class_names = getattr(dataset, "class_names", None) or getattr(dataset, "classes", None)
     has_labels = getattr(dataset, "has_labels", None)
     first = first_sample(dataset)
-    token_capacity = None
+    token_capacity = row_tokens = bucket_window = None
+    tokenised = first is not None and isinstance(first[0], Mapping)
     if first is not None:
         check_inputs(model, first[0])
         if has_labels is None:
             has_labels = first[1] is not None
-        if isinstance(first[0], Mapping) and any(tap.reduce == "none" for tap in taps):
-            token_capacity = int(token_lengths(dataset)[rows.start : rows.stop].sum())
+    if run.loader.bucket_by_length:
+        if not tokenised:
+            raise ConfigError(
+                "loader.bucket_by_length groups token inputs of similar lengths; this "
+                "dataset's items are not mappings of token tensors, so turn it off"
+            )
+        bucket_window = run.loader.batch_size * WINDOW_BATCHES
+    if tokenised and (bucket_window or any(tap.reduce == "none" for tap in taps)):
+        row_tokens = token_lengths(dataset)
+        token_capacity = int(row_tokens[rows.start : rows.stop].sum())
     layout = choose_layout(model, run.runtime)
     weights = (provenance or {}).get("weights")
     key_parts = dict(
@@ -291,6 +316,7 @@ def _plan(
         tokens=None
         if tokens.prefix_tokens is None and not tokens.sequence_first
         else {"prefix_tokens": tokens.prefix_tokens, "sequence_first": tokens.sequence_first},
+        bucket_window=bucket_window,
     )
     made: list[StoreKey] = []
 
@@ -314,7 +340,17 @@ def _plan(
         tokens=tokens,
         provenance=dict(provenance or {}),
         token_capacity=token_capacity,
+        row_tokens=row_tokens,
+        bucket_window=bucket_window,
+        unit=_unit(first[0] if first is not None else None),
     )
+
+
+def _unit(value: Any) -> str:
+    """What one row is, for the progress bar: an image, a text, or a sample."""
+    if isinstance(value, torch.Tensor) and value.dim() == 3:
+        return "img"
+    return "text" if isinstance(value, Mapping) and "input_ids" in value else "sample"
 
 
 def check_inputs(model: nn.Module, value: Any) -> None:

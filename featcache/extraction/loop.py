@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.extraction.batches import Batch
+from featcache.extraction.bucketing import WindowReorder
 from featcache.extraction.nonfinite import check_finite, skip_record
 from featcache.extraction.writer_thread import (
     MAX_PENDING_BATCHES,
@@ -56,10 +57,14 @@ def run_loop(
     total: int,
     done_before: int = 0,
     tokens: ReduceContext = NO_CONTEXT,
+    reorder: WindowReorder | None = None,
+    unit: str = "img",
 ) -> dict[str, float]:
     """Run every batch into ``sink``: ``total`` rows in the store, ``done_before`` of them
     written by an earlier run. ``tokens`` is the model's token layout (prefix tokens,
-    sequence-first), for the reductions. Returns where the time went, in seconds."""
+    sequence-first), for the reductions. Batches that come bucketed by length go to the
+    sink through ``reorder``, a window at a time in source order. Returns where the time
+    went, in seconds."""
     loader, store, runtime = options
     device = layout.device
     was_training = model.training
@@ -68,13 +73,15 @@ def run_loop(
     bar = tqdm(
         total=total,
         initial=done_before,
-        unit="img",
+        unit=unit,
         desc=sink.path.name,
         disable=not runtime.progress,
         dynamic_ncols=True,
     )
     # On CUDA, captured batches are copied into reused pinned buffers without blocking.
-    host_buffers = HostBuffers(MAX_PENDING_BATCHES + 2, pin=True) if device.type == "cuda" else None
+    # (Bucketed windows are merged first, from the device, so they take no host buffers.)
+    cuda = device.type == "cuda" and reorder is None
+    host_buffers = HostBuffers(MAX_PENDING_BATCHES + 2, pin=True) if cuda else None
     timing = {"seconds_waiting_for_data": 0.0, "seconds_in_model": 0.0}
     try:
         convert = functools.partial(encode, dtype=store.dtype)
@@ -105,10 +112,14 @@ def run_loop(
                         tapset, batch, captured, layout, pin, store, ids, host_buffers,
                         tokens=tokens,
                     )  # fmt: skip
-                captured.ids = [ids[i] for i in captured.index]
+                rows_done = len(captured.index) + len(captured.skipped)
+                window = captured if reorder is None else reorder.add(captured)
+                if window is not None:
+                    window.ids = [ids[i] for i in window.index]
                 timing["seconds_in_model"] += time.perf_counter() - computing_since
-                sink.put(captured, attrs)
-                bar.update(len(captured.index) + len(skipped))
+                if window is not None:
+                    sink.put(window, attrs)
+                bar.update(rows_done)
                 bar.set_postfix_str(_bar_note(timing, sink.waited, sink.skipped), False)
                 waiting_since = time.perf_counter()
     finally:

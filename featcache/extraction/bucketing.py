@@ -1,0 +1,112 @@
+"""Length-bucketed batching: fewer padded tokens per batch, rows still stored in order.
+
+With ``loader.bucket_by_length``, the rows of a token source are read in windows of
+:data:`WINDOW_BATCHES` batches of consecutive rows. Inside a window the rows run longest
+first, so each batch holds rows of similar lengths and pads little
+(:class:`BucketBatches`); once every row of a window has been through the model,
+:class:`WindowReorder` gives the window back as one batch in source order, so the writer
+still appends rows in order and a store is written and resumed as any other (a resume
+restarts at a window boundary). A window holds ``WINDOW_BATCHES * batch_size`` rows of
+features in memory at most.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+from featcache.extraction.writer_thread import CapturedBatch
+
+WINDOW_BATCHES = 16  # batches per window of rows sorted by length
+
+
+class BucketBatches(Sampler[list[int]]):
+    """Batches of the positions ``0 .. len(lengths) - 1``, bucketed by length per window.
+
+    ``lengths`` is ``[n]`` tokens per position. Windows of ``window`` consecutive
+    positions come in order; inside one, positions are sorted by length, longest first
+    (ties in order), and cut into batches of ``batch_size``.
+    """
+
+    def __init__(self, lengths: np.ndarray, batch_size: int, window: int) -> None:
+        self.lengths = np.asarray(lengths)
+        self.batch_size = batch_size
+        self.window = window
+
+    def __iter__(self) -> Iterator[list[int]]:
+        n = len(self.lengths)
+        for start in range(0, n, self.window):
+            stop = min(start + self.window, n)
+            order = start + np.argsort(-self.lengths[start:stop], kind="stable")
+            for first in range(0, len(order), self.batch_size):
+                yield order[first : first + self.batch_size].tolist()
+
+    def __len__(self) -> int:
+        n, window, size = len(self.lengths), self.window, self.batch_size
+        full, rest = divmod(n, window)
+        return full * -(-window // size) + -(-rest // size)
+
+
+class WindowReorder:
+    """Collects the captured batches of one window; gives them back merged, in source order.
+
+    ``rows`` are the source positions of the run and ``window`` the rows per window.
+    :meth:`add` returns None until every row of the current window is accounted for
+    (stored or skipped), then the window as one :class:`CapturedBatch` on the CPU.
+    """
+
+    def __init__(self, rows: range, window: int) -> None:
+        self.rows = rows
+        self.window = window
+        self.start = rows.start
+        self.pending: list[CapturedBatch] = []
+        self.seen = 0
+
+    def add(self, captured: CapturedBatch) -> CapturedBatch | None:
+        self.pending.append(captured)
+        self.seen += len(captured.index) + len(captured.skipped)
+        size = min(self.window, self.rows.stop - self.start)
+        if self.seen < size:
+            return None
+        merged = merge_in_order(self.pending)
+        self.pending, self.seen = [], 0
+        self.start += size
+        return merged
+
+
+def merge_in_order(batches: list[CapturedBatch]) -> CapturedBatch:
+    """One batch of the rows of ``batches``, sorted by source position, on the CPU.
+
+    Per-token layers (``ragged``) move each row's block of tokens with it.
+    """
+    index = np.concatenate([b.index for b in batches])
+    order = np.argsort(index, kind="stable")
+    labels = np.concatenate([b.labels for b in batches])[order]
+    skipped = sorted((r for b in batches for r in b.skipped), key=lambda r: r["index"])
+    ragged = frozenset().union(*(b.ragged for b in batches))
+    lengths = token_ids = None
+    token_order = torch.from_numpy(order)
+    if ragged:
+        # Batches of unreadable rows only have no tokens, and add no rows.
+        with_tokens = [b for b in batches if b.lengths is not None]
+        counts = np.concatenate([b.lengths for b in with_tokens])
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        lengths = counts[order]
+        new_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        shift = np.repeat(starts[order] - new_starts, lengths)
+        token_order = torch.from_numpy(np.arange(int(lengths.sum())) + shift)
+        parts = [b.token_ids for b in with_tokens if b.token_ids is not None]
+        if len(parts) == len(with_tokens):
+            token_ids = np.concatenate(parts)[token_order.numpy()]
+    computed = [b for b in batches if b.features]  # a batch of unreadable rows has none
+    features = {}
+    for key in computed[0].features if computed else ():
+        values = torch.cat([b.features[key] for b in computed])
+        picked = token_order if key in ragged else torch.from_numpy(order)
+        features[key] = values[picked.to(values.device)].cpu()
+    return CapturedBatch(
+        index[order], [], labels, features, None, skipped, None, ragged, lengths, token_ids
+    )
