@@ -37,7 +37,7 @@ from featcache.runtime import Layout, choose_layout
 from featcache.selectors import resolve_taps
 from featcache.spec import Spec, StoreSpec, load_config
 from featcache.store import FeatureStore, codec
-from featcache.store.integrity import has_checksums, scan_chunks
+from featcache.store.integrity import has_checksums, scan_chunks, span_text
 from featcache.store.reader import read_rows
 from featcache.taps import TapSet
 
@@ -227,7 +227,9 @@ def _check_file(result: VerifyResult, store: FeatureStore) -> None:
     result.add("unique ids", unique, f"{len(ids)} ids" + ("" if unique else " with repeats"))
     bad_chunks = scan_chunks(store)
     if bad_chunks:
-        detail = "; ".join(f"{b.key} rows {b.start}-{b.stop - 1}" for b in bad_chunks[:4])
+        detail = "; ".join(
+            f"{b.key} {span_text(store.file[b.key], b.start, b.stop)}" for b in bad_chunks[:4]
+        )
         more = f" and {len(bad_chunks) - 4} more" if len(bad_chunks) > 4 else ""
         result.add("checksums", False, f"corrupted chunks: {detail}{more}")
         return

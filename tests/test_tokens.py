@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import featcache
-from featcache import FeatureDataset, TokenDataset
+from featcache import FeatureDataset, FeatureStore, TokenDataset
 from featcache.errors import ConfigError
 from featcache.sources.text import texts_source
 from featcache.store import partial_path
@@ -378,3 +379,23 @@ def test_a_bucketed_run_resumes_on_its_window_grid(tmp_path):
 def test_bucketing_needs_token_inputs(tmp_path, images, resnet18):
     with pytest.raises(ConfigError, match="bucket_by_length .*not mappings of token tensors"):
         run(resnet18, images, ["layer1"], tmp_path / "x.h5", bucket_by_length=True)
+
+
+def test_a_corrupted_token_chunk_names_its_tokens_and_rows(tmp_path):
+    from featcache.errors import CorruptStoreError
+    from tests.stores import corrupt_row
+
+    path = tmp_path / "s.h5"
+    store = run(tiny_bert(), text_rows(), ["encoder.layer.1"], path, chunk_rows=16)
+    offsets = store.offsets
+    store.close()
+    corrupt_row(path, "features/encoder.layer.1", 20)  # token 20: in the chunk of tokens 16-31
+    first = int(np.searchsorted(offsets, 16, side="right")) - 1
+    last = int(np.searchsorted(offsets, 31, side="right")) - 1
+    expected = f"layer encoder.layer.1 tokens 16-31 (rows {first}-{last}) fail their checksum"
+    with pytest.raises(CorruptStoreError, match=re.escape(expected)):
+        FeatureStore(path).read_tokens("encoder.layer.1")
+    with pytest.raises(CorruptStoreError, match="tokens 16-31"):
+        list(TokenDataset(path, "encoder.layer.1").batches(8))
+    result = verify_store(path, quick=True)
+    assert not result.passed and any("tokens 16-31" in c.detail for c in result.checks)

@@ -89,7 +89,7 @@ def corrupt_store_error(dataset: h5py.Dataset, bad: BadChunk) -> CorruptStoreErr
     key = bad.key
     what = f"layer {key[len('features/') :]}" if key.startswith("features/") else f"dataset {key}"
     one = bad.stop - bad.start == 1
-    rows = f"row {bad.start}" if one else f"rows {bad.start}-{bad.stop - 1}"
+    rows = span_text(dataset, bad.start, bad.stop)
     if dataset_has_checksum(dataset):
         fails = "fails its checksum" if one else "fail their checksum"
     else:  # e.g. a compressed chunk that no longer decompresses
@@ -97,6 +97,21 @@ def corrupt_store_error(dataset: h5py.Dataset, bad: BadChunk) -> CorruptStoreErr
     return CorruptStoreError(
         f"store {dataset.file.filename} is corrupted: {what} {rows} {fails}; {FIX}"
     )
+
+
+def span_text(dataset: h5py.Dataset, start: int, stop: int) -> str:
+    """``rows a-b`` of ``dataset`` in words; ``tokens a-b (rows i-j)`` for a dataset of
+    per-token rows (a per-token layer, or ``/token_ids``)."""
+    if dataset.attrs.get("layout") != "tokens" and dataset.name != "/token_ids":
+        return f"row {start}" if stop - start == 1 else f"rows {start}-{stop - 1}"
+    tokens = f"token {start}" if stop - start == 1 else f"tokens {start}-{stop - 1}"
+    try:
+        offsets = dataset.file["offsets"][()]
+    except (OSError, KeyError):  # the offsets themselves are unreadable
+        return tokens
+    first = int(np.searchsorted(offsets, start, side="right")) - 1
+    last = int(np.searchsorted(offsets, stop - 1, side="right")) - 1
+    return f"{tokens} (row {first})" if first == last else f"{tokens} (rows {first}-{last})"
 
 
 def _scan(file: h5py.File) -> list[BadChunk]:
