@@ -113,3 +113,20 @@ def test_a_missing_text_column_lists_the_columns(text_config):
     result = runner.invoke(app, ["extract", str(text_config), "--set", "data.text_column=body"])
     assert result.exit_code == 2
     assert "body" in result.stderr and "id, text, label" in result.stderr
+
+
+def test_torchrun_over_a_text_source_equals_one_process(text_config, tmp_path):
+    from tests.test_distributed import _torchrun, assert_same_rows
+
+    assert runner.invoke(app, ["extract", str(text_config)]).exit_code == 0
+    spec = yaml.safe_load(text_config.read_text())
+    spec["output"]["dir"] = str(tmp_path / "ranks")
+    ranked = tmp_path / "ranks.yaml"
+    ranked.write_text(yaml.safe_dump(spec))
+    process = _torchrun(ranked)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output
+    for split in ("train", "test"):
+        combined = tmp_path / "ranks" / f"{split}.h5"
+        assert FeatureStore(combined).attrs["world_size"] == 2
+        assert_same_rows(combined, tmp_path / "out" / f"{split}.h5")
