@@ -19,7 +19,9 @@ Ratios are images/s against baselines measured in the same run:
 * peak RSS growth from 1,024 to 8,192 images capturing unpooled ``layer3`` of resnet18;
 * a JPEG pipeline over real photos (``../shared/data/hymenoptera.tar``, resize 256, crop
   224, resnet18): torchvision ImageFolder + DataLoader + a hook saving to lists, against
-  ``featcache.extract_from_config`` with the same settings.
+  ``featcache.extract`` over featcache's imagefolder source with the same settings, and
+  over its webdataset source reading the same photos packed into 4 tar shards (printed
+  also as a ratio to the imagefolder source).
 
     python scripts/bench_extract.py                      # everything (about 10 minutes)
     python scripts/bench_extract.py --parts throughput --models resnet18 --images 256
@@ -278,6 +280,14 @@ def jpeg_pipeline(repeats: int, batch: int) -> None:
         build_transform(preprocess),
         decode_size=preprocess.resize,
     )
+    shards = pack_shards(source.paths, source.ids, folder / "shards", 4)
+    packed = build_source(
+        DataSpec(source="webdataset", root=str(folder), splits={"all": shards}),
+        "all",
+        build_transform(preprocess),
+    )
+    packed.decode_size = preprocess.resize  # draft-mode JPEG decoding, as for the files
+    assert len(packed) == len(source)
     workers = 2
     cases = {
         "ImageFolder + DataLoader + hooks -> h5py": lambda: hooks_to_lists(
@@ -296,6 +306,16 @@ def jpeg_pipeline(repeats: int, batch: int) -> None:
             progress=False,
             overwrite=True,
         ),
+        "featcache.extract (its webdataset source, 4 shards)": lambda: featcache.extract(
+            model,
+            packed,
+            [{"name": "avgpool", "reduce": "flatten"}],
+            folder / "wds.h5",
+            batch_size=batch,
+            num_workers=workers,
+            progress=False,
+            overwrite=True,
+        ),
     }
     timed(cases, 1)  # warm-up: page cache, worker start-up
     medians = timed(cases, repeats)
@@ -305,9 +325,25 @@ def jpeg_pipeline(repeats: int, batch: int) -> None:
         f"\nJPEG pipeline: {n} hymenoptera photos, resize 256 crop 224, resnet18, "
         f"batch {batch}, {workers} loader workers, median of {repeats}"
     )
-    print(f"{'case':<48} {'images/s':>9} {'vs standard':>12}")
+    print(f"{'case':<52} {'images/s':>9} {'vs standard':>12}")
     for name, seconds in medians.items():
-        print(f"{name:<48} {n / seconds:>9.1f} {base / seconds:>11.2f}x")
+        print(f"{name:<52} {n / seconds:>9.1f} {base / seconds:>11.2f}x")
+    files = medians["featcache.extract (its own imagefolder source)"]
+    tars = medians["featcache.extract (its webdataset source, 4 shards)"]
+    print(f"featcache webdataset over its imagefolder source, images/s: {files / tars:.2f}x")
+
+
+def pack_shards(paths: list[str], ids: list[str], folder: Path, count: int) -> str:
+    """The files ``paths`` packed in order into ``count`` uncompressed tar shards (one
+    ``<key>.<ext>`` member per sample, keys from ``ids``); the brace pattern naming them,
+    relative to ``folder``'s parent."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for s, block in enumerate(np.array_split(np.arange(len(paths)), count)):
+        with tarfile.open(folder / f"photos-{s:02d}.tar", "w", dereference=True) as tar:
+            for i in block:
+                stem, ext = ids[i].rsplit(".", 1)
+                tar.add(paths[i], arcname=f"{stem.replace('.', '_')}.{ext.lower()}")
+    return f"{folder.name}/photos-{{00..{count - 1:02d}}}.tar"
 
 
 def vit_truncated(model: nn.Module, block: int) -> Callable[[torch.Tensor], torch.Tensor]:

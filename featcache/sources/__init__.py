@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 from featcache.errors import ConfigError
 from featcache.sources.base import IMAGE_EXTENSIONS, SourceDataset, Transform
 from featcache.sources.decode import load_rgb
-from featcache.sources.files import FileSource
 from featcache.sources.synthetic import SyntheticOptions
 from featcache.spec import SOURCES, DataSpec
 
@@ -77,6 +76,6 @@ def build_source(
         source = builder(data, split, data.splits[split], transform, tokenizer)
     else:
         source = builder(data, split, data.splits[split], transform)
-    if isinstance(source, FileSource):
+    if hasattr(source, "decode_size"):  # image sources that decode JPEGs in draft mode
         source.decode_size = decode_size
     return source

@@ -1,0 +1,300 @@
+"""The parquet source: rows of one or more Parquet files, read a row group at a time.
+
+``data.splits.<split>`` names one file, a glob or brace pattern, or a list of them
+(relative to ``data.root``). The image column holds encoded bytes, a struct with a
+``bytes`` field (as Hugging Face writes images), or paths (relative to ``data.root``);
+by default the first column of bytes or of such structs. The label column (default
+``label`` when there is one) holds class indices or class names; ids come from
+``data.id_column``, else ``<file>:<row>``.
+
+Only the row-group layout, labels and ids are read up front. ``ds[i]`` reads the image
+column of the row group holding row ``i`` and keeps it until a row of another group is
+asked for, per process: consecutive rows (a loader's batches) cost one read per group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from PIL import Image
+
+from featcache.errors import ConfigError, FeatcacheError, first_line
+from featcache.extras import require
+from featcache.fingerprints import file_sha256, lines_sha256
+from featcache.sources.base import SourceDataset, Transform
+from featcache.sources.tabular import (
+    EncodedImageSource,
+    check_columns,
+    class_indices,
+    display_name,
+    missing_column,
+    split_files,
+    text_rows,
+)
+from featcache.spec import DataSpec
+
+if TYPE_CHECKING:
+    from featcache.models.tokenizer import Tokenizer
+
+
+class ParquetSource(EncodedImageSource):
+    """Images (and labels) of the rows of Parquet files.
+
+    Holds the file paths, the first row of every file and of every row group (int64
+    arrays), labels and ids; file handles and the cached row group are per process and
+    never pickled.
+    """
+
+    def __init__(
+        self,
+        files: list[str],
+        names: list[str],
+        file_starts: np.ndarray,
+        group_starts: list[np.ndarray],
+        column: str,
+        kind: str,
+        root: str | None,
+        ids: list[str],
+        labels: np.ndarray | None,
+        class_names: list[str] | None,
+        transform: Transform | None,
+    ) -> None:
+        super().__init__(ids, class_names, labels is not None, transform)
+        self.files, self.names = files, names
+        self.file_starts = file_starts  # [F + 1]: row of the first row of each file
+        self.group_starts = group_starts  # per file, [G + 1]: first row of each group
+        self.column, self.kind, self.root = column, kind, root
+        self.labels = labels
+        self.decode_size: int | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._handles: dict[int, Any] = {}
+        self._group: tuple[int, int, Any] | None = None  # (file, group, arrow array)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_handles={}, _group=None)
+        return state
+
+    def _values(self, file: int, group: int) -> Any:
+        if self._pid != os.getpid():
+            self._reset()
+        if self._group is not None and self._group[:2] == (file, group):
+            return self._group[2]
+        pq = require("pyarrow", "data.source parquet").parquet
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._handles[file] = pq.ParquetFile(self.files[file])
+        table = handle.read_row_group(group, columns=[self.column])
+        values = table.column(0).combine_chunks()
+        self._group = (file, group, values)
+        return values
+
+    def _cell(self, i: int) -> tuple[Any, str]:
+        file = int(np.searchsorted(self.file_starts, i, side="right")) - 1
+        row = i - int(self.file_starts[file])
+        starts = self.group_starts[file]
+        group = int(np.searchsorted(starts, row, side="right")) - 1
+        where = f"{self.names[file]} row {row}"
+        try:
+            values = self._values(file, group)
+        except Exception as exc:
+            raise FeatcacheError(
+                f"cannot read {where} (row group {group}): {first_line(exc)}"
+            ) from exc
+        j = row - int(starts[group])
+        if self.kind == "struct":
+            data = values.field("bytes")[j].as_py()
+            value: Any = data if data else values.field("path")[j].as_py()
+        else:
+            value = values[j].as_py()
+        return value, where
+
+    def _load(self, i: int) -> tuple[Image.Image, int]:
+        value, where = self._cell(i)
+        label = -1 if self.labels is None else int(self.labels[i])
+        return self.decode(value, f"{self.ids[i]} ({where})", self.root), label
+
+    def fingerprint(self, content: bool = False) -> str:
+        pq = require("pyarrow", "data.source parquet").parquet
+        lines = [f"parquet\t{len(self)} rows\t{self.column}"]
+        for path, name in zip(self.files, self.names, strict=True):
+            schema = pq.read_schema(path).remove_metadata().to_string()
+            line = f"{name}\t{os.path.getsize(path)}\t{schema}"
+            if content:
+                line += "\t" + file_sha256(path)
+            lines.append(line)
+        return lines_sha256(lines)
+
+
+def parquet_source(
+    data: DataSpec,
+    split: str,
+    value: Any,
+    transform: Transform | None,
+    tokenizer: Tokenizer | None = None,
+) -> SourceDataset:
+    """The rows of the Parquet files ``value`` names (see the module docstring).
+
+    Raises:
+        ConfigError: no such file, a file that is not Parquet, a missing column (the
+            message lists the columns), files whose columns differ, bad labels or ids.
+    """
+    pa = require("pyarrow", "data.source parquet")
+    pq = require("pyarrow", "data.source parquet").parquet
+    check_columns(data)
+    if data.kwargs:
+        raise ConfigError(
+            f"data.kwargs ({', '.join(map(str, data.kwargs))}) is not used by "
+            "data.source=parquet; remove it"
+        )
+    paths = split_files(data, split, value, "Parquet files")
+    names = [display_name(p, data) for p in paths]
+    metas = []
+    for path, name in zip(paths, names, strict=True):
+        try:
+            metas.append(pq.ParquetFile(path))
+        except (pa.ArrowException, OSError) as exc:
+            raise ConfigError(
+                f"{name} cannot be read as a Parquet file ({first_line(exc)})"
+            ) from None
+    schema = metas[0].schema_arrow
+    columns = list(schema.names)
+    what = names[0]
+    for meta, name in zip(metas[1:], names[1:], strict=True):
+        if list(meta.schema_arrow.names) != columns:
+            raise ConfigError(
+                f"the Parquet files of split {split!r} differ: {names[0]} has columns "
+                f"{', '.join(columns)} but {name} has {', '.join(meta.schema_arrow.names)}"
+            )
+
+    label_column = data.label_column or ("label" if "label" in columns else None)
+    for option, column in (
+        ("label_column", label_column),
+        ("id_column", data.id_column),
+        ("text_column", data.text_column),
+        ("image_column", data.image_column),
+    ):
+        if column is not None and column not in columns:
+            raise missing_column(option, column, what, columns)
+    wanted = [c for c in (label_column, data.id_column, data.text_column) if c]
+    tables = [pq.read_table(p, columns=wanted) for p in paths] if wanted else []
+
+    counts = [meta.metadata.num_rows for meta in metas]
+    if not sum(counts):
+        raise ConfigError(f"the Parquet files of split {split!r} have no rows")
+    ids = _ids(tables, data.id_column, names, counts)
+    labels, class_names = None, None
+    if label_column:
+        cells = [v for t in tables for v in t.column(label_column).to_pylist()]
+        if any(v is None for v in cells):
+            row = cells.index(None)
+            raise ConfigError(
+                f"data.label_column {label_column!r}: row {row} of split {split!r} has no "
+                "label; label every row or none"
+            )
+        labels, class_names = class_indices(cells, f"label column {label_column!r}")
+        if class_names is None:
+            class_names = _hf_class_names(schema, label_column)
+        if len(labels) and labels.min() < 0:
+            raise ConfigError(
+                f"data.label_column {label_column!r}: label {labels.min()} must be >= 0"
+            )
+
+    if data.text_column:
+        texts = [v or "" for t in tables for v in t.column(data.text_column).to_pylist()]
+        sizes = lines_sha256(
+            f"{n}\t{os.path.getsize(p)}" for p, n in zip(paths, names, strict=True)
+        )
+        where = f"{', '.join(names)} ({sizes[:16]})"
+        return text_rows(texts, labels, ids, class_names, tokenizer, data.max_length, where)
+
+    column, kind = _image_column(pa, schema, data.image_column, what)
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    groups = []
+    for meta in metas:
+        rows = [meta.metadata.row_group(g).num_rows for g in range(meta.num_row_groups)]
+        groups.append(np.concatenate([[0], np.cumsum(rows)]).astype(np.int64))
+    root = str(Path(data.root).expanduser()) if data.root else None
+    return ParquetSource(
+        files=[str(p.resolve()) for p in paths],
+        names=names,
+        file_starts=starts,
+        group_starts=groups,
+        column=column,
+        kind=kind,
+        root=root,
+        ids=ids,
+        labels=labels,
+        class_names=class_names,
+        transform=transform,
+    )
+
+
+def _ids(
+    tables: list[Any], id_column: str | None, names: list[str], counts: list[int]
+) -> list[str]:
+    if id_column is None:
+        return [f"{name}:{row}" for name, n in zip(names, counts, strict=True) for row in range(n)]
+    ids = [v for t in tables for v in t.column(id_column).to_pylist()]
+    if any(v is None for v in ids):
+        raise ConfigError(f"data.id_column {id_column!r}: row {ids.index(None)} has no id")
+    ids = [str(v) for v in ids]
+    if len(set(ids)) < len(ids):
+        seen: set[str] = set()
+        dup = next(v for v in ids if v in seen or seen.add(v))  # type: ignore[func-returns-value]
+        raise ConfigError(
+            f"data.id_column {id_column!r}: id {dup!r} is on two rows; ids must be unique"
+        )
+    return ids
+
+
+def _image_column(pa: Any, schema: Any, column: str | None, what: str) -> tuple[str, str]:
+    """The image column and how it holds images: "bytes", "struct" or "path"."""
+
+    def kind(field: Any) -> str | None:
+        t = field.type
+        if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+            return "bytes"
+        if pa.types.is_struct(t) and t.get_field_index("bytes") >= 0:
+            return "struct"
+        if pa.types.is_string(t) or pa.types.is_large_string(t):
+            return "path"
+        return None
+
+    if column is not None:
+        found = kind(schema.field(column))
+        if found is None:
+            raise ConfigError(
+                f"data.image_column {column!r} of {what} holds {schema.field(column).type}; "
+                "it must hold image bytes, a struct with a bytes field, or paths"
+            )
+        return column, found
+    for field in schema:
+        if kind(field) in ("bytes", "struct"):
+            return field.name, str(kind(field))
+    raise ConfigError(
+        f"no column of {what} holds image bytes; set data.image_column (a column of bytes or "
+        f"of paths); its columns: {', '.join(f'{f.name} ({f.type})' for f in schema)}"
+    )
+
+
+def _hf_class_names(schema: Any, column: str) -> list[str] | None:
+    """Class names of a ClassLabel column, from the metadata Hugging Face writes."""
+    raw = (schema.metadata or {}).get(b"huggingface")
+    if not raw:
+        return None
+    try:
+        feature = json.loads(raw)["info"]["features"][column]
+    except (ValueError, KeyError, TypeError):
+        return None
+    names = feature.get("names") if isinstance(feature, dict) else None
+    if feature.get("_type") == "ClassLabel" and isinstance(names, list):
+        return [str(n) for n in names]
+    return None
