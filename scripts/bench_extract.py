@@ -21,12 +21,18 @@ Ratios are images/s against baselines measured in the same run:
   224, resnet18): torchvision ImageFolder + DataLoader + a hook saving to lists, against
   ``featcache.extract`` over featcache's imagefolder source with the same settings, and
   over its webdataset source reading the same photos packed into 4 tar shards (printed
-  also as a ratio to the imagefolder source).
+  also as a ratio to the imagefolder source);
+* text (``--parts text``): a random 4-layer BERT (width 256) over ``--texts`` synthetic
+  texts of 16 to 256 bytes, byte-tokenised, in batches of ``--batch``: the bare forward
+  over the same padded batches (built beforehand, in source order) against
+  ``featcache.extract`` storing the last block's masked mean, the same plus the block's
+  per-token rows, and the masked mean with ``bucket_by_length``.
 
     python scripts/bench_extract.py                      # everything (about 10 minutes)
     python scripts/bench_extract.py --parts throughput --models resnet18 --images 256
     python scripts/bench_extract.py --parts throughput --models resnet18 --checksum-cost
     python scripts/bench_extract.py --parts throughput --models timm:vit_small_patch16_224
+    python scripts/bench_extract.py --parts text --texts 2048 --batch 32
 """
 
 from __future__ import annotations
@@ -404,19 +410,104 @@ def timm_throughput(reference: str, images: int, size: int, batch: int, repeats:
         print(f"{name:<44} {images / seconds:>9.1f} {best / seconds:>12.2f}x")
 
 
+class Bytes:
+    """UTF-8 bytes as token ids (byte + 3) between ids 1 and 2: a tokenizer of no cost."""
+
+    name, pad_id, max_length = "bytes", 0, None
+
+    def __call__(self, texts, max_length):
+        from featcache.models.tokenizer import Tokenized
+
+        ids = [[1, *(b + 3 for b in text.encode()), 2] for text in texts]
+        return Tokenized(ids, [False] * len(ids))
+
+
+def text_throughput(count: int, batch: int, repeats: int) -> None:
+    """A random BERT over synthetic texts: the bare forward over the same padded batches
+    against featcache storing the masked mean (and per-token rows, and bucketed)."""
+    import transformers
+
+    from featcache.extraction.batches import Collate, SourceRows
+    from featcache.sources.text import texts_source
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=384,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=1024,
+        max_position_embeddings=512,
+    )
+    model = transformers.BertModel(config).eval()
+    rng = np.random.default_rng(0)
+    words = ["feature", "cache", "token", "row", "a", "of", "the", "store", "model", "text"]
+    texts = []
+    for _ in range(count):
+        length = int(rng.integers(16, 257))
+        text = ""
+        while len(text) < length:
+            text += words[int(rng.integers(len(words)))] + " "
+        texts.append(text[:length])
+    source = texts_source(texts, None, [f"t{i}" for i in range(count)], None, Bytes(), None, "b")
+    rows = SourceRows(source, range(count))
+    collate = Collate(rows.pad_values)
+    padded = [
+        collate([rows[j] for j in range(start, min(start + batch, count))]).inputs
+        for start in range(0, count, batch)
+    ]
+    tokens = int(source.token_lengths.sum())
+    real = tokens / sum(int(b["input_ids"].numel()) for b in padded)
+
+    def bare() -> None:
+        with torch.inference_mode():
+            for inputs in padded:
+                model(**inputs)
+
+    folder = Path(tempfile.mkdtemp(prefix="featcache-bench-"))
+    last = f"encoder.layer.{config.num_hidden_layers - 1}"
+    mean = {"name": last, "reduce": "mean", "key": "mean"}
+
+    def run(layers, **options) -> Callable[[], None]:
+        return lambda: featcache.extract(
+            model, source, layers, folder / "text.h5", batch_size=batch, num_workers=0,
+            progress=False, overwrite=True, **options,
+        )  # fmt: skip
+
+    cases: dict[str, Callable[[], None]] = {
+        "bare forward, same padded batches": bare,
+        "featcache.extract, masked mean": run([mean]),
+        "featcache.extract, mean + per-token rows": run([mean, last]),
+        "featcache.extract, mean, bucket_by_length": run([mean], bucket_by_length=True),
+    }
+    timed(cases, 1)
+    medians = timed(cases, repeats)
+    baseline = medians["bare forward, same padded batches"]
+    print(
+        f"\ntext: random BERT (4 x 256) over {count} texts ({tokens} tokens, {real:.0%} of "
+        f"padded positions real), batch {batch}, {torch.get_num_threads()} threads, "
+        f"median of {repeats}"
+    )
+    print(f"{'case':<44} {'texts/s':>9} {'vs bare forward':>16}")
+    for name, seconds in medians.items():
+        print(f"{name:<44} {count / seconds:>9.1f} {baseline / seconds:>15.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--parts",
         nargs="+",
-        default=["throughput", "rss", "jpeg"],
-        choices=["throughput", "rss", "jpeg"],
+        default=["throughput", "rss", "jpeg", "text"],
+        choices=["throughput", "rss", "jpeg", "text"],
     )
     parser.add_argument("--models", nargs="+", default=["resnet18", "resnet50"])
     parser.add_argument("--size", type=int, default=112)
     parser.add_argument("--images", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--texts", type=int, default=2048, help="text: synthetic texts")
     parser.add_argument(
         "--checksum-cost",
         action="store_true",
@@ -439,6 +530,8 @@ def main() -> None:
         peak_rss(args.size)
     if "jpeg" in args.parts:
         jpeg_pipeline(args.repeats, 32)
+    if "text" in args.parts:
+        text_throughput(args.texts, args.batch, args.repeats)
 
 
 if __name__ == "__main__":
