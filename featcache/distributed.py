@@ -16,6 +16,7 @@ here too.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,8 +69,23 @@ def current_rank() -> Rank | None:
     return Rank(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def block(num_rows: int, batch_size: int, rank: int, world_size: int) -> range:
-    """Rank ``rank``'s contiguous rows: whole batches, spread as evenly as they go."""
+def block(
+    num_rows: int, batch_size: int, rank: int, world_size: int, shard_starts: Sequence[int] = ()
+) -> range:
+    """Rank ``rank``'s contiguous rows: whole batches, spread as evenly as they go.
+
+    A sharded source (``shard_starts``: the first row of each shard after the first) is
+    split into whole shards instead, each rank taking a contiguous run of them with about
+    ``num_rows / world_size`` rows; with fewer shards than ranks, some ranks get none.
+    """
+    if shard_starts:
+        edges = [0, *sorted(s for s in shard_starts if 0 < s < num_rows), num_rows]
+
+        def cut(r: int) -> int:  # the shard edge nearest r / world_size of the rows
+            target = num_rows * r / world_size
+            return min(edges, key=lambda edge: (abs(edge - target), edge))
+
+        return range(cut(rank), cut(rank + 1))
     batches = -(-num_rows // batch_size)
     first = batches * rank // world_size
     last = batches * (rank + 1) // world_size

@@ -166,6 +166,10 @@ def test_torchrun_two_processes_equal_one(cifar, tmp_path):
     sharded = FeatureStore(tmp_path / "sharded" / "train.h5")
     assert sharded.attrs["world_size"] == 2
     assert_same_rows(sharded.path, single.path)
+    # Each rank took whole shards: rank 0's file ends where a shard ends.
+    source = build_source(DataSpec(**wds(cifar)), "train", None)
+    first_rank = FeatureStore(tmp_path / "sharded" / sharded.attrs["shards"][0])
+    assert len(first_rank) in source.shard_starts
 
 
 def test_a_corrupt_image_names_its_key_and_is_skipped_on_request(cifar, tmp_path):

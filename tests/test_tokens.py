@@ -315,13 +315,28 @@ def test_an_audio_model_takes_1d_waveforms(tmp_path):
     torch.testing.assert_close(store.read("conv"), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_bucket_batches_sort_each_window_and_cover_every_row():
-    from featcache.extraction.bucketing import BucketBatches
+def test_grid_batches_sort_each_window_and_restart_at_shard_boundaries():
+    from featcache.extraction.grid import GridBatches
 
     lengths = np.array([3, 9, 1, 7, 7, 2, 8, 5, 4])
-    batches = list(BucketBatches(lengths, batch_size=2, window=4))
-    assert batches == [[1, 3], [0, 2], [6, 4], [7, 5], [8]]  # longest first, window by window
-    assert len(BucketBatches(lengths, 2, 4)) == len(batches)
+    bucketed = GridBatches(range(9), 2, lengths=lengths, window=4)
+    assert list(bucketed) == [[1, 3], [0, 2], [6, 4], [7, 5], [8]]  # longest first, per window
+    assert len(bucketed) == 5 and list(bucketed.window_sizes()) == [4, 4, 1]
+    plain = GridBatches(range(10, 19), 4, boundaries=[13, 30])
+    assert list(plain) == [[0, 1, 2], [3, 4, 5, 6], [7, 8]]  # rows 10-12 | 13-16, 17-18
+    assert len(plain) == 3
+
+
+def test_the_resume_grid_and_torchrun_blocks_follow_shard_boundaries():
+    from featcache.distributed import block
+    from featcache.store.resume import grid_start
+
+    assert grid_start(23, 0, 8, [13]) == 21  # 13 + 8: the grid restarts at the shard
+    assert grid_start(12, 0, 8, [13]) == 8
+    shards = [100, 250, 300]  # shards of 100, 150, 50 and 100 rows
+    blocks = [block(400, 16, r, 2, shards) for r in range(2)]
+    assert blocks == [range(0, 250), range(250, 400)]  # whole shards, near half each
+    assert [block(400, 16, r, 8, shards) for r in range(8)][0] == range(0, 0)
 
 
 def test_bucketed_batches_store_the_same_rows_in_source_order(tmp_path):

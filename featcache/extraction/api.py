@@ -28,7 +28,8 @@ from featcache.extraction.batches import (
     split_sample,
     started,
 )
-from featcache.extraction.bucketing import WINDOW_BATCHES, BucketBatches, WindowReorder
+from featcache.extraction.bucketing import WINDOW_BATCHES, WindowReorder
+from featcache.extraction.grid import GridBatches, shard_starts
 from featcache.extraction.loop import run_loop
 from featcache.extraction.writer_thread import WriterThread
 from featcache.fingerprints import ids_fingerprint, module_fingerprint
@@ -97,6 +98,7 @@ class _Plan:
     row_tokens: np.ndarray | None = None  # [source rows] tokens per row, for bucketing
     bucket_window: int | None = None  # rows per window of length-bucketed batches
     unit: str = "img"  # what the progress bar counts
+    shard_starts: list[int] = dataclasses.field(default_factory=list)  # batches restart there
 
 
 def extract(
@@ -189,24 +191,23 @@ def _extract(
     check_output_path(path, run.overwrite)  # before any work starts
     resume = None
     batch_size = run.loader.batch_size
+    step = plan.bucket_window or batch_size  # the grid's unit: a batch, or a bucketed window
     if partial_path(path).exists():
-        # Restart on the batch grid of the first run (or its grid of bucketed windows).
-        grid = plan.bucket_window or batch_size
-        resume = plan_resume(path, plan.key().to_json(), grid, plan.rows.start)
+        resume = plan_resume(path, plan.key().to_json(), step, plan.rows.start, plan.shard_starts)
     todo = range(resume.position if resume else plan.rows.start, plan.rows.stop)
     device = plan.layout.device
     pin = device.type == "cuda" if run.loader.pin_memory == "auto" else bool(run.loader.pin_memory)
     source_rows = SourceRows(dataset, todo)
-    batching: dict[str, Any] = {"batch_size": batch_size, "shuffle": False}
+    lengths = None
     if plan.bucket_window is not None and plan.row_tokens is not None:
         lengths = plan.row_tokens[todo.start : todo.stop]
-        batching = {"batch_sampler": BucketBatches(lengths, batch_size, plan.bucket_window)}
+    grid = GridBatches(todo, batch_size, plan.shard_starts, lengths, step)
     loader = DataLoader(
         source_rows,
+        batch_sampler=grid,
         num_workers=num_workers(run.loader.num_workers, len(todo), batch_size),
         pin_memory=pin,
         collate_fn=Collate(source_rows.pad_values),
-        **batching,
     )
 
     def open_writer() -> StoreWriter:
@@ -235,9 +236,7 @@ def _extract(
             timing = run_loop(
                 model, batches, plan.taps, sink, plan.ids, options_, plan.layout, pin,
                 total=len(plan.rows), done_before=done, tokens=plan.tokens,
-                reorder=None if plan.bucket_window is None else WindowReorder(
-                    todo, plan.bucket_window
-                ),
+                reorder=None if lengths is None else WindowReorder(grid.window_sizes()),
                 unit=plan.unit,
             )  # fmt: skip
         timing["seconds_waiting_for_disk"] = sink.waited
@@ -343,6 +342,7 @@ def _plan(
         row_tokens=row_tokens,
         bucket_window=bucket_window,
         unit=_unit(first[0] if first is not None else None),
+        shard_starts=shard_starts(dataset),
     )
 
 

@@ -2,78 +2,49 @@
 
 With ``loader.bucket_by_length``, the rows of a token source are read in windows of
 :data:`WINDOW_BATCHES` batches of consecutive rows. Inside a window the rows run longest
-first, so each batch holds rows of similar lengths and pads little
-(:class:`BucketBatches`); once every row of a window has been through the model,
-:class:`WindowReorder` gives the window back as one batch in source order, so the writer
-still appends rows in order and a store is written and resumed as any other (a resume
-restarts at a window boundary). A window holds ``WINDOW_BATCHES * batch_size`` rows of
-features in memory at most.
+first, so each batch holds rows of similar lengths and pads little (see
+:class:`~featcache.extraction.grid.GridBatches`). Once every row of a window has been
+through the model, :class:`WindowReorder` gives the window back as one batch in source
+order, so the writer still appends rows in order and a store is written and resumed as
+any other (a resume restarts at a window boundary). A window holds ``WINDOW_BATCHES *
+batch_size`` rows of features in memory at most.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable
 
 import numpy as np
 import torch
-from torch.utils.data import Sampler
 
 from featcache.extraction.writer_thread import CapturedBatch
 
 WINDOW_BATCHES = 16  # batches per window of rows sorted by length
 
 
-class BucketBatches(Sampler[list[int]]):
-    """Batches of the positions ``0 .. len(lengths) - 1``, bucketed by length per window.
-
-    ``lengths`` is ``[n]`` tokens per position. Windows of ``window`` consecutive
-    positions come in order; inside one, positions are sorted by length, longest first
-    (ties in order), and cut into batches of ``batch_size``.
-    """
-
-    def __init__(self, lengths: np.ndarray, batch_size: int, window: int) -> None:
-        self.lengths = np.asarray(lengths)
-        self.batch_size = batch_size
-        self.window = window
-
-    def __iter__(self) -> Iterator[list[int]]:
-        n = len(self.lengths)
-        for start in range(0, n, self.window):
-            stop = min(start + self.window, n)
-            order = start + np.argsort(-self.lengths[start:stop], kind="stable")
-            for first in range(0, len(order), self.batch_size):
-                yield order[first : first + self.batch_size].tolist()
-
-    def __len__(self) -> int:
-        n, window, size = len(self.lengths), self.window, self.batch_size
-        full, rest = divmod(n, window)
-        return full * -(-window // size) + -(-rest // size)
-
-
 class WindowReorder:
     """Collects the captured batches of one window; gives them back merged, in source order.
 
-    ``rows`` are the source positions of the run and ``window`` the rows per window.
-    :meth:`add` returns None until every row of the current window is accounted for
-    (stored or skipped), then the window as one :class:`CapturedBatch` on the CPU.
+    ``sizes`` are the rows of each window, in order (:meth:`GridBatches.window_sizes
+    <featcache.extraction.grid.GridBatches.window_sizes>`). :meth:`add` returns None until
+    every row of the current window is accounted for (stored or skipped), then the window
+    as one :class:`CapturedBatch` on the CPU.
     """
 
-    def __init__(self, rows: range, window: int) -> None:
-        self.rows = rows
-        self.window = window
-        self.start = rows.start
+    def __init__(self, sizes: Iterable[int]) -> None:
+        self.sizes = iter(sizes)
+        self.size = next(self.sizes, 0)
         self.pending: list[CapturedBatch] = []
         self.seen = 0
 
     def add(self, captured: CapturedBatch) -> CapturedBatch | None:
         self.pending.append(captured)
         self.seen += len(captured.index) + len(captured.skipped)
-        size = min(self.window, self.rows.stop - self.start)
-        if self.seen < size:
+        if self.seen < self.size:
             return None
         merged = merge_in_order(self.pending)
         self.pending, self.seen = [], 0
-        self.start += size
+        self.size = next(self.sizes, 0)
         return merged
 
 

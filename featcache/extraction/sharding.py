@@ -13,6 +13,7 @@ from torch.utils.data import Dataset
 from featcache.distributed import Rank, block, check_other_world_sizes, combine_shards, shard_path
 from featcache.extraction.api import RunOptions, _plan, extract, token_layout
 from featcache.extraction.batches import source_length
+from featcache.extraction.grid import shard_starts
 from featcache.provenance import StoreKey
 from featcache.spec import LayerSpec
 from featcache.store import FeatureStore, remove_store, stored_resume_key
@@ -65,7 +66,8 @@ def extract_shard(
     check_other_world_sizes(path, world, overwrite)
     if overwrite and rank.is_main:
         remove_store(path)
-    blocks = [block(num_rows, batch_size, r, world) for r in range(world)]
+    starts = shard_starts(source)  # a sharded source goes to the ranks in whole shards
+    blocks = [block(num_rows, batch_size, r, world, starts) for r in range(world)]
     if blocks[rank.rank]:
         extract(
             model,

@@ -85,6 +85,12 @@ class WebDatasetSource(EncodedImageSource):
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
 
+    @property
+    def shard_starts(self) -> list[int]:
+        """The first row of every shard after the first: extraction batches never cross
+        them, and torchrun ranks take whole shards."""
+        return (np.flatnonzero(np.diff(self.shard)) + 1).tolist()
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_fds"] = {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,10 +35,28 @@ class ResumePoint:
     skipped: list[dict[str, Any]]  # skip records of source positions before ``position``
 
 
+def grid_start(position: int, first: int, step: int, boundaries: Sequence[int] = ()) -> int:
+    """The batch start at or before ``position`` on the batch grid of a run from ``first``.
+
+    Batches (or windows of batches) of ``step`` rows start at ``first`` and restart at
+    every position in ``boundaries`` (the first rows of a sharded source's shards), so
+    the grid is the same whichever block of whole shards a run starts at.
+    """
+    segment = max([first, *(b for b in boundaries if first <= b <= position)])
+    return segment + (position - segment) // step * step
+
+
 def plan_resume(
-    path: str | os.PathLike, resume_key: Mapping[str, Any], batch_size: int, first: int = 0
+    path: str | os.PathLike,
+    resume_key: Mapping[str, Any],
+    batch_size: int,
+    first: int = 0,
+    boundaries: Sequence[int] = (),
 ) -> ResumePoint | None:
     """Check a partial store left by an earlier run; None when there is none.
+
+    The run restarts on its batch grid (see :func:`grid_start`; ``batch_size`` is the
+    grid's step).
 
     Raises :class:`ConfigError` naming the first difference when the partial store was
     made with other settings, data or model, and when it cannot be read.
@@ -67,7 +85,7 @@ def plan_resume(
     # Restart on the batch grid of the first run (batches start at ``first``), so that every
     # batch holds the same samples as in an uninterrupted run: batch composition can
     # change the last bits of a result.
-    position = first + (next_position - first) // batch_size * batch_size
+    position = grid_start(next_position, first, batch_size, boundaries)
     row = int(np.searchsorted(index, position))
     return ResumePoint(row, position, read_log(skipped_log_path(path), before=position))
 
