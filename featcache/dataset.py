@@ -104,6 +104,24 @@ class FeatureDataset(Dataset):
         )
         self.class_names = store.class_names
         self.dtype = dtype
+        self._read_layouts(store, chunk_cache)
+        self._memory: dict[str, torch.Tensor] | None = None
+        if in_memory:
+            self._memory = {
+                layer: self._convert(
+                    store.read_tokens(layer, slice(0, self.num_rows))[0]
+                    if layer in self.per_token
+                    else store.read(layer, slice(0, self.num_rows))
+                )
+                for layer in self.layers
+            }
+        store.close()
+        # Opened in each process on first read; an incomplete store is read from its .partial.
+        self._handle = StoreFile(self.path)
+        self._spare: dict[str, torch.Tensor] | None = None  # shuffle buffers, for reuse
+
+    def _read_layouts(self, store: FeatureStore, chunk_cache: int | None) -> None:
+        """Each layer's item shape, stored dtype and chunk cache, and :attr:`block_rows`."""
         self.shapes: dict[str, tuple[int, ...]] = {}
         self._storage: dict[str, torch.dtype] = {}
         self._caches: dict[str, tuple[int, int]] = {}
@@ -119,20 +137,6 @@ class FeatureDataset(Dataset):
         # A block is the unit the shuffling reader reads: one chunk of the layer with the
         # most rows per chunk (with the usual ~1 MiB chunks, whole chunks of every layer).
         self.block_rows = max(1, min(max(chunk_rows), self.num_rows))
-        self._memory: dict[str, torch.Tensor] | None = None
-        if in_memory:
-            self._memory = {
-                layer: self._convert(
-                    store.read_tokens(layer, slice(0, self.num_rows))[0]
-                    if layer in self.per_token
-                    else store.read(layer, slice(0, self.num_rows))
-                )
-                for layer in self.layers
-            }
-        store.close()
-        # Opened in each process on first read; an incomplete store is read from its .partial.
-        self._handle = StoreFile(self.path)
-        self._spare: dict[str, torch.Tensor] | None = None  # shuffle buffers, for reuse
 
     def __len__(self) -> int:
         return self.num_rows

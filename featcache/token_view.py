@@ -17,10 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from featcache.dataset import FeatureDataset, Features, _chunk_cache, _take
+from featcache.dataset import FeatureDataset, Features, _take
 from featcache.errors import ConfigError
-from featcache.store import codec
-from featcache.store.chunks import chunk_rows_of, row_bytes
 from featcache.store.reader import FeatureStore, StoreFile, read_rows, row_numbers
 
 
@@ -69,19 +67,7 @@ class TokenDataset(FeatureDataset):
         self.labels = torch.empty(0, dtype=torch.int64)
         self.class_names = store.class_names
         self.dtype = dtype
-        self.shapes = {}
-        self._storage = {}
-        self._caches = {}
-        chunk_tokens = []
-        for layer in self.layers:
-            features = store.file["features"][layer]
-            self.shapes[layer] = tuple(features.shape[1:])
-            self._storage[layer] = codec.torch_dtype(features.attrs["dtype"])
-            tokens = chunk_rows_of(features)
-            chunk_tokens.append(tokens)
-            filtered = features.id.get_create_plist().get_nfilters() > 0
-            self._caches[layer] = _chunk_cache(tokens * row_bytes(features), filtered, chunk_cache)
-        self.block_rows = max(1, min(max(chunk_tokens), self.num_rows))
+        self._read_layouts(store, chunk_cache)  # a block: whole chunks of tokens
         self._memory = None
         if in_memory:
             group = store.file["features"]

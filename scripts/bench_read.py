@@ -163,13 +163,7 @@ def bench_tokens(args: argparse.Namespace, path: Path) -> None:
     batch = args.batch
     with FeatureStore(path) as store:
         memory = store.read_tokens("x")[0]
-    convert = (lambda t: t.float()) if args.float32 else (lambda t: t)
-
-    def in_memory() -> int:
-        order = torch.randperm(len(memory))
-        for start in range(0, len(order), batch):
-            convert(memory[order[start : start + batch]])
-        return len(order)
+    in_memory = in_memory_case(memory, batch, args.float32)
 
     def token_view(dataset: TokenDataset) -> Callable[[], int]:
         epochs = iter(range(1 << 30))
@@ -204,6 +198,20 @@ def bench_tokens(args: argparse.Namespace, path: Path) -> None:
         print(f"{name:<{width}} {value:>11,.0f} {value / speed[BASELINE]:>12.2f}x")
 
 
+def in_memory_case(memory: torch.Tensor, batch: int, float32: bool) -> Callable[[], int]:
+    """The baseline: one shuffled pass over ``memory`` by ``x[idx]`` in batches of ``batch``."""
+
+    def run() -> int:
+        order = torch.randperm(len(memory))
+        for start in range(0, len(order), batch):
+            picked = memory[order[start : start + batch]]
+            if float32:
+                picked.float()
+        return len(order)
+
+    return run
+
+
 def time_cases(cases: dict[str, Callable[[], int]], repeats: int) -> dict[str, float]:
     """Items per second of each case: the median of ``repeats`` interleaved timed runs,
     after one warm-up run of each (imports, page cache, worker start)."""
@@ -232,12 +240,7 @@ def bench(args: argparse.Namespace, path: Path) -> None:
     with FeatureStore(path) as store:
         memory = store.read("x")
     convert = (lambda t: t.float()) if args.float32 else (lambda t: t)
-
-    def in_memory() -> int:
-        order = torch.randperm(len(memory))
-        for start in range(0, len(order), batch):
-            convert(memory[order[start : start + batch]])
-        return len(order)
+    in_memory = in_memory_case(memory, batch, args.float32)
 
     def in_memory_select() -> int:
         order = torch.randperm(len(memory))

@@ -7,12 +7,12 @@ import random
 import re
 
 import pytest
-import torch
 import yaml
 from typer.testing import CliRunner
 
 from featcache.cli import app
 from featcache.store import FeatureStore
+from tests.texts import tiny_bert
 
 transformers = pytest.importorskip("transformers")
 runner = CliRunner()
@@ -23,16 +23,7 @@ WORDS = {0: ["calm", "quiet", "soft", "still"], 1: ["loud", "noisy", "harsh", "s
 @pytest.fixture
 def text_config(tmp_path):
     """A tiny random BERT saved with a byte-level tokenizer, JSONL splits, and a config."""
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=384,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=128,
-    )
-    transformers.BertModel(config).save_pretrained(tmp_path / "bert")
+    tiny_bert().save_pretrained(tmp_path / "bert")
     transformers.ByT5Tokenizer().save_pretrained(tmp_path / "bert")
     rng = random.Random(0)
     for split, count in (("train", 60), ("test", 20)):

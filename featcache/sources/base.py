@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from PIL import Image
 from torch.utils.data import Dataset
 
+from featcache.errors import ConfigError
 from featcache.fingerprints import lines_sha256
 
 IMAGE_EXTENSIONS: tuple[str, ...] = (
@@ -59,14 +62,22 @@ class SourceDataset(Dataset):
     def __len__(self) -> int:
         return len(self.ids)
 
-    def __getitem__(self, index: int) -> tuple[Any, int]:
+    def position(self, index: int) -> int:
+        """``index`` as a row number in range (negative ones count from the end).
+
+        Raises:
+            IndexError: outside the source's rows.
+        """
         i = operator.index(index)
         n = len(self.ids)
         if i < 0:
             i += n
         if not 0 <= i < n:
             raise IndexError(f"index {index} is out of range for a source of {n} rows")
-        image, label = self._load(i)
+        return i
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        image, label = self._load(self.position(index))
         if self.transform is not None:
             image = self.transform(image)
         return image, label
@@ -83,3 +94,31 @@ class SourceDataset(Dataset):
     def __repr__(self) -> str:
         classes = "unlabeled" if not self.has_labels else f"classes={len(self.class_names or [])}"
         return f"{type(self).__name__}(rows={len(self)}, {classes})"
+
+
+def jsonl_objects(file: Path, what: str, example: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` for each non-blank line of a JSONL file.
+
+    ``what`` leads the error lines (``"manifest data/train.jsonl"``); ``example`` shows a
+    good object in them.
+
+    Raises:
+        ConfigError: a line that is not valid JSON, or not a JSON object.
+    """
+    with open(file, encoding="utf-8-sig") as f:
+        for line, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(
+                    f"{what} line {line}: not valid JSON ({exc.msg}); write one JSON object "
+                    "per line"
+                ) from None
+            if not isinstance(obj, dict):
+                raise ConfigError(
+                    f"{what} line {line}: a {type(obj).__name__}, not a JSON object; write "
+                    f"objects like {example}"
+                )
+            yield line, obj

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import json
 import os
 import re
 from pathlib import Path
@@ -13,7 +12,7 @@ from PIL import Image
 
 from featcache.errors import ConfigError
 from featcache.fingerprints import file_sha256, lines_sha256
-from featcache.sources.base import IMAGE_EXTENSIONS, SourceDataset, Transform
+from featcache.sources.base import IMAGE_EXTENSIONS, SourceDataset, Transform, jsonl_objects
 from featcache.sources.decode import load_rgb
 from featcache.spec import DataSpec
 
@@ -172,28 +171,18 @@ def _csv_rows(file: Path) -> list[_Row]:
 
 def _jsonl_rows(file: Path) -> list[_Row]:
     rows: list[_Row] = []
-    with open(file, encoding="utf-8-sig") as f:
-        for line, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(
-                    f"manifest {file} line {line}: not valid JSON ({exc.msg}); "
-                    "write one JSON object per line"
-                ) from None
-            if not isinstance(obj, dict) or "path" not in obj:
-                raise ConfigError(
-                    f"manifest {file} line {line}: no 'path' key; "
-                    'write objects like {"path": "img/1.jpg", "label": 3}'
-                )
-            label = obj.get("label")
-            if isinstance(label, bool) or not isinstance(label, (int, str, type(None))):
-                raise ConfigError(
-                    f"manifest {file} line {line}: label {label!r} must be an integer or a string"
-                )
-            rows.append((line, _check_row(file, line, obj["path"], label), label))
+    example = '{"path": "img/1.jpg", "label": 3}'
+    for line, obj in jsonl_objects(file, f"manifest {file}", example):
+        if "path" not in obj:
+            raise ConfigError(
+                f"manifest {file} line {line}: no 'path' key; write objects like {example}"
+            )
+        label = obj.get("label")
+        if isinstance(label, bool) or not isinstance(label, (int, str, type(None))):
+            raise ConfigError(
+                f"manifest {file} line {line}: label {label!r} must be an integer or a string"
+            )
+        rows.append((line, _check_row(file, line, obj["path"], label), label))
     return rows
 
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 import csv
 import hashlib
 import itertools
-import json
-import operator
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -29,7 +27,7 @@ from tqdm.auto import tqdm
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.fingerprints import file_sha256
 from featcache.models.tokenizer import Tokenizer
-from featcache.sources.base import SourceDataset
+from featcache.sources.base import SourceDataset, jsonl_objects
 from featcache.spec import DataSpec
 
 TOKENIZE_BLOCK = 1024  # texts per tokenizer call
@@ -92,12 +90,7 @@ class TextSource(SourceDataset):
         return {"num_tokens": self.token_lengths, "truncated": self.truncated}
 
     def __getitem__(self, index: int) -> tuple[dict[str, torch.Tensor], int]:
-        i = operator.index(index)
-        n = len(self.ids)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"index {index} is out of range for a source of {n} rows")
+        i = self.position(index)
         if self.empty[i]:
             raise FeatcacheError(f"empty text in row {self.ids[i]}")
         start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
@@ -297,23 +290,8 @@ def _csv_records(file: Path) -> Iterator[_Record]:
 
 
 def _jsonl_records(file: Path) -> Iterator[_Record]:
-    with open(file, encoding="utf-8-sig") as f:
-        for line, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(
-                    f"{file} line {line}: not valid JSON ({exc.msg}); write one JSON object "
-                    "per line"
-                ) from None
-            if not isinstance(obj, dict):
-                raise ConfigError(
-                    f"{file} line {line}: a {type(obj).__name__}, not a JSON object; write "
-                    'objects like {"text": "...", "label": 1}'
-                )
-            yield f"line {line}", line, obj
+    for line, obj in jsonl_objects(file, str(file), '{"text": "...", "label": 1}'):
+        yield f"line {line}", line, obj
 
 
 def _txt_records(file: Path) -> Iterator[_Record]:
