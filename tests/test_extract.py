@@ -445,3 +445,18 @@ def test_the_resolved_preprocessing_is_recorded(tmp_path):
     recorded = store.attrs["preprocessing"]
     assert recorded.startswith("Compose(") and "Resize(size=36" in recorded
     assert "CenterCrop(size=(32, 32))" in recorded
+
+
+def test_skipped_rows_and_compression_together(tmp_path):
+    """A store shrunk by skipped rows below one chunk still copies into a compressed file."""
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1))
+    images = torch.randn(10, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    images[4] = float("nan")
+    data = torch.utils.data.TensorDataset(images, torch.arange(10))
+    with pytest.warns(UserWarning, match="1 of 10 samples skipped"):
+        store = featcache.extract(
+            net, data, ["1"], tmp_path / "s.h5", on_nonfinite="skip", compression="gzip",
+            num_workers=0, progress=False,
+        )  # fmt: skip
+    assert len(store) == 9 and store.file["features/1"].compression == "gzip"
+    assert 4 not in store.index.tolist()

@@ -414,3 +414,37 @@ def test_a_corrupted_token_chunk_names_its_tokens_and_rows(tmp_path):
         list(TokenDataset(path, "encoder.layer.1").batches(8))
     result = verify_store(path, quick=True)
     assert not result.passed and any("tokens 16-31" in c.detail for c in result.checks)
+
+
+class Embedder(torch.nn.Module):
+    """Token ids -> embeddings -> a linear layer; the byte '!' embeds to infinity."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(384, 8)
+        with torch.no_grad():
+            self.embed.weight[ord("!") + 3] = float("inf")
+        self.mix = torch.nn.Linear(8, 8)
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.mix(self.embed(input_ids))
+
+
+def test_per_token_rows_skip_non_finite_rows_whole_and_compress(tmp_path):
+    texts = ["fine", "bad!", "also fine", "ok"]
+    source = text_rows(texts)
+    with pytest.warns(UserWarning, match="1 of 4 samples skipped"):
+        store = run(
+            Embedder(), source, ["mix"], tmp_path / "s.h5",
+            on_nonfinite="skip", dtype="bfloat16", compression="lzf",
+        )  # fmt: skip
+    assert store.ids == ["t0", "t2", "t3"]
+    assert store.skipped[0]["id"] == "t1" and "non-finite" in store.skipped[0]["reason"]
+    assert np.diff(store.offsets).tolist() == source.token_lengths[[0, 2, 3]].tolist()
+    assert store.file["features/mix"].compression == "lzf"
+    values, offsets = store.read_tokens("mix")
+    assert values.dtype == torch.bfloat16 and len(values) == offsets[-1] == store.offsets[-1]
+    with torch.no_grad():
+        expected = Embedder()(source[2][0]["input_ids"])
+    torch.testing.assert_close(values[offsets[1] : offsets[2]], expected.bfloat16())

@@ -78,6 +78,8 @@ def _copy_dataset(
             if obj.ndim == 1:
                 rows = min(rows, MAX_META_CHUNK_ROWS)
             chunks = (min(rows, len(obj)), *obj.shape[1:])
+        # A dataset shrunk at completion (skipped samples) may be shorter than its chunks.
+        chunks = (min(chunks[0], len(obj)), *chunks[1:])
         out = dst.create_dataset(
             name,
             shape=obj.shape,
