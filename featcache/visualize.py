@@ -42,6 +42,11 @@ def _row(fs: FeatureStore, row: int) -> int:
 def _spatial(fs: FeatureStore, layer: str, row: int) -> torch.Tensor:
     """Row ``row`` of ``layer`` as float32 ``[C, H, W]``; a pooled layer is an error."""
     shape = fs.shape(layer)
+    if fs.is_per_token(layer):
+        raise ConfigError(
+            f"layer {layer!r} holds per-token rows (text), not a spatial map; there is no "
+            "image grid to show"
+        )
     if len(shape) != 3:
         raise ConfigError(
             f"layer {layer!r} is stored as {list(shape)} per row: no spatial map left; "
@@ -153,6 +158,8 @@ def source_image(store: StoreLike, row: int) -> Image.Image:
             f"store {fs.path} was made from Python and records no source; pass the image"
         )
     spec = from_dict(config)
+    if spec.data.inputs == "text":
+        raise ConfigError(f"store {fs.path} was made from text; there is no source image to show")
     split = fs.attrs.get("split") or next(iter(spec.data.splits))
     source = build_source(spec.data, split, transform=None)
     index = int(fs.index[row])

@@ -76,6 +76,9 @@ def test_text_source_from_jsonl_through_the_cli_then_probe(text_config, tmp_path
     assert "tokens)" in layers.stdout and "encoder.layer.1" in layers.stdout
     assert "[T, 32] tokens" in layers.stdout
 
+    show = runner.invoke(app, ["show", str(train), "-l", "tokens", "-o", str(tmp_path / "x.png")])
+    assert show.exit_code == 2 and "per-token rows (text)" in show.stderr
+
     verify = runner.invoke(app, ["verify", str(train), "--samples", "-1"])
     assert verify.exit_code == 0, verify.output
     assert "60 rows recomputed" in verify.stdout
