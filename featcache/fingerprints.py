@@ -39,5 +39,5 @@ def module_fingerprint(model: nn.Module) -> str:
     for name, tensor in sorted(model.state_dict().items()):
         value = tensor.detach().cpu().contiguous()
         digest.update(f"{name}:{value.dtype}:{list(value.shape)}".encode())
-        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(memoryview(value.reshape(-1).view(torch.uint8).numpy()))  # no copy
     return digest.hexdigest()
