@@ -113,11 +113,10 @@ def run_loop(
                         tokens=tokens,
                     )  # fmt: skip
                 rows_done = len(captured.index) + len(captured.skipped)
-                window = captured if reorder is None else reorder.add(captured)
-                if window is not None:
-                    window.ids = [ids[i] for i in window.index]
                 timing["seconds_in_model"] += time.perf_counter() - computing_since
-                if window is not None:
+                window = captured if reorder is None else reorder.add(captured)
+                if window is not None:  # a bucketed window goes to the sink once complete
+                    window.ids = [ids[i] for i in window.index]
                     sink.put(window, attrs)
                 bar.update(rows_done)
                 bar.set_postfix_str(_bar_note(timing, sink.waited, sink.skipped), False)
@@ -160,31 +159,22 @@ def forward(
             values = tapset.run(context=context, **extra, **inputs)
         else:
             values = tapset.run(inputs, context=context, **extra)
-        lengths = token_ids = None
-        if on_device.attention_mask is not None:
-            real = on_device.attention_mask != 0
-            values, captured.ragged = pack_tokens(values, tapset.taps, real)
-            if captured.ragged:
-                lengths = real.sum(dim=1).cpu()
-                ids_in = inputs.get("input_ids") if isinstance(inputs, dict) else None
-                token_ids = ids_in[real].cpu() if ids_in is not None else None
+        values, captured.ragged, lengths, token_ids = pack_tokens(values, tapset.taps, on_device)
         keep = check_finite(
             values, batch.rows, ids, store, captured.skipped, lengths, captured.ragged
         )
-        if keep is not None:
-            token_keep = keep.repeat_interleave(lengths) if lengths is not None else keep
+        if keep is not None:  # rows with non-finite values are left out, tokens and all
+            token_keep = keep if lengths is None else keep.repeat_interleave(lengths)
             values = {
                 k: v[(token_keep if k in captured.ragged else keep).to(v.device)]
                 for k, v in values.items()
             }
             captured.index = captured.index[keep.numpy()]
             captured.labels = captured.labels[keep.numpy()]
-            if lengths is not None:
-                token_ids = None if token_ids is None else token_ids[token_keep]
-                lengths = lengths[keep]
-        if lengths is not None:
-            captured.lengths = lengths.numpy()
-            captured.token_ids = None if token_ids is None else token_ids.numpy()
+            lengths = None if lengths is None else lengths[keep]
+            token_ids = None if token_ids is None else token_ids[token_keep]
+        captured.lengths = None if lengths is None else lengths.numpy()
+        captured.token_ids = None if token_ids is None else token_ids.numpy()
     if host_buffers is None:
         captured.features = values  # already fresh CPU tensors
         return
@@ -194,19 +184,31 @@ def forward(
 
 
 def pack_tokens(
-    values: Mapping[str, torch.Tensor], taps: Sequence[Tap], real: torch.Tensor
-) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
-    """Per-token rows out of a padded token batch: each ``reduce: none`` value whose first
-    two axes are the batch's ``[B, T]`` mask (``real``: True for real tokens) becomes
+    values: Mapping[str, torch.Tensor], taps: Sequence[Tap], batch: Batch
+) -> tuple[dict[str, torch.Tensor], frozenset[str], torch.Tensor | None, torch.Tensor | None]:
+    """Per-token rows out of a padded token batch (one with an attention mask).
+
+    Each ``reduce: none`` value whose first two axes are the mask's ``[B, T]`` becomes
     ``[real tokens, ...]``, row by row in order, and no padded position is kept. Returns
-    the values and the keys so packed."""
-    packed, ragged = dict(values), set()
+    the values, the keys so packed, and when there are any, each row's token count
+    (int64 ``[B]``) and the tokens' input ids (int64 ``[tokens]``, None without
+    ``input_ids``), both on the CPU.
+    """
+    packed = dict(values)
+    if batch.attention_mask is None:
+        return packed, frozenset(), None, None
+    real = batch.attention_mask != 0
+    ragged = set()
     for tap in taps:
         value = values[tap.key]
         if tap.reduce == "none" and value.dim() >= 3 and value.shape[:2] == real.shape:
             packed[tap.key] = value[real]
             ragged.add(tap.key)
-    return packed, frozenset(ragged)
+    if not ragged:
+        return packed, frozenset(), None, None
+    input_ids = batch.inputs.get("input_ids") if isinstance(batch.inputs, dict) else None
+    token_ids = None if input_ids is None else input_ids[real].cpu()
+    return packed, frozenset(ragged), real.sum(dim=1).cpu(), token_ids
 
 
 def _bar_note(timing: Mapping[str, float], disk_wait: float, skipped: int) -> str:

@@ -86,7 +86,7 @@ class StoreWriter:
         self.tokens_appended = 0  # set from /offsets on resume
         self.file: h5py.File | None = None
         self._staging: dict[str, _Staged] = {}
-        self._token_names: list[str] = []  # staged datasets indexed by token, not by row
+        self._token_staging: list[_Staged] = []  # the staged datasets indexed by token
         # End offsets of the rows appended since row ``_ends_base`` whose durability is
         # not yet known (per-token stores only; trimmed at every mark).
         self._ends = np.empty(0, dtype=np.int64)
@@ -178,21 +178,19 @@ class StoreWriter:
     def _stage(self) -> None:
         f = self.file
         assert f is not None
-        starts = dict.fromkeys(self._meta_dtypes(), self.start_row)
+        staging = {name: _Staged(f[name], self.start_row) for name in self._meta_dtypes()}
         tokens = self.tokens_appended
         if "offsets" in f:
-            starts["offsets"] = self.start_row + 1  # entry 0 is written at creation
+            staging["offsets"] = _Staged(f["offsets"], self.start_row, lead=1)
             if "token_ids" in f:
-                starts["token_ids"] = tokens
+                staging["token_ids"] = _Staged(f["token_ids"], tokens, per_token=True)
         for key, dataset in f["features"].items():
-            ragged = dataset.attrs.get("layout") == "tokens"
-            starts[f"features/{key}"] = tokens if ragged else self.start_row
-        self._token_names = [
-            name
-            for name in starts
-            if name == "token_ids" or f[name].attrs.get("layout") == "tokens"
-        ]
-        self._staging = {name: _Staged(f[name], start) for name, start in starts.items()}
+            if dataset.attrs.get("layout") == "tokens":
+                staging[f"features/{key}"] = _Staged(dataset, tokens, per_token=True)
+            else:
+                staging[f"features/{key}"] = _Staged(dataset, self.start_row)
+        self._staging = staging
+        self._token_staging = [staged for staged in staging.values() if staged.per_token]
 
     # -- appending ---------------------------------------------------------------------------
 
@@ -227,7 +225,7 @@ class StoreWriter:
         if self.rows_appended + rows > self.capacity:
             raise FeatcacheError(f"more rows than the {self.capacity} the store was sized for")
         self._check_layout(features, ragged)
-        if self._token_names:
+        if self._token_staging:
             if lengths is None:
                 raise FeatcacheError(f"{self.path} holds per-token rows; append their lengths")
             ends = self.tokens_appended + np.cumsum(lengths, dtype=np.int64)
@@ -259,15 +257,13 @@ class StoreWriter:
 
     def _check_layout(self, features: Mapping[str, np.ndarray], ragged: frozenset[str]) -> None:
         """Refuse a batch whose layers differ from the store's (per-token or not, shape)."""
-        assert self.file is not None
         for key, array in features.items():
-            dataset = self.file["features"][key]
-            stored = dataset.attrs.get("layout") == "tokens"
-            if stored != (key in ragged) or dataset.shape[1:] != array.shape[1:]:
+            staged = self._staging[f"features/{key}"]
+            if staged.per_token != (key in ragged) or staged.item_shape != array.shape[1:]:
                 got = "per-token rows" if key in ragged else "one row per sample"
                 raise FeatcacheError(
                     f"layer {key!r} changed shape between batches (now {got} of shape "
-                    f"{list(array.shape[1:])}, stored {list(dataset.shape[1:])}); reduce it "
+                    f"{list(array.shape[1:])}, stored {list(staged.item_shape)}); reduce it "
                     "to a fixed shape (mean, cls, last, avg, ...)"
                 )
 
@@ -277,12 +273,12 @@ class StoreWriter:
         if not self._staging:
             return self.start_row
         rows = min(
-            staged.flushed - (name == "offsets")
-            for name, staged in self._staging.items()
-            if name not in self._token_names
+            staged.flushed - staged.lead
+            for staged in self._staging.values()
+            if not staged.per_token
         )
-        if self._token_names:
-            tokens = min(self._staging[name].flushed for name in self._token_names)
+        if self._token_staging:
+            tokens = min(staged.flushed for staged in self._token_staging)
             covered = int(np.searchsorted(self._ends, tokens, side="right"))
             rows = min(rows, self._ends_base + covered)
         return rows
@@ -349,10 +345,8 @@ class StoreWriter:
         self.mark()
         f = self.file
         rows = self.rows_appended
-        for name in self._staging:
-            size = rows + (name == "offsets")
-            if name in self._token_names:
-                size = self.tokens_appended
+        for name, staged in self._staging.items():
+            size = self.tokens_appended if staged.per_token else rows + staged.lead
             if len(f[name]) != size:  # samples were skipped, or fewer tokens than sized for
                 f[name].resize(size, axis=0)
         if row_columns:
@@ -414,14 +408,23 @@ def _allocate(
 
 class _Staged:
     """One dataset plus a one-chunk staging buffer; writes whole chunks (the first write
-    after a resume may complete a chunk that was partly written)."""
+    after a resume may complete a chunk that was partly written).
 
-    def __init__(self, dataset: h5py.Dataset, start_row: int):
+    ``start`` is the first row (or token, for a ``per_token`` dataset) to write. A dataset
+    indexed by row may hold ``lead`` entries before row 0 (``/offsets``: its leading 0).
+    """
+
+    def __init__(
+        self, dataset: h5py.Dataset, start: int, *, lead: int = 0, per_token: bool = False
+    ):
         self.dataset = dataset
+        self.lead = lead
+        self.per_token = per_token
+        self.item_shape = tuple(dataset.shape[1:])
         self.chunk_rows = dataset.chunks[0] if dataset.chunks else len(dataset)
-        self.buffer = np.empty((self.chunk_rows, *dataset.shape[1:]), dtype=dataset.dtype)
-        self.filled = 0  # rows in the buffer
-        self.flushed = start_row  # rows written to the file
+        self.buffer = np.empty((self.chunk_rows, *self.item_shape), dtype=dataset.dtype)
+        self.filled = 0  # entries in the buffer
+        self.flushed = start + lead  # entries written to the file
 
     def push(self, rows: np.ndarray) -> None:
         start = 0
