@@ -60,7 +60,6 @@ class TokenDataset(FeatureDataset):
         assert offsets is not None
         self.row_offsets = offsets
         self.num_rows = int(offsets[-1])  # the items of this dataset are tokens
-        self.num_tokens = self.num_rows
         self.per_token = []  # every layer is per token, and each token is one item
         self.offsets = None
         self.has_labels = False
@@ -78,6 +77,11 @@ class TokenDataset(FeatureDataset):
         store.close()
         self._handle = StoreFile(self.path)
         self._spare = None
+
+    @property
+    def num_tokens(self) -> int:
+        """The tokens served (every token of the store's per-token rows)."""
+        return self.num_rows
 
     def rows_and_positions(self, tokens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """The row and the position in it of each token number in ``tokens``."""

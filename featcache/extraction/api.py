@@ -94,11 +94,18 @@ class _Plan:
     key: Callable[[], StoreKey]  # the weights may still be being fingerprinted
     tokens: ReduceContext  # the model's token layout, for the reductions
     provenance: Mapping[str, Any]  # config, weights, source: written into the store
-    token_capacity: int | None = None  # tokens of the rows, when they may be stored per token
-    row_tokens: np.ndarray | None = None  # [source rows] tokens per row, for bucketing
+    # [source rows] tokens per row, for per-token rows and bucketing (None: not needed)
+    row_tokens: np.ndarray | None = None
     bucket_window: int | None = None  # rows per window of length-bucketed batches
     unit: str = "img"  # what the progress bar counts
     shard_starts: list[int] = dataclasses.field(default_factory=list)  # batches restart there
+
+    @property
+    def token_capacity(self) -> int | None:
+        """The tokens of the store's rows, which per-token layers are sized for."""
+        if self.row_tokens is None:
+            return None
+        return int(self.row_tokens[self.rows.start : self.rows.stop].sum())
 
 
 def extract(
@@ -198,8 +205,9 @@ def _extract(
     device = plan.layout.device
     pin = device.type == "cuda" if run.loader.pin_memory == "auto" else bool(run.loader.pin_memory)
     source_rows = SourceRows(dataset, todo)
-    lengths = None
-    if plan.bucket_window is not None and plan.row_tokens is not None:
+    lengths = None  # sorts each window by length when bucketing
+    if plan.bucket_window is not None:
+        assert plan.row_tokens is not None  # counted whenever bucketing is on
         lengths = plan.row_tokens[todo.start : todo.stop]
     grid = GridBatches(todo, batch_size, plan.shard_starts, lengths, step)
     loader = DataLoader(
@@ -282,7 +290,7 @@ def _plan(
         class_names = getattr(dataset, "class_names", None) or getattr(dataset, "classes", None)
     has_labels = getattr(dataset, "has_labels", None)
     first = first_sample(dataset)
-    token_capacity = row_tokens = bucket_window = None
+    row_tokens = bucket_window = None
     tokenised = first is not None and isinstance(first[0], Mapping)
     if first is not None:
         check_inputs(model, first[0])
@@ -297,7 +305,6 @@ def _plan(
         bucket_window = run.loader.batch_size * WINDOW_BATCHES
     if tokenised and (bucket_window or any(tap.reduce == "none" for tap in taps)):
         row_tokens = token_lengths(dataset)
-        token_capacity = int(row_tokens[rows.start : rows.stop].sum())
     layout = choose_layout(model, run.runtime)
     weights = (provenance or {}).get("weights")
     key_parts = dict(
@@ -338,7 +345,6 @@ def _plan(
         key=key,
         tokens=tokens,
         provenance=dict(provenance or {}),
-        token_capacity=token_capacity,
         row_tokens=row_tokens,
         bucket_window=bucket_window,
         unit=_unit(first[0] if first is not None else None),

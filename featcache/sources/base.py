@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -122,3 +122,30 @@ def jsonl_objects(file: Path, what: str, example: str) -> Iterator[tuple[int, di
                     f"objects like {example}"
                 )
             yield line, obj
+
+
+def label_indices(
+    labels: Sequence[tuple[str, int | str]], what: str
+) -> tuple[list[int], list[str] | None]:
+    """Class indices of ``(where, label)`` pairs, and class names when labels are names.
+
+    Integer labels are the indices (class names unknown); string labels become indices
+    into their sorted set. ``what`` and each ``where`` place a label in errors
+    (``"manifest data/train.csv"``, ``"line 7"``).
+
+    Raises:
+        ConfigError: integers mixed with strings, naming the first label of each kind.
+    """
+    first_where, first = labels[0]
+    kind = type(first)
+    for where, label in labels:
+        if type(label) is not kind:
+            raise ConfigError(
+                f"{what} {where}: label {label!r} is a {type(label).__name__} but "
+                f"{first_where}'s is a {kind.__name__}; use all integers or all strings"
+            )
+    if kind is int:
+        return [int(label) for _, label in labels], None
+    class_names = sorted({str(label) for _, label in labels})
+    index = {name: i for i, name in enumerate(class_names)}
+    return [index[str(label)] for _, label in labels], class_names

@@ -12,7 +12,13 @@ from PIL import Image
 
 from featcache.errors import ConfigError
 from featcache.fingerprints import file_sha256, lines_sha256
-from featcache.sources.base import IMAGE_EXTENSIONS, SourceDataset, Transform, jsonl_objects
+from featcache.sources.base import (
+    IMAGE_EXTENSIONS,
+    SourceDataset,
+    Transform,
+    jsonl_objects,
+    label_indices,
+)
 from featcache.sources.decode import load_rgb
 from featcache.spec import DataSpec
 
@@ -120,19 +126,9 @@ def manifest_source(
             f"manifest {file} line {line}: no label, but other rows have one; "
             "label every row or none"
         )
-    kind = type(labelled[0][1])
-    for line, label in labelled:
-        if type(label) is not kind:
-            raise ConfigError(
-                f"manifest {file} line {line}: label {label!r} is a {type(label).__name__} but "
-                f"line {labelled[0][0]}'s is a {kind.__name__}; use all integers or all strings"
-            )
-    if kind is int:
-        int_labels = [int(label) for _, label in labelled]
-        return FileSource(paths, int_labels, ids, None, transform)
-    class_names = sorted({str(label) for _, label in labelled})
-    index = {name: i for i, name in enumerate(class_names)}
-    labels = [index[str(label)] for _, label in labelled]
+    labels, class_names = label_indices(
+        [(f"line {line}", label) for line, label in labelled], f"manifest {file}"
+    )
     return FileSource(paths, labels, ids, class_names, transform)
 
 

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.fingerprints import file_sha256
 from featcache.models.tokenizer import Tokenizer
-from featcache.sources.base import SourceDataset, jsonl_objects
+from featcache.sources.base import SourceDataset, jsonl_objects, label_indices
 from featcache.spec import DataSpec
 
 TOKENIZE_BLOCK = 1024  # texts per tokenizer call
@@ -398,15 +398,4 @@ def _labels(
         raise ConfigError(
             f"{file} {unlabeled}: no {column}, but other rows have one; label every row or none"
         )
-    kind = type(values[0][1])
-    for where, value in values:
-        if type(value) is not kind:
-            raise ConfigError(
-                f"{file} {where}: {column} {value!r} is a {type(value).__name__} but "
-                f"{values[0][0]}'s is a {kind.__name__}; use all integers or all strings"
-            )
-    if kind is int:
-        return [int(value) for _, value in values], None
-    class_names = sorted({str(value) for _, value in values})
-    index = {name: i for i, name in enumerate(class_names)}
-    return [index[str(value)] for _, value in values], class_names
+    return label_indices(values, str(file))

@@ -212,8 +212,7 @@ class FeatureStore:
         of the request is ``values[offsets[j]:offsets[j + 1]]``.
         """
         features = self._features(layer)
-        offsets = self.offsets
-        if offsets is None or not self.is_per_token(layer):
+        if not self.is_per_token(layer):
             raise ConfigError(f"layer {layer!r} holds one row per sample; read it with read()")
         n = len(self)
         picked = (
@@ -221,7 +220,16 @@ class FeatureStore:
             if isinstance(rows, slice)
             else row_numbers(rows, n)
         )
-        return read_token_rows(features, offsets, picked)
+        # Only the offsets of the rows asked for are read: a row at a time stays cheap.
+        first = int(picked.min()) if len(picked) else 0
+        last = int(picked.max()) + 1 if len(picked) else 0
+        offsets = self.file["offsets"]
+        try:
+            window = offsets[first : last + 1]
+        except OSError as exc:
+            raise_if_corrupt(offsets, range(first, last + 1), exc)
+            raise
+        return read_token_rows(features, window, picked - first)
 
     def dtype(self, layer: str) -> torch.dtype:
         """The torch dtype rows of ``layer`` come back as."""
