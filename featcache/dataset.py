@@ -25,6 +25,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from featcache.errors import ConfigError
 from featcache.store import codec
 from featcache.store.chunks import chunk_rows_of, row_bytes
+from featcache.store.fletcher import checksum_only
 from featcache.store.reader import (
     FeatureStore,
     StoreFile,
@@ -58,14 +59,18 @@ class FeatureDataset(Dataset):
     chunks instead and shuffles them in memory: the fast way to run shuffled epochs.
     ``in_memory=True`` loads the layers once and serves both from memory.
 
-    ``chunk_cache`` is the HDF5 chunk cache of each layer, in bytes (0: none). By default
-    a layer without filters gets none, so a random row costs a read of that row only, not
-    of its whole chunk; a filtered layer (checksummed, the default, or compressed) gets
-    ``max(4 MiB, 4 chunks)``: HDF5 reads and checks (or decompresses) a filtered chunk
-    whole, and the cache does it once while the rows of a sorted batch are taken from it.
+    A checksummed layer (the default) is read through
+    :class:`~featcache.store.checked.CheckedChunks`: each chunk is checked against its
+    Fletcher-32 checksum the first time this process's handle reads it, and from then on
+    a row costs a read of that row only. A chunk that fails its checksum raises
+    :class:`~featcache.errors.CorruptStoreError` naming the layer and the rows of that
+    chunk, from every read path, before any of its values are returned.
 
-    A chunk that fails its checksum raises :class:`~featcache.errors.CorruptStoreError`
-    naming the layer and the rows of that chunk, from every read path.
+    ``chunk_cache`` is the HDF5 chunk cache of each layer, in bytes (0: none). By default
+    a layer without filters, or with the checksum alone, gets none, so a random row costs
+    a read of that row only, not of its whole chunk; a compressed layer gets ``max(4 MiB,
+    4 chunks)``: HDF5 decompresses a chunk whole, and the cache does it once while the
+    rows of a sorted batch are taken from it.
 
     A layer of per-token rows (text models with ``reduce: none``) gives row ``i`` as
     ``[T_i, *shape]``; such rows differ in length, so they are read one batch at a time
@@ -132,7 +137,9 @@ class FeatureDataset(Dataset):
             self._storage[layer] = codec.torch_dtype(features.attrs["dtype"])
             rows = chunk_rows_of(features)
             chunk_rows.append(rows)
+            # Chunks with a checksum alone are read by featcache itself, not through the cache.
             filtered = features.id.get_create_plist().get_nfilters() > 0
+            filtered = filtered and not checksum_only(features)
             self._caches[layer] = _chunk_cache(rows * row_bytes(features), filtered, chunk_cache)
         # A block is the unit the shuffling reader reads: one chunk of the layer with the
         # most rows per chunk (with the usual ~1 MiB chunks, whole chunks of every layer).

@@ -265,12 +265,14 @@ def test_shuffled_batches_in_two_workers_give_every_row_once_per_epoch(rows_path
     assert orders[0] == orders[2] != orders[1]
 
 
-def test_chunk_cache_is_none_for_plain_chunks_and_holds_filtered_ones(tmp_path):
+def test_chunk_cache_is_none_for_plain_or_checksummed_chunks_and_holds_compressed_ones(
+    tmp_path,
+):
     plain = FeatureDataset(write_store(tmp_path / "p.h5", checksum=False), "a")
     assert plain.features("a").id.get_access_plist().get_chunk_cache()[:2] == (0, 0)
-    # A checksummed chunk is read and checked whole, so it is worth caching too.
+    # Checksummed chunks are checked once by featcache and then read row by row.
     summed = FeatureDataset(write_store(tmp_path / "s.h5"), "a")
-    assert summed.features("a").id.get_access_plist().get_chunk_cache()[1] > 0
+    assert summed.features("a").id.get_access_plist().get_chunk_cache()[:2] == (0, 0)
     path = write_store(
         tmp_path / "c.h5", 600, {"a": 1024}, chunk_rows=512, dtype="float32", compression="gzip"
     )

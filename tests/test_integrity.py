@@ -140,7 +140,7 @@ def test_scan_chunks_finds_exactly_the_bad_chunks(stores, tmp_path):
     (found,) = scan_chunks(bad)
     assert isinstance(found, BadChunk)
     assert (found.key, found.start, found.stop) == ("features/layer2", 16, 20)
-    assert "filter returned failure during read" in found.message
+    assert "Fletcher-32 checksum mismatch" in found.message
     assert scan_chunks(FeatureStore(bad)) == [found]
     labels = tmp_path / "labels.h5"
     labels.write_bytes(bad.read_bytes())

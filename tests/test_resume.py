@@ -20,6 +20,7 @@ import yaml
 import featcache
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.store import FeatureStore, partial_path
+from featcache.store import staged as store_staged
 
 KILL_CONFIG = {
     "model": {"name": "resnet18"},
@@ -170,20 +171,30 @@ def test_resume_refuses_a_partial_store_made_differently(resnet18, tmp_path):
 def test_full_disk_keeps_a_resumable_store(resnet18, tmp_path, monkeypatch):
     reference = featcache.extract(resnet18, Flaky(), LAYERS, tmp_path / "ref.h5", **OPTIONS)
     writes = {"n": 0}
-    original = h5py.Dataset.__setitem__
 
-    def setitem(self, key, value):
-        if self.name.startswith("/features/"):
+    def count_feature_write(dataset):
+        if dataset.name.startswith("/features/"):
             writes["n"] += 1
             if writes["n"] > 9:
                 raise OSError(errno.ENOSPC, "No space left on device")
+
+    original = h5py.Dataset.__setitem__
+    original_chunk = store_staged.write_chunk
+
+    def setitem(self, key, value):
+        count_feature_write(self)
         return original(self, key, value)
 
+    def write_chunk(dataset, row, stored):  # whole checksummed chunks are written as stored
+        count_feature_write(dataset)
+        return original_chunk(dataset, row, stored)
+
     monkeypatch.setattr(h5py.Dataset, "__setitem__", setitem)
+    monkeypatch.setattr(store_staged, "write_chunk", write_chunk)
     path = tmp_path / "s.h5"
     with pytest.raises(FeatcacheError, match="disk full while writing .*s.h5; free space"):
         featcache.extract(resnet18, Flaky(), LAYERS, path, **OPTIONS)
-    monkeypatch.setattr(h5py.Dataset, "__setitem__", original)
+    monkeypatch.undo()
     durable = FeatureStore(path, allow_incomplete=True).rows_written
     assert 0 < durable < 40
     featcache.extract(resnet18, Flaky(), LAYERS, path, **OPTIONS)

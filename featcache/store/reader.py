@@ -13,6 +13,7 @@ import torch
 
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.store import codec
+from featcache.store.checked import checked_chunks
 from featcache.store.integrity import raise_if_corrupt
 from featcache.store.paths import PARTIAL_SUFFIX, partial_path, readable_path
 from featcache.store.skipped import read_skipped
@@ -342,10 +343,15 @@ def read_rows(dataset: h5py.Dataset, rows: slice | np.ndarray) -> torch.Tensor:
     checksum raises :class:`~featcache.errors.CorruptStoreError` naming its rows.
     """
     if isinstance(rows, slice):
+        start, stop, step = rows.indices(len(dataset))
+        if step == 1 and checked_chunks(dataset) is not None:
+            array = np.empty((max(stop - start, 0), *dataset.shape[1:]), dtype=dataset.dtype)
+            read_runs(dataset, [(start, stop)] if stop > start else [], array)
+            return codec.decode(array, str(dataset.attrs.get("dtype", "")))
         try:
             array = np.ascontiguousarray(dataset[rows])
         except OSError as exc:
-            raise_if_corrupt(dataset, range(*rows.indices(len(dataset))), exc)
+            raise_if_corrupt(dataset, range(start, stop, step), exc)
             raise
     else:
         unique, inverse = np.unique(rows, return_inverse=True)
@@ -386,11 +392,14 @@ def read_runs(
     checksum raises :class:`~featcache.errors.CorruptStoreError` naming its rows."""
     row_bytes = max(out.dtype.itemsize * int(np.prod(out.shape[1:], dtype=np.int64)), 1)
     direct_rows = max(DIRECT_READ_BYTES // row_bytes, 1)
+    checked = checked_chunks(dataset)
     start = stop = 0
     try:
         for start, stop in runs:
             rows = stop - start
-            if rows >= direct_rows:
+            if checked is not None:
+                checked.read(dataset, start, stop, out[at : at + rows])
+            elif rows >= direct_rows:
                 dataset.read_direct(out, np.s_[start:stop], np.s_[at : at + rows])
             else:
                 out[at : at + rows] = dataset[start:stop]

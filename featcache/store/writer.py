@@ -21,6 +21,7 @@ from featcache.store.merge import copy_store
 from featcache.store.paths import partial_path, skipped_log_path
 from featcache.store.resume import ResumePoint
 from featcache.store.skipped import rewrite_log, write_skipped
+from featcache.store.staged import Staged
 
 MARK_SECONDS = 0.5  # how often durable progress is recorded while writing
 
@@ -41,7 +42,9 @@ class StoreWriter:
     compresses if asked (a copy into a new file), and renames the store into place.
 
     With ``checksum`` (the default) every chunked dataset (features, labels, index, ids)
-    gets HDF5's Fletcher-32 filter: each chunk carries a checksum that every read checks.
+    gets HDF5's Fletcher-32 filter: each chunk carries a checksum that HDF5 checks on
+    every read (and featcache's readers once per open store). Whole chunks are written
+    as stored, their checksum computed by :mod:`~featcache.store.fletcher`.
     A resumed store keeps the filters it was created with.
 
     Per-token rows: a layer appended as *ragged* (its values packed as ``[tokens, ...]``,
@@ -85,8 +88,8 @@ class StoreWriter:
         self.token_capacity = token_capacity
         self.tokens_appended = 0  # set from /offsets on resume
         self.file: h5py.File | None = None
-        self._staging: dict[str, _Staged] = {}
-        self._token_staging: list[_Staged] = []  # the staged datasets indexed by token
+        self._staging: dict[str, Staged] = {}
+        self._token_staging: list[Staged] = []  # the staged datasets indexed by token
         # End offsets of the rows appended since row ``_ends_base`` whose durability is
         # not yet known (per-token stores only; trimmed at every mark).
         self._ends = np.empty(0, dtype=np.int64)
@@ -178,17 +181,17 @@ class StoreWriter:
     def _stage(self) -> None:
         f = self.file
         assert f is not None
-        staging = {name: _Staged(f[name], self.start_row) for name in self._meta_dtypes()}
+        staging = {name: Staged(f[name], self.start_row) for name in self._meta_dtypes()}
         tokens = self.tokens_appended
         if "offsets" in f:
-            staging["offsets"] = _Staged(f["offsets"], self.start_row, lead=1)
+            staging["offsets"] = Staged(f["offsets"], self.start_row, lead=1)
             if "token_ids" in f:
-                staging["token_ids"] = _Staged(f["token_ids"], tokens, per_token=True)
+                staging["token_ids"] = Staged(f["token_ids"], tokens, per_token=True)
         for key, dataset in f["features"].items():
             if dataset.attrs.get("layout") == "tokens":
-                staging[f"features/{key}"] = _Staged(dataset, tokens, per_token=True)
+                staging[f"features/{key}"] = Staged(dataset, tokens, per_token=True)
             else:
-                staging[f"features/{key}"] = _Staged(dataset, self.start_row)
+                staging[f"features/{key}"] = Staged(dataset, self.start_row)
         self._staging = staging
         self._token_staging = [staged for staged in staging.values() if staged.per_token]
 
@@ -404,41 +407,3 @@ def _allocate(
     return group.create_dataset(
         name, shape=shape, dtype=dtype, dcpl=dcpl, fill_time="never", **options
     )
-
-
-class _Staged:
-    """One dataset plus a one-chunk staging buffer; writes whole chunks (the first write
-    after a resume may complete a chunk that was partly written).
-
-    ``start`` is the first row (or token, for a ``per_token`` dataset) to write. A dataset
-    indexed by row may hold ``lead`` entries before row 0 (``/offsets``: its leading 0).
-    """
-
-    def __init__(
-        self, dataset: h5py.Dataset, start: int, *, lead: int = 0, per_token: bool = False
-    ):
-        self.dataset = dataset
-        self.lead = lead
-        self.per_token = per_token
-        self.item_shape = tuple(dataset.shape[1:])
-        self.chunk_rows = dataset.chunks[0] if dataset.chunks else len(dataset)
-        self.buffer = np.empty((self.chunk_rows, *self.item_shape), dtype=dataset.dtype)
-        self.filled = 0  # entries in the buffer
-        self.flushed = start + lead  # entries written to the file
-
-    def push(self, rows: np.ndarray) -> None:
-        start = 0
-        while start < len(rows):
-            room = self.chunk_rows - (self.flushed + self.filled) % self.chunk_rows
-            take = min(room, len(rows) - start)
-            self.buffer[self.filled : self.filled + take] = rows[start : start + take]
-            self.filled += take
-            start += take
-            if (self.flushed + self.filled) % self.chunk_rows == 0:
-                self.flush()
-
-    def flush(self) -> None:
-        if self.filled:
-            self.dataset[self.flushed : self.flushed + self.filled] = self.buffer[: self.filled]
-            self.flushed += self.filled
-            self.filled = 0

@@ -1,0 +1,141 @@
+"""Reading checksummed chunks once: check each chunk the first time, then read rows raw.
+
+HDF5 checks a Fletcher-32 chunk on every read, and to check it reads the chunk whole: a
+random row costs a whole chunk and its checksum, again and again. :class:`CheckedChunks`
+checks each chunk of a dataset the first time it is read through it (the chunk's stored
+bytes read with ``preadv`` and summed by :func:`~featcache.store.fletcher.fletcher32`),
+remembers where the chunk lies in the file, and from then on reads the rows asked for
+straight from there. A chunk that fails its checksum raises
+:class:`~featcache.errors.CorruptStoreError` naming its rows, before any of its values
+are returned.
+
+It applies to a chunked dataset whose only filter is Fletcher-32 (featcache's default),
+in a file opened with HDF5's default (POSIX) driver on a system with ``os.preadv``;
+anything else, and a chunk not stored as plain bytes plus checksum, is read by HDF5 as
+usual.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import h5py
+import numpy as np
+
+from featcache.store.chunks import row_bytes
+from featcache.store.fletcher import CHECKSUM_BYTES, checksum_only, fletcher32
+from featcache.store.integrity import BadChunk, corrupt_store_error
+
+UNCHECKED = -1  # address of a chunk not read yet
+BY_HDF5 = -2  # a chunk HDF5 reads itself (not stored as plain bytes plus checksum)
+
+
+class CheckedChunks:
+    """Row reads of one checksummed dataset, each chunk checked on its first read."""
+
+    def __init__(self, dataset: h5py.Dataset):
+        self.chunk_rows = int(dataset.chunks[0])
+        self.row_bytes = row_bytes(dataset)
+        self.chunk_bytes = self.chunk_rows * self.row_bytes
+        chunks = -(-len(dataset) // self.chunk_rows)
+        self.addresses = np.full(chunks, UNCHECKED, dtype=np.int64)
+        self.fd = int(dataset.file.id.get_vfd_handle())  # valid while the dataset is open
+
+    def read(self, dataset: h5py.Dataset, start: int, stop: int, out: np.ndarray) -> None:
+        """Copy rows ``[start, stop)`` of ``dataset`` (the one this was made for) into
+        ``out``: ``stop - start`` rows of its dtype and row shape, C-contiguous."""
+        if not dataset.id.valid:  # its file was closed: let h5py say so
+            dataset.read_direct(out, np.s_[start:stop])
+            return
+        for chunk in range(start // self.chunk_rows, -(-stop // self.chunk_rows)):
+            first = max(start, chunk * self.chunk_rows)
+            last = min(stop, (chunk + 1) * self.chunk_rows)
+            target = out[first - start : last - start]
+            address = self.addresses[chunk]
+            if not target.flags.c_contiguous:
+                dataset.read_direct(target, np.s_[first:last])
+            elif address == UNCHECKED:
+                address = self.addresses[chunk] = self._check(dataset, chunk, first, last, target)
+            elif address == BY_HDF5:
+                dataset.read_direct(target, np.s_[first:last])
+            else:
+                skip = (first - chunk * self.chunk_rows) * self.row_bytes
+                _pread_into(self.fd, target, int(address) + skip)
+
+    def _check(
+        self, dataset: h5py.Dataset, chunk: int, first: int, last: int, target: np.ndarray
+    ) -> int:
+        """Read chunk ``chunk`` whole, check it, copy rows ``[first, last)`` of it into
+        ``target``; returns its address in the file (or :data:`BY_HDF5`)."""
+        start = chunk * self.chunk_rows
+        origin = (start, *(0 for _ in dataset.shape[1:]))
+        info = dataset.id.get_chunk_info_by_coord(origin)
+        stored = self.chunk_bytes + CHECKSUM_BYTES
+        if info.byte_offset is None or info.size != stored or info.filter_mask != 0:
+            dataset.read_direct(target, np.s_[first:last])
+            return BY_HDF5
+        whole = last - first == self.chunk_rows  # the rows asked for fill the chunk
+        data = target if whole else np.empty(self.chunk_bytes, dtype=np.uint8)
+        checksum = np.empty(CHECKSUM_BYTES, dtype=np.uint8)
+        _pread_into(self.fd, [data, checksum], info.byte_offset)
+        expected = int.from_bytes(checksum.tobytes(), "little")
+        found = fletcher32(data)
+        if found != expected:
+            stop = min(start + self.chunk_rows, len(dataset))
+            detail = (
+                f"Fletcher-32 of the chunk at byte {info.byte_offset} of "
+                f"{dataset.file.filename} is {found:#010x}, stored {expected:#010x}"
+            )
+            bad = BadChunk(dataset.name.lstrip("/"), start, stop, detail)
+            raise corrupt_store_error(dataset, bad) from OSError(detail)
+        if not whole:
+            rows = data.view(dataset.dtype).reshape(self.chunk_rows, *dataset.shape[1:])
+            target[...] = rows[first - start : last - start]
+        return int(info.byte_offset)
+
+
+# Keyed by the identity of the h5py object, not by equality: two handles on one dataset
+# compare equal, but each has its own file (which may since have been replaced).
+_CHECKED: dict[int, tuple[weakref.ref, CheckedChunks | None]] = {}
+
+
+def checked_chunks(dataset: h5py.Dataset) -> CheckedChunks | None:
+    """The :class:`CheckedChunks` of this dataset object, made on its first read and
+    dropped with it; None when HDF5 reads it as usual."""
+    key = id(dataset)
+    entry = _CHECKED.get(key)
+    if entry is None or entry[0]() is not dataset:
+        chunks = CheckedChunks(dataset) if _readable_raw(dataset) else None
+        entry = _CHECKED[key] = (weakref.ref(dataset, _forget), chunks)
+    return entry[1]
+
+
+def _forget(ref: weakref.ref) -> None:
+    """Drop the entry of a dataset object that is gone (unless its id was reused)."""
+    for key, (known, _) in list(_CHECKED.items()):
+        if known is ref:
+            del _CHECKED[key]
+
+
+def _readable_raw(dataset: h5py.Dataset) -> bool:
+    """Whether rows can be read straight from ``dataset``'s chunks in the file."""
+    if not hasattr(os, "preadv") or dataset.file.driver != "sec2":
+        return False  # positioned reads into a buffer: POSIX systems only
+    if not checksum_only(dataset):
+        return False
+    return tuple(dataset.chunks[1:]) == tuple(dataset.shape[1:])  # rows are contiguous
+
+
+def _pread_into(fd: int, targets: np.ndarray | list[np.ndarray], offset: int) -> None:
+    """Fill ``targets`` (C-contiguous arrays, one after the other) with the file's bytes
+    from ``offset``."""
+    views = [t.data.cast("B") for t in (targets if isinstance(targets, list) else [targets])]
+    for view in views:
+        done = 0
+        while done < len(view):  # preadv may return fewer bytes than asked
+            got = os.preadv(fd, [view[done:]], offset)
+            if got == 0:
+                raise OSError(f"unexpected end of file at byte {offset}")
+            done += got
+            offset += got

@@ -1,0 +1,84 @@
+"""HDF5's Fletcher-32 chunk checksum, computed with numpy: bit-exact, several times faster.
+
+HDF5's filter reads a chunk as big-endian 16-bit words ``w_0 .. w_{n-1}`` and keeps two
+running sums, folded to 16 bits as it goes: ``sum1 = w_0 + ... + w_k`` and ``sum2`` the
+sum of every ``sum1`` so far. Folding ``x`` to ``(x & 0xffff) + (x >> 16)`` keeps ``x``
+modulo 65535 and keeps a positive number positive, so the stored halves are
+
+* ``sum1 = S1 mod 65535`` and ``sum2 = S2 mod 65535``, where ``S1 = sum(w_i)`` and
+  ``S2 = sum((n - i) * w_i)``, except that a positive multiple of 65535 is stored as
+  65535, not 0 (it is 0 only for a chunk of zero bytes);
+* stored after the data as a little-endian ``(sum2 << 16) | sum1``.
+
+Two facts make this a few numpy reductions: a big-endian word is 256 times the
+little-endian word of the same two bytes, modulo 65535 (because ``65536 = 1``), and with
+the words laid out as a ``[M, K]`` matrix, ``sum(i * w_i) = K * sum(m * R_m) +
+sum(j * C_j)`` for its row sums ``R`` and column sums ``C``. Those sums run over 16-bit
+values in 32-bit accumulators and release the GIL, so a writer or reader thread checks a
+chunk without holding up the forward.
+"""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+
+MODULUS = 65535
+WIDTH = 2048  # words per row of the [M, K] matrix: K * 65535 fits in 32 bits
+MAX_ROWS = 65536  # rows summed per column in 32 bits before an overflow could occur
+CHECKSUM_BYTES = 4
+
+
+def fletcher32(data: bytes | bytearray | memoryview | np.ndarray) -> int:
+    """The Fletcher-32 checksum HDF5 stores after a chunk of ``data`` (its raw bytes)."""
+    if isinstance(data, np.ndarray):
+        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    else:
+        raw = np.frombuffer(data, dtype=np.uint8)
+    odd = len(raw) % 2
+    words = raw[: len(raw) - odd].view("<u2")
+    n = len(words)
+    s1 = s2 = 0  # exact sums over the little-endian words, as Python ints
+    for first in range(0, n - n % WIDTH, WIDTH * MAX_ROWS):
+        block = words[first : min(first + WIDTH * MAX_ROWS, n - n % WIDTH)]
+        matrix = block.reshape(-1, WIDTH)
+        rows = matrix.sum(axis=1, dtype=np.uint32).astype(np.uint64)
+        cols = matrix.sum(axis=0, dtype=np.uint32).astype(np.uint64)
+        total = int(rows.sum())
+        # sum over the block of (n - i) * w_i, with i = first + m * WIDTH + j
+        weighted = WIDTH * int(np.arange(len(rows), dtype=np.uint64) @ rows) + int(
+            np.arange(WIDTH, dtype=np.uint64) @ cols
+        )
+        s1 += total
+        s2 += (n - first) * total - weighted
+    tail = words[n - n % WIDTH :].astype(np.uint64)
+    if len(tail):
+        s1 += int(tail.sum())
+        s2 += int((n - np.arange(n - len(tail), n, dtype=np.uint64)) @ tail)
+    # Big-endian words are 256 times the little-endian ones, modulo 65535.
+    sum1, sum2 = 256 * s1, 256 * s2
+    if odd:  # the last byte counts as the high byte of one more word
+        last = int(raw[-1]) << 8
+        sum2 += sum1 + last
+        sum1 += last
+    return (_fold(sum2) << 16) | _fold(sum1)
+
+
+def _fold(value: int) -> int:
+    """``value`` modulo 65535 as HDF5 keeps it: 65535 for a positive multiple of 65535."""
+    if value == 0:
+        return 0
+    return value % MODULUS or MODULUS
+
+
+def checksum_bytes(data: bytes | bytearray | memoryview | np.ndarray) -> bytes:
+    """The four bytes HDF5 stores after ``data`` in a chunk written with Fletcher-32."""
+    return fletcher32(data).to_bytes(CHECKSUM_BYTES, "little")
+
+
+def checksum_only(dataset: h5py.Dataset) -> bool:
+    """Whether ``dataset`` is chunked with Fletcher-32 as its only filter: each chunk is
+    stored as its raw bytes followed by their checksum."""
+    if dataset.chunks is None or not dataset.fletcher32:
+        return False
+    return dataset.id.get_create_plist().get_nfilters() == 1

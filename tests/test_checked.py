@@ -1,0 +1,99 @@
+"""Checked chunk reads: rows read straight from checksummed chunks equal HDF5's reads, a
+chunk is checked once per dataset object, and a bad chunk fails before its rows return."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from featcache.errors import CorruptStoreError
+from featcache.store import FeatureStore, StoreWriter, codec, read_rows
+from featcache.store import checked as checked_module
+from featcache.store.checked import checked_chunks
+from featcache.store.reader import read_runs
+
+
+def _store(path, rows=23, dtype="float16", checksum=True, compression=None):
+    """Rows of seeded normal values in layer ``a`` ([3, 5]), 4 rows per chunk."""
+    values = torch.from_numpy(np.random.default_rng(2).standard_normal((rows, 3, 5)))
+    writer = StoreWriter(
+        path, rows, ids_width=2, chunk_rows=4, dtype=dtype, checksum=checksum,
+        compression=compression,
+    )  # fmt: skip
+    index = np.arange(rows)
+    encoded = codec.to_numpy(codec.encode(values.float(), dtype))
+    writer.append(index, [str(i) for i in index], index, {"a": encoded})
+    writer.close(complete=True)
+    return path, encoded
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_rows_read_from_checked_chunks_equal_hdf5s(tmp_path, dtype):
+    path, encoded = _store(tmp_path / "s.h5", dtype=dtype)
+    with h5py.File(path, "r") as f:
+        dataset = f["features/a"]
+        assert checked_chunks(dataset) is not None
+        for rows in ([22, 0, 5, 5, 13], [3, 4], list(range(23)), [21, 22]):
+            got = codec.as_array(read_rows(dataset, np.array(rows)))
+            np.testing.assert_array_equal(got, encoded[rows])
+        for part in (slice(None), slice(2, 19), slice(20, 23), slice(8, 8)):
+            np.testing.assert_array_equal(codec.as_array(read_rows(dataset, part)), encoded[part])
+        out = np.zeros((9, 3, 5), dtype=dataset.dtype)
+        read_runs(dataset, [(1, 3), (14, 21)], out, at=0)
+        np.testing.assert_array_equal(out, encoded[np.r_[1:3, 14:21]])
+
+
+def test_each_chunk_is_checked_once_per_dataset_object(tmp_path, monkeypatch):
+    path, _ = _store(tmp_path / "s.h5")
+    sums = []
+    original = checked_module.fletcher32
+    monkeypatch.setattr(checked_module, "fletcher32", lambda data: sums.append(1) or original(data))
+    with h5py.File(path, "r") as f:
+        dataset = f["features/a"]
+        for row in [1, 2, 3, 1, 0]:  # all in chunk 0
+            read_rows(dataset, np.array([row]))
+        assert len(sums) == 1
+        read_rows(dataset, slice(None))  # the other five chunks
+        assert len(sums) == 6
+        read_rows(f["features/a"], np.array([1]))  # a new dataset object checks again
+        assert len(sums) == 7
+
+
+def test_a_bad_chunk_fails_even_after_its_neighbours_were_read(tmp_path):
+    path, encoded = _store(tmp_path / "s.h5")
+    with h5py.File(path, "r+") as f:
+        info = f["features/a"].id.get_chunk_info_by_coord((8, 0, 0))  # rows 8-11
+    with open(path, "r+b") as raw:
+        raw.seek(info.byte_offset + 7)
+        byte = raw.read(1)[0]
+        raw.seek(info.byte_offset + 7)
+        raw.write(bytes([byte ^ 0x10]))
+    with FeatureStore(path) as store:
+        np.testing.assert_array_equal(codec.as_array(store.read("a", slice(0, 8))), encoded[:8])
+        with pytest.raises(CorruptStoreError, match="layer a rows 8-11 fail their checksum"):
+            store.read("a", [9])
+        with pytest.raises(CorruptStoreError, match="rows 8-11") as caught:
+            store.read("a", slice(4, 12))
+        assert "Fletcher-32 of the chunk at byte" in str(caught.value.__cause__)
+
+
+@pytest.mark.parametrize("options", [{"checksum": False}, {"compression": "gzip"}])
+def test_stores_without_plain_checksummed_chunks_are_read_by_hdf5(tmp_path, options):
+    path, encoded = _store(tmp_path / "s.h5", **options)
+    with h5py.File(path, "r") as f:
+        assert checked_chunks(f["features/a"]) is None
+        np.testing.assert_array_equal(read_rows(f["features/a"], np.array([5, 1])), encoded[[5, 1]])
+
+
+def test_a_dataset_whose_file_was_closed_is_not_read_from_a_stale_descriptor(tmp_path):
+    path, encoded = _store(tmp_path / "s.h5")
+    f = h5py.File(path, "r")
+    dataset = f["features/a"]
+    np.testing.assert_array_equal(codec.as_array(read_rows(dataset, np.array([2]))), encoded[[2]])
+    f.close()
+    with open(tmp_path / "other", "wb") as other:  # may take the closed descriptor's number
+        other.write(bytes(4096))
+        with pytest.raises((ValueError, OSError, RuntimeError)):
+            read_rows(dataset, np.array([2]))

@@ -1,0 +1,101 @@
+"""featcache's Fletcher-32 against the checksums HDF5 itself stores, and the writer's
+whole chunks (written as stored, with that checksum) against HDF5's own reads."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from featcache.store import StoreWriter, codec, scan_chunks
+from featcache.store.fletcher import checksum_bytes, checksum_only, fletcher32
+
+
+def _reference(data: bytes) -> int:
+    """HDF5's algorithm, word by word (H5_checksum_fletcher32), for small inputs."""
+    sum1 = sum2 = 0
+    words = [(data[i] << 8) | data[i + 1] for i in range(0, len(data) - 1, 2)]
+    for first in range(0, len(words), 360):
+        for word in words[first : first + 360]:
+            sum1 += word
+            sum2 += sum1
+        sum1 = (sum1 & 0xFFFF) + (sum1 >> 16)
+        sum2 = (sum2 & 0xFFFF) + (sum2 >> 16)
+    if len(data) % 2:
+        sum1 += data[-1] << 8
+        sum2 += sum1
+        sum1 = (sum1 & 0xFFFF) + (sum1 >> 16)
+        sum2 = (sum2 & 0xFFFF) + (sum2 >> 16)
+    sum1 = (sum1 & 0xFFFF) + (sum1 >> 16)
+    sum2 = (sum2 & 0xFFFF) + (sum2 >> 16)
+    return (sum2 << 16) | sum1
+
+
+@pytest.mark.parametrize("size", [0, 1, 2, 3, 719, 720, 4096, 4097, 3 * 4096 + 5, 10_000])
+def test_matches_hdf5s_algorithm_on_random_bytes(size):
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    assert fletcher32(data) == _reference(data)
+
+
+@pytest.mark.parametrize("data", [bytes(9), b"\xff" * 8194, b"\xff" * 8192 + b"\x01"])
+def test_sums_that_are_multiples_of_65535_are_kept_as_hdf5_keeps_them(data):
+    assert fletcher32(data) == _reference(data)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape", "chunks"),
+    [
+        ("float16", (64, 8192), (32, 8192)),  # 512 KiB chunks
+        ("uint16", (8, 4096), (8, 4096)),  # every word 0xffff
+        ("uint8", (9, 333), (3, 333)),  # odd chunk sizes
+        ("float32", (40, 3000), (40, 3000)),  # zeros
+    ],
+)
+def test_matches_the_checksums_hdf5_stores(tmp_path, dtype, shape, chunks):
+    rng = np.random.default_rng(0)
+    if dtype == "uint16":
+        values = np.full(shape, 0xFFFF, dtype=dtype)
+    elif dtype == "float32":
+        values = np.zeros(shape, dtype=dtype)
+    elif dtype == "uint8":
+        values = rng.integers(0, 256, shape, dtype=np.uint8)
+    else:
+        values = rng.standard_normal(shape).astype(dtype)
+    with h5py.File(tmp_path / "f.h5", "w") as f:
+        dataset = f.create_dataset("x", data=values, chunks=chunks, fletcher32=True)
+        assert checksum_only(dataset)
+        for i in range(dataset.id.get_num_chunks()):
+            _, stored = dataset.id.read_direct_chunk(dataset.id.get_chunk_info(i).chunk_offset)
+            assert checksum_bytes(stored[:-4]) == stored[-4:]
+
+
+def test_only_a_checksum_alone_counts_as_checksum_only(tmp_path):
+    with h5py.File(tmp_path / "f.h5", "w") as f:
+        plain = f.create_dataset("plain", shape=(8, 4), dtype="f4", chunks=(4, 4))
+        both = f.create_dataset(
+            "both", shape=(8, 4), dtype="f4", chunks=(4, 4), fletcher32=True, compression="gzip"
+        )
+        assert not checksum_only(plain) and not checksum_only(both)
+
+
+def test_chunks_the_writer_writes_as_stored_pass_hdf5s_own_check(tmp_path):
+    rows = 21  # five whole chunks of 4 rows, written as stored, and a partial one
+    values = np.random.default_rng(1).standard_normal((rows, 6, 5)).astype(np.float32)
+    path = tmp_path / "s.h5"
+    writer = StoreWriter(path, rows, ids_width=2, chunk_rows=4)
+    index = np.arange(rows)
+    encoded = codec.to_numpy(codec.encode(torch.from_numpy(values), "float16"))
+    for start in range(0, rows, 7):  # batches that straddle chunks
+        stop = min(start + 7, rows)
+        writer.append(
+            index[start:stop],
+            [str(i) for i in index[start:stop]],
+            index[start:stop],
+            {"a": encoded[start:stop]},
+        )
+    writer.close(complete=True)
+    assert scan_chunks(path) == []  # HDF5 reads and checks every chunk
+    with h5py.File(path, "r") as f:
+        np.testing.assert_array_equal(f["features/a"][:], encoded)
+        np.testing.assert_array_equal(f["labels"][:], index)
