@@ -153,7 +153,8 @@ def _check_stored_chunk(dataset: h5py.Dataset, start: int) -> None:
     """Check the chunk at row ``start`` with featcache's Fletcher-32 (a few times faster
     than HDF5's filter); raises OSError when it does not match."""
     _, stored = dataset.id.read_direct_chunk((start, *(0 for _ in dataset.shape[1:])))
-    data, expected = stored[:-CHECKSUM_BYTES], stored[-CHECKSUM_BYTES:]
+    view = memoryview(stored)  # slices of bytes would copy them
+    data, expected = view[:-CHECKSUM_BYTES], view[-CHECKSUM_BYTES:]
     if checksum_bytes(data) != expected:
         raise OSError("Fletcher-32 checksum mismatch (the chunk's bytes changed)")
 
