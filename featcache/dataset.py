@@ -12,19 +12,22 @@ Two ways to get shuffled batches out of a store:
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import Dataset
 
 from featcache.errors import ConfigError
+from featcache.shuffled_batches import ShuffledBatches
 from featcache.store import codec
-from featcache.store.chunks import chunk_rows_of, row_bytes
+from featcache.store.chunks import chunk_cache_for, chunk_rows_of, row_bytes
 from featcache.store.fletcher import checksum_only
 from featcache.store.reader import (
     FeatureStore,
@@ -38,8 +41,6 @@ from featcache.store.reader import (
 Features = torch.Tensor | dict[str, torch.Tensor]
 Batch = tuple[Features, torch.Tensor] | tuple[Features, torch.Tensor, torch.Tensor]
 
-CACHE_FLOOR_BYTES = 4 << 20  # smallest chunk cache given to a filtered layer
-CACHE_CHUNKS = 4  # whole chunks a filtered layer's cache holds, at least
 BUFFER_BLOCKS = 64  # default shuffle buffer: this many blocks ...
 BUFFER_BYTES = 64 << 20  # ... but no more than this many stored bytes
 
@@ -123,7 +124,7 @@ class FeatureDataset(Dataset):
         store.close()
         # Opened in each process on first read; an incomplete store is read from its .partial.
         self._handle = StoreFile(self.path)
-        self._spare: dict[str, torch.Tensor] | None = None  # shuffle buffers, for reuse
+        self._spare: list[dict[str, torch.Tensor]] | None = None  # read buffers, reused
 
     def _read_layouts(self, store: FeatureStore, chunk_cache: int | None) -> None:
         """Each layer's item shape, stored dtype and chunk cache, and :attr:`block_rows`."""
@@ -140,7 +141,7 @@ class FeatureDataset(Dataset):
             # Chunks with a checksum alone are read by featcache itself, not through the cache.
             filtered = features.id.get_create_plist().get_nfilters() > 0
             filtered = filtered and not checksum_only(features)
-            self._caches[layer] = _chunk_cache(rows * row_bytes(features), filtered, chunk_cache)
+            self._caches[layer] = chunk_cache_for(rows * row_bytes(features), filtered, chunk_cache)
         # A block is the unit the shuffling reader reads: one chunk of the layer with the
         # most rows per chunk (with the usual ~1 MiB chunks, whole chunks of every layer).
         self.block_rows = max(1, min(max(chunk_rows), self.num_rows))
@@ -208,6 +209,7 @@ class FeatureDataset(Dataset):
         buffer_rows: int | None = None,
         drop_last: bool = False,
         with_index: bool = False,
+        read_ahead: bool = True,
     ) -> Iterator[Batch]:
         """One epoch of batches, read chunk by chunk: ``(features, labels)`` each.
 
@@ -221,12 +223,15 @@ class FeatureDataset(Dataset):
         blocks, at most 64 MiB of stored data), and batches are drawn from a random
         permutation of the buffer; rows left over at the end of a buffer join the next
         one. The order depends only on ``seed`` and ``epoch``. With ``shuffle=False`` the
-        rows come in store order. Reading from the file, the dataset keeps its buffers for
-        the next epoch.
+        rows come in store order. Reading from the file, the buffers are kept for the next
+        epoch; with ``read_ahead`` (the default) a thread reads and checks the next
+        buffer's blocks while batches are drawn from the current one, which takes a
+        second buffer.
         """
         return self._batches(
-            batch_size, shuffle, seed, epoch, buffer_rows, drop_last, with_index, 0, 1
-        )
+            batch_size, shuffle, seed, epoch, buffer_rows, drop_last, with_index, 0, 1,
+            read_ahead=read_ahead,
+        )  # fmt: skip
 
     def shuffled(self, batch_size: int, **options: Any) -> ShuffledBatches:
         """:class:`ShuffledBatches` over this dataset (same options as :meth:`batches`)."""
@@ -243,6 +248,8 @@ class FeatureDataset(Dataset):
         with_index: bool,
         shard: int,
         shards: int,
+        *,
+        read_ahead: bool = True,
     ) -> Iterator[Batch]:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -269,7 +276,9 @@ class FeatureDataset(Dataset):
             per_buffer = min(BUFFER_BLOCKS, BUFFER_BYTES // max(block_bytes, 1))
         else:
             per_buffer = buffer_rows // self.block_rows
-        return self._read_blocks(starts, max(per_buffer, 1), batch_size, rng, drop_last, with_index)
+        return self._read_blocks(
+            starts, max(per_buffer, 1), batch_size, rng, drop_last, with_index, read_ahead
+        )
 
     def _read_blocks(
         self,
@@ -279,27 +288,39 @@ class FeatureDataset(Dataset):
         rng: np.random.Generator | None,
         drop_last: bool,
         with_index: bool,
+        read_ahead: bool,
     ) -> Iterator[Batch]:
         # In memory, batches are gathered straight from the layers by row number. From the
-        # file, the blocks are read into one buffer per layer and batches are gathered
-        # from it by position; the buffers are reused for the next buffer's worth of
-        # blocks, and kept for the next epoch (fresh pages cost as much as the read).
-        buffers = self._memory
-        if buffers is None:
-            capacity = min(per_buffer * self.block_rows + batch_size, self.num_rows)
-            buffers, self._spare = self._spare, None
-            if buffers is None or any(len(b) < capacity for b in buffers.values()):
-                buffers = {
-                    layer: torch.empty((capacity, *self.shapes[layer]), dtype=self._storage[layer])
-                    for layer in self.layers
-                }
+        # file, blocks are read into a buffer (one tensor per layer) and batches gathered
+        # from it by position; reading ahead, the next blocks go into a second buffer
+        # meanwhile. The buffers are reused, and kept for the next epoch (fresh pages cost
+        # as much as the read).
+        shuffle = functools.partial(
+            self._shuffle_blocks, starts, per_buffer, batch_size, rng, drop_last, with_index
+        )
+        if self._memory is not None:
+            yield from shuffle(None, None)
+            return
+        capacity = min(per_buffer * self.block_rows + batch_size, self.num_rows)
+        kept, self._spare = self._spare, None
+        kept = [b for b in kept or [] if all(len(t) >= capacity for t in b.values())]
+        while len(kept) < (2 if read_ahead else 1):
+            kept.append(self._new_buffers(capacity))
+        pair = kept[:2] if read_ahead else [kept[0], kept[0]]
         try:
-            yield from self._shuffle_blocks(
-                starts, per_buffer, batch_size, rng, drop_last, with_index, buffers
-            )
+            if not read_ahead:
+                yield from shuffle(pair, None)
+                return
+            with ThreadPoolExecutor(1, thread_name_prefix="featcache-read") as reader:
+                yield from shuffle(pair, reader)
         finally:
-            if self._memory is None:
-                self._spare = buffers
+            self._spare = kept
+
+    def _new_buffers(self, capacity: int) -> dict[str, torch.Tensor]:
+        return {
+            layer: torch.empty((capacity, *self.shapes[layer]), dtype=self._storage[layer])
+            for layer in self.layers
+        }
 
     def _shuffle_blocks(
         self,
@@ -309,27 +330,42 @@ class FeatureDataset(Dataset):
         rng: np.random.Generator | None,
         drop_last: bool,
         with_index: bool,
-        buffers: dict[str, torch.Tensor],
+        pair: list[dict[str, torch.Tensor]] | None,
+        reader: ThreadPoolExecutor | None,
     ) -> Iterator[Batch]:
+        """Batches from blocks read into ``pair`` (buffer ``t % 2`` holds the ``t``-th group
+        of blocks; the same buffer twice without read-ahead), by ``reader`` when given;
+        straight from the layers in memory when ``pair`` is None."""
+        groups = [starts[first : first + per_buffer] for first in range(0, len(starts), per_buffer)]
+        spans = [
+            [(int(s), min(int(s) + self.block_rows, self.num_rows)) for s in group]
+            for group in groups
+        ]
+        pending: Future[None] | None = None
+        if pair is not None and spans:
+            pending = self._read_into(reader, spans[0], pair[0], 0)
         rows_left = np.empty(0, dtype=np.int64)
-        for first in range(0, len(starts), per_buffer):
-            spans = [
-                (int(s), min(int(s) + self.block_rows, self.num_rows))
-                for s in starts[first : first + per_buffer]
-            ]
-            rows = np.concatenate([rows_left, *(np.arange(a, b) for a, b in spans)])
-            if self._memory is None:
-                for layer in self.layers:
-                    self._read_spans(layer, spans, buffers[layer], len(rows_left))
-            order = rng.permutation(len(rows)) if rng is not None else np.arange(len(rows))
-            last = first + per_buffer >= len(starts)
+        for t in range(len(groups)):
+            rows = np.concatenate([rows_left, *(np.arange(a, b) for a, b in spans[t])])
+            last = t + 1 == len(groups)
             full = len(rows) if last else len(rows) - len(rows) % batch_size
+            buffers = self._memory
+            if pair is not None:
+                if pending is not None:
+                    pending.result()  # the buffer is read and checked, or the error raised
+                buffers = pair[t % 2]
+                if reader is not None and not last:  # after the rows left over from this one
+                    pending = self._read_into(
+                        reader, spans[t + 1], pair[1 - t % 2], len(rows) - full
+                    )
+            assert buffers is not None
+            order = rng.permutation(len(rows)) if rng is not None else np.arange(len(rows))
             for i in range(0, full, batch_size):
                 picked = order[i : i + batch_size]
                 if drop_last and len(picked) < batch_size:
                     break
                 index = rows[picked]
-                position = index if self._memory is not None else picked
+                position = index if pair is None else picked
                 features = {
                     layer: self._convert(_take(buffers[layer], position)) for layer in self.layers
                 }
@@ -338,9 +374,33 @@ class FeatureDataset(Dataset):
                 yield (out, *self._targets(index), *extra)
             rest = order[full:]
             rows_left = rows[rest]
-            if self._memory is None and len(rest):
-                for buffer in buffers.values():  # carried to the front of the next buffer
-                    buffer[: len(rest)] = _take(buffer, rest)
+            if pair is None:
+                continue
+            following = pair[1 - t % 2]
+            for layer, buffer in buffers.items():  # carried to the front of the next buffer
+                following[layer][: len(rest)] = _take(buffer, rest)
+            if reader is None and not last:
+                pending = self._read_into(None, spans[t + 1], following, len(rest))
+
+    def _read_into(
+        self,
+        reader: ThreadPoolExecutor | None,
+        spans: list[tuple[int, int]],
+        buffers: dict[str, torch.Tensor],
+        start: int,
+    ) -> Future[None] | None:
+        """Read ``spans`` into ``buffers`` on ``reader`` (its future), or here and now."""
+        if reader is not None:
+            return reader.submit(self._read_buffer, spans, buffers, start)
+        self._read_buffer(spans, buffers, start)
+        return None
+
+    def _read_buffer(
+        self, spans: list[tuple[int, int]], buffers: dict[str, torch.Tensor], start: int
+    ) -> None:
+        """Read the row ranges ``spans`` of every layer into ``buffers`` from row ``start``."""
+        for layer in self.layers:
+            self._read_spans(layer, spans, buffers[layer], start)
 
     def _targets(self, index: np.ndarray) -> tuple[torch.Tensor, ...]:
         """What comes with the features of the rows ``index`` in a batch: their labels."""
@@ -357,65 +417,6 @@ class FeatureDataset(Dataset):
         self._handle.close()
 
 
-class ShuffledBatches(IterableDataset):
-    """Chunk-aware shuffled batches of a :class:`FeatureDataset`, for a DataLoader.
-
-    Iterating gives one epoch of :meth:`FeatureDataset.batches` (same options); use it as
-    ``DataLoader(ShuffledBatches(dataset, 256), batch_size=None, num_workers=k)``. Each
-    worker reads a disjoint share of the blocks, so every row still comes exactly once
-    per epoch (each worker may end with one smaller batch, unless ``drop_last``).
-
-    Call :meth:`set_epoch` before each epoch for a different order; the order depends
-    only on ``seed``, the epoch and the number of workers. The epoch lives in shared
-    memory, so it also reaches workers kept alive with ``persistent_workers=True``.
-    """
-
-    def __init__(
-        self,
-        dataset: FeatureDataset,
-        batch_size: int,
-        *,
-        shuffle: bool = True,
-        seed: int = 0,
-        buffer_rows: int | None = None,
-        drop_last: bool = False,
-        with_index: bool = False,
-    ):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.seed = seed
-        self.buffer_rows = buffer_rows
-        self.drop_last = drop_last
-        self.with_index = with_index
-        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
-
-    @property
-    def epoch(self) -> int:
-        return int(self._epoch)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch``'s order from the next iteration on."""
-        self._epoch.fill_(epoch)
-
-    def __iter__(self) -> Iterator[Batch]:
-        worker = get_worker_info()
-        shard, shards = (worker.id, worker.num_workers) if worker is not None else (0, 1)
-        return self.dataset._batches(
-            self.batch_size,
-            self.shuffle,
-            self.seed,
-            self.epoch,
-            self.buffer_rows,
-            self.drop_last,
-            self.with_index,
-            shard,
-            shards,
-        )
-
-
 def _take(tensor: torch.Tensor, index: np.ndarray) -> torch.Tensor:
     """``tensor[index]`` along the first dimension, as a new tensor.
 
@@ -423,24 +424,3 @@ def _take(tensor: torch.Tensor, index: np.ndarray) -> torch.Tensor:
     slows down badly with several intra-op threads on a busy machine.
     """
     return codec.from_array(codec.as_array(tensor).take(index, axis=0), tensor.dtype)
-
-
-def _chunk_cache(chunk_bytes: int, filtered: bool, nbytes: int | None) -> tuple[int, int]:
-    """``(nslots, nbytes)`` of the HDF5 chunk cache for one layer."""
-    if nbytes is None:
-        # HDF5 reads the selected rows of an unfiltered chunk straight from the file
-        # unless the chunk fits in the cache; then it loads the whole chunk for one row.
-        # On [50000, 512] float16 in 1 MiB chunks, random rows read 10x and sorted random
-        # batches 2x slower with a 4 MiB cache than with none (scripts/bench_read.py).
-        # A filtered chunk is always read whole, so there the cache only saves rereads.
-        nbytes = max(CACHE_FLOOR_BYTES, CACHE_CHUNKS * chunk_bytes) if filtered else 0
-    if nbytes == 0:
-        return 0, 0
-    # HDF5 suggests a prime number of hash slots, about 100 times the chunks that fit.
-    return _next_prime(100 * max(nbytes // max(chunk_bytes, 1), 1)), nbytes
-
-
-def _next_prime(n: int) -> int:
-    while n < 2 or any(n % d == 0 for d in range(2, int(n**0.5) + 1)):
-        n += 1
-    return n

@@ -47,15 +47,24 @@ DataLoader worker (on a busy 2-core machine torch's multi-threaded gathers stall
 ``--checksum-cost``: the cases above also on a store without checksums; ``--tokens``: the
 token view (see above).
 
+``--read-ahead`` times reading ahead instead: one epoch of ``FeatureDataset.batches``
+with ``read_ahead=True`` (a thread reads and checks the next buffer while batches are
+drawn from the current one) against ``read_ahead=False``, on the store with checksums
+(and, with ``--checksum-cost``, on one without), with nothing done with the batches and
+with a linear-probe step on each (``features.float() @ W`` for a ``[dim, 10]`` W).
+``--cold`` drops the page cache before every run (Linux, as root), so that the epochs
+read from the disk.
+
     python scripts/bench_read.py [--rows 50000] [--dim 512] [--dtype float16] [--batch 256]
                                  [--repeats 5] [--per-row 5000] [--sampled 25600]
                                  [--workers 2] [--float32] [--threads 1] [--checksum-cost]
-                                 [--tokens]
+                                 [--tokens | --read-ahead [--cold]]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import tempfile
@@ -152,11 +161,15 @@ def main() -> None:
         "--checksum-cost", action="store_true", help="also time a store without checksums"
     )
     parser.add_argument("--tokens", action="store_true", help="time the token view")
+    parser.add_argument("--read-ahead", action="store_true", help="time reading ahead")
+    parser.add_argument("--cold", action="store_true", help="--read-ahead from the disk")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory(prefix="featcache-bench-read-") as folder:
-        if args.tokens:
+        if args.read_ahead:
+            bench_read_ahead(args, Path(folder))
+        elif args.tokens:
             bench_tokens(args, Path(folder) / "tokens.h5")
         else:
             bench(args, Path(folder) / "read.h5")
@@ -215,6 +228,62 @@ def in_memory_case(memory: torch.Tensor, batch: int, float32: bool) -> Callable[
         return len(order)
 
     return run
+
+
+def bench_read_ahead(args: argparse.Namespace, folder: Path) -> None:
+    stores = {"checksums": folder / "summed.h5"}
+    write_store(stores["checksums"], args.rows, args.dim, args.dtype)
+    if args.checksum_cost:
+        stores["no checksum"] = folder / "plain.h5"
+        write_store(stores["no checksum"], args.rows, args.dim, args.dtype, checksum=False)
+    weights = torch.randn(args.dim, 10)
+
+    def epoch(path: Path, read_ahead: bool, step: bool) -> Callable[[], float]:
+        def run() -> float:  # seconds for one epoch, from a fresh handle
+            if args.cold:
+                drop_page_cache()
+            start = time.perf_counter()
+            dataset = FeatureDataset(path, "x", dtype=None)
+            for features, _ in dataset.batches(args.batch, read_ahead=read_ahead):
+                if step:
+                    (features.float() @ weights).sum()
+            dataset.close()
+            return time.perf_counter() - start
+
+        return run
+
+    cases = {
+        (store, step, ahead): epoch(path, ahead, step)
+        for store, path in stores.items()
+        for step in (False, True)
+        for ahead in (True, False)
+    }
+    seconds: dict[tuple[str, bool, bool], list[float]] = {key: [] for key in cases}
+    for run in cases.values():
+        run()  # warm-up
+    for _ in range(args.repeats):
+        for key, run in cases.items():
+            seconds[key].append(run())
+    speed = {key: args.rows / statistics.median(times) for key, times in seconds.items()}
+    print(
+        f"[{args.rows}, {args.dim}] {args.dtype} store, one epoch of FeatureDataset.batches, "
+        f"batch {args.batch}, {'page cache dropped' if args.cold else 'page cache warm'}; "
+        f"{torch.get_num_threads()} torch threads; median of {args.repeats}"
+    )
+    print(f"{'case':<44} {'read_ahead':>11} {'rows/s':>11} {'ahead/not':>10}")
+    for (store, step, ahead), value in speed.items():
+        name = f"{store}, {'probe step' if step else 'nothing done'}"
+        ratio = f"{value / speed[(store, step, False)]:>9.2f}x" if ahead else ""
+        print(f"{name:<44} {str(ahead):>11} {value:>11,.0f} {ratio:>10}")
+
+
+def drop_page_cache() -> None:
+    """Write back and drop the page cache (Linux, as root), so reads come from the disk."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1")
+    except OSError as exc:
+        raise SystemExit(f"--cold drops the page cache, which needs root on Linux: {exc}") from exc
 
 
 def time_cases(cases: dict[str, Callable[[], int]], repeats: int) -> dict[str, float]:

@@ -4,6 +4,7 @@ in-memory mode, chunk cache, labels."""
 from __future__ import annotations
 
 import pickle
+import threading
 
 import h5py
 import numpy as np
@@ -14,8 +15,9 @@ from torch.utils.data import DataLoader
 import featcache
 from featcache import FeatureDataset, FeatureStore
 from featcache.dataset import ShuffledBatches
-from featcache.errors import ConfigError, FeatcacheError
+from featcache.errors import ConfigError, CorruptStoreError, FeatcacheError
 from featcache.store import StoreWriter, codec
+from tests.stores import corrupt_row
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +188,43 @@ def test_two_iterators_at_once_do_not_share_a_buffer(rows_path):
     alone = collect(dataset.batches(10, seed=1, with_index=True))
     again = collect(dataset.batches(10, seed=1, with_index=True))  # reuses the kept buffer
     assert all(torch.equal(a, b) for a, b in zip(alone, again, strict=True))
+
+
+def test_the_next_buffer_is_read_on_a_thread_that_ends_with_the_epoch(rows_path):
+    dataset = FeatureDataset(rows_path, "a")
+    reading = []
+    original = dataset._read_buffer
+
+    def read_buffer(spans, buffers, start):
+        reading.append(threading.current_thread().name)
+        original(spans, buffers, start)
+
+    dataset._read_buffer = read_buffer  # type: ignore[method-assign]
+    before = set(threading.enumerate())
+    batches = dataset.batches(8, buffer_rows=32, with_index=True)
+    next(batches)
+    assert len(reading) == 2  # the first buffer, and the next one already under way
+    assert all(name.startswith("featcache-read") for name in reading)
+    batches.close()  # leaving the epoch early waits for the read in flight
+    assert set(threading.enumerate()) <= before  # and the reading thread is gone
+    reading.clear()
+    assert len(list(dataset.batches(8, buffer_rows=32, read_ahead=False))) == 26
+    assert reading == [threading.current_thread().name] * 7  # 7 buffers, read here
+    direct = FeatureStore(rows_path).read("a")
+    features, labels, rows = collect(dataset.batches(8, buffer_rows=32, with_index=True))
+    assert sorted(rows.tolist()) == list(range(203)) and torch.equal(features, direct[rows])
+    alone = collect(dataset.batches(8, buffer_rows=32, with_index=True, read_ahead=False))
+    assert all(torch.equal(a, b) for a, b in zip(alone, (features, labels, rows), strict=True))
+
+
+def test_a_bad_chunk_stops_the_epoch_before_any_of_its_rows(tmp_path):
+    path = write_store(tmp_path / "s.h5")
+    corrupt_row(path, "features/a", 100)  # rows 96-111
+    seen = []
+    with pytest.raises(CorruptStoreError, match="layer a rows 96-111 fail their checksum"):
+        for _, _, rows in FeatureDataset(path, "a").batches(8, buffer_rows=32, with_index=True):
+            seen.extend(rows.tolist())
+    assert seen and not set(seen) & set(range(96, 112))
 
 
 def test_drop_last_keeps_only_full_batches(rows_path):
