@@ -62,8 +62,8 @@ class FeatureDataset(Dataset):
 
     A checksummed layer (the default) is read through
     :class:`~featcache.store.checked.CheckedChunks`: each chunk is checked against its
-    Fletcher-32 checksum the first time this process's handle reads it, and from then on
-    a row costs a read of that row only. A chunk that fails its checksum raises
+    Fletcher-32 checksum the first time it is read while the file is open, and from then
+    on a row costs a read of that row only. A chunk that fails its checksum raises
     :class:`~featcache.errors.CorruptStoreError` naming the layer and the rows of that
     chunk, from every read path, before any of its values are returned.
 

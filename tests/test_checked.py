@@ -45,7 +45,7 @@ def test_rows_read_from_checked_chunks_equal_hdf5s(tmp_path, dtype):
         np.testing.assert_array_equal(out, encoded[np.r_[1:3, 14:21]])
 
 
-def test_each_chunk_is_checked_once_per_dataset_object(tmp_path, monkeypatch):
+def test_each_chunk_is_checked_once_while_its_file_is_open(tmp_path, monkeypatch):
     path, _ = _store(tmp_path / "s.h5")
     sums = []
     original = checked_module.fletcher32
@@ -57,7 +57,12 @@ def test_each_chunk_is_checked_once_per_dataset_object(tmp_path, monkeypatch):
         assert len(sums) == 1
         read_rows(dataset, slice(None))  # the other five chunks
         assert len(sums) == 6
-        read_rows(f["features/a"], np.array([1]))  # a new dataset object checks again
+        read_rows(f["features/a"], np.array([1]))  # another object, the same open file
+        with FeatureStore(path) as store:  # another handle on the same open file
+            store.read("a", [5, 9])
+        assert len(sums) == 6
+    with h5py.File(path, "r") as f:  # opened anew: checked anew
+        read_rows(f["features/a"], np.array([1]))
         assert len(sums) == 7
 
 

@@ -2,10 +2,11 @@
 
 HDF5 checks a Fletcher-32 chunk on every read, and to check it reads the chunk whole: a
 random row costs a whole chunk and its checksum, again and again. :class:`CheckedChunks`
-checks each chunk of a dataset the first time it is read through it (the chunk's stored
-bytes read with ``preadv`` and summed by :func:`~featcache.store.fletcher.fletcher32`),
-remembers where the chunk lies in the file, and from then on reads the rows asked for
-straight from there. A chunk that fails its checksum raises
+checks each chunk of a dataset the first time it is read while its file is open (the
+chunk's stored bytes read with ``preadv`` and summed by
+:func:`~featcache.store.fletcher.fletcher32`), remembers where the chunk lies in the
+file, and from then on reads the rows asked for straight from there. A file opened again
+is checked again. A chunk that fails its checksum raises
 :class:`~featcache.errors.CorruptStoreError` naming its rows, before any of its values
 are returned.
 
@@ -18,7 +19,7 @@ usual.
 from __future__ import annotations
 
 import os
-import weakref
+from collections import OrderedDict
 
 import h5py
 import numpy as np
@@ -32,7 +33,8 @@ BY_HDF5 = -2  # a chunk HDF5 reads itself (not stored as plain bytes plus checks
 
 
 class CheckedChunks:
-    """Row reads of one checksummed dataset, each chunk checked on its first read."""
+    """Row reads of one checksummed dataset, each chunk checked on its first read while
+    the file is open."""
 
     def __init__(self, dataset: h5py.Dataset):
         self.chunk_rows = int(dataset.chunks[0])
@@ -40,7 +42,9 @@ class CheckedChunks:
         self.chunk_bytes = self.chunk_rows * self.row_bytes
         chunks = -(-len(dataset) // self.chunk_rows)
         self.addresses = np.full(chunks, UNCHECKED, dtype=np.int64)
-        self.fd = int(dataset.file.id.get_vfd_handle())  # valid while the dataset is open
+        # The file's descriptor: it stays the same while the file is open, and an entry is
+        # only found for the file it was made for (see checked_chunks).
+        self.fd = int(h5py.h5i.get_file_id(dataset.id).get_vfd_handle())
 
     def read(self, dataset: h5py.Dataset, start: int, stop: int, out: np.ndarray) -> None:
         """Copy rows ``[start, stop)`` of ``dataset`` (the one this was made for) into
@@ -48,6 +52,7 @@ class CheckedChunks:
         if not dataset.id.valid:  # its file was closed: let h5py say so
             dataset.read_direct(out, np.s_[start:stop])
             return
+        fd = self.fd
         for chunk in range(start // self.chunk_rows, -(-stop // self.chunk_rows)):
             first = max(start, chunk * self.chunk_rows)
             last = min(stop, (chunk + 1) * self.chunk_rows)
@@ -56,15 +61,17 @@ class CheckedChunks:
             if not target.flags.c_contiguous:
                 dataset.read_direct(target, np.s_[first:last])
             elif address == UNCHECKED:
-                address = self.addresses[chunk] = self._check(dataset, chunk, first, last, target)
+                address = self.addresses[chunk] = self._check(
+                    dataset, fd, chunk, first, last, target
+                )
             elif address == BY_HDF5:
                 dataset.read_direct(target, np.s_[first:last])
             else:
                 skip = (first - chunk * self.chunk_rows) * self.row_bytes
-                _pread_into(self.fd, target, int(address) + skip)
+                _pread_into(fd, target, int(address) + skip)
 
     def _check(
-        self, dataset: h5py.Dataset, chunk: int, first: int, last: int, target: np.ndarray
+        self, dataset: h5py.Dataset, fd: int, chunk: int, first: int, last: int, target: np.ndarray
     ) -> int:
         """Read chunk ``chunk`` whole, check it, copy rows ``[first, last)`` of it into
         ``target``; returns its address in the file (or :data:`BY_HDF5`)."""
@@ -78,7 +85,7 @@ class CheckedChunks:
         whole = last - first == self.chunk_rows  # the rows asked for fill the chunk
         data = target if whole else np.empty(self.chunk_bytes, dtype=np.uint8)
         checksum = np.empty(CHECKSUM_BYTES, dtype=np.uint8)
-        _pread_into(self.fd, [data, checksum], info.byte_offset)
+        _pread_into(fd, [data, checksum], info.byte_offset)
         expected = int.from_bytes(checksum.tobytes(), "little")
         found = fletcher32(data)
         if found != expected:
@@ -95,27 +102,26 @@ class CheckedChunks:
         return int(info.byte_offset)
 
 
-# Keyed by the identity of the h5py object, not by equality: two handles on one dataset
-# compare equal, but each has its own file (which may since have been replaced).
-_CHECKED: dict[int, tuple[weakref.ref, CheckedChunks | None]] = {}
+MAX_TRACKED = 64  # datasets whose checked chunks are remembered, most recent first
+
+# Keyed by HDF5's serial number of the open file (never reused within a process; the
+# same for every handle on a file while any is open) and the dataset's path, so a store
+# read through a new h5py object each time (FeatureStore) checks each chunk once.
+_CHECKED: OrderedDict[tuple[tuple[int, int], str], CheckedChunks | None] = OrderedDict()
 
 
 def checked_chunks(dataset: h5py.Dataset) -> CheckedChunks | None:
-    """The :class:`CheckedChunks` of this dataset object, made on its first read and
-    dropped with it; None when HDF5 reads it as usual."""
-    key = id(dataset)
-    entry = _CHECKED.get(key)
-    if entry is None or entry[0]() is not dataset:
-        chunks = CheckedChunks(dataset) if _readable_raw(dataset) else None
-        entry = _CHECKED[key] = (weakref.ref(dataset, _forget), chunks)
-    return entry[1]
-
-
-def _forget(ref: weakref.ref) -> None:
-    """Drop the entry of a dataset object that is gone (unless its id was reused)."""
-    for key, (known, _) in list(_CHECKED.items()):
-        if known is ref:
-            del _CHECKED[key]
+    """The :class:`CheckedChunks` of this dataset in its open file, made on its first read
+    (and forgotten after :data:`MAX_TRACKED` others); None when HDF5 reads it as usual."""
+    key = (tuple(dataset.id.fileno), dataset.name)
+    if key in _CHECKED:
+        _CHECKED.move_to_end(key)
+        return _CHECKED[key]
+    chunks = CheckedChunks(dataset) if _readable_raw(dataset) else None
+    _CHECKED[key] = chunks
+    if len(_CHECKED) > MAX_TRACKED:
+        _CHECKED.popitem(last=False)
+    return chunks
 
 
 def _readable_raw(dataset: h5py.Dataset) -> bool:
