@@ -400,17 +400,11 @@ class FeatureDataset(Dataset):
     ) -> None:
         """Read the row ranges ``spans`` of every layer into ``buffers`` from row ``start``."""
         for layer in self.layers:
-            self._read_spans(layer, spans, buffers[layer], start)
+            read_runs(self.features(layer), spans, codec.as_array(buffers[layer]), start)
 
     def _targets(self, index: np.ndarray) -> tuple[torch.Tensor, ...]:
         """What comes with the features of the rows ``index`` in a batch: their labels."""
         return (self.labels[torch.from_numpy(index)],)
-
-    def _read_spans(
-        self, layer: str, spans: list[tuple[int, int]], buffer: torch.Tensor, start: int
-    ) -> None:
-        """Read the row ranges ``spans`` of ``layer`` into ``buffer`` from row ``start``."""
-        read_runs(self.features(layer), spans, codec.as_array(buffer), start)
 
     def close(self) -> None:
         """Close this process's file handle; the next read opens it again."""

@@ -18,6 +18,7 @@ from featcache.sources.base import (
     Transform,
     jsonl_objects,
     label_indices,
+    refuse_kwargs,
 )
 from featcache.sources.decode import load_rgb
 from featcache.spec import DataSpec
@@ -57,7 +58,7 @@ class FileSource(SourceDataset):
 def imagefolder_source(
     data: DataSpec, split: str, value: Any, transform: Transform | None
 ) -> FileSource:
-    _no_kwargs(data)
+    refuse_kwargs(data)
     folder = _under_root(data, split, value, "a subfolder of data.root")
     if not folder.is_dir():
         raise ConfigError(_not_found(folder))
@@ -91,7 +92,7 @@ def imagefolder_source(
 def manifest_source(
     data: DataSpec, split: str, value: Any, transform: Transform | None
 ) -> FileSource:
-    _no_kwargs(data)
+    refuse_kwargs(data)
     file = _under_root(data, split, value, "a .csv or .jsonl manifest under data.root")
     if not file.is_file():
         raise ConfigError(
@@ -205,11 +206,3 @@ def _not_found(path: Path) -> str:
     return (
         f"data root not found: {path}; set data.root (or the split's folder) to an existing folder"
     )
-
-
-def _no_kwargs(data: DataSpec) -> None:
-    if data.kwargs:
-        keys = ", ".join(map(str, data.kwargs))
-        raise ConfigError(
-            f"data.kwargs ({keys}) is not used by data.source={data.source}; remove it"
-        )

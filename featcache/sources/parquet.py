@@ -25,7 +25,7 @@ from PIL import Image
 from featcache.errors import ConfigError, FeatcacheError, first_line
 from featcache.extras import require
 from featcache.fingerprints import file_sha256, lines_sha256
-from featcache.sources.base import SourceDataset, Transform
+from featcache.sources.base import SourceDataset, Transform, refuse_kwargs
 from featcache.sources.tabular import (
     EncodedImageSource,
     check_columns,
@@ -147,13 +147,9 @@ def parquet_source(
             message lists the columns), files whose columns differ, bad labels or ids.
     """
     pa = require("pyarrow", "data.source parquet")
-    pq = require("pyarrow", "data.source parquet").parquet
+    pq = pa.parquet
     check_columns(data)
-    if data.kwargs:
-        raise ConfigError(
-            f"data.kwargs ({', '.join(map(str, data.kwargs))}) is not used by "
-            "data.source=parquet; remove it"
-        )
+    refuse_kwargs(data)
     paths = split_files(data, split, value, "Parquet files")
     names = [display_name(p, data) for p in paths]
     metas = []

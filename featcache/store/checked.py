@@ -25,7 +25,12 @@ import h5py
 import numpy as np
 
 from featcache.store.chunks import row_bytes
-from featcache.store.fletcher import CHECKSUM_BYTES, checksum_only, fletcher32
+from featcache.store.fletcher import (
+    CHECKSUM_BYTES,
+    checksum_only,
+    fletcher32,
+    plain_chunk_address,
+)
 from featcache.store.integrity import BadChunk, corrupt_store_error
 
 UNCHECKED = -1  # address of a chunk not read yet
@@ -76,22 +81,20 @@ class CheckedChunks:
         """Read chunk ``chunk`` whole, check it, copy rows ``[first, last)`` of it into
         ``target``; returns its address in the file (or :data:`BY_HDF5`)."""
         start = chunk * self.chunk_rows
-        origin = (start, *(0 for _ in dataset.shape[1:]))
-        info = dataset.id.get_chunk_info_by_coord(origin)
-        stored = self.chunk_bytes + CHECKSUM_BYTES
-        if info.byte_offset is None or info.size != stored or info.filter_mask != 0:
+        address = plain_chunk_address(dataset, start)
+        if address is None:
             dataset.read_direct(target, np.s_[first:last])
             return BY_HDF5
         whole = last - first == self.chunk_rows  # the rows asked for fill the chunk
         data = target if whole else np.empty(self.chunk_bytes, dtype=np.uint8)
         checksum = np.empty(CHECKSUM_BYTES, dtype=np.uint8)
-        _pread_into(fd, [data, checksum], info.byte_offset)
+        _pread_into(fd, [data, checksum], address)
         expected = int.from_bytes(checksum.tobytes(), "little")
         found = fletcher32(data)
         if found != expected:
             stop = min(start + self.chunk_rows, len(dataset))
             detail = (
-                f"Fletcher-32 of the chunk at byte {info.byte_offset} of "
+                f"Fletcher-32 of the chunk at byte {address} of "
                 f"{dataset.file.filename} is {found:#010x}, stored {expected:#010x}"
             )
             bad = BadChunk(dataset.name.lstrip("/"), start, stop, detail)
@@ -99,7 +102,7 @@ class CheckedChunks:
         if not whole:
             rows = data.view(dataset.dtype).reshape(self.chunk_rows, *dataset.shape[1:])
             target[...] = rows[first - start : last - start]
-        return int(info.byte_offset)
+        return address
 
 
 MAX_TRACKED = 64  # datasets whose checked chunks are remembered, most recent first

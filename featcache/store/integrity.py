@@ -12,7 +12,12 @@ import numpy as np
 
 from featcache.errors import CorruptStoreError, first_line
 from featcache.store.chunks import chunk_rows_of
-from featcache.store.fletcher import CHECKSUM_BYTES, checksum_bytes, checksum_only
+from featcache.store.fletcher import (
+    CHECKSUM_BYTES,
+    checksum_bytes,
+    checksum_only,
+    plain_chunk_address,
+)
 from featcache.store.paths import readable_path
 
 if TYPE_CHECKING:
@@ -134,19 +139,13 @@ def _scan(file: h5py.File) -> list[BadChunk]:
         summed = not dataset.is_virtual and checksum_only(dataset)
         for start, stop in spans:
             try:
-                if summed and _stored_with_checksum(dataset, start):
+                if summed and plain_chunk_address(dataset, start) is not None:
                     _check_stored_chunk(dataset, start)
                 else:  # HDF5 reads it, through its filters
                     dataset.read_direct(buffer, np.s_[start:stop], np.s_[: stop - start])
             except OSError as exc:
                 bad.append(BadChunk(dataset.name.lstrip("/"), start, stop, first_line(exc)))
     return bad
-
-
-def _stored_with_checksum(dataset: h5py.Dataset, start: int) -> bool:
-    """Whether the chunk at row ``start`` is stored as its bytes and their checksum."""
-    info = dataset.id.get_chunk_info_by_coord((start, *(0 for _ in dataset.shape[1:])))
-    return info.byte_offset is not None and info.filter_mask == 0
 
 
 def _check_stored_chunk(dataset: h5py.Dataset, start: int) -> None:

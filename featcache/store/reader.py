@@ -344,7 +344,7 @@ def read_rows(dataset: h5py.Dataset, rows: slice | np.ndarray) -> torch.Tensor:
     """
     if isinstance(rows, slice):
         start, stop, step = rows.indices(len(dataset))
-        if step == 1 and checked_chunks(dataset) is not None:
+        if step == 1:
             array = np.empty((max(stop - start, 0), *dataset.shape[1:]), dtype=dataset.dtype)
             read_runs(dataset, [(start, stop)] if stop > start else [], array)
             return codec.decode(array, str(dataset.attrs.get("dtype", "")))
