@@ -11,7 +11,9 @@ Ratios are images/s against baselines measured in the same run:
   forward truncated after the target layer (best layout), forward hooks appending to
   lists then saved with h5py, torchvision's ``create_feature_extractor``, and
   ``featcache.extract`` (with its default Fletcher-32 chunk checksums; ``--checksum-cost``
-  adds ``featcache.extract, checksum off`` and prints the images/s ratio of the two);
+  adds ``featcache.extract, checksum off``, prints the images/s ratio of the two, and
+  times creating a 2 GB store of ``layer2`` rows with and without checksums, with the
+  disk space it takes before any row is written);
 * throughput of a timm ViT by featcache reference (``--models timm:vit_small_patch16_224``,
   random weights, ``img_size`` the ``--size``): the bare forward, the bare forward cut after
   a middle and the last block, and ``featcache.extract`` storing those blocks' patch-token
@@ -55,6 +57,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import featcache  # first: makes torchvision importable beside a mismatched torch
+from featcache.store import StoreWriter, remove_store
 
 # isort: split
 import torchvision
@@ -204,6 +207,31 @@ def throughput(
             without = medians[f"[{layer}] featcache.extract, checksum off"]
             ratios.append(f"{layer} {without / with_sum:.2f}x")  # seconds: inverse of images/s
         print(f"checksum cost, images/s with checksums over without: {', '.join(ratios)}")
+        creation_cost(folder)
+
+
+def creation_cost(folder: Path, rows: int = 40_000) -> None:
+    """Seconds to create a store of ``rows`` float16 ``[128, 14, 14]`` rows (resnet18's
+    ``layer2`` at 112 px, 50 KB each) with and without checksums, and its disk usage
+    then: the part of a run spent before the first rows can be written."""
+    features = {"layer2": np.ones((1, 128, 14, 14), np.float16)}
+    size = rows * features["layer2"][0].nbytes
+    print(f"creating a store of {rows} rows ({size / 1e9:.1f} GB), median of 3:")
+    for checksum in (True, False):
+        seconds, used = [], 0
+        for _ in range(3):
+            path = folder / "created.h5"
+            writer = StoreWriter(path, rows, ids_width=8, checksum=checksum, attrs={})
+            start = time.perf_counter()
+            writer.append(np.arange(1), ["0"], np.zeros(1), features)  # creates the file
+            seconds.append(time.perf_counter() - start)
+            used = writer.partial.stat().st_blocks * 512
+            writer.close()
+            remove_store(path)
+        print(
+            f"  checksum {'on ' if checksum else 'off'}  {statistics.median(seconds):7.3f} s"
+            f"  {used / 1e6:9.1f} MB on disk"
+        )
 
 
 RSS_CHILD = """

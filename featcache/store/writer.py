@@ -21,6 +21,7 @@ from featcache.store.merge import copy_store
 from featcache.store.paths import partial_path, skipped_log_path
 from featcache.store.resume import ResumePoint
 from featcache.store.skipped import rewrite_log, write_skipped
+from featcache.store.sparse import created_sparse
 from featcache.store.staged import Staged
 
 MARK_SECONDS = 0.5  # how often durable progress is recorded while writing
@@ -30,13 +31,14 @@ class StoreWriter:
     """Writes one store, crash-safely, to ``<path>.partial``; renamed to ``path`` when complete.
 
     The file is created on the first batch, when feature shapes are known, with every
-    dataset allocated to its full size up front: afterwards the run only writes raw data
-    into space that already exists and never changes HDF5 metadata, so a crash at any
-    instant cannot corrupt the file's structure. Each dataset stages rows in a one-chunk
-    buffer and writes whole chunks. At most every ``mark_seconds`` the writer flushes and
-    fsyncs the file and then records in ``/progress`` how many rows are durable in every
-    dataset; a rerun resumes from there (:func:`~featcache.store.resume.plan_resume`).
-    Skipped samples go to an append-only log beside the file until the store completes.
+    dataset allocated to its full size up front (disk space is taken as rows are written):
+    afterwards the run only writes raw data into space that already exists and never
+    changes HDF5 metadata, so a crash at any instant cannot corrupt the file's structure.
+    Each dataset stages rows in a one-chunk buffer and writes whole chunks. At most every
+    ``mark_seconds`` the writer flushes and fsyncs the file and then records in
+    ``/progress`` how many rows are durable in every dataset; a rerun resumes from there
+    (:func:`~featcache.store.resume.plan_resume`). Skipped samples go to an append-only
+    log beside the file until the store completes.
 
     ``close(complete=True)`` writes the tail, the skip records and the final attributes,
     compresses if asked (a copy into a new file), and renames the store into place.
@@ -121,50 +123,59 @@ class StoreWriter:
                 "sized for tokens; give the dataset a token_lengths attribute"
             )
         creating = self.partial.with_name(self.partial.name + ".creating")
-        f = h5py.File(creating, "w", rdcc_nbytes=0)  # whole-chunk writes skip the cache
         try:
-            f.attrs["featcache_format"] = FORMAT_VERSION
-            f.attrs["complete"] = False
-            f.attrs["capacity"] = self.capacity
-            codec.write_attrs(f, self.attrs)
-            _allocate(f, "progress", (1,), np.int64, None)
-            meta_rows = self.chunk_rows or min(self.capacity, MAX_META_CHUNK_ROWS)
-            for name, dtype in self._meta_dtypes().items():
-                _allocate(f, name, (self.capacity,), dtype, meta_rows, self.checksum)
-            if ragged:
-                offsets = _allocate(
-                    f, "offsets", (self.capacity + 1,), np.int64, meta_rows, self.checksum
-                )
-                offsets[0] = 0
-                tokens = max(self.token_capacity or 0, 1)
-                if token_ids:
-                    _allocate(f, "token_ids", (tokens,), np.int64, meta_rows, self.checksum)
-            group = f.create_group("features", track_order=True)
-            for key, array in features.items():
-                shape = array.shape[1:]
-                length = tokens if key in ragged else self.capacity
-                chunk = self.chunk_rows or chunk_rows_for(shape, self.dtype, length)
-                dataset = _allocate(
-                    group,
-                    key,
-                    (length, *shape),
-                    codec.numpy_dtype(self.dtype),
-                    chunk,
-                    self.checksum,
-                )
-                layout = {"layout": "tokens"} if key in ragged else {}
-                attrs = dict(feature_attrs.get(key, {}), dtype=self.dtype, **layout)
-                for attr, value in attrs.items():
-                    dataset.attrs[attr] = value
-            f.flush()
-            os.fsync(f.id.get_vfd_handle())
+            with created_sparse(creating) as building:  # HDF5's zero fill is not written
+                self._build(building, features, feature_attrs, ragged, token_ids)
+            f = h5py.File(creating, "r+", rdcc_nbytes=0)  # whole-chunk writes skip the cache
+            try:
+                os.fsync(f.id.get_vfd_handle())
+            except BaseException:
+                f.close()
+                raise
         except BaseException:
-            f.close()
             creating.unlink(missing_ok=True)
             raise
         os.replace(creating, self.partial)  # the open handle follows the rename
         self.file = f
         self._stage()
+
+    def _build(
+        self,
+        f: h5py.File,
+        features: Mapping[str, np.ndarray],
+        feature_attrs: Mapping,
+        ragged: frozenset[str],
+        token_ids: bool,
+    ) -> None:
+        """Lay out every dataset of a new store in ``f``, allocated to its full size."""
+        f.attrs["featcache_format"] = FORMAT_VERSION
+        f.attrs["complete"] = False
+        f.attrs["capacity"] = self.capacity
+        codec.write_attrs(f, self.attrs)
+        _allocate(f, "progress", (1,), np.int64, None)
+        meta_rows = self.chunk_rows or min(self.capacity, MAX_META_CHUNK_ROWS)
+        for name, dtype in self._meta_dtypes().items():
+            _allocate(f, name, (self.capacity,), dtype, meta_rows, self.checksum)
+        tokens = max(self.token_capacity or 0, 1)
+        if ragged:
+            offsets = _allocate(
+                f, "offsets", (self.capacity + 1,), np.int64, meta_rows, self.checksum
+            )
+            offsets[0] = 0
+            if token_ids:
+                _allocate(f, "token_ids", (tokens,), np.int64, meta_rows, self.checksum)
+        group = f.create_group("features", track_order=True)
+        for key, array in features.items():
+            shape = array.shape[1:]
+            length = tokens if key in ragged else self.capacity
+            chunk = self.chunk_rows or chunk_rows_for(shape, self.dtype, length)
+            dataset = _allocate(
+                group, key, (length, *shape), codec.numpy_dtype(self.dtype), chunk, self.checksum
+            )
+            layout = {"layout": "tokens"} if key in ragged else {}
+            attrs = dict(feature_attrs.get(key, {}), dtype=self.dtype, **layout)
+            for attr, value in attrs.items():
+                dataset.attrs[attr] = value
 
     def _meta_dtypes(self) -> dict[str, Any]:
         dtypes = {"index": np.int64, "ids": h5py.string_dtype("utf-8", self.ids_width)}
@@ -394,7 +405,8 @@ def _allocate(
 
     Unfiltered storage is only reserved (no fill). With ``checksum`` (chunked datasets
     only) HDF5 fills every chunk at allocation, whatever the fill time: zeros with their
-    Fletcher-32 checksum, so creating the store writes its full size once. A chunk's
+    Fletcher-32 checksum (also zeros), which a file built by
+    :func:`~featcache.store.sparse.created_sparse` leaves unwritten. A chunk's
     checksummed size never changes, so later writes stay in place.
     """
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
