@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +24,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from featcache.buffer_read import SharedRead
 from featcache.errors import ConfigError
 from featcache.shuffled_batches import ShuffledBatches
 from featcache.store import codec
 from featcache.store.chunks import chunk_cache_for, chunk_rows_of, row_bytes
 from featcache.store.fletcher import checksum_only
+from featcache.store.raw_chunks import raw_chunks
 from featcache.store.reader import (
     FeatureStore,
     StoreFile,
@@ -60,12 +62,13 @@ class FeatureDataset(Dataset):
     chunks instead and shuffles them in memory: the fast way to run shuffled epochs.
     ``in_memory=True`` loads the layers once and serves both from memory.
 
-    A checksummed layer (the default) is read through
-    :class:`~featcache.store.checked.CheckedChunks`: each chunk is checked against its
-    Fletcher-32 checksum the first time it is read while the file is open, and from then
-    on a row costs a read of that row only. A chunk that fails its checksum raises
-    :class:`~featcache.errors.CorruptStoreError` naming the layer and the rows of that
-    chunk, from every read path, before any of its values are returned.
+    A layer stored with the checksum alone (the default) or without filters is read
+    straight from the file through :class:`~featcache.store.raw_chunks.RawChunks`: a
+    checksummed chunk is checked against its Fletcher-32 checksum the first time it is
+    read while the file is open, and from then on a row costs a read of that row only.
+    A chunk that fails its checksum raises :class:`~featcache.errors.CorruptStoreError`
+    naming the layer and the rows of that chunk, from every read path, before any of its
+    values are returned.
 
     ``chunk_cache`` is the HDF5 chunk cache of each layer, in bytes (0: none). By default
     a layer without filters, or with the checksum alone, gets none, so a random row costs
@@ -341,46 +344,51 @@ class FeatureDataset(Dataset):
             [(int(s), min(int(s) + self.block_rows, self.num_rows)) for s in group]
             for group in groups
         ]
-        pending: Future[None] | None = None
+        pending: SharedRead | None = None
         if pair is not None and spans:
             pending = self._read_into(reader, spans[0], pair[0], 0)
         rows_left = np.empty(0, dtype=np.int64)
-        for t in range(len(groups)):
-            rows = np.concatenate([rows_left, *(np.arange(a, b) for a, b in spans[t])])
-            last = t + 1 == len(groups)
-            full = len(rows) if last else len(rows) - len(rows) % batch_size
-            buffers = self._memory
-            if pair is not None:
-                if pending is not None:
-                    pending.result()  # the buffer is read and checked, or the error raised
-                buffers = pair[t % 2]
-                if reader is not None and not last:  # after the rows left over from this one
-                    pending = self._read_into(
-                        reader, spans[t + 1], pair[1 - t % 2], len(rows) - full
-                    )
-            assert buffers is not None
-            order = rng.permutation(len(rows)) if rng is not None else np.arange(len(rows))
-            for i in range(0, full, batch_size):
-                picked = order[i : i + batch_size]
-                if drop_last and len(picked) < batch_size:
-                    break
-                index = rows[picked]
-                position = index if pair is None else picked
-                features = {
-                    layer: self._convert(_take(buffers[layer], position)) for layer in self.layers
-                }
-                out: Features = features[self.layers[0]] if self.single else features
-                extra = (torch.from_numpy(index),) if with_index else ()
-                yield (out, *self._targets(index), *extra)
-            rest = order[full:]
-            rows_left = rows[rest]
-            if pair is None:
-                continue
-            following = pair[1 - t % 2]
-            for layer, buffer in buffers.items():  # carried to the front of the next buffer
-                following[layer][: len(rest)] = _take(buffer, rest)
-            if reader is None and not last:
-                pending = self._read_into(None, spans[t + 1], following, len(rest))
+        try:
+            for t in range(len(groups)):
+                rows = np.concatenate([rows_left, *(np.arange(a, b) for a, b in spans[t])])
+                last = t + 1 == len(groups)
+                full = len(rows) if last else len(rows) - len(rows) % batch_size
+                buffers = self._memory
+                if pair is not None:
+                    if pending is not None:
+                        pending.result()  # the buffer is read and checked, or the error raised
+                    buffers = pair[t % 2]
+                    if reader is not None and not last:  # after the rows left over from this one
+                        pending = self._read_into(
+                            reader, spans[t + 1], pair[1 - t % 2], len(rows) - full
+                        )
+                assert buffers is not None
+                order = rng.permutation(len(rows)) if rng is not None else np.arange(len(rows))
+                for i in range(0, full, batch_size):
+                    picked = order[i : i + batch_size]
+                    if drop_last and len(picked) < batch_size:
+                        break
+                    index = rows[picked]
+                    position = index if pair is None else picked
+                    features = {
+                        layer: self._convert(_take(buffers[layer], position))
+                        for layer in self.layers
+                    }
+                    out: Features = features[self.layers[0]] if self.single else features
+                    extra = (torch.from_numpy(index),) if with_index else ()
+                    yield (out, *self._targets(index), *extra)
+                rest = order[full:]
+                rows_left = rows[rest]
+                if pair is None:
+                    continue
+                following = pair[1 - t % 2]
+                for layer, buffer in buffers.items():  # carried to the front of the next buffer
+                    following[layer][: len(rest)] = _take(buffer, rest)
+                if reader is None and not last:
+                    pending = self._read_into(None, spans[t + 1], following, len(rest))
+        finally:
+            if pending is not None:  # an epoch left early: the reader takes no more blocks
+                pending.stop()
 
     def _read_into(
         self,
@@ -388,19 +396,19 @@ class FeatureDataset(Dataset):
         spans: list[tuple[int, int]],
         buffers: dict[str, torch.Tensor],
         start: int,
-    ) -> Future[None] | None:
-        """Read ``spans`` into ``buffers`` on ``reader`` (its future), or here and now."""
-        if reader is not None:
-            return reader.submit(self._read_buffer, spans, buffers, start)
-        self._read_buffer(spans, buffers, start)
-        return None
-
-    def _read_buffer(
-        self, spans: list[tuple[int, int]], buffers: dict[str, torch.Tensor], start: int
-    ) -> None:
-        """Read the row ranges ``spans`` of every layer into ``buffers`` from row ``start``."""
-        for layer in self.layers:
-            read_runs(self.features(layer), spans, codec.as_array(buffers[layer]), start)
+    ) -> SharedRead:
+        """The read of the row ranges ``spans`` of every layer into ``buffers`` from row
+        ``start``: begun on ``reader`` when given, finished by its ``result()``."""
+        tasks = []
+        at = start
+        for span in spans:
+            for layer in self.layers:
+                out = codec.as_array(buffers[layer])
+                tasks.append(functools.partial(read_runs, self.features(layer), [span], out, at))
+            at += span[1] - span[0]
+        # Where HDF5 reads a layer, a second thread would only wait for its turn.
+        shared = all(raw_chunks(self.features(layer)) is not None for layer in self.layers)
+        return SharedRead(tasks, reader, shared)
 
     def _targets(self, index: np.ndarray) -> tuple[torch.Tensor, ...]:
         """What comes with the features of the rows ``index`` in a batch: their labels."""

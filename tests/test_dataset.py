@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 
 import h5py
 import numpy as np
@@ -14,6 +15,7 @@ from torch.utils.data import DataLoader
 
 import featcache
 from featcache import FeatureDataset, FeatureStore
+from featcache import dataset as dataset_module
 from featcache.dataset import ShuffledBatches
 from featcache.errors import ConfigError, CorruptStoreError, FeatcacheError
 from featcache.store import StoreWriter, codec
@@ -190,31 +192,53 @@ def test_two_iterators_at_once_do_not_share_a_buffer(rows_path):
     assert all(torch.equal(a, b) for a, b in zip(alone, again, strict=True))
 
 
-def test_the_next_buffer_is_read_on_a_thread_that_ends_with_the_epoch(rows_path):
+def _record_reads(monkeypatch, delay: float = 0.0) -> list[tuple[str, tuple[int, int]]]:
+    """(thread name, row range) of every block read by FeatureDataset.batches from now."""
+    reads = []
+    original = dataset_module.read_runs
+
+    def read_runs(dataset, runs, out, at=0):
+        reads.append((threading.current_thread().name, tuple(runs[0])))
+        time.sleep(delay)  # lets the other thread take a block meanwhile
+        original(dataset, runs, out, at)
+
+    monkeypatch.setattr(dataset_module, "read_runs", read_runs)
+    return reads
+
+
+def test_the_next_buffer_is_read_on_a_thread_that_ends_with_the_epoch(rows_path, monkeypatch):
     dataset = FeatureDataset(rows_path, "a")
-    reading = []
-    original = dataset._read_buffer
-
-    def read_buffer(spans, buffers, start):
-        reading.append(threading.current_thread().name)
-        original(spans, buffers, start)
-
-    dataset._read_buffer = read_buffer  # type: ignore[method-assign]
+    reads = _record_reads(monkeypatch)
     before = set(threading.enumerate())
+    main = threading.current_thread().name
     batches = dataset.batches(8, buffer_rows=32, with_index=True)
     next(batches)
-    assert len(reading) == 2  # the first buffer, and the next one already under way
-    assert all(name.startswith("featcache-read") for name in reading)
-    batches.close()  # leaving the epoch early waits for the read in flight
+    first_buffer = 32 // dataset.block_rows
+    assert len(reads) >= first_buffer  # the first buffer, and the next one begun
+    assert {name for name, _ in reads} <= {main, "featcache-read_0"}
+    batches.close()  # leaving the epoch early waits for the block being read
     assert set(threading.enumerate()) <= before  # and the reading thread is gone
-    reading.clear()
+    reads.clear()
     assert len(list(dataset.batches(8, buffer_rows=32, read_ahead=False))) == 26
-    assert reading == [threading.current_thread().name] * 7  # 7 buffers, read here
+    assert {name for name, _ in reads} == {main}  # every block read here, once
+    assert sorted(span for _, span in reads) == sorted(set(span for _, span in reads))
+    assert sum(b - a for _, (a, b) in reads) == 203
     direct = FeatureStore(rows_path).read("a")
     features, labels, rows = collect(dataset.batches(8, buffer_rows=32, with_index=True))
     assert sorted(rows.tolist()) == list(range(203)) and torch.equal(features, direct[rows])
     alone = collect(dataset.batches(8, buffer_rows=32, with_index=True, read_ahead=False))
     assert all(torch.equal(a, b) for a, b in zip(alone, (features, labels, rows), strict=True))
+
+
+def test_a_buffer_the_batches_wait_for_is_read_on_both_threads(rows_path, monkeypatch):
+    dataset = FeatureDataset(rows_path, "a")
+    reads = _record_reads(monkeypatch, delay=0.02)
+    features, labels, rows = collect(dataset.batches(8, buffer_rows=203, with_index=True))
+    assert {name for name, _ in reads} == {threading.current_thread().name, "featcache-read_0"}
+    spans = [span for _, span in reads]
+    assert len(spans) == len(set(spans)) and sum(b - a for a, b in spans) == 203  # each once
+    direct = FeatureStore(rows_path).read("a")
+    assert sorted(rows.tolist()) == list(range(203)) and torch.equal(features, direct[rows])
 
 
 def test_a_bad_chunk_stops_the_epoch_before_any_of_its_rows(tmp_path):

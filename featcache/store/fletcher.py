@@ -84,13 +84,15 @@ def checksum_only(dataset: h5py.Dataset) -> bool:
     return dataset.id.get_create_plist().get_nfilters() == 1
 
 
-def plain_chunk_address(dataset: h5py.Dataset, start: int) -> int | None:
+def plain_chunk_address(dataset: h5py.Dataset, start: int, checksum: bool = True) -> int | None:
     """Where in the file the chunk of ``dataset`` that starts at row ``start`` lies, when
-    it is stored as its bytes followed by their checksum (allocated, the filter not
-    skipped); None otherwise, and HDF5 must read it."""
+    it is stored as its plain bytes, followed by their checksum with ``checksum``
+    (allocated, no filter skipped or applied but Fletcher-32); None otherwise, and HDF5
+    must read it."""
     info = dataset.id.get_chunk_info_by_coord((start, *(0 for _ in dataset.shape[1:])))
     assert dataset.chunks is not None
     stored = int(np.prod(dataset.chunks, dtype=np.int64)) * dataset.dtype.itemsize
-    if info.byte_offset is None or info.filter_mask != 0 or info.size != stored + CHECKSUM_BYTES:
+    stored += CHECKSUM_BYTES if checksum else 0
+    if info.byte_offset is None or info.filter_mask != 0 or info.size != stored:
         return None
     return int(info.byte_offset)

@@ -13,9 +13,9 @@ import torch
 
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.store import codec
-from featcache.store.checked import checked_chunks
 from featcache.store.integrity import raise_if_corrupt
 from featcache.store.paths import PARTIAL_SUFFIX, partial_path, readable_path
+from featcache.store.raw_chunks import raw_chunks
 from featcache.store.skipped import read_skipped
 
 if TYPE_CHECKING:
@@ -392,13 +392,13 @@ def read_runs(
     checksum raises :class:`~featcache.errors.CorruptStoreError` naming its rows."""
     row_bytes = max(out.dtype.itemsize * int(np.prod(out.shape[1:], dtype=np.int64)), 1)
     direct_rows = max(DIRECT_READ_BYTES // row_bytes, 1)
-    checked = checked_chunks(dataset)
+    raw = raw_chunks(dataset)
     start = stop = 0
     try:
         for start, stop in runs:
             rows = stop - start
-            if checked is not None:
-                checked.read(dataset, start, stop, out[at : at + rows])
+            if raw is not None:
+                raw.read(dataset, start, stop, out[at : at + rows])
             elif rows >= direct_rows:
                 dataset.read_direct(out, np.s_[start:stop], np.s_[at : at + rows])
             else:

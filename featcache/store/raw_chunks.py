@@ -1,24 +1,27 @@
-"""Reading checksummed chunks once: check each chunk the first time, then read rows raw.
+"""Reading rows straight from a dataset's chunks in the file, checking each chunk once.
 
 HDF5 checks a Fletcher-32 chunk on every read, and to check it reads the chunk whole: a
-random row costs a whole chunk and its checksum, again and again. :class:`CheckedChunks`
+random row costs a whole chunk and its checksum, again and again. :class:`RawChunks`
 checks each chunk of a dataset the first time it is read while its file is open (the
 chunk's stored bytes read with ``preadv`` and summed by
 :func:`~featcache.store.fletcher.fletcher32`), remembers where the chunk lies in the
 file, and from then on reads the rows asked for straight from there. A file opened again
 is checked again. A chunk that fails its checksum raises
 :class:`~featcache.errors.CorruptStoreError` naming its rows, before any of its values
-are returned.
+are returned. Chunks stored without any filter (``store.checksum: false``) are read the
+same way, with nothing to check.
 
-It applies to a chunked dataset whose only filter is Fletcher-32 (featcache's default),
-in a file opened with HDF5's default (POSIX) driver on a system with ``os.preadv``;
-anything else, and a chunk not stored as plain bytes plus checksum, is read by HDF5 as
-usual.
+Reads release the GIL, so two threads read (and check) on two cores where HDF5's reads
+take turns. It applies to a chunked dataset with no filter but Fletcher-32 (featcache's
+default) or none at all, in a file opened with HDF5's default (POSIX) driver on a system
+with ``os.preadv``; anything else (compressed layers, virtual datasets), and a chunk not
+stored as its plain bytes, is read by HDF5 as usual.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 
 import h5py
@@ -34,21 +37,22 @@ from featcache.store.fletcher import (
 from featcache.store.integrity import BadChunk, corrupt_store_error
 
 UNCHECKED = -1  # address of a chunk not read yet
-BY_HDF5 = -2  # a chunk HDF5 reads itself (not stored as plain bytes plus checksum)
+BY_HDF5 = -2  # a chunk HDF5 reads itself (not stored as its plain bytes)
 
 
-class CheckedChunks:
-    """Row reads of one checksummed dataset, each chunk checked on its first read while
-    the file is open."""
+class RawChunks:
+    """Row reads of one dataset straight from the file; with a checksum, each chunk is
+    checked on its first read while the file is open."""
 
     def __init__(self, dataset: h5py.Dataset):
+        self.checksum = checksum_only(dataset)
         self.chunk_rows = int(dataset.chunks[0])
         self.row_bytes = row_bytes(dataset)
         self.chunk_bytes = self.chunk_rows * self.row_bytes
         chunks = -(-len(dataset) // self.chunk_rows)
         self.addresses = np.full(chunks, UNCHECKED, dtype=np.int64)
         # The file's descriptor: it stays the same while the file is open, and an entry is
-        # only found for the file it was made for (see checked_chunks).
+        # only found for the file it was made for (see raw_chunks).
         self.fd = int(h5py.h5i.get_file_id(dataset.id).get_vfd_handle())
 
     def read(self, dataset: h5py.Dataset, start: int, stop: int, out: np.ndarray) -> None:
@@ -78,13 +82,17 @@ class CheckedChunks:
     def _check(
         self, dataset: h5py.Dataset, fd: int, chunk: int, first: int, last: int, target: np.ndarray
     ) -> int:
-        """Read chunk ``chunk`` whole, check it, copy rows ``[first, last)`` of it into
-        ``target``; returns its address in the file (or :data:`BY_HDF5`)."""
+        """Find chunk ``chunk`` in the file and copy rows ``[first, last)`` of it into
+        ``target``, reading it whole and checking it first when it has a checksum;
+        returns its address in the file (or :data:`BY_HDF5`)."""
         start = chunk * self.chunk_rows
-        address = plain_chunk_address(dataset, start)
+        address = plain_chunk_address(dataset, start, self.checksum)
         if address is None:
             dataset.read_direct(target, np.s_[first:last])
             return BY_HDF5
+        if not self.checksum:
+            _pread_into(fd, target, address + (first - start) * self.row_bytes)
+            return address
         whole = last - first == self.chunk_rows  # the rows asked for fill the chunk
         data = target if whole else np.empty(self.chunk_bytes, dtype=np.uint8)
         checksum = np.empty(CHECKSUM_BYTES, dtype=np.uint8)
@@ -105,34 +113,39 @@ class CheckedChunks:
         return address
 
 
-MAX_TRACKED = 64  # datasets whose checked chunks are remembered, most recent first
+MAX_TRACKED = 64  # datasets whose chunk addresses are remembered, most recent first
 
 # Keyed by HDF5's serial number of the open file (never reused within a process; the
 # same for every handle on a file while any is open) and the dataset's path, so a store
 # read through a new h5py object each time (FeatureStore) checks each chunk once.
-_CHECKED: OrderedDict[tuple[tuple[int, int], str], CheckedChunks | None] = OrderedDict()
+_OPEN: OrderedDict[tuple[tuple[int, int], str], RawChunks | None] = OrderedDict()
+_OPEN_LOCK = threading.Lock()  # a shuffle buffer is read on two threads
 
 
-def checked_chunks(dataset: h5py.Dataset) -> CheckedChunks | None:
-    """The :class:`CheckedChunks` of this dataset in its open file, made on its first read
+def raw_chunks(dataset: h5py.Dataset) -> RawChunks | None:
+    """The :class:`RawChunks` of this dataset in its open file, made on its first read
     (and forgotten after :data:`MAX_TRACKED` others); None when HDF5 reads it as usual."""
     key = (tuple(dataset.id.fileno), dataset.name)
-    if key in _CHECKED:
-        _CHECKED.move_to_end(key)
-        return _CHECKED[key]
-    chunks = CheckedChunks(dataset) if _readable_raw(dataset) else None
-    _CHECKED[key] = chunks
-    if len(_CHECKED) > MAX_TRACKED:
-        _CHECKED.popitem(last=False)
-    return chunks
+    with _OPEN_LOCK:
+        if key in _OPEN:
+            _OPEN.move_to_end(key)
+            return _OPEN[key]
+        chunks = RawChunks(dataset) if _readable_raw(dataset) else None
+        _OPEN[key] = chunks
+        if len(_OPEN) > MAX_TRACKED:
+            _OPEN.popitem(last=False)
+        return chunks
 
 
 def _readable_raw(dataset: h5py.Dataset) -> bool:
     """Whether rows can be read straight from ``dataset``'s chunks in the file."""
     if not hasattr(os, "preadv") or dataset.file.driver != "sec2":
         return False  # positioned reads into a buffer: POSIX systems only
-    if not checksum_only(dataset):
+    if dataset.chunks is None or dataset.is_virtual:
         return False
+    filters = dataset.id.get_create_plist().get_nfilters()
+    if filters and not checksum_only(dataset):
+        return False  # compressed: HDF5 decodes it
     return tuple(dataset.chunks[1:]) == tuple(dataset.shape[1:])  # rows are contiguous
 
 

@@ -1,5 +1,6 @@
-"""Checked chunk reads: rows read straight from checksummed chunks equal HDF5's reads, a
-chunk is checked once per dataset object, and a bad chunk fails before its rows return."""
+"""Raw chunk reads: rows read straight from plain or checksummed chunks equal HDF5's reads,
+a chunk is checked once while its file is open, and a bad chunk fails before its rows
+return."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 
 from featcache.errors import CorruptStoreError
 from featcache.store import FeatureStore, StoreWriter, codec, read_rows
-from featcache.store import checked as checked_module
-from featcache.store.checked import checked_chunks
+from featcache.store import raw_chunks as raw_module
+from featcache.store.raw_chunks import raw_chunks
 from featcache.store.reader import read_runs
 
 
@@ -29,12 +30,13 @@ def _store(path, rows=23, dtype="float16", checksum=True, compression=None):
     return path, encoded
 
 
+@pytest.mark.parametrize("checksum", [True, False])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-def test_rows_read_from_checked_chunks_equal_hdf5s(tmp_path, dtype):
-    path, encoded = _store(tmp_path / "s.h5", dtype=dtype)
+def test_rows_read_from_raw_chunks_equal_hdf5s(tmp_path, dtype, checksum):
+    path, encoded = _store(tmp_path / "s.h5", dtype=dtype, checksum=checksum)
     with h5py.File(path, "r") as f:
         dataset = f["features/a"]
-        assert checked_chunks(dataset) is not None
+        assert raw_chunks(dataset) is not None
         for rows in ([22, 0, 5, 5, 13], [3, 4], list(range(23)), [21, 22]):
             got = codec.as_array(read_rows(dataset, np.array(rows)))
             np.testing.assert_array_equal(got, encoded[rows])
@@ -48,8 +50,8 @@ def test_rows_read_from_checked_chunks_equal_hdf5s(tmp_path, dtype):
 def test_each_chunk_is_checked_once_while_its_file_is_open(tmp_path, monkeypatch):
     path, _ = _store(tmp_path / "s.h5")
     sums = []
-    original = checked_module.fletcher32
-    monkeypatch.setattr(checked_module, "fletcher32", lambda data: sums.append(1) or original(data))
+    original = raw_module.fletcher32
+    monkeypatch.setattr(raw_module, "fletcher32", lambda data: sums.append(1) or original(data))
     with h5py.File(path, "r") as f:
         dataset = f["features/a"]
         for row in [1, 2, 3, 1, 0]:  # all in chunk 0
@@ -84,11 +86,11 @@ def test_a_bad_chunk_fails_even_after_its_neighbours_were_read(tmp_path):
         assert "Fletcher-32 of the chunk at byte" in str(caught.value.__cause__)
 
 
-@pytest.mark.parametrize("options", [{"checksum": False}, {"compression": "gzip"}])
-def test_stores_without_plain_checksummed_chunks_are_read_by_hdf5(tmp_path, options):
-    path, encoded = _store(tmp_path / "s.h5", **options)
+@pytest.mark.parametrize("checksum", [True, False])
+def test_compressed_stores_are_read_by_hdf5(tmp_path, checksum):
+    path, encoded = _store(tmp_path / "s.h5", checksum=checksum, compression="gzip")
     with h5py.File(path, "r") as f:
-        assert checked_chunks(f["features/a"]) is None
+        assert raw_chunks(f["features/a"]) is None
         np.testing.assert_array_equal(read_rows(f["features/a"], np.array([5, 1])), encoded[[5, 1]])
 
 
