@@ -229,7 +229,8 @@ class FeatureDataset(Dataset):
         rows come in store order. Reading from the file, the buffers are kept for the next
         epoch; with ``read_ahead`` (the default) a thread reads and checks the next
         buffer's blocks while batches are drawn from the current one, which takes a
-        second buffer.
+        second buffer, and a buffer the batches wait for is read on both threads
+        (:mod:`featcache.buffer_read`).
         """
         return self._batches(
             batch_size, shuffle, seed, epoch, buffer_rows, drop_last, with_index, 0, 1,
