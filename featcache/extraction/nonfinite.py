@@ -58,18 +58,24 @@ def check_finite(
     return ~bad_rows
 
 
-def nonfinite_rows(value: torch.Tensor) -> torch.Tensor:
-    """``[B]`` bool on the CPU: rows of ``value`` ``[B, ...]`` holding a NaN or an Inf.
+# An IEEE float is NaN or infinite exactly when its exponent bits are all ones: when its
+# bits with the sign cleared, read as an integer of the same width, are at least those
+# of +Inf. One integer reduction per row finds such rows, several times faster than
+# isfinite or a float sum (which must widen float16 first).
+_INF_BITS = {
+    torch.float16: (torch.int16, 0x7FFF, 0x7C00),
+    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
+    torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000),
+    torch.float64: (torch.int64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000),
+}
 
-    A row's sum is non-finite whenever the row is, so one reduction pass finds the
-    suspects; only those are checked element by element (a finite row whose sum
-    overflows is not reported).
-    """
+
+def nonfinite_rows(value: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool on the CPU: rows of ``value`` ``[B, ...]`` holding a NaN or an Inf."""
     flat = value.flatten(1)
-    wide = torch.float64 if flat.dtype in (torch.float32, torch.float64) else torch.float32
-    suspect = ~torch.isfinite(flat.sum(dim=1, dtype=wide))
-    if not suspect.any():
+    if flat.shape[1] == 0:
         return torch.zeros(len(flat), dtype=torch.bool)
-    bad = suspect.clone()
-    bad[suspect] = ~torch.isfinite(flat[suspect]).all(dim=1)
-    return bad.cpu()
+    if flat.dtype not in _INF_BITS:
+        return (~torch.isfinite(flat).all(dim=1)).cpu()
+    integer, magnitude, inf = _INF_BITS[flat.dtype]
+    return ((flat.view(integer) & magnitude).amax(dim=1) >= inf).cpu()
