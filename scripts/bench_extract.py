@@ -33,6 +33,7 @@ Ratios are images/s against baselines measured in the same run:
     python scripts/bench_extract.py                      # everything (about 10 minutes)
     python scripts/bench_extract.py --parts throughput --models resnet18 --images 256
     python scripts/bench_extract.py --parts throughput --models resnet18 --checksum-cost
+    python scripts/bench_extract.py --parts throughput --models resnet18 --threads 1
     python scripts/bench_extract.py --parts throughput --models timm:vit_small_patch16_224
     python scripts/bench_extract.py --parts text --texts 2048 --batch 32
 """
@@ -535,6 +536,9 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
+    )
     parser.add_argument("--texts", type=int, default=2048, help="text: synthetic texts")
     parser.add_argument(
         "--checksum-cost",
@@ -542,6 +546,8 @@ def main() -> None:
         help="throughput: also time featcache.extract with store.checksum off",
     )
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     print(
         f"torch {torch.__version__}, torchvision {torchvision.__version__}, "
         f"featcache {featcache.__version__}, {time.strftime('%Y-%m-%d')}"
