@@ -104,3 +104,16 @@ def test_a_dataset_whose_file_was_closed_is_not_read_from_a_stale_descriptor(tmp
         other.write(bytes(4096))
         with pytest.raises((ValueError, OSError, RuntimeError)):
             read_rows(dataset, np.array([2]))
+
+
+def test_values_not_stored_as_native_numbers_are_read_by_hdf5(tmp_path):
+    with h5py.File(tmp_path / "other.h5", "w") as f:
+        swapped = f.create_dataset("swapped", data=np.arange(40, dtype=">f4"), chunks=(8,))
+        text = f.create_dataset("text", data=[str(i) for i in range(40)], chunks=(8,))
+        plain = f.create_dataset("plain", data=np.arange(40, dtype="<i8"), chunks=(8,))
+        assert raw_chunks(swapped) is None and raw_chunks(text) is None
+        assert raw_chunks(plain) is not None
+        for dataset in (swapped, text, plain):
+            out = np.empty(7, dtype=dataset.dtype)
+            read_runs(dataset, [(3, 5), (12, 17)], out)
+            np.testing.assert_array_equal(out, dataset[np.r_[3:5, 12:17]])

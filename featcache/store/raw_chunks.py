@@ -143,6 +143,8 @@ def _readable_raw(dataset: h5py.Dataset) -> bool:
         return False  # positioned reads into a buffer: POSIX systems only
     if dataset.chunks is None or dataset.is_virtual:
         return False
+    if dataset.dtype.kind not in "biufS" or not dataset.dtype.isnative:
+        return False  # variable-length or compound values, or bytes in another order
     filters = dataset.id.get_create_plist().get_nfilters()
     if filters and not checksum_only(dataset):
         return False  # compressed: HDF5 decodes it
