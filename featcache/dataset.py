@@ -29,8 +29,7 @@ from featcache.errors import ConfigError
 from featcache.shuffled_batches import ShuffledBatches
 from featcache.store import codec
 from featcache.store.chunks import chunk_cache_for, chunk_rows_of, row_bytes
-from featcache.store.fletcher import checksum_only
-from featcache.store.raw_chunks import raw_chunks
+from featcache.store.raw_chunks import raw_chunks, reads_raw
 from featcache.store.reader import (
     FeatureStore,
     StoreFile,
@@ -141,9 +140,9 @@ class FeatureDataset(Dataset):
             self._storage[layer] = codec.torch_dtype(features.attrs["dtype"])
             rows = chunk_rows_of(features)
             chunk_rows.append(rows)
-            # Chunks with a checksum alone are read by featcache itself, not through the cache.
+            # Chunks featcache reads straight from the file never go through the cache.
             filtered = features.id.get_create_plist().get_nfilters() > 0
-            filtered = filtered and not checksum_only(features)
+            filtered = filtered and not reads_raw(features)
             self._caches[layer] = chunk_cache_for(rows * row_bytes(features), filtered, chunk_cache)
         # A block is the unit the shuffling reader reads: one chunk of the layer with the
         # most rows per chunk (with the usual ~1 MiB chunks, whole chunks of every layer).
@@ -400,15 +399,16 @@ class FeatureDataset(Dataset):
     ) -> SharedRead:
         """The read of the row ranges ``spans`` of every layer into ``buffers`` from row
         ``start``: begun on ``reader`` when given, finished by its ``result()``."""
+        datasets = {layer: self.features(layer) for layer in self.layers}
+        outs = {layer: codec.as_array(buffers[layer]) for layer in self.layers}
         tasks = []
         at = start
         for span in spans:
-            for layer in self.layers:
-                out = codec.as_array(buffers[layer])
-                tasks.append(functools.partial(read_runs, self.features(layer), [span], out, at))
+            for layer, dataset in datasets.items():
+                tasks.append(functools.partial(read_runs, dataset, [span], outs[layer], at))
             at += span[1] - span[0]
         # Where HDF5 reads a layer, a second thread would only wait for its turn.
-        shared = all(raw_chunks(self.features(layer)) is not None for layer in self.layers)
+        shared = all(raw_chunks(dataset) is not None for dataset in datasets.values())
         return SharedRead(tasks, reader, shared)
 
     def _targets(self, index: np.ndarray) -> tuple[torch.Tensor, ...]:

@@ -70,7 +70,7 @@ class RawChunks:
             if not target.flags.c_contiguous:
                 dataset.read_direct(target, np.s_[first:last])
             elif address == UNCHECKED:
-                address = self.addresses[chunk] = self._check(
+                address = self.addresses[chunk] = self._first_read(
                     dataset, fd, chunk, first, last, target
                 )
             elif address == BY_HDF5:
@@ -79,7 +79,7 @@ class RawChunks:
                 skip = (first - chunk * self.chunk_rows) * self.row_bytes
                 _pread_into(fd, target, int(address) + skip)
 
-    def _check(
+    def _first_read(
         self, dataset: h5py.Dataset, fd: int, chunk: int, first: int, last: int, target: np.ndarray
     ) -> int:
         """Find chunk ``chunk`` in the file and copy rows ``[first, last)`` of it into
@@ -130,15 +130,16 @@ def raw_chunks(dataset: h5py.Dataset) -> RawChunks | None:
         if key in _OPEN:
             _OPEN.move_to_end(key)
             return _OPEN[key]
-        chunks = RawChunks(dataset) if _readable_raw(dataset) else None
+        chunks = RawChunks(dataset) if reads_raw(dataset) else None
         _OPEN[key] = chunks
         if len(_OPEN) > MAX_TRACKED:
             _OPEN.popitem(last=False)
         return chunks
 
 
-def _readable_raw(dataset: h5py.Dataset) -> bool:
-    """Whether rows can be read straight from ``dataset``'s chunks in the file."""
+def reads_raw(dataset: h5py.Dataset) -> bool:
+    """Whether :class:`RawChunks` reads ``dataset``'s rows straight from the file (and HDF5
+    never reads its chunks whole for featcache, so it needs no chunk cache)."""
     if not hasattr(os, "preadv") or dataset.file.driver != "sec2":
         return False  # positioned reads into a buffer: POSIX systems only
     if dataset.chunks is None or dataset.is_virtual:

@@ -103,10 +103,12 @@ class SparseWriter(io.RawIOBase):
 @contextlib.contextmanager
 def created_sparse(path: str | os.PathLike) -> Iterator[h5py.File]:
     """A new HDF5 file at ``path`` (replacing any file there), open for building; the
-    zeros HDF5 fills new chunks with are not written. Closed on leaving the block."""
+    zeros HDF5 fills new chunks with are not written. Closed on leaving the block, and
+    synced to the disk when the block completes."""
     target = SparseWriter(Path(path))
     try:
         with h5py.File(target, "w") as f:
             yield f
+        os.fsync(target.file.fileno())  # everything HDF5 wrote, now that it is closed
     finally:
         target.close()

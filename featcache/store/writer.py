@@ -124,14 +124,9 @@ class StoreWriter:
             )
         creating = self.partial.with_name(self.partial.name + ".creating")
         try:
-            with created_sparse(creating) as building:  # HDF5's zero fill is not written
+            with created_sparse(creating) as building:  # zero fill left unwritten; synced
                 self._build(building, features, feature_attrs, ragged, token_ids)
             f = h5py.File(creating, "r+", rdcc_nbytes=0)  # whole-chunk writes skip the cache
-            try:
-                os.fsync(f.id.get_vfd_handle())
-            except BaseException:
-                f.close()
-                raise
         except BaseException:
             creating.unlink(missing_ok=True)
             raise
