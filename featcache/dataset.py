@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -401,14 +401,22 @@ class FeatureDataset(Dataset):
         ``start``: begun on ``reader`` when given, finished by its ``result()``."""
         datasets = {layer: self.features(layer) for layer in self.layers}
         outs = {layer: codec.as_array(buffers[layer]) for layer in self.layers}
-        tasks = []
+        raws = {layer: raw_chunks(dataset) for layer, dataset in datasets.items()}
+
+        def advise() -> None:  # the disk gets every block of the buffer at once
+            for layer, raw in raws.items():
+                if raw is not None:
+                    for span in spans:
+                        raw.advise(datasets[layer], *span)
+
+        tasks: list[Callable[[], None]] = [advise]  # taken first, by the reader when ahead
         at = start
         for span in spans:
             for layer, dataset in datasets.items():
                 tasks.append(functools.partial(read_runs, dataset, [span], outs[layer], at))
             at += span[1] - span[0]
         # Where HDF5 reads a layer, a second thread would only wait for its turn.
-        shared = all(raw_chunks(dataset) is not None for dataset in datasets.values())
+        shared = all(raw is not None for raw in raws.values())
         return SharedRead(tasks, reader, shared)
 
     def _targets(self, index: np.ndarray) -> tuple[torch.Tensor, ...]:

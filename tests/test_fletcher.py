@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from featcache.store import StoreWriter, codec, scan_chunks
-from featcache.store.fletcher import checksum_bytes, checksum_only, fletcher32
+from featcache.store.fletcher import (
+    checksum_bytes,
+    checksum_only,
+    fletcher32,
+    plain_chunk_address,
+    plain_chunk_addresses,
+)
 
 
 def _reference(data: bytes) -> int:
@@ -99,3 +105,25 @@ def test_chunks_the_writer_writes_as_stored_pass_hdf5s_own_check(tmp_path):
     with h5py.File(path, "r") as f:
         np.testing.assert_array_equal(f["features/a"][:], encoded)
         np.testing.assert_array_equal(f["labels"][:], index)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"fletcher32": True},
+        {"fletcher32": False},
+        {"fletcher32": True, "compression": "gzip"},  # filtered: HDF5 must read every chunk
+    ],
+)
+def test_the_chunk_list_gives_each_chunks_address_as_looked_up_alone(tmp_path, options):
+    with h5py.File(tmp_path / "s.h5", "w") as f:
+        dataset = f.create_dataset("x", (50, 6), dtype="f2", chunks=(8, 6), **options)
+        dataset[0:8] = 1.0
+        dataset[24:43] = np.arange(19 * 6).reshape(19, 6)  # chunks 1 and 2 never written
+        checksum = options["fletcher32"]
+        listed = plain_chunk_addresses(dataset, checksum)
+        alone = [plain_chunk_address(dataset, start, checksum) for start in range(0, 50, 8)]
+    assert listed is not None and listed.dtype == np.int64
+    assert listed.tolist() == [-1 if a is None else a for a in alone]
+    assert alone[1] is None and alone[2] is None
+    assert (alone[0] is None) == ("compression" in options)

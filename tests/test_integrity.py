@@ -20,6 +20,7 @@ from featcache.store import (
     combine_shards,
     copy_store,
     has_checksums,
+    integrity,
     merge_store,
     scan_chunks,
 )
@@ -134,7 +135,10 @@ def test_dataset_reads_fail_naming_the_layer_and_rows_of_the_bad_chunk(stores):
     assert len(list(FeatureDataset(bad, "layer4").batches(8))) == 4  # other layers read
 
 
-def test_scan_chunks_finds_exactly_the_bad_chunks(stores, tmp_path):
+@pytest.mark.parametrize("listed", [True, False], ids=["chunk-list", "chunk-by-chunk"])
+def test_scan_chunks_finds_exactly_the_bad_chunks(stores, tmp_path, monkeypatch, listed):
+    if not listed:  # an HDF5 that cannot list a dataset's chunks: each is looked up alone
+        monkeypatch.setattr(integrity, "plain_chunk_addresses", lambda dataset: None)
     clean, bad = stores
     assert scan_chunks(clean) == [] and scan_chunks(FeatureStore(clean)) == []
     (found,) = scan_chunks(bad)

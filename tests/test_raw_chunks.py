@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from featcache.dataset import FeatureDataset
 from featcache.errors import CorruptStoreError
 from featcache.store import FeatureStore, StoreWriter, codec, read_rows
 from featcache.store import raw_chunks as raw_module
@@ -117,3 +118,96 @@ def test_values_not_stored_as_native_numbers_are_read_by_hdf5(tmp_path):
             out = np.empty(7, dtype=dataset.dtype)
             read_runs(dataset, [(3, 5), (12, 17)], out)
             np.testing.assert_array_equal(out, dataset[np.r_[3:5, 12:17]])
+
+
+def _stored_chunks(path):
+    """(byte offset, stored size) of each chunk of layer ``a``, in row order."""
+    with h5py.File(path, "r") as f:
+        dataset = f["features/a"]
+        return [
+            (info.byte_offset, info.size)
+            for info in (
+                dataset.id.get_chunk_info_by_coord((start, 0, 0))
+                for start in range(0, len(dataset), dataset.chunks[0])
+            )
+        ]
+
+
+def _record_advice(monkeypatch, error=None):
+    asked = []
+
+    def advise(fd, offset, length, advice):
+        asked.append((offset, length, advice))
+        if error is not None:
+            raise error
+
+    monkeypatch.setattr(raw_module.os, "posix_fadvise", advise)
+    return asked
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+def test_advice_names_each_chunk_of_the_rows_as_stored(tmp_path, monkeypatch, checksum):
+    path, encoded = _store(tmp_path / "s.h5", checksum=checksum)
+    chunks = _stored_chunks(path)
+    asked = _record_advice(monkeypatch)
+    with h5py.File(path, "r") as f:
+        dataset = f["features/a"]
+        raw = raw_chunks(dataset)
+        raw.advise(dataset, 5, 14)  # rows of chunks 1 to 3, none read yet
+        read_rows(dataset, slice(4, 8))  # chunk 1 read (and checked): its address known
+        raw.advise(dataset, 4, 6)
+        np.testing.assert_array_equal(
+            codec.as_array(read_rows(dataset, slice(5, 14))), encoded[5:14]
+        )
+    willneed = raw_module.os.POSIX_FADV_WILLNEED
+    assert asked == [(*chunks[c], willneed) for c in (1, 2, 3, 1)]
+    assert all(size == 4 * 15 * 2 + 4 * checksum for _, size in chunks)
+
+
+def test_refused_advice_changes_no_read(tmp_path, monkeypatch):
+    path, encoded = _store(tmp_path / "s.h5")
+    asked = _record_advice(monkeypatch, error=OSError(22, "Invalid argument"))
+    with h5py.File(path, "r") as f:
+        dataset = f["features/a"]
+        raw_chunks(dataset).advise(dataset, 0, 23)
+        np.testing.assert_array_equal(codec.as_array(read_rows(dataset, slice(None))), encoded)
+    assert len(asked) == 1  # the first refusal ends the advice
+
+
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_an_epoch_of_batches_advises_every_chunk_before_reading_it(
+    tmp_path, monkeypatch, read_ahead
+):
+    path, encoded = _store(tmp_path / "s.h5")
+    chunks = _stored_chunks(path)
+    asked = _record_advice(monkeypatch)
+    read = []
+    original = raw_module.RawChunks.read
+
+    def record_read(self, dataset, start, stop, out):
+        read.append(len(asked))  # how much advice had been given before this read
+        original(self, dataset, start, stop, out)
+
+    monkeypatch.setattr(raw_module.RawChunks, "read", record_read)
+    dataset = FeatureDataset(path, "a", dtype=None)
+    batches = list(dataset.batches(5, buffer_rows=8, with_index=True, read_ahead=read_ahead))
+    dataset.close()
+    rows = torch.cat([index for *_, index in batches])
+    assert sorted(rows.tolist()) == list(range(23))
+    features = torch.cat([features for features, *_ in batches])
+    np.testing.assert_array_equal(codec.as_array(features), encoded[rows.numpy()])
+    assert sorted(offset for offset, *_ in asked) == sorted(offset for offset, _ in chunks)
+    # the first buffer's blocks are all advised before the first of them is read
+    assert read[0] >= 2
+
+
+def test_advice_looks_chunks_up_one_by_one_where_hdf5_cannot_list_them(tmp_path, monkeypatch):
+    path, encoded = _store(tmp_path / "s.h5")
+    chunks = _stored_chunks(path)
+    asked = _record_advice(monkeypatch)
+    monkeypatch.setattr(raw_module, "plain_chunk_addresses", lambda dataset, checksum: None)
+    with h5py.File(path, "r") as f:
+        dataset = f["features/a"]
+        raw_chunks(dataset).advise(dataset, 3, 23)
+        np.testing.assert_array_equal(codec.as_array(read_rows(dataset, slice(None))), encoded)
+    assert [offset for offset, *_ in asked] == [offset for offset, _ in chunks]

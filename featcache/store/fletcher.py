@@ -90,9 +90,40 @@ def plain_chunk_address(dataset: h5py.Dataset, start: int, checksum: bool = True
     (allocated, no filter skipped or applied but Fletcher-32); None otherwise, and HDF5
     must read it."""
     info = dataset.id.get_chunk_info_by_coord((start, *(0 for _ in dataset.shape[1:])))
+    return _plain_address(info, _stored_bytes(dataset, checksum))
+
+
+def plain_chunk_addresses(dataset: h5py.Dataset, checksum: bool = True) -> np.ndarray | None:
+    """:func:`plain_chunk_address` of every chunk of ``dataset`` in row order (``-1`` for
+    None), listed in one pass over HDF5's chunk index: ``int64``, one per chunk. None
+    where HDF5 cannot list a dataset's chunks (before 1.12.3)."""
+    assert dataset.chunks is not None
+    chunk_rows = dataset.chunks[0]
+    addresses = np.full(-(-len(dataset) // chunk_rows), -1, dtype=np.int64)
+    stored = _stored_bytes(dataset, checksum)
+
+    def note(info: h5py.h5d.StoreInfo) -> None:
+        address = _plain_address(info, stored)
+        if address is not None:
+            addresses[info.chunk_offset[0] // chunk_rows] = address
+
+    try:
+        dataset.id.chunk_iter(note)
+    except (AttributeError, NotImplementedError):
+        return None
+    return addresses
+
+
+def _stored_bytes(dataset: h5py.Dataset, checksum: bool) -> int:
+    """The bytes a whole chunk of ``dataset`` takes as plain values (and checksum)."""
     assert dataset.chunks is not None
     stored = int(np.prod(dataset.chunks, dtype=np.int64)) * dataset.dtype.itemsize
-    stored += CHECKSUM_BYTES if checksum else 0
+    return stored + (CHECKSUM_BYTES if checksum else 0)
+
+
+def _plain_address(info: h5py.h5d.StoreInfo, stored: int) -> int | None:
+    """The byte offset of the chunk ``info`` describes, when it is allocated, not
+    filtered but as expected, and ``stored`` bytes long."""
     if info.byte_offset is None or info.filter_mask != 0 or info.size != stored:
         return None
     return int(info.byte_offset)

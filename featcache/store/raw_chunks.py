@@ -9,7 +9,8 @@ file, and from then on reads the rows asked for straight from there. A file open
 is checked again. A chunk that fails its checksum raises
 :class:`~featcache.errors.CorruptStoreError` naming its rows, before any of its values
 are returned. Chunks stored without any filter (``store.checksum: false``) are read the
-same way, with nothing to check.
+same way, with nothing to check. :meth:`RawChunks.advise` tells the kernel which chunks
+a read will need, so that a shuffle buffer's blocks come from the disk together.
 
 Reads release the GIL, so two threads read (and check) on two cores where HDF5's reads
 take turns. It applies to a chunked dataset with no filter but Fletcher-32 (featcache's
@@ -33,11 +34,13 @@ from featcache.store.fletcher import (
     checksum_only,
     fletcher32,
     plain_chunk_address,
+    plain_chunk_addresses,
 )
 from featcache.store.integrity import BadChunk, corrupt_store_error
 
-UNCHECKED = -1  # address of a chunk not read yet
+UNLOCATED = -1  # address of a chunk not looked up yet
 BY_HDF5 = -2  # a chunk HDF5 reads itself (not stored as its plain bytes)
+_CAN_ADVISE = hasattr(os, "posix_fadvise")  # not on macOS or Windows
 
 
 class RawChunks:
@@ -50,7 +53,8 @@ class RawChunks:
         self.row_bytes = row_bytes(dataset)
         self.chunk_bytes = self.chunk_rows * self.row_bytes
         chunks = -(-len(dataset) // self.chunk_rows)
-        self.addresses = np.full(chunks, UNCHECKED, dtype=np.int64)
+        self.addresses = np.full(chunks, UNLOCATED, dtype=np.int64)
+        self.checked = np.zeros(chunks, dtype=bool)
         # The file's descriptor: it stays the same while the file is open, and an entry is
         # only found for the file it was made for (see raw_chunks).
         self.fd = int(h5py.h5i.get_file_id(dataset.id).get_vfd_handle())
@@ -61,42 +65,69 @@ class RawChunks:
         if not dataset.id.valid:  # its file was closed: let h5py say so
             dataset.read_direct(out, np.s_[start:stop])
             return
-        fd = self.fd
         for chunk in range(start // self.chunk_rows, -(-stop // self.chunk_rows)):
             first = max(start, chunk * self.chunk_rows)
             last = min(stop, (chunk + 1) * self.chunk_rows)
             target = out[first - start : last - start]
-            address = self.addresses[chunk]
-            if not target.flags.c_contiguous:
+            address = int(self.addresses[chunk])
+            if address == UNLOCATED:
+                address = self._locate(dataset, chunk)
+            if address == BY_HDF5 or not target.flags.c_contiguous:
                 dataset.read_direct(target, np.s_[first:last])
-            elif address == UNCHECKED:
-                address = self.addresses[chunk] = self._first_read(
-                    dataset, fd, chunk, first, last, target
-                )
-            elif address == BY_HDF5:
-                dataset.read_direct(target, np.s_[first:last])
+            elif self.checksum and not self.checked[chunk]:
+                self._checked_read(dataset, chunk, address, first, last, target)
+                self.checked[chunk] = True
             else:
                 skip = (first - chunk * self.chunk_rows) * self.row_bytes
-                _pread_into(fd, target, int(address) + skip)
+                _pread_into(self.fd, target, address + skip)
 
-    def _first_read(
-        self, dataset: h5py.Dataset, fd: int, chunk: int, first: int, last: int, target: np.ndarray
-    ) -> int:
-        """Find chunk ``chunk`` in the file and copy rows ``[first, last)`` of it into
-        ``target``, reading it whole and checking it first when it has a checksum;
-        returns its address in the file (or :data:`BY_HDF5`)."""
+    def advise(self, dataset: h5py.Dataset, start: int, stop: int) -> None:
+        """Ask the kernel to start reading the chunks that hold rows ``[start, stop)`` of
+        ``dataset`` in the background. A buffer of a shuffled epoch asks for all its blocks
+        at once, so a store read from the disk has them all in flight, not one or two; a
+        chunk already in the page cache costs a lookup. Advice only: a system or file that
+        refuses it is read as usual."""
+        if not _CAN_ADVISE or not dataset.id.valid:
+            return
+        chunks = range(start // self.chunk_rows, -(-stop // self.chunk_rows))
+        if (self.addresses[chunks.start : chunks.stop] == UNLOCATED).any():
+            listed = plain_chunk_addresses(dataset, self.checksum)  # one pass for all
+            if listed is not None:
+                self.addresses[:] = np.where(listed < 0, BY_HDF5, listed)
+        stored = self.chunk_bytes + (CHECKSUM_BYTES if self.checksum else 0)
+        for chunk in chunks:
+            address = int(self.addresses[chunk])
+            if address == UNLOCATED:
+                address = self._locate(dataset, chunk)
+            if address == BY_HDF5:
+                continue
+            try:
+                os.posix_fadvise(self.fd, address, stored, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                return
+
+    def _locate(self, dataset: h5py.Dataset, chunk: int) -> int:
+        """Look up where chunk ``chunk`` lies in the file (or :data:`BY_HDF5`), and keep it."""
+        found = plain_chunk_address(dataset, chunk * self.chunk_rows, self.checksum)
+        address = self.addresses[chunk] = BY_HDF5 if found is None else found
+        return int(address)
+
+    def _checked_read(
+        self,
+        dataset: h5py.Dataset,
+        chunk: int,
+        address: int,
+        first: int,
+        last: int,
+        target: np.ndarray,
+    ) -> None:
+        """Read chunk ``chunk`` whole from ``address`` with its checksum, check it, and
+        copy its rows ``[first, last)`` into ``target``."""
         start = chunk * self.chunk_rows
-        address = plain_chunk_address(dataset, start, self.checksum)
-        if address is None:
-            dataset.read_direct(target, np.s_[first:last])
-            return BY_HDF5
-        if not self.checksum:
-            _pread_into(fd, target, address + (first - start) * self.row_bytes)
-            return address
         whole = last - first == self.chunk_rows  # the rows asked for fill the chunk
         data = target if whole else np.empty(self.chunk_bytes, dtype=np.uint8)
         checksum = np.empty(CHECKSUM_BYTES, dtype=np.uint8)
-        _pread_into(fd, [data, checksum], address)
+        _pread_into(self.fd, [data, checksum], address)
         expected = int.from_bytes(checksum.tobytes(), "little")
         found = fletcher32(data)
         if found != expected:
@@ -110,7 +141,6 @@ class RawChunks:
         if not whole:
             rows = data.view(dataset.dtype).reshape(self.chunk_rows, *dataset.shape[1:])
             target[...] = rows[first - start : last - start]
-        return address
 
 
 MAX_TRACKED = 64  # datasets whose chunk addresses are remembered, most recent first
