@@ -127,3 +127,15 @@ def test_the_chunk_list_gives_each_chunks_address_as_looked_up_alone(tmp_path, o
     assert listed.tolist() == [-1 if a is None else a for a in alone]
     assert alone[1] is None and alone[2] is None
     assert (alone[0] is None) == ("compression" in options)
+
+
+def test_the_chunk_list_takes_the_first_chunk_of_each_row_block(tmp_path):
+    with h5py.File(tmp_path / "s.h5", "w") as f:
+        dataset = f.create_dataset("x", (16, 6), dtype="f2", chunks=(8, 3), fletcher32=True)
+        dataset[0:8] = 1.0
+        dataset[8:16, 3:6] = 2.0  # rows 8-15: only the second chunk along axis 1 written
+        listed = plain_chunk_addresses(dataset)
+        alone = [plain_chunk_address(dataset, start) for start in (0, 8)]
+    assert listed is not None
+    assert alone[0] is not None and alone[1] is None
+    assert listed.tolist() == [alone[0], -1]

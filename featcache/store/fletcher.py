@@ -94,15 +94,18 @@ def plain_chunk_address(dataset: h5py.Dataset, start: int, checksum: bool = True
 
 
 def plain_chunk_addresses(dataset: h5py.Dataset, checksum: bool = True) -> np.ndarray | None:
-    """:func:`plain_chunk_address` of every chunk of ``dataset`` in row order (``-1`` for
-    None), listed in one pass over HDF5's chunk index: ``int64``, one per chunk. None
-    where HDF5 cannot list a dataset's chunks (before 1.12.3)."""
+    """:func:`plain_chunk_address` of each row block of chunks of ``dataset`` in row order
+    (``-1`` for None), listed in one pass over HDF5's chunk index: ``int64``, one per
+    chunk along the first axis. None where HDF5 cannot list a dataset's chunks (before
+    1.12.3)."""
     assert dataset.chunks is not None
     chunk_rows = dataset.chunks[0]
     addresses = np.full(-(-len(dataset) // chunk_rows), -1, dtype=np.int64)
     stored = _stored_bytes(dataset, checksum)
 
     def note(info: h5py.h5d.StoreInfo) -> None:
+        if any(info.chunk_offset[1:]):  # the chunks at row offset 0 on the other axes
+            return
         address = _plain_address(info, stored)
         if address is not None:
             addresses[info.chunk_offset[0] // chunk_rows] = address
