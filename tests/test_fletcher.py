@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from featcache.store import StoreWriter, codec, scan_chunks
+from featcache.store import StoreWriter, codec, fletcher, scan_chunks
 from featcache.store.fletcher import (
     checksum_bytes,
     checksum_only,
@@ -115,7 +115,12 @@ def test_chunks_the_writer_writes_as_stored_pass_hdf5s_own_check(tmp_path):
         {"fletcher32": True, "compression": "gzip"},  # filtered: HDF5 must read every chunk
     ],
 )
-def test_the_chunk_list_gives_each_chunks_address_as_looked_up_alone(tmp_path, options):
+@pytest.mark.parametrize("listed", [True, False], ids=["chunk-list", "chunk-by-chunk"])
+def test_the_chunk_list_gives_each_chunks_address_as_looked_up_alone(
+    tmp_path, monkeypatch, options, listed
+):
+    if not listed:  # an HDF5 that cannot list a dataset's chunks (before 1.12.3)
+        monkeypatch.setattr(fletcher, "_list_chunks", lambda dataset, note: False)
     with h5py.File(tmp_path / "s.h5", "w") as f:
         dataset = f.create_dataset("x", (50, 6), dtype="f2", chunks=(8, 6), **options)
         dataset[0:8] = 1.0

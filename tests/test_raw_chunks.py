@@ -11,7 +11,7 @@ import torch
 
 from featcache.dataset import FeatureDataset
 from featcache.errors import CorruptStoreError
-from featcache.store import FeatureStore, StoreWriter, codec, read_rows
+from featcache.store import FeatureStore, StoreWriter, codec, fletcher, read_rows
 from featcache.store import raw_chunks as raw_module
 from featcache.store.raw_chunks import raw_chunks
 from featcache.store.reader import read_runs
@@ -205,7 +205,7 @@ def test_advice_looks_chunks_up_one_by_one_where_hdf5_cannot_list_them(tmp_path,
     path, encoded = _store(tmp_path / "s.h5")
     chunks = _stored_chunks(path)
     asked = _record_advice(monkeypatch)
-    monkeypatch.setattr(raw_module, "plain_chunk_addresses", lambda dataset, checksum: None)
+    monkeypatch.setattr(fletcher, "_list_chunks", lambda dataset, note: False)
     with h5py.File(path, "r") as f:
         dataset = f["features/a"]
         raw_chunks(dataset).advise(dataset, 3, 23)

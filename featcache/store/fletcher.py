@@ -20,6 +20,8 @@ chunk without holding up the forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import h5py
 import numpy as np
 
@@ -90,18 +92,21 @@ def plain_chunk_address(dataset: h5py.Dataset, start: int, checksum: bool = True
     (allocated, no filter skipped or applied but Fletcher-32); None otherwise, and HDF5
     must read it."""
     info = dataset.id.get_chunk_info_by_coord((start, *(0 for _ in dataset.shape[1:])))
-    return _plain_address(info, _stored_bytes(dataset, checksum))
+    return _plain_address(info, stored_chunk_bytes(dataset, checksum))
 
 
-def plain_chunk_addresses(dataset: h5py.Dataset, checksum: bool = True) -> np.ndarray | None:
-    """:func:`plain_chunk_address` of each row block of chunks of ``dataset`` in row order
-    (``-1`` for None), listed in one pass over HDF5's chunk index: ``int64``, one per
-    chunk along the first axis. None where HDF5 cannot list a dataset's chunks (before
-    1.12.3)."""
+NOT_PLAIN = -1  # in plain_chunk_addresses: a chunk HDF5 must read
+
+
+def plain_chunk_addresses(dataset: h5py.Dataset, checksum: bool = True) -> np.ndarray:
+    """:func:`plain_chunk_address` of each row block of chunks of ``dataset``, in row
+    order (:data:`NOT_PLAIN` for None): ``int64``, one per chunk along the first axis.
+    Listed in one pass over HDF5's chunk index, or looked up chunk by chunk where HDF5
+    cannot list them (before 1.12.3)."""
     assert dataset.chunks is not None
     chunk_rows = dataset.chunks[0]
-    addresses = np.full(-(-len(dataset) // chunk_rows), -1, dtype=np.int64)
-    stored = _stored_bytes(dataset, checksum)
+    addresses = np.full(-(-len(dataset) // chunk_rows), NOT_PLAIN, dtype=np.int64)
+    stored = stored_chunk_bytes(dataset, checksum)
 
     def note(info: h5py.h5d.StoreInfo) -> None:
         if any(info.chunk_offset[1:]):  # the chunks at row offset 0 on the other axes
@@ -110,18 +115,27 @@ def plain_chunk_addresses(dataset: h5py.Dataset, checksum: bool = True) -> np.nd
         if address is not None:
             addresses[info.chunk_offset[0] // chunk_rows] = address
 
-    try:
-        dataset.id.chunk_iter(note)
-    except (AttributeError, NotImplementedError):
-        return None
+    if not _list_chunks(dataset, note):
+        for chunk in range(len(addresses)):
+            found = plain_chunk_address(dataset, chunk * chunk_rows, checksum)
+            addresses[chunk] = NOT_PLAIN if found is None else found
     return addresses
 
 
-def _stored_bytes(dataset: h5py.Dataset, checksum: bool) -> int:
+def stored_chunk_bytes(dataset: h5py.Dataset, checksum: bool) -> int:
     """The bytes a whole chunk of ``dataset`` takes as plain values (and checksum)."""
     assert dataset.chunks is not None
     stored = int(np.prod(dataset.chunks, dtype=np.int64)) * dataset.dtype.itemsize
     return stored + (CHECKSUM_BYTES if checksum else 0)
+
+
+def _list_chunks(dataset: h5py.Dataset, note: Callable[[h5py.h5d.StoreInfo], None]) -> bool:
+    """Call ``note`` with each allocated chunk's HDF5 record; False where HDF5 cannot."""
+    try:
+        dataset.id.chunk_iter(note)
+    except (AttributeError, NotImplementedError):
+        return False
+    return True
 
 
 def _plain_address(info: h5py.h5d.StoreInfo, stored: int) -> int | None:

@@ -14,9 +14,9 @@ from featcache.errors import CorruptStoreError, first_line
 from featcache.store.chunks import chunk_rows_of
 from featcache.store.fletcher import (
     CHECKSUM_BYTES,
+    NOT_PLAIN,
     checksum_bytes,
     checksum_only,
-    plain_chunk_address,
     plain_chunk_addresses,
 )
 from featcache.store.paths import readable_path
@@ -138,25 +138,16 @@ def _scan(file: h5py.File) -> list[BadChunk]:
         longest = max((stop - start for start, stop in spans), default=0)
         buffer = np.empty((longest, *dataset.shape[1:]), dtype=dataset.dtype)
         summed = not dataset.is_virtual and checksum_only(dataset)
-        listed = plain_chunk_addresses(dataset) if summed else None
+        plain = plain_chunk_addresses(dataset) if summed else None
         for start, stop in spans:
             try:
-                if summed and _stored_plain(dataset, start, listed):
+                if plain is not None and plain[start // dataset.chunks[0]] != NOT_PLAIN:
                     _check_stored_chunk(dataset, start)
                 else:  # HDF5 reads it, through its filters
                     dataset.read_direct(buffer, np.s_[start:stop], np.s_[: stop - start])
             except OSError as exc:
                 bad.append(BadChunk(dataset.name.lstrip("/"), start, stop, first_line(exc)))
     return bad
-
-
-def _stored_plain(dataset: h5py.Dataset, start: int, listed: np.ndarray | None) -> bool:
-    """Whether the chunk at row ``start`` is stored as its plain bytes and checksum, from
-    the list of chunk addresses where HDF5 gave one."""
-    if listed is None:
-        return plain_chunk_address(dataset, start) is not None
-    assert dataset.chunks is not None
-    return bool(listed[start // dataset.chunks[0]] >= 0)
 
 
 def _check_stored_chunk(dataset: h5py.Dataset, start: int) -> None:

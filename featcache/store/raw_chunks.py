@@ -31,15 +31,17 @@ import numpy as np
 from featcache.store.chunks import row_bytes
 from featcache.store.fletcher import (
     CHECKSUM_BYTES,
+    NOT_PLAIN,
     checksum_only,
     fletcher32,
     plain_chunk_address,
     plain_chunk_addresses,
+    stored_chunk_bytes,
 )
 from featcache.store.integrity import BadChunk, corrupt_store_error
 
-UNLOCATED = -1  # address of a chunk not looked up yet
-BY_HDF5 = -2  # a chunk HDF5 reads itself (not stored as its plain bytes)
+UNLOCATED = -2  # address of a chunk not looked up yet
+BY_HDF5 = NOT_PLAIN  # a chunk HDF5 reads itself (not stored as its plain bytes)
 _CAN_ADVISE = hasattr(os, "posix_fadvise")  # not on macOS or Windows
 
 
@@ -52,6 +54,7 @@ class RawChunks:
         self.chunk_rows = int(dataset.chunks[0])
         self.row_bytes = row_bytes(dataset)
         self.chunk_bytes = self.chunk_rows * self.row_bytes
+        self.stored_bytes = stored_chunk_bytes(dataset, self.checksum)
         chunks = -(-len(dataset) // self.chunk_rows)
         self.addresses = np.full(chunks, UNLOCATED, dtype=np.int64)
         self.checked = np.zeros(chunks, dtype=bool)
@@ -89,20 +92,12 @@ class RawChunks:
         refuses it is read as usual."""
         if not _CAN_ADVISE or not dataset.id.valid:
             return
-        chunks = range(start // self.chunk_rows, -(-stop // self.chunk_rows))
-        if (self.addresses[chunks.start : chunks.stop] == UNLOCATED).any():
-            listed = plain_chunk_addresses(dataset, self.checksum)  # one pass for all
-            if listed is not None:
-                self.addresses[:] = np.where(listed < 0, BY_HDF5, listed)
-        stored = self.chunk_bytes + (CHECKSUM_BYTES if self.checksum else 0)
-        for chunk in chunks:
-            address = int(self.addresses[chunk])
-            if address == UNLOCATED:
-                address = self._locate(dataset, chunk)
-            if address == BY_HDF5:
-                continue
+        addresses = self.addresses[start // self.chunk_rows : -(-stop // self.chunk_rows)]
+        if (addresses == UNLOCATED).any():  # an epoch reads every chunk: locate them all
+            self.addresses[:] = plain_chunk_addresses(dataset, self.checksum)
+        for address in addresses[addresses != BY_HDF5].tolist():
             try:
-                os.posix_fadvise(self.fd, address, stored, os.POSIX_FADV_WILLNEED)
+                os.posix_fadvise(self.fd, address, self.stored_bytes, os.POSIX_FADV_WILLNEED)
             except OSError:
                 return
 
