@@ -3,7 +3,8 @@
 The main thread only loads batches and runs the backbone. Reductions happen on the
 device inside the hooks, and finished batches go through a bounded queue to the writer
 thread, so the forward waits on the disk only when the queue is full. Nothing
-accumulates across batches: memory stays flat.
+accumulates across batches: memory stays flat, and on the CPU the memory a batch frees
+serves the next one (:mod:`featcache.memory`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from featcache.extraction.writer_thread import (
     HostBuffers,
     WriterThread,
 )
+from featcache.memory import freed_memory_kept
 from featcache.reduce import NO_CONTEXT, ReduceContext
 from featcache.runtime import Layout, placed
 from featcache.spec import LoaderSpec, RuntimeSpec, StoreSpec
@@ -86,6 +88,7 @@ def run_loop(
     try:
         convert = functools.partial(encode, dtype=store.dtype)
         with (
+            freed_memory_kept(device),
             placed(model, layout, lazy=not runtime.compile),
             TapSet(model, taps, convert=convert) as tapset,
         ):

@@ -1,0 +1,111 @@
+"""Freed CPU memory kept for reuse during a run: glibc's thresholds raised, then settled."""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+import torch
+
+import featcache
+from featcache import memory
+from featcache.extraction import loop
+
+
+class RecordingLibc:
+    """Stands in for glibc: records each mallopt and malloc_trim call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def mallopt(self, param: int, value: int) -> int:
+        self.calls.append(("mallopt", param, value))
+        return 1
+
+    def malloc_trim(self, pad: int) -> int:
+        self.calls.append(("malloc_trim", pad))
+        return 1
+
+
+RAISED = [
+    ("mallopt", memory.M_MMAP_THRESHOLD, memory.RUN_MMAP_THRESHOLD),
+    ("mallopt", memory.M_TRIM_THRESHOLD, memory.RUN_TRIM_THRESHOLD),
+]
+SETTLED = [
+    ("mallopt", memory.M_MMAP_THRESHOLD, memory.CEILING_MMAP_THRESHOLD),
+    ("mallopt", memory.M_TRIM_THRESHOLD, memory.CEILING_TRIM_THRESHOLD),
+    ("malloc_trim", 0),
+]
+
+
+@pytest.fixture
+def libc(monkeypatch: pytest.MonkeyPatch) -> RecordingLibc:
+    fake = RecordingLibc()
+    monkeypatch.setattr(memory, "glibc", lambda: fake)
+    return fake
+
+
+def test_thresholds_are_raised_for_the_run_and_settled_after(libc):
+    with memory.freed_memory_kept("cpu"):
+        assert libc.calls == RAISED
+    assert libc.calls == RAISED + SETTLED
+    assert memory.CEILING_MMAP_THRESHOLD == 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX
+
+
+def test_nested_runs_raise_once_and_settle_when_the_last_ends(libc):
+    with memory.freed_memory_kept("cpu"):
+        with memory.freed_memory_kept(torch.device("cpu")):
+            pass
+        assert libc.calls == RAISED  # the outer run still keeps its memory
+    assert libc.calls == RAISED + SETTLED
+
+
+def test_settled_even_when_the_run_fails(libc):
+    with pytest.raises(RuntimeError), memory.freed_memory_kept("cpu"):
+        raise RuntimeError("the run failed")
+    assert libc.calls == RAISED + SETTLED
+
+
+def test_nothing_changes_for_other_devices_or_other_c_libraries(libc, monkeypatch):
+    with memory.freed_memory_kept("cuda"):  # a device name; no GPU needed
+        pass
+    assert libc.calls == []
+    monkeypatch.setattr(memory, "glibc", lambda: None)
+    with memory.freed_memory_kept("cpu"):
+        pass
+    memory.settle_thresholds()
+    assert libc.calls == []
+
+
+def test_an_extraction_runs_inside_the_block(resnet18, images, tmp_path, monkeypatch):
+    devices = []
+    real = loop.freed_memory_kept
+
+    def recording(device):
+        devices.append(torch.device(device))
+        return real(device)
+
+    monkeypatch.setattr(loop, "freed_memory_kept", recording)
+    featcache.extract(resnet18, images, ["layer1"], tmp_path / "s.h5", progress=False)
+    assert devices == [torch.device("cpu")]
+
+
+def _page_faults_of(allocations: int) -> int:
+    """Minor page faults while allocating, filling and freeing 64 MiB ``allocations`` times."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(allocations):
+        block = torch.ones(16 << 20)  # 64 MiB of float32, every page written
+        del block
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_freed_blocks_are_reused_instead_of_faulted_in_again():
+    if memory.glibc() is None:
+        pytest.skip("keeping freed memory applies to glibc's malloc only")
+    memory.settle_thresholds()
+    # 64 MiB is above the settled mmap threshold: each block is mapped and unmapped.
+    unkept = _page_faults_of(6)
+    with memory.freed_memory_kept("cpu"):
+        kept = _page_faults_of(6)  # the first block faults in; the others reuse it
+    assert unkept > 5 * (64 << 20) // 4096  # every page of (nearly) every block
+    assert kept < unkept / 3
