@@ -107,5 +107,7 @@ def test_freed_blocks_are_reused_instead_of_faulted_in_again():
     unkept = _page_faults_of(6)
     with memory.freed_memory_kept("cpu"):
         kept = _page_faults_of(6)  # the first block faults in; the others reuse it
-    assert unkept > 5 * (64 << 20) // 4096  # every page of (nearly) every block
+    # Every block is faulted in anew: at least its 32 pages of 2 MiB, where transparent
+    # huge pages serve it, and 16,384 pages of 4 KiB where they do not.
+    assert unkept >= 5 * (64 << 20) // (2 << 20)
     assert kept < unkept / 3
