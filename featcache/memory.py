@@ -9,7 +9,7 @@ rises to the size of the largest mapped block freed so far, but never above 32 M
 A CPU forward allocates and frees activations of tens of MiB every batch (resnet18 at
 112 px in batches of 64: 51 MB out of its first convolution alone), so under those
 rules the kernel maps, zero-fills and unmaps every page of them again each batch. On a
-2-core x86 machine that was 600,000 page faults and 16-19% of the CPU time of a
+2-core x86 machine that was 600,000 page faults and 19-21% of the CPU time of a
 1,024-image resnet18 forward to ``layer2``; with the thresholds raised as below, 510
 page faults and 1.36x the images/s (``scripts/bench_extract.py`` has a bare loop with
 freed memory kept).
