@@ -46,6 +46,7 @@ Ratios are images/s against baselines measured in the same run:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -105,12 +106,9 @@ def bare(
     model: nn.Module, data: torch.Tensor, batch: int, channels_last: bool, kept: bool = False
 ) -> None:
     """The plain loop; with ``kept``, inside :func:`featcache.memory.freed_memory_kept`."""
-    if kept:
-        with freed_memory_kept("cpu"):
-            return bare(model, data, batch, channels_last)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     model.to(memory_format=fmt)
-    with torch.inference_mode():
+    with freed_memory_kept("cpu") if kept else contextlib.nullcontext(), torch.inference_mode():
         for start in range(0, len(data), batch):
             model(data[start : start + batch].contiguous(memory_format=fmt))
     model.to(memory_format=torch.contiguous_format)
