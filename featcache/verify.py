@@ -31,6 +31,7 @@ from featcache.errors import ConfigError
 from featcache.extraction.batches import Collate, SourceRows
 from featcache.extraction.loop import forward
 from featcache.extraction.writer_thread import CapturedBatch
+from featcache.memory import freed_memory_kept
 from featcache.provenance import config_fingerprint as fingerprint
 from featcache.reduce import ReduceContext
 from featcache.runtime import Layout, choose_layout
@@ -327,7 +328,7 @@ def _recompute(
     worst: dict[str, float] = {}
     wrong_labels = []
     done = 0
-    with TapSet(model, taps, convert=convert) as tapset:
+    with freed_memory_kept(layout.device), TapSet(model, taps, convert=convert) as tapset:
         for batch in loader:
             if batch.error or batch.failed:
                 result.add("values", False, batch.error or batch.failed[0][1])
