@@ -79,30 +79,29 @@ def test_nothing_changes_for_other_devices_or_other_c_libraries(libc, monkeypatc
     assert libc.calls == []
 
 
-def test_an_extraction_runs_inside_the_block(resnet18, images, tmp_path, monkeypatch):
-    devices = []
-    real = loop.freed_memory_kept
+def record_devices(module, monkeypatch: pytest.MonkeyPatch) -> list[torch.device]:
+    """The devices ``module`` enters :func:`~featcache.memory.freed_memory_kept` with."""
+    devices: list[torch.device] = []
+    real = module.freed_memory_kept
 
     def recording(device):
         devices.append(torch.device(device))
         return real(device)
 
-    monkeypatch.setattr(loop, "freed_memory_kept", recording)
+    monkeypatch.setattr(module, "freed_memory_kept", recording)
+    return devices
+
+
+def test_an_extraction_runs_inside_the_block(resnet18, images, tmp_path, monkeypatch):
+    devices = record_devices(loop, monkeypatch)
     featcache.extract(resnet18, images, ["layer1"], tmp_path / "s.h5", progress=False)
     assert devices == [torch.device("cpu")]
 
 
 def test_verify_recomputes_inside_the_block(tmp_path, monkeypatch):
-    devices = []
-    real = verify.freed_memory_kept
-
-    def recording(device):
-        devices.append(torch.device(device))
-        return real(device)
-
-    monkeypatch.setattr(verify, "freed_memory_kept", recording)
-    result = verify.verify_store(synthetic_store(tmp_path, "float16"), samples=-1)
-    assert result.passed
+    store = synthetic_store(tmp_path, "float16")
+    devices = record_devices(verify, monkeypatch)
+    assert verify.verify_store(store, samples=-1).passed
     assert devices == [torch.device("cpu")]
 
 
