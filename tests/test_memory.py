@@ -108,7 +108,7 @@ def test_verify_recomputes_inside_the_block(tmp_path, monkeypatch):
 # Run in a fresh interpreter: how many blocks fault in while kept depends on what the
 # heap already holds, and the tests before this one leave it in any state.
 PAGE_FAULTS = """
-import resource, sys
+import resource
 import torch
 from featcache import memory
 
