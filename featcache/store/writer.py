@@ -35,10 +35,10 @@ class StoreWriter:
     afterwards the run only writes raw data into space that already exists and never
     changes HDF5 metadata, so a crash at any instant cannot corrupt the file's structure.
     Each dataset stages rows in a one-chunk buffer and writes whole chunks. At most every
-    ``mark_seconds`` the writer flushes and fsyncs the file and then records in
-    ``/progress`` how many rows are durable in every dataset; a rerun resumes from there
-    (:func:`~featcache.store.resume.plan_resume`). Skipped samples go to an append-only
-    log beside the file until the store completes.
+    ``mark_seconds`` the writer writes the rows of the chunks still filling too, flushes
+    and fsyncs the file, and then records in ``/progress`` that every row appended so far
+    is durable; a rerun resumes from there (:func:`~featcache.store.resume.plan_resume`).
+    Skipped samples go to an append-only log beside the file until the store completes.
 
     ``close(complete=True)`` writes the tail, the skip records and the final attributes,
     compresses if asked (a copy into a new file), and renames the store into place.
@@ -278,26 +278,32 @@ class StoreWriter:
 
     @property
     def durable_rows(self) -> int:
-        """Rows written to every dataset (staged rows not included)."""
+        """Rows written to every dataset (rows only staged not included)."""
         if not self._staging:
             return self.start_row
         rows = min(
-            staged.flushed - staged.lead
+            staged.written - staged.lead
             for staged in self._staging.values()
             if not staged.per_token
         )
         if self._token_staging:
-            tokens = min(staged.flushed for staged in self._token_staging)
+            tokens = min(staged.written for staged in self._token_staging)
             covered = int(np.searchsorted(self._ends, tokens, side="right"))
             rows = min(rows, self._ends_base + covered)
         return rows
 
-    def mark(self) -> None:
-        """Make every flushed row durable, then record the count in ``/progress``."""
+    def mark(self, *, write_staged: bool = True) -> None:
+        """Make every appended row durable, then record the count in ``/progress``.
+
+        With ``write_staged=False`` only rows already written count (after a failed write).
+        """
         self._last_mark = time.monotonic()
         if self._log is not None:
             self._log.flush()
             os.fsync(self._log.fileno())
+        if write_staged:  # else a store smaller than one chunk would mark nothing
+            for staged in self._staging.values():
+                staged.write_staged()
         durable = self.durable_rows
         if self.file is None or durable == self._marked:
             return
@@ -335,7 +341,7 @@ class StoreWriter:
                     with contextlib.suppress(Exception):  # e.g. the disk that just filled up
                         staged.flush()
                 with contextlib.suppress(Exception):
-                    self.mark()  # counts only the datasets that did flush
+                    self.mark(write_staged=False)  # counts only the datasets that did flush
         finally:
             if self._log is not None:
                 self._log.close()
