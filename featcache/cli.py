@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import shlex
 import traceback
 import warnings
 from collections.abc import Callable
@@ -85,7 +86,18 @@ def extract(
     overrides = list(set_ or [])
     if overwrite:
         overrides.append("output.overwrite=true")
-    stores = extract_from_config(config, overrides)
+    try:
+        stores = extract_from_config(config, overrides)
+    except KeyboardInterrupt:
+        again = ["featcache", "extract", str(config)]
+        for override in set_ or []:
+            again += ["--set", override]
+        typer.echo(
+            f"featcache: interrupted; what was written is kept, and `{shlex.join(again)}` "
+            "resumes it",
+            err=True,
+        )
+        raise typer.Exit(130) from None
     rank = current_rank()
     if rank is None or rank.is_main:
         for store in stores.values():

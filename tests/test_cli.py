@@ -122,6 +122,21 @@ def test_runtime_errors_exit_1_and_debug_shows_traceback(tmp_path):
     assert debug.exit_code == 1 and "Traceback" in debug.stderr
 
 
+def test_interrupted_extract_names_the_command_that_resumes(config_file, monkeypatch):
+    def interrupted(config, overrides):
+        assert overrides == ["loader.batch_size=4", "output.overwrite=true"]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("featcache.extraction.extract_from_config", interrupted)
+    args = ["extract", str(config_file), "--set", "loader.batch_size=4", "--overwrite"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 130
+    assert result.stderr.strip() == (
+        f"featcache: interrupted; what was written is kept, and `featcache extract "
+        f"{config_file} --set loader.batch_size=4` resumes it"
+    )
+
+
 def test_layers_lists_names_types_and_shapes(config_file):
     result = runner.invoke(app, ["layers", "resnet18", "--input-size", "32"])
     assert result.exit_code == 0, result.output
