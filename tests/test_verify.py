@@ -95,6 +95,23 @@ def test_quick_verify_checks_alignment_and_the_key(tmp_path):
     assert {c.name for c in result.checks if not c.ok} == {"key"}
 
 
+def test_quick_verify_of_an_incomplete_store_checks_the_rows_written_so_far(tmp_path):
+    store = synthetic_store(tmp_path)
+    path = store.with_name(store.name + ".partial")
+    store.rename(path)  # as a run stopped after 16 of its 30 rows leaves it
+    with h5py.File(path, "r+") as f:
+        f.attrs["complete"] = False
+        f["progress"][0] = 16
+    result = verify_store(path, quick=True)
+    assert {c.name for c in result.checks if not c.ok} == {"complete"}
+    (alignment,) = [c for c in result.checks if c.name == "alignment"]
+    assert alignment.detail == "16 rows + 0 skipped = the first 16 of 30 source samples, in order"
+    with h5py.File(path, "r+") as f:
+        f["index"][5:16] = np.arange(6, 17)  # in order, but source sample 5 is missing
+    result = verify_store(path, quick=True)
+    assert {c.name for c in result.checks if not c.ok} == {"complete", "alignment"}
+
+
 def test_verify_runs_no_code_named_in_a_store(tmp_path):
     marker = tmp_path / "factory-ran"
     config = {
