@@ -204,6 +204,28 @@ def test_every_mark_makes_every_appended_row_durable_in_chunks_still_filling(tmp
             ].id.read_direct_chunk((0,) * g[name].ndim), name  # the same stored bytes
 
 
+def test_incomplete_store_lists_the_skips_logged_before_its_last_durable_row(tmp_path):
+    path = tmp_path / "k.h5"
+    writer = StoreWriter(path, 10, ids_width=1, mark_seconds=0)
+    first, second = (
+        {"index": 3, "id": "3", "reason": "bad"},
+        {"index": 8, "id": "8", "reason": "bad"},
+    )
+    for rows, skips in (([0, 1, 2, 4, 5], [first]), ([6, 7], [second])):
+        index = np.array(rows)
+        writer.append(
+            index,
+            [str(i) for i in index],
+            index % 3,
+            {"a": np.ones((len(index), 2))},
+            skipped=skips,
+        )
+    writer.file.close()  # a crash after the second batch's mark
+    store = FeatureStore(path, allow_incomplete=True)
+    assert store.rows_written == 7 and store.index.tolist() == [0, 1, 2, 4, 5, 6, 7]
+    assert store.skipped == [first]  # 8 comes after the last durable row: the resume redoes it
+
+
 def test_resume_point_and_mismatched_settings(tmp_path):
     key = {"config_fingerprint": "abc", "batch_size": 8}
     path = tmp_path / "r.h5"

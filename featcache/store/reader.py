@@ -14,9 +14,14 @@ import torch
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.store import codec
 from featcache.store.integrity import raise_if_corrupt
-from featcache.store.paths import PARTIAL_SUFFIX, partial_path, readable_path
+from featcache.store.paths import (
+    PARTIAL_SUFFIX,
+    partial_path,
+    readable_path,
+    skipped_log_path,
+)
 from featcache.store.raw_chunks import raw_chunks
-from featcache.store.skipped import read_skipped
+from featcache.store.skipped import read_log, read_skipped
 
 if TYPE_CHECKING:
     from featcache.store.describe import StoreDescription
@@ -172,8 +177,17 @@ class FeatureStore:
 
     @property
     def skipped(self) -> list[dict[str, Any]]:
-        """Samples left out under ``on_error: skip``: ``{"index", "id", "reason"}`` each."""
-        return read_skipped(self.file)
+        """Samples left out under ``on_error: skip``: ``{"index", "id", "reason"}`` each,
+        in source order. An incomplete store's are read from the log beside it, up to its
+        last durable row (the resume redoes the rest)."""
+        if self.complete:
+            return read_skipped(self.file)
+        index = self.index
+        if not len(index):
+            return []
+        store = self.path.with_name(self.path.name.removesuffix(PARTIAL_SUFFIX))
+        records = read_log(skipped_log_path(store), before=int(index[-1]) + 1)
+        return sorted(records, key=lambda record: record["index"])
 
     @property
     def layers(self) -> list[str]:
