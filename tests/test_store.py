@@ -204,6 +204,41 @@ def test_every_mark_makes_every_appended_row_durable_in_chunks_still_filling(tmp
             ].id.read_direct_chunk((0,) * g[name].ndim), name  # the same stored bytes
 
 
+def test_marks_make_per_token_rows_durable_and_a_resume_writes_the_same_store(tmp_path):
+    lengths = np.array([3, 1, 4, 1, 5, 2, 6, 5, 3, 5, 8, 9])  # tokens of each of 12 rows
+    key = {"config_fingerprint": "abc"}
+    options = {"ids_width": 2, "token_capacity": int(lengths.sum()), "attrs": {"resume_key": key}}
+
+    def append(writer, start):  # rows start..start+2; token j of row i holds i, id 100i+j
+        index = np.arange(start, start + 3)
+        tokens = np.concatenate([np.full((lengths[i], 2), i, np.float16) for i in index])
+        token_ids = np.concatenate([100 * i + np.arange(lengths[i]) for i in index])
+        writer.append(
+            index, [f"{i:02d}" for i in index], index % 3, {"t": tokens},
+            lengths=lengths[index], token_ids=token_ids, ragged=frozenset({"t"}),
+        )  # fmt: skip
+
+    reference = StoreWriter(tmp_path / "ref.h5", 12, mark_seconds=1e9, **options)
+    for start in range(0, 12, 3):
+        append(reference, start)
+    reference.close(complete=True)
+    path = tmp_path / "t.h5"
+    writer = StoreWriter(path, 12, mark_seconds=0, **options)
+    for start in (0, 3):
+        append(writer, start)
+        assert writer.file["progress"][0] == start + 3
+    writer.file.close()  # a crash after the second batch's mark
+    point = plan_resume(path, key, batch_size=3)
+    assert point is not None and (point.row, point.position) == (6, 6)
+    writer = StoreWriter(path, 12, mark_seconds=0, resume=point, **options)
+    for start in (6, 9):
+        append(writer, start)
+    writer.close(complete=True)
+    with h5py.File(path, "r") as f, h5py.File(tmp_path / "ref.h5", "r") as g:
+        for name in ("index", "ids", "labels", "offsets", "token_ids", "features/t"):
+            np.testing.assert_array_equal(f[name][()], g[name][()], err_msg=name)
+
+
 def test_incomplete_store_lists_the_skips_logged_before_its_last_durable_row(tmp_path):
     path = tmp_path / "k.h5"
     writer = StoreWriter(path, 10, ids_width=1, mark_seconds=0)
