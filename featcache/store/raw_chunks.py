@@ -6,7 +6,8 @@ checks each chunk of a dataset the first time it is read while its file is open 
 chunk's stored bytes read with ``preadv`` and summed by
 :func:`~featcache.store.fletcher.fletcher32`), remembers where the chunk lies in the
 file, and from then on reads the rows asked for straight from there. A file opened again
-is checked again. A chunk that fails its checksum raises
+is checked again. A chunk that fails its checksum is read once more (a store still
+being written may be rewriting it), then raises
 :class:`~featcache.errors.CorruptStoreError` naming its rows, before any of its values
 are returned. Chunks stored without any filter (``store.checksum: false``) are read the
 same way, with nothing to check. :meth:`RawChunks.advise` tells the kernel which chunks
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import OrderedDict
 
 import h5py
@@ -41,6 +43,7 @@ from featcache.store.fletcher import (
 from featcache.store.integrity import BadChunk, corrupt_store_error
 
 UNLOCATED = -2  # address of a chunk not looked up yet
+RETRY_SECONDS = 0.01  # before a chunk that failed its check is read once more
 BY_HDF5 = NOT_PLAIN  # a chunk HDF5 reads itself (not stored as its plain bytes)
 _CAN_ADVISE = hasattr(os, "posix_fadvise")  # not on macOS or Windows
 
@@ -122,9 +125,16 @@ class RawChunks:
         whole = last - first == self.chunk_rows  # the rows asked for fill the chunk
         data = target if whole else np.empty(self.chunk_bytes, dtype=np.uint8)
         checksum = np.empty(CHECKSUM_BYTES, dtype=np.uint8)
-        _pread_into(self.fd, [data, checksum], address)
-        expected = int.from_bytes(checksum.tobytes(), "little")
-        found = fletcher32(data)
+        for attempt in range(2):
+            _pread_into(self.fd, [data, checksum], address)
+            expected = int.from_bytes(checksum.tobytes(), "little")
+            found = fletcher32(data)
+            if found == expected:
+                break
+            if attempt == 0:
+                # The writer of a store still being written rewrites the chunk that holds
+                # its last rows at every progress mark: a read during that write sees a mix.
+                time.sleep(RETRY_SECONDS)
         if found != expected:
             stop = min(start + self.chunk_rows, len(dataset))
             detail = (
