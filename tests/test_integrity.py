@@ -21,6 +21,7 @@ from featcache.store import (
     copy_store,
     fletcher,
     has_checksums,
+    integrity,
     merge_store,
     scan_chunks,
 )
@@ -157,6 +158,22 @@ def test_scan_chunks_finds_exactly_the_bad_chunks(stores, tmp_path, monkeypatch,
     assert str(caught.value) == _message(labels, "dataset labels", "8-11")
     with pytest.raises(CorruptStoreError, match="dataset labels rows 8-11 fail"):
         FeatureDataset(labels, "layer4")
+
+
+def test_scan_chunks_reads_a_failing_chunk_once_more_before_it_counts(stores, monkeypatch):
+    # A store still being written rewrites the chunk of its last rows at each mark; a
+    # scan that lands in that write sees part old bytes, part new, just once.
+    clean, _ = stores
+    original, failed = integrity._check_stored_chunk, []
+
+    def torn_once(dataset, start):
+        if not failed:
+            failed.append((dataset.name, start))
+            raise OSError("Fletcher-32 checksum mismatch (the chunk's bytes changed)")
+        original(dataset, start)
+
+    monkeypatch.setattr(integrity, "_check_stored_chunk", torn_once)
+    assert scan_chunks(clean) == [] and len(failed) == 1
 
 
 def test_copies_and_merges_keep_checksums(tmp_path):

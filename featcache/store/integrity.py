@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +28,10 @@ if TYPE_CHECKING:
     from featcache.store.reader import FeatureStore
 
 FIX = "re-extract it (featcache extract <config> --overwrite) or restore it from a copy"
+# A chunk that fails its check is read once more after this long: the writer of a store
+# still being written rewrites the chunk of its last rows at every progress mark, and a
+# read during that write sees part of each.
+RETRY_SECONDS = 0.01
 
 
 @dataclass(frozen=True)
@@ -140,14 +147,26 @@ def _scan(file: h5py.File) -> list[BadChunk]:
         summed = not dataset.is_virtual and checksum_only(dataset)
         plain = plain_chunk_addresses(dataset) if summed else None
         for start, stop in spans:
+            if plain is not None and plain[start // dataset.chunks[0]] != NOT_PLAIN:
+                check = functools.partial(_check_stored_chunk, dataset, start)
+            else:  # HDF5 reads it, through its filters
+                rows, into = np.s_[start:stop], np.s_[: stop - start]
+                check = functools.partial(dataset.read_direct, buffer, rows, into)
             try:
-                if plain is not None and plain[start // dataset.chunks[0]] != NOT_PLAIN:
-                    _check_stored_chunk(dataset, start)
-                else:  # HDF5 reads it, through its filters
-                    dataset.read_direct(buffer, np.s_[start:stop], np.s_[: stop - start])
+                checked_twice(check)
             except OSError as exc:
                 bad.append(BadChunk(dataset.name.lstrip("/"), start, stop, first_line(exc)))
     return bad
+
+
+def checked_twice(check: Callable[[], object]) -> None:
+    """Run ``check``, a read of one chunk that raises OSError when the chunk is bad; if it
+    fails, run it once more after :data:`RETRY_SECONDS`, and let a second failure raise."""
+    try:
+        check()
+    except OSError:
+        time.sleep(RETRY_SECONDS)
+        check()
 
 
 def _check_stored_chunk(dataset: h5py.Dataset, start: int) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections import OrderedDict
 
 import h5py
@@ -40,10 +39,9 @@ from featcache.store.fletcher import (
     plain_chunk_addresses,
     stored_chunk_bytes,
 )
-from featcache.store.integrity import BadChunk, corrupt_store_error
+from featcache.store.integrity import BadChunk, checked_twice, corrupt_store_error
 
 UNLOCATED = -2  # address of a chunk not looked up yet
-RETRY_SECONDS = 0.01  # before a chunk that failed its check is read once more
 BY_HDF5 = NOT_PLAIN  # a chunk HDF5 reads itself (not stored as its plain bytes)
 _CAN_ADVISE = hasattr(os, "posix_fadvise")  # not on macOS or Windows
 
@@ -125,24 +123,23 @@ class RawChunks:
         whole = last - first == self.chunk_rows  # the rows asked for fill the chunk
         data = target if whole else np.empty(self.chunk_bytes, dtype=np.uint8)
         checksum = np.empty(CHECKSUM_BYTES, dtype=np.uint8)
-        for attempt in range(2):
+
+        def read_and_check() -> None:
             _pread_into(self.fd, [data, checksum], address)
             expected = int.from_bytes(checksum.tobytes(), "little")
             found = fletcher32(data)
-            if found == expected:
-                break
-            if attempt == 0:
-                # The writer of a store still being written rewrites the chunk that holds
-                # its last rows at every progress mark: a read during that write sees a mix.
-                time.sleep(RETRY_SECONDS)
-        if found != expected:
+            if found != expected:
+                raise OSError(
+                    f"Fletcher-32 of the chunk at byte {address} of "
+                    f"{dataset.file.filename} is {found:#010x}, stored {expected:#010x}"
+                )
+
+        try:
+            checked_twice(read_and_check)
+        except OSError as exc:
             stop = min(start + self.chunk_rows, len(dataset))
-            detail = (
-                f"Fletcher-32 of the chunk at byte {address} of "
-                f"{dataset.file.filename} is {found:#010x}, stored {expected:#010x}"
-            )
-            bad = BadChunk(dataset.name.lstrip("/"), start, stop, detail)
-            raise corrupt_store_error(dataset, bad) from OSError(detail)
+            bad = BadChunk(dataset.name.lstrip("/"), start, stop, str(exc))
+            raise corrupt_store_error(dataset, bad) from exc
         if not whole:
             rows = data.view(dataset.dtype).reshape(self.chunk_rows, *dataset.shape[1:])
             target[...] = rows[first - start : last - start]
