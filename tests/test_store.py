@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import pickle
 
 import h5py
@@ -28,7 +29,8 @@ from featcache.store import (
     read_rows,
     remove_store,
 )
-from featcache.store.paths import shard_path, skipped_log_path
+from featcache.store import writer as store_writer
+from featcache.store.paths import replace_durably, shard_path, skipped_log_path
 from featcache.store.reader import DIRECT_READ_BYTES, StoreFile
 
 
@@ -259,6 +261,24 @@ def test_incomplete_store_lists_the_skips_logged_before_its_last_durable_row(tmp
     store = FeatureStore(path, allow_incomplete=True)
     assert store.rows_written == 7 and store.index.tolist() == [0, 1, 2, 4, 5, 6, 7]
     assert store.skipped == [first]  # 8 comes after the last durable row: the resume redoes it
+
+
+def test_a_finished_store_is_synced_before_its_rename_and_its_folder_after(tmp_path, monkeypatch):
+    events = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(os.fstat(fd).st_ino) or fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: events.append("rename") or replace(a, b))
+    source = tmp_path / "a.tmp"
+    source.write_bytes(b"rows")
+    inode, folder = source.stat().st_ino, tmp_path.stat().st_ino
+    replace_durably(source, tmp_path / "a.h5")
+    assert events == [inode, "rename", folder] and (tmp_path / "a.h5").read_bytes() == b"rows"
+    moved = []
+    monkeypatch.setattr(
+        store_writer, "replace_durably", lambda a, b: moved.append(b) or replace(a, b)
+    )
+    path, _ = write_store(tmp_path / "s.h5", 10)
+    assert moved == [path] and FeatureStore(path).complete
 
 
 def test_resume_point_and_mismatched_settings(tmp_path):

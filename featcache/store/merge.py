@@ -15,7 +15,7 @@ from featcache.errors import ConfigError, FeatcacheError
 from featcache.store import codec
 from featcache.store.chunks import MAX_META_CHUNK_ROWS, TARGET_CHUNK_BYTES, chunk_rows_of, row_bytes
 from featcache.store.integrity import dataset_has_checksum, raise_if_corrupt
-from featcache.store.paths import partial_path
+from featcache.store.paths import partial_path, replace_durably
 from featcache.store.reader import FeatureStore
 from featcache.store.skipped import read_skipped, write_skipped
 
@@ -54,7 +54,7 @@ def copy_store(
                 else:
                     _copy_dataset(obj, dst, name, compression, bar)
         codec.write_attrs(dst, attrs or {})
-    os.replace(tmp, target)
+    replace_durably(tmp, target)
 
 
 def _walk(group: h5py.Group, prefix: str = "") -> Iterator[tuple[str, Any]]:

@@ -1,4 +1,5 @@
-"""Where a store's files live: the store, its ``.partial`` and skip log, torchrun shards."""
+"""Where a store's files live: the store, its ``.partial`` and skip log, torchrun shards,
+and moving a finished file into place durably."""
 
 from __future__ import annotations
 
@@ -90,3 +91,23 @@ def remove_store(path: str | os.PathLike) -> None:
     for candidate in (Path(path), partial_path(path), skipped_log_path(path)):
         if candidate.exists():
             candidate.unlink()
+
+
+def replace_durably(source: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Rename the closed file ``source`` to ``target`` so that a crash or power cut
+    leaves the old name or the new one with all of the file's bytes: the file is synced
+    before the rename and its folder after it (where the system can sync a folder)."""
+    with open(source, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(source, target)
+    _sync_folder(Path(target).parent)
+
+
+def _sync_folder(folder: Path) -> None:
+    if not hasattr(os, "O_DIRECTORY"):  # Windows has no folder handles to sync
+        return
+    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
+
+from featcache.store.paths import replace_durably
 
 
 def write_skipped(f: h5py.File | h5py.Group, records: Sequence[Mapping[str, Any]]) -> None:
@@ -61,6 +62,4 @@ def rewrite_log(path: Path, records: Sequence[Mapping[str, Any]]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as handle:
         handle.write("".join(json.dumps(r) + "\n" for r in records))
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    replace_durably(tmp, path)

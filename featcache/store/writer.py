@@ -18,7 +18,7 @@ from featcache.provenance import FORMAT_VERSION
 from featcache.store import codec
 from featcache.store.chunks import MAX_META_CHUNK_ROWS, chunk_rows_for
 from featcache.store.merge import copy_store
-from featcache.store.paths import partial_path, skipped_log_path
+from featcache.store.paths import partial_path, replace_durably, skipped_log_path
 from featcache.store.resume import ResumePoint
 from featcache.store.skipped import rewrite_log, write_skipped
 from featcache.store.sparse import created_sparse
@@ -381,7 +381,7 @@ class StoreWriter:
             copy_store(self.partial, self.path, self.compression)
             self.partial.unlink()
         else:
-            os.replace(self.partial, self.path)
+            replace_durably(self.partial, self.path)
         skipped_log_path(self.path).unlink(missing_ok=True)
 
     def __enter__(self) -> StoreWriter:
