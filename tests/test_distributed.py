@@ -15,6 +15,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+import featcache
 from featcache.cli import app
 from featcache.distributed import block, check_other_world_sizes, combine_shards, shard_path
 from featcache.errors import ConfigError, FeatcacheError
@@ -191,6 +192,26 @@ def test_shards_of_another_world_size_are_refused(tmp_path):
     check_other_world_sizes(store, 2, overwrite=False)
     check_other_world_sizes(store, 3, overwrite=True)
     assert not partial_path(stale).exists()
+
+
+def test_a_one_process_run_refuses_the_shards_of_a_torchrun_run(tmp_path):
+    # Rows of a 2-process run that was stopped: a plain run must not start over beside
+    # them (and leave them behind), but say how to resume them.
+    config = dict(
+        CONFIG,
+        data=dict(CONFIG["data"], splits={"train": {"size": 12}}),
+        output={"dir": str(tmp_path / "out")},
+    )
+    store = tmp_path / "out" / "train.h5"
+    store.parent.mkdir()
+    shards = [partial_path(shard_path(store, rank, 2)) for rank in range(2)]
+    for shard in shards:
+        shard.write_bytes(b"rows of an interrupted rank")
+    with pytest.raises(ConfigError, match="shards of a run with 2 processes.*--overwrite"):
+        featcache.extract_from_config(config)
+    assert not store.exists() and all(shard.exists() for shard in shards)
+    featcache.extract_from_config(dict(config, output=dict(config["output"], overwrite=True)))
+    assert len(FeatureStore(store)) == 12 and not any(shard.exists() for shard in shards)
 
 
 def test_missing_or_unshared_shards_are_named(tmp_path):

@@ -9,7 +9,7 @@ import shlex
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from featcache.distributed import Rank, current_rank
+from featcache.distributed import Rank, check_other_world_sizes, current_rank
 from featcache.extraction.api import extract
 from featcache.extraction.sharding import extract_shard
 from featcache.provenance import config_fingerprint
@@ -86,6 +86,8 @@ def preprocessing_record(backbone: Backbone, max_length: int | None) -> str:
 def _extract_splits(spec: Spec, rank: Rank | None, command: str | None) -> dict[str, FeatureStore]:
     for split in spec.data.splits:  # fail before any work on a store made differently
         path = spec.store_path(split)
+        if rank is None:  # a one-process run does not resume a torchrun run's shards
+            check_other_world_sizes(path, 1, spec.output.overwrite)
         key = stored_resume_key(path) if path.exists() else None
         if key is None or key.get("config_fingerprint") != config_fingerprint(spec):
             check_output_path(path, spec.output.overwrite)
