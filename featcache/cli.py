@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import shlex
 import traceback
 import warnings
 from collections.abc import Callable
@@ -82,6 +81,7 @@ def extract(
     """Extract the configured layers for every split into HDF5 stores."""
     from featcache.distributed import current_rank
     from featcache.extraction import extract_from_config
+    from featcache.extraction.from_config import resume_command
 
     overrides = list(set_ or [])
     if overwrite:
@@ -89,14 +89,9 @@ def extract(
     try:
         stores = extract_from_config(config, overrides)
     except KeyboardInterrupt:
-        again = ["featcache", "extract", str(config)]
-        for override in set_ or []:
-            again += ["--set", override]
-        typer.echo(
-            f"featcache: interrupted; what was written is kept, and `{shlex.join(again)}` "
-            "resumes it",
-            err=True,
-        )
+        again = resume_command(config, overrides)
+        message = f"featcache: interrupted; what was written is kept, and `{again}` resumes it"
+        typer.echo(message, err=True)
         raise typer.Exit(130) from None
     rank = current_rank()
     if rank is None or rank.is_main:

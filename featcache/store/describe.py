@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from featcache.store.lock import Holder, holder
-from featcache.store.paths import PARTIAL_SUFFIX
+from featcache.store.paths import store_path_of
 from featcache.units import format_bytes
 
 if TYPE_CHECKING:
@@ -206,8 +206,7 @@ def describe(store: FeatureStore) -> StoreDescription:
     """Everything ``featcache info`` reports about ``store``, read once."""
     writer = None
     if not store.complete:
-        name = store.path.name.removesuffix(PARTIAL_SUFFIX)
-        found = holder(store.path.with_name(name))
+        found = holder(store_path_of(store.path))
         writer = None if found is None else asdict(found)
     offsets = store.offsets
     return StoreDescription(

@@ -21,6 +21,12 @@ def partial_path(path: str | os.PathLike) -> Path:
     return path.with_name(path.name + PARTIAL_SUFFIX)
 
 
+def store_path_of(partial: str | os.PathLike) -> Path:
+    """The store a ``.partial`` file becomes when complete (any other path unchanged)."""
+    partial = Path(partial)
+    return partial.with_name(partial.name.removesuffix(PARTIAL_SUFFIX))
+
+
 def skipped_log_path(path: str | os.PathLike) -> Path:
     """The append-only log of skipped samples kept beside a partial store."""
     path = Path(path)

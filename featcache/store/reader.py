@@ -19,6 +19,7 @@ from featcache.store.paths import (
     partial_path,
     readable_path,
     skipped_log_path,
+    store_path_of,
 )
 from featcache.store.raw_chunks import raw_chunks
 from featcache.store.skipped import read_log, read_skipped
@@ -185,8 +186,8 @@ class FeatureStore:
         index = self.index
         if not len(index):
             return []
-        store = self.path.with_name(self.path.name.removesuffix(PARTIAL_SUFFIX))
-        records = read_log(skipped_log_path(store), before=int(index[-1]) + 1)
+        log = skipped_log_path(store_path_of(self.path))
+        records = read_log(log, before=int(index[-1]) + 1)
         return sorted(records, key=lambda record: record["index"])
 
     @property
