@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from featcache.errors import ConfigError, FeatcacheError, first_line
+from featcache.errors import ConfigError, FeatcacheError, IncompleteStoreError, first_line
 
 app = typer.Typer(
     name="featcache",
@@ -56,6 +56,11 @@ def _friendly(command: Callable[..., Any]) -> Callable[..., Any]:
                 traceback.print_exc()
             code = exc.exit_code if isinstance(exc, FeatcacheError) else 1
             message = str(exc) if isinstance(exc, FeatcacheError) else _unexpected(exc)
+            if isinstance(exc, IncompleteStoreError):  # the fix a command line offers
+                message = (
+                    f"store {exc.path} is incomplete ({exc.rows} rows written); rerun its "
+                    f"extraction to resume it (`featcache info {exc.path}` prints the command)"
+                )
             typer.echo(f"featcache: error: {message}", err=True)
             raise typer.Exit(code) from None
 
@@ -86,14 +91,15 @@ def extract(
     overrides = list(set_ or [])
     if overwrite:
         overrides.append("output.overwrite=true")
+    rank = current_rank()
     try:
         stores = extract_from_config(config, overrides)
     except KeyboardInterrupt:
-        again = resume_command(config, overrides)
-        message = f"featcache: interrupted; what was written is kept, and `{again}` resumes it"
-        typer.echo(message, err=True)
+        if rank is None or rank.is_main:
+            again = resume_command(config, overrides, rank)
+            message = f"featcache: interrupted; what was written is kept, and `{again}` resumes it"
+            typer.echo(message, err=True)
         raise typer.Exit(130) from None
-    rank = current_rank()
     if rank is None or rank.is_main:
         for store in stores.values():
             typer.echo(store.describe().summary())

@@ -31,6 +31,7 @@ __all__ = [
     "check_other_world_sizes",
     "combine_shards",
     "current_rank",
+    "launch_words",
     "merge_store",
     "shard_path",
 ]
@@ -43,6 +44,7 @@ class Rank:
     rank: int
     world_size: int
     local_rank: int
+    local_world_size: int | None = None  # processes on this machine (None: all of them)
 
     @property
     def is_main(self) -> bool:
@@ -66,7 +68,27 @@ def current_rank() -> Rank | None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
         return None
-    return Rank(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0")))
+    local_world_size = os.environ.get("LOCAL_WORLD_SIZE")
+    return Rank(
+        int(os.environ["RANK"]),
+        world_size,
+        int(os.environ.get("LOCAL_RANK", "0")),
+        None if local_world_size is None else int(local_world_size),
+    )
+
+
+def launch_words(rank: Rank | None) -> list[str]:
+    """The start of a command line that runs ``featcache`` as this process was run:
+    ``["featcache"]`` alone, or torchrun with as many processes (and machines) as ``rank``
+    says. On several machines the user adds the rendezvous options they launched with."""
+    if rank is None:
+        return ["featcache"]
+    per_machine = min(rank.local_world_size or rank.world_size, rank.world_size)
+    if per_machine == rank.world_size:
+        nodes = ["--standalone"]
+    else:
+        nodes = ["--nnodes", str(-(-rank.world_size // per_machine))]
+    return ["torchrun", *nodes, "--nproc-per-node", str(per_machine), "-m", "featcache"]
 
 
 def block(

@@ -26,6 +26,15 @@ class CorruptStoreError(FeatcacheError):
     fails. The message names the store, the dataset and the rows of the bad chunk."""
 
 
+class IncompleteStoreError(FeatcacheError):
+    """A store whose run has not finished (it was interrupted, or is still running) was
+    opened for reading. ``path`` is the store, ``rows`` its rows written durably so far."""
+
+    def __init__(self, message: str, path: str, rows: int):
+        super().__init__(message)
+        self.path, self.rows = path, rows
+
+
 def first_line(exc: BaseException, *, with_type: bool = False) -> str:
     """The first line of an exception's message, whitespace collapsed.
 

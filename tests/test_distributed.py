@@ -17,7 +17,14 @@ from typer.testing import CliRunner
 
 import featcache
 from featcache.cli import app
-from featcache.distributed import block, check_other_world_sizes, combine_shards, shard_path
+from featcache.distributed import (
+    Rank,
+    block,
+    check_other_world_sizes,
+    combine_shards,
+    launch_words,
+    shard_path,
+)
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.store import FeatureStore, partial_path
 
@@ -168,6 +175,13 @@ def test_killed_rank_resumes_to_the_single_process_store(single, tmp_path):
     process.communicate(timeout=120)
     assert process.returncode != 0
     assert shard.exists() and not (tmp_path / "out" / "train.h5").exists()
+    # The store's name points to its shards; a shard names the torchrun command.
+    with pytest.raises(ConfigError, match=r"2 processes has \d+ rows durable in 2 shards"):
+        FeatureStore(tmp_path / "out" / "train.h5")
+    with FeatureStore(shard, allow_incomplete=True) as stopped:
+        assert stopped.describe().resume_command == (
+            f"torchrun --standalone --nproc-per-node 2 -m featcache extract {config}"
+        )
     rerun = _torchrun(config)
     output, _ = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, output
@@ -181,6 +195,14 @@ def test_blocks_cover_every_row_on_the_batch_grid():
         rows = [i for b in blocks for i in b]
         assert rows == list(range(n))
         assert all(b.start % batch == 0 for b in blocks if b)
+
+
+def test_a_resume_command_launches_as_many_processes_on_as_many_machines():
+    assert launch_words(None) == ["featcache"]
+    one_machine = ["torchrun", "--standalone", "--nproc-per-node", "4", "-m", "featcache"]
+    assert launch_words(Rank(3, 4, 3, 4)) == launch_words(Rank(0, 4, 0)) == one_machine
+    two_machines = ["torchrun", "--nnodes", "2", "--nproc-per-node", "8", "-m", "featcache"]
+    assert launch_words(Rank(9, 16, 1, 8)) == two_machines
 
 
 def test_shards_of_another_world_size_are_refused(tmp_path):

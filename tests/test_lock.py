@@ -15,6 +15,7 @@ import yaml
 from typer.testing import CliRunner
 
 from featcache.cli import app
+from featcache.errors import IncompleteStoreError
 from featcache.store import FeatureStore, partial_path
 from featcache.store.lock import StoreBusyError, holder, lock_path, writer_lock
 from featcache.verify import verify_store
@@ -174,6 +175,10 @@ def test_info_on_a_partial_store_names_its_writer_and_the_resume_command(tmp_pat
         assert "status     INCOMPLETE (" in text
         assert f"writer     pid {run.pid} on host {socket.gethostname()}, started" in text
         assert f"resume     featcache extract {config}" in text
+        # Opening it says how far the running writer has got (its HDF5 lock is no bar).
+        with pytest.raises(IncompleteStoreError) as caught:
+            FeatureStore(store)
+        assert caught.value.rows > 0 and f"({caught.value.rows} rows written" in str(caught.value)
     finally:
         run.send_signal(signal.SIGKILL)
         run.wait(timeout=60)

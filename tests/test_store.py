@@ -149,6 +149,28 @@ def test_incomplete_store_shows_only_its_durable_rows(tmp_path):
     assert store.path == partial_path(path) and not store.complete
     assert len(store) == store.rows_written == 40
     assert torch.equal(store.read("a").float(), values)
+    # On the command line the fix is a rerun, not a keyword argument.
+    result = CliRunner().invoke(app, ["show", str(path), "-l", "a", "-o", str(tmp_path / "a.png")])
+    assert result.exit_code == 1
+    assert result.stderr.strip() == (
+        f"featcache: error: store {path} is incomplete (40 rows written); rerun its "
+        f"extraction to resume it (`featcache info {path}` prints the command)"
+    )
+
+
+def test_a_missing_store_with_torchrun_shards_points_to_them(tmp_path):
+    store = tmp_path / "train.h5"
+    write_store(shard_path(store, 0, 2), 40, complete=False)  # written to its .partial
+    write_store(shard_path(store, 1, 2), 30)
+    write_store(tmp_path / "trainer.shard-00000-of-00002.h5", 5)  # another store's shard
+    with pytest.raises(ConfigError) as caught:
+        FeatureStore(store)
+    assert str(caught.value) == (
+        f"store not found: {store}; a torchrun run with 2 processes has 70 rows durable in 2 "
+        "shards (train.shard-00000-of-00002.h5.partial, ...) and has not combined them yet: "
+        f"`featcache info {partial_path(shard_path(store, 0, 2))}` shows its writer and the "
+        "command that resumes it"
+    )
 
 
 def test_skipped_records_come_back_in_source_order(tmp_path):

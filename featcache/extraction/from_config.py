@@ -9,7 +9,7 @@ import shlex
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from featcache.distributed import Rank, check_other_world_sizes, current_rank
+from featcache.distributed import Rank, check_other_world_sizes, current_rank, launch_words
 from featcache.extraction.api import extract
 from featcache.extraction.sharding import extract_shard
 from featcache.provenance import config_fingerprint
@@ -38,17 +38,20 @@ def extract_from_config(
         if rank is None or rank.is_main:  # other ranks lock only their own shards
             for split in spec.data.splits:
                 held.enter_context(writer_lock(spec.store_path(split)))
-        return _extract_splits(spec, rank, resume_command(config, overrides))
+        return _extract_splits(spec, rank, resume_command(config, overrides, rank))
 
 
 def resume_command(
-    config: str | os.PathLike | Mapping[str, Any] | Spec, overrides: Iterable[str] = ()
+    config: str | os.PathLike | Mapping[str, Any] | Spec,
+    overrides: Iterable[str] = (),
+    rank: Rank | None = None,
 ) -> str | None:
     """The command line that resumes an interrupted run of ``config`` (None for a config
-    given as data rather than a file)."""
+    given as data rather than a file): under torchrun when ``rank`` says the run was, with
+    as many processes."""
     if not isinstance(config, (str, os.PathLike)):
         return None
-    words = ["featcache", "extract", os.path.abspath(config)]
+    words = [*launch_words(rank), "extract", os.path.abspath(config)]
     for override in overrides:
         if override.replace(" ", "") != "output.overwrite=true":  # would start over
             words += ["--set", override]

@@ -3,6 +3,7 @@ and moving a finished file into place durably."""
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import tempfile
@@ -70,25 +71,35 @@ def prepare_output_folder(folder: Path) -> None:
         ) from exc
 
 
+def shards_of(path: str | os.PathLike) -> dict[Path, int]:
+    """The torchrun shard files (complete or ``.partial``) beside the store at ``path``,
+    in name order, each with the number of processes it was written for."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return {}
+    found = {}
+    for candidate in sorted(path.parent.glob(f"{glob.escape(path.stem)}.shard-*")):
+        match = SHARD_PATTERN.search(candidate.name)
+        if match and candidate.name[: match.start()] == path.stem:
+            found[candidate] = int(match.group(2))
+    return found
+
+
 def check_other_world_sizes(path: str | os.PathLike, world_size: int, overwrite: bool) -> None:
     """Refuse shards left by a run with another number of processes (or delete them)."""
     path = Path(path)
-    if not path.parent.is_dir():
-        return
-    stale: dict[Path, int] = {}  # shard file -> the world size it was written for
-    for candidate in path.parent.glob(f"{path.stem}.shard-*"):
-        match = SHARD_PATTERN.search(candidate.name)
-        if match and int(match.group(2)) != world_size:
-            stale[candidate] = int(match.group(2))
+    # shard file -> the world size it was written for
+    stale = {shard: size for shard, size in shards_of(path).items() if size != world_size}
     if stale and overwrite:
         for candidate in stale:
             candidate.unlink(missing_ok=True)
     elif stale:
         sizes = sorted(set(stale.values()))
+        first = next(iter(stale))
         raise ConfigError(
             f"{path} has shards of a run with {', '.join(map(str, sizes))} processes "
-            f"({next(iter(stale)).name}, ...); rerun with that many processes to resume it, "
-            "or pass --overwrite to start over"
+            f"({first.name}, ...); rerun with that many processes to resume it "
+            f"(`featcache info {first}` prints the command), or pass --overwrite to start over"
         )
 
 

@@ -11,13 +11,14 @@ import h5py
 import numpy as np
 import torch
 
-from featcache.errors import ConfigError, FeatcacheError
+from featcache.errors import ConfigError, IncompleteStoreError
 from featcache.store import codec
 from featcache.store.integrity import raise_if_corrupt
 from featcache.store.paths import (
     PARTIAL_SUFFIX,
     partial_path,
     readable_path,
+    shards_of,
     skipped_log_path,
     store_path_of,
 )
@@ -118,7 +119,7 @@ class FeatureStore:
     Metadata (layers, shapes, labels, ids, provenance) is read when needed; the file is
     opened lazily and reopened in a new process, so instances can be sent to workers.
     A store that is still being written (or whose run was interrupted) lives at
-    ``<path>.partial``; opening it raises :class:`FeatcacheError` unless
+    ``<path>.partial``; opening it raises :class:`~featcache.errors.IncompleteStoreError` unless
     ``allow_incomplete=True``, and then only its durable rows are visible.
     """
 
@@ -127,12 +128,15 @@ class FeatureStore:
         if not self.path.is_file():
             partial = partial_path(self.path)
             if not partial.is_file():
-                raise ConfigError(f"store not found: {self.path}")
+                raise ConfigError(f"store not found: {self.path}{_shards_note(self.path)}")
             if not allow_incomplete:
                 rows = _durable_rows(partial)
-                raise FeatcacheError(
+                raise IncompleteStoreError(
                     f"store {self.path} is incomplete ({rows} rows written, in {partial.name}); "
-                    "rerun the extraction to resume it, or pass allow_incomplete=True to read it"
+                    "rerun the extraction to resume it, or pass allow_incomplete=True to "
+                    "read those rows",
+                    str(self.path),
+                    rows,
                 )
             self.path = partial
         self._handle = StoreFile(self.path)
@@ -329,9 +333,36 @@ class FeatureStore:
 
 
 def _durable_rows(partial: Path) -> int:
-    try:
-        with h5py.File(partial, "r") as f:
+    try:  # without HDF5's file lock, which a running writer holds
+        with open_for_reading(partial) as f:
             return int(f["progress"][0])
+    except (OSError, KeyError):
+        return 0
+
+
+def _shards_note(path: Path) -> str:
+    """What a missing store's folder holds of a torchrun run that has not combined its
+    shards yet (\"\" when nothing): their durable rows, and where to look next."""
+    shards = shards_of(path)
+    if not shards:
+        return ""
+    rows = sum(
+        _durable_rows(shard) if shard.name.endswith(PARTIAL_SUFFIX) else _rows_of(shard)
+        for shard in shards
+    )
+    sizes = " or ".join(str(size) for size in sorted(set(shards.values())))
+    first = next(iter(shards))
+    return (
+        f"; a torchrun run with {sizes} processes has {rows} rows durable in "
+        f"{len(shards)} shards ({first.name}, ...) and has not combined them yet: "
+        f"`featcache info {first}` shows its writer and the command that resumes it"
+    )
+
+
+def _rows_of(complete: Path) -> int:
+    try:
+        with open_for_reading(complete) as f:
+            return int(f.attrs["num_rows"])
     except (OSError, KeyError):
         return 0
 
