@@ -25,6 +25,7 @@ from featcache.store import (
     merge_store,
     scan_chunks,
 )
+from featcache.store.integrity import read_or_explain
 from featcache.store.paths import shard_path
 from featcache.store.resume import ResumePoint
 from tests.stores import corrupt_row, synthetic_store
@@ -174,6 +175,29 @@ def test_scan_chunks_reads_a_failing_chunk_once_more_before_it_counts(stores, mo
 
     monkeypatch.setattr(integrity, "_check_stored_chunk", torn_once)
     assert scan_chunks(clean) == [] and len(failed) == 1
+
+
+def test_a_read_that_fails_where_every_chunk_reads_is_read_again(stores, monkeypatch):
+    # The labels of a store still being written sit in a chunk rewritten at each mark: a
+    # read can fail once, and so can the first re-read of its chunk, without corruption.
+    clean, bad = stores
+    with FeatureStore(clean) as store:
+        expected = store.labels
+    original, failures = h5py.Dataset.__getitem__, {"left": 2}
+
+    def torn(dataset, key):
+        if dataset.name == "/labels" and failures["left"]:
+            failures["left"] -= 1
+            raise OSError("Can't synchronously read data (filter returned failure during read)")
+        return original(dataset, key)
+
+    monkeypatch.setattr(h5py.Dataset, "__getitem__", torn)
+    with FeatureStore(clean) as store:
+        assert np.array_equal(store.labels, expected) and failures["left"] == 0
+    with h5py.File(bad) as file:  # a chunk that fails every read is named
+        layer2 = file["features/layer2"]
+        with pytest.raises(CorruptStoreError, match="layer layer2 rows 16-19 fail"):
+            read_or_explain(layer2, range(10, 18), lambda: layer2[10:18])
 
 
 def test_copies_and_merges_keep_checksums(tmp_path):

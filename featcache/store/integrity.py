@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import h5py
 import numpy as np
@@ -32,6 +32,8 @@ FIX = "re-extract it (featcache extract <config> --overwrite) or restore it from
 # still being written rewrites the chunk of its last rows at every progress mark, and a
 # read during that write sees part of each.
 RETRY_SECONDS = 0.01
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -86,16 +88,23 @@ def dataset_has_checksum(dataset: h5py.Dataset) -> bool:
     return bool(sources)
 
 
-def raise_if_corrupt(dataset: h5py.Dataset, rows: range, error: OSError) -> None:
-    """After ``error`` reading ``rows`` of ``dataset``: re-read the chunks holding those
-    rows one by one and raise :class:`CorruptStoreError` for the first one that fails.
+def read_or_explain(dataset: h5py.Dataset, rows: range, read: Callable[[], T]) -> T:
+    """``read()``, a read of ``rows`` of ``dataset``; if it fails, the chunks holding
+    those rows are read one by one (each twice at most, as :func:`checked_twice` does),
+    and the first that fails raises :class:`CorruptStoreError` naming its rows.
 
-    Returns when every such chunk reads on its own (the caller then re-raises ``error``).
-    Called only once a read has failed, so the read paths pay nothing for it.
+    When every such chunk reads on its own, the failure was passing (a chunk rewritten by
+    the writer of a store still being written, read halfway), and ``read()`` runs once
+    more; a second failure of it propagates. The read paths pay nothing until a read
+    fails.
     """
-    bad = _first_bad_chunk(dataset, rows)
-    if bad is not None:
-        raise corrupt_store_error(dataset, bad) from error
+    try:
+        return read()
+    except OSError as error:
+        bad = _first_bad_chunk(dataset, rows)
+        if bad is not None:
+            raise corrupt_store_error(dataset, bad) from error
+    return read()
 
 
 def corrupt_store_error(dataset: h5py.Dataset, bad: BadChunk) -> CorruptStoreError:
@@ -238,7 +247,7 @@ def _first_bad_chunk(dataset: h5py.Dataset, rows: range) -> BadChunk | None:
         if asked >= last:  # a step over the whole chunk
             continue
         try:
-            dataset[first:last]
+            checked_twice(functools.partial(dataset.__getitem__, np.s_[first:last]))
         except OSError as exc:
             return BadChunk(dataset.name.lstrip("/"), first, last, first_line(exc))
     return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -14,7 +15,7 @@ from tqdm.auto import tqdm
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.store import codec
 from featcache.store.chunks import MAX_META_CHUNK_ROWS, TARGET_CHUNK_BYTES, chunk_rows_of, row_bytes
-from featcache.store.integrity import dataset_has_checksum, raise_if_corrupt
+from featcache.store.integrity import dataset_has_checksum, read_or_explain
 from featcache.store.paths import partial_path, replace_durably
 from featcache.store.reader import FeatureStore
 from featcache.store.skipped import read_skipped, write_skipped
@@ -90,11 +91,9 @@ def _copy_dataset(
         )
         step = max(chunks[0], 8 * TARGET_CHUNK_BYTES // row_bytes(obj))  # a few chunks a read
         for start in range(0, len(obj), step):
-            try:
-                block = obj[start : start + step]
-            except OSError as exc:
-                raise_if_corrupt(obj, range(start, min(start + step, len(obj))), exc)
-                raise
+            rows_read = range(start, min(start + step, len(obj)))
+            read = functools.partial(obj.__getitem__, np.s_[start : start + step])
+            block = read_or_explain(obj, rows_read, read)
             out[start : start + len(block)] = block
             bar.update(block.nbytes)
     for key, value in obj.attrs.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 
 from featcache.errors import ConfigError, IncompleteStoreError
 from featcache.store import codec
-from featcache.store.integrity import raise_if_corrupt
+from featcache.store.integrity import read_or_explain
 from featcache.store.paths import (
     PARTIAL_SUFFIX,
     partial_path,
@@ -244,11 +245,7 @@ class FeatureStore:
         first = int(picked.min()) if len(picked) else 0
         last = int(picked.max()) + 1 if len(picked) else 0
         offsets = self.file["offsets"]
-        try:
-            window = offsets[first : last + 1]
-        except OSError as exc:
-            raise_if_corrupt(offsets, range(first, last + 1), exc)
-            raise
+        window = read_or_explain(offsets, range(first, last + 1), lambda: offsets[first : last + 1])
         return read_token_rows(features, window, picked - first)
 
     def dtype(self, layer: str) -> torch.dtype:
@@ -286,12 +283,8 @@ class FeatureStore:
     @property
     def ids(self) -> list[str]:
         """``N`` stable sample ids (relative file paths for image folders)."""
-        ids = self.file["ids"]
-        try:
-            return list(ids.asstr()[: len(self)])
-        except OSError as exc:
-            raise_if_corrupt(ids, range(len(self)), exc)
-            raise
+        ids, rows = self.file["ids"], len(self)
+        return read_or_explain(ids, range(rows), lambda: list(ids.asstr()[:rows]))
 
     @property
     def attrs(self) -> dict[str, Any]:
@@ -394,11 +387,10 @@ def read_rows(dataset: h5py.Dataset, rows: slice | np.ndarray) -> torch.Tensor:
             array = np.empty((max(stop - start, 0), *dataset.shape[1:]), dtype=dataset.dtype)
             read_runs(dataset, [(start, stop)] if stop > start else [], array)
             return codec.decode(array, str(dataset.attrs.get("dtype", "")))
-        try:
-            array = np.ascontiguousarray(dataset[rows])
-        except OSError as exc:
-            raise_if_corrupt(dataset, range(start, stop, step), exc)
-            raise
+        picked = rows
+        array = read_or_explain(
+            dataset, range(start, stop, step), lambda: np.ascontiguousarray(dataset[picked])
+        )
     else:
         unique, inverse = np.unique(rows, return_inverse=True)
         array = np.empty((len(unique), *dataset.shape[1:]), dtype=dataset.dtype)
@@ -439,29 +431,32 @@ def read_runs(
     row_bytes = max(out.dtype.itemsize * int(np.prod(out.shape[1:], dtype=np.int64)), 1)
     direct_rows = max(DIRECT_READ_BYTES // row_bytes, 1)
     raw = raw_chunks(dataset)
-    start = stop = 0
-    try:
-        for start, stop in runs:
-            rows = stop - start
+    for start, stop in runs:
+        rows = stop - start
+        try:
             if raw is not None:
                 raw.read(dataset, start, stop, out[at : at + rows])
             elif rows >= direct_rows:
                 dataset.read_direct(out, np.s_[start:stop], np.s_[at : at + rows])
             else:
                 out[at : at + rows] = dataset[start:stop]
-            at += rows
-    except OSError as exc:
-        raise_if_corrupt(dataset, range(start, stop), exc)
-        raise
+        except OSError:  # the first read again, then (if it fails) the bad chunk named
+            into = out[at : at + rows]
+            read_or_explain(
+                dataset,
+                range(start, stop),
+                functools.partial(_copy_rows, dataset, start, stop, into),
+            )
+        at += rows
+
+
+def _copy_rows(dataset: h5py.Dataset, start: int, stop: int, into: np.ndarray) -> None:
+    into[...] = dataset[start:stop]  # h5py's fast slice reader: cheapest for a few rows
 
 
 def _read_head(dataset: h5py.Dataset, rows: int) -> np.ndarray:
     """The first ``rows`` rows of a 1-d dataset (labels, index)."""
-    try:
-        return dataset[:rows]
-    except OSError as exc:
-        raise_if_corrupt(dataset, range(rows), exc)
-        raise
+    return read_or_explain(dataset, range(rows), lambda: dataset[:rows])
 
 
 def _runs(rows: np.ndarray) -> Iterable[tuple[int, int]]:
