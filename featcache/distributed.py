@@ -15,6 +15,7 @@ here too.
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +38,13 @@ __all__ = [
 ]
 
 
+# How long a rank that is done waits for the others at a barrier. Ranks can finish hours
+# apart (a rank with no rows, or one whose shard was complete before a resume), and
+# torch's default of 30 minutes, which bounds both joining the group and each barrier,
+# would fail such a run.
+RANKS_WAIT = datetime.timedelta(days=7)
+
+
 @dataclass(frozen=True)
 class Rank:
     """This process's place in a torchrun job."""
@@ -57,9 +65,10 @@ class Rank:
         return setting
 
     def barrier(self) -> None:
+        """Wait until every rank gets here, for up to :data:`RANKS_WAIT`."""
         if not dist.is_initialized():
             # gloo works whatever device the model runs on: the group only synchronises.
-            dist.init_process_group(backend="gloo")
+            dist.init_process_group(backend="gloo", timeout=RANKS_WAIT)
         dist.barrier()
 
 

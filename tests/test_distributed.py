@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import subprocess
@@ -12,10 +13,12 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+import torch
 import yaml
 from typer.testing import CliRunner
 
 import featcache
+from featcache import distributed
 from featcache.cli import app
 from featcache.distributed import (
     Rank,
@@ -203,6 +206,19 @@ def test_a_resume_command_launches_as_many_processes_on_as_many_machines():
     assert launch_words(Rank(3, 4, 3, 4)) == launch_words(Rank(0, 4, 0)) == one_machine
     two_machines = ["torchrun", "--nnodes", "2", "--nproc-per-node", "8", "-m", "featcache"]
     assert launch_words(Rank(9, 16, 1, 8)) == two_machines
+
+
+def test_ranks_wait_for_each_other_far_longer_than_torchs_default(monkeypatch):
+    # A rank with no rows, or with a shard complete before a resume, reaches the
+    # barrier hours before the others; torch's 30 minutes would fail the run.
+    joined = {}
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: bool(joined))
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kw: joined.update(kw))
+    monkeypatch.setattr(distributed.dist, "barrier", lambda: joined.setdefault("barriers", 0))
+    Rank(0, 2, 0).barrier()
+    assert joined["backend"] == "gloo" and joined["timeout"] >= datetime.timedelta(days=1)
+    assert joined["timeout"] > torch.distributed.constants.default_pg_timeout
+    assert "barriers" in joined
 
 
 def test_shards_of_another_world_size_are_refused(tmp_path):
