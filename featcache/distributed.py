@@ -64,11 +64,20 @@ class Rank:
             return f"cuda:{self.local_rank}" if torch.cuda.is_available() else "cpu"
         return setting
 
-    def barrier(self) -> None:
-        """Wait until every rank gets here, for up to :data:`RANKS_WAIT`."""
+    def join(self) -> None:
+        """Join the ranks' group (once per process; it waits for every rank).
+
+        Joined before any work, while the launcher is alive: from then on the ranks talk
+        directly, so ranks left running after their launcher died still finish and
+        combine the store rather than wait for a launcher that is gone.
+        """
         if not dist.is_initialized():
             # gloo works whatever device the model runs on: the group only synchronises.
             dist.init_process_group(backend="gloo", timeout=RANKS_WAIT)
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here, for up to :data:`RANKS_WAIT`."""
+        self.join()
         dist.barrier()
 
 

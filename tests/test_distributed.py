@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
@@ -52,7 +53,7 @@ def _config(folder: Path) -> Path:
     return path
 
 
-def _torchrun(config: Path, processes: int = 2) -> subprocess.Popen:
+def _torchrun(config: Path, processes: int = 2, output: int = subprocess.PIPE) -> subprocess.Popen:
     command = [
         sys.executable,
         "-m",
@@ -64,7 +65,7 @@ def _torchrun(config: Path, processes: int = 2) -> subprocess.Popen:
         "extract",
         str(config),
     ]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, text=True)
 
 
 def _datasets(path: Path) -> dict[str, np.ndarray]:
@@ -160,6 +161,15 @@ def _rank_pids(rank: int, marker: str) -> list[int]:
     return pids
 
 
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` is alive (not gone, and not a zombie left unreaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def test_killed_rank_resumes_to_the_single_process_store(single, tmp_path):
     config = _config(tmp_path)
     shard = partial_path(shard_path(tmp_path / "out" / "train.h5", 1, 2))
@@ -188,6 +198,33 @@ def test_killed_rank_resumes_to_the_single_process_store(single, tmp_path):
     rerun = _torchrun(config)
     output, _ = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, output
+    for split in ("train", "val"):
+        assert_same_rows(tmp_path / "out" / f"{split}.h5", single / f"{split}.h5")
+
+
+def test_ranks_left_running_by_a_killed_launcher_still_finish_the_store(single, tmp_path):
+    # The launcher can die alone (kill -9 of torchrun; its ranks run in their own
+    # sessions): the ranks, joined at the start, meet and combine without it.
+    config = _config(tmp_path)
+    store = tmp_path / "out" / "train.h5"
+    shard = partial_path(shard_path(store, 0, 2))
+    launcher = _torchrun(config, output=subprocess.DEVNULL)  # no pipe the ranks keep open
+    deadline = time.monotonic() + 120
+    while launcher.poll() is None and time.monotonic() < deadline and not shard.exists():
+        time.sleep(0.02)
+    assert launcher.poll() is None, "the run ended before its launcher could be killed"
+    ranks = _rank_pids(0, str(config)) + _rank_pids(1, str(config))
+    launcher.kill()
+    launcher.wait(timeout=60)
+    try:
+        deadline = time.monotonic() + 120
+        while any(map(_running, ranks)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_running, ranks)), "the ranks hang"
+    finally:
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     for split in ("train", "val"):
         assert_same_rows(tmp_path / "out" / f"{split}.h5", single / f"{split}.h5")
 

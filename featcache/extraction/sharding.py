@@ -36,6 +36,7 @@ def extract_shard(
     arguments: dict[str, Any],
 ) -> FeatureStore:
     """This rank's block into its shard; then rank 0 writes the store over all shards."""
+    rank.join()
     world = rank.world_size
     overwrite = arguments["overwrite"]
     num_rows, batch_size = source_length(source), arguments["batch_size"]
