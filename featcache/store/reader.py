@@ -440,7 +440,7 @@ def read_runs(
                 dataset.read_direct(out, np.s_[start:stop], np.s_[at : at + rows])
             else:
                 out[at : at + rows] = dataset[start:stop]
-        except OSError:  # the first read again, then (if it fails) the bad chunk named
+        except OSError:  # read once more through HDF5, or have the bad chunk named
             into = out[at : at + rows]
             read_or_explain(
                 dataset,
@@ -451,7 +451,7 @@ def read_runs(
 
 
 def _copy_rows(dataset: h5py.Dataset, start: int, stop: int, into: np.ndarray) -> None:
-    into[...] = dataset[start:stop]  # h5py's fast slice reader: cheapest for a few rows
+    into[...] = dataset[start:stop]
 
 
 def _read_head(dataset: h5py.Dataset, rows: int) -> np.ndarray:
