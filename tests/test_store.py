@@ -29,6 +29,7 @@ from featcache.store import (
     read_rows,
     remove_store,
 )
+from featcache.store import merge as store_merge
 from featcache.store import writer as store_writer
 from featcache.store.paths import replace_durably, shard_path, skipped_log_path
 from featcache.store.reader import DIRECT_READ_BYTES, StoreFile
@@ -301,6 +302,12 @@ def test_a_finished_store_is_synced_before_its_rename_and_its_folder_after(tmp_p
     )
     path, _ = write_store(tmp_path / "s.h5", 10)
     assert moved == [path] and FeatureStore(path).complete
+    monkeypatch.setattr(
+        store_merge, "replace_durably", lambda a, b: moved.append(b) or replace(a, b)
+    )
+    shards = [write_store(shard_path(tmp_path / "t.h5", r, 2), 5)[0] for r in range(2)]
+    combined = combine_shards(tmp_path / "t.h5", shards)
+    assert moved == [path, *shards, tmp_path / "t.h5"] and combined.complete
 
 
 def test_resume_point_and_mismatched_settings(tmp_path):
@@ -369,8 +376,13 @@ def test_shards_combine_into_a_virtual_store_and_merge_into_one_file(tmp_path):
         shard, values = write_store(shard_path(tmp_path / "t.h5", rank, 2), 20 + rank, seed=rank)
         shards.append(shard)
         parts.append(values)
+    # Each shard's last run computed only some of its rows (a resume): 10 and 6 rows.
+    for shard, seconds, rows in zip(shards, (2.0, 1.5), (10, 6), strict=True):
+        with h5py.File(shard, "r+") as f:
+            f.attrs["seconds"], f.attrs["images_per_second"] = seconds, rows / seconds
     combined = combine_shards(tmp_path / "t.h5", shards)
     assert combined.attrs["world_size"] == 2 and len(combined) == 41
+    assert combined.attrs["seconds"] == 2.0 and combined.attrs["images_per_second"] == 8.0
     assert combined.attrs["shards"] == [s.name for s in shards]
     with h5py.File(combined.path) as f:
         assert f["features/a"].is_virtual

@@ -127,6 +127,11 @@ def combine_shards(
                     out.attrs[key] = value
             rows = sum(int(f.attrs["num_rows"]) for f in opened)
             seconds = max(float(f.attrs.get("seconds", 0.0)) for f in opened)
+            # The rows each shard's last run computed (fewer than it holds after a resume).
+            computed = sum(
+                float(f.attrs.get("images_per_second", 0.0)) * float(f.attrs.get("seconds", 0.0))
+                for f in opened
+            )
             codec.write_attrs(
                 out,
                 {
@@ -136,7 +141,7 @@ def combine_shards(
                     "world_size": len(shards),
                     "shards": [shard.name for shard in shards],
                     "seconds": seconds,
-                    "images_per_second": rows / max(seconds, 1e-9),
+                    "images_per_second": computed / max(seconds, 1e-9),
                     **dict(attrs or {}),
                 },
             )
@@ -144,7 +149,7 @@ def combine_shards(
     finally:
         for f in opened:
             f.close()
-    os.replace(tmp, path)
+    replace_durably(tmp, path)
     return FeatureStore(path)
 
 
