@@ -79,8 +79,8 @@ def shards_of(path: str | os.PathLike) -> dict[Path, int]:
         return {}
     found = {}
     for candidate in sorted(path.parent.glob(f"{glob.escape(path.stem)}.shard-*")):
-        match = SHARD_PATTERN.search(candidate.name)
-        if match and candidate.name[: match.start()] == path.stem:
+        match = SHARD_PATTERN.match(candidate.name, len(path.stem))  # right after the stem
+        if match:
             found[candidate] = int(match.group(2))
     return found
 

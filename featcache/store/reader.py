@@ -131,7 +131,7 @@ class FeatureStore:
             if not partial.is_file():
                 raise ConfigError(f"store not found: {self.path}{_shards_note(self.path)}")
             if not allow_incomplete:
-                rows = _durable_rows(partial)
+                rows = _rows_in(partial)
                 raise IncompleteStoreError(
                     f"store {self.path} is incomplete ({rows} rows written, in {partial.name}); "
                     "rerun the extraction to resume it, or pass allow_incomplete=True to "
@@ -325,10 +325,13 @@ class FeatureStore:
         return describe(self)
 
 
-def _durable_rows(partial: Path) -> int:
-    try:  # without HDF5's file lock, which a running writer holds
-        with open_for_reading(partial) as f:
-            return int(f["progress"][0])
+def _rows_in(file: Path) -> int:
+    """The rows a store file holds: all of a complete one, the durable ones of a
+    ``.partial`` (opened without HDF5's file lock, which its running writer holds); 0
+    when it cannot be read."""
+    try:
+        with open_for_reading(file) as f:
+            return int(f.attrs["num_rows"] if f.attrs.get("complete") else f["progress"][0])
     except (OSError, KeyError):
         return 0
 
@@ -339,10 +342,7 @@ def _shards_note(path: Path) -> str:
     shards = shards_of(path)
     if not shards:
         return ""
-    rows = sum(
-        _durable_rows(shard) if shard.name.endswith(PARTIAL_SUFFIX) else _rows_of(shard)
-        for shard in shards
-    )
+    rows = sum(map(_rows_in, shards))
     sizes = " or ".join(str(size) for size in sorted(set(shards.values())))
     first = next(iter(shards))
     return (
@@ -350,14 +350,6 @@ def _shards_note(path: Path) -> str:
         f"{len(shards)} shards ({first.name}, ...) and has not combined them yet: "
         f"`featcache info {first}` shows its writer and the command that resumes it"
     )
-
-
-def _rows_of(complete: Path) -> int:
-    try:
-        with open_for_reading(complete) as f:
-            return int(f.attrs["num_rows"])
-    except (OSError, KeyError):
-        return 0
 
 
 def row_numbers(rows: Sequence[int] | np.ndarray, num_rows: int) -> np.ndarray:
@@ -387,10 +379,8 @@ def read_rows(dataset: h5py.Dataset, rows: slice | np.ndarray) -> torch.Tensor:
             array = np.empty((max(stop - start, 0), *dataset.shape[1:]), dtype=dataset.dtype)
             read_runs(dataset, [(start, stop)] if stop > start else [], array)
             return codec.decode(array, str(dataset.attrs.get("dtype", "")))
-        picked = rows
-        array = read_or_explain(
-            dataset, range(start, stop, step), lambda: np.ascontiguousarray(dataset[picked])
-        )
+        read = functools.partial(dataset.__getitem__, rows)
+        array = np.ascontiguousarray(read_or_explain(dataset, range(start, stop, step), read))
     else:
         unique, inverse = np.unique(rows, return_inverse=True)
         array = np.empty((len(unique), *dataset.shape[1:]), dtype=dataset.dtype)
