@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import traceback
+import unicodedata
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,24 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 _state = {"debug": False}
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` with control and format characters other than newline and tab written as
+    escapes (``\\x1b``, ``\\u202e``). Much of what the commands print comes from stores,
+    which are data: a name in one must not move the cursor, rewrite a line already
+    printed (a ``FAIL`` made to read ``ok``), retitle the terminal or reorder the text."""
+    if text.isprintable():
+        return text
+    return "".join(
+        ch if ch in "\n\t" or unicodedata.category(ch) not in ("Cc", "Cf") else ascii(ch)[1:-1]
+        for ch in text
+    )
+
+
+def _say(text: str, err: bool = False) -> None:
+    """Print a line (to stderr with ``err``), made :func:`terminal_safe`."""
+    typer.echo(terminal_safe(text), err=err)
 
 
 @app.callback()
@@ -45,11 +64,11 @@ def _friendly(command: Callable[..., Any]) -> Callable[..., Any]:
                 finally:
                     for warning in caught:
                         if issubclass(warning.category, UserWarning):
-                            typer.echo(f"featcache: warning: {warning.message}", err=True)
+                            _say(f"featcache: warning: {warning.message}", err=True)
         except typer.Exit:
             raise
         except KeyboardInterrupt:
-            typer.echo("featcache: interrupted", err=True)
+            _say("featcache: interrupted", err=True)
             raise typer.Exit(130) from None
         except Exception as exc:
             if _state["debug"]:
@@ -61,7 +80,7 @@ def _friendly(command: Callable[..., Any]) -> Callable[..., Any]:
                     f"store {exc.path} is incomplete ({exc.rows} rows written); rerun its "
                     f"extraction to resume it (`featcache info {exc.path}` prints the command)"
                 )
-            typer.echo(f"featcache: error: {message}", err=True)
+            _say(f"featcache: error: {message}", err=True)
             raise typer.Exit(code) from None
 
     return wrapper
@@ -98,11 +117,11 @@ def extract(
         if rank is None or rank.is_main:
             again = resume_command(config, overrides, rank)
             message = f"featcache: interrupted; what was written is kept, and `{again}` resumes it"
-            typer.echo(message, err=True)
+            _say(message, err=True)
         raise typer.Exit(130) from None
     if rank is None or rank.is_main:
         for store in stores.values():
-            typer.echo(store.describe().summary())
+            _say(store.describe().summary())
 
 
 @app.command()
@@ -164,9 +183,9 @@ def layers(
     rows = [info for info in found if all_ or info.output != "-"]
     width = max(len(info.name) for info in rows)
     type_width = max(len(info.type) for info in rows)
-    typer.echo(f"{'name':<{width}}  {'type':<{type_width}}  output (per sample, {shown})")
+    _say(f"{'name':<{width}}  {'type':<{type_width}}  output (per sample, {shown})")
     for info in rows:
-        typer.echo(f"{info.name:<{width}}  {info.type:<{type_width}}  {info.output}")
+        _say(f"{info.name:<{width}}  {info.type:<{type_width}}  {info.output}")
 
 
 @app.command()
@@ -180,7 +199,7 @@ def info(
 
     with FeatureStore(store, allow_incomplete=True) as fs:
         description = fs.describe()
-    typer.echo(description.to_json() if as_json else description.format())
+    _say(description.to_json() if as_json else description.format())
 
 
 @app.command()
@@ -212,21 +231,24 @@ def verify(
     trust_factory: Annotated[
         bool,
         typer.Option(
-            "--trust-factory", help="Allow the recorded config to import and run its factory."
+            "--trust-factory",
+            help="Allow the recorded config to run the code it names (a factory, a "
+            "repository's own code).",
         ),
     ] = False,
 ) -> None:
     """Check a store: recompute rows from its config and compare everything it records.
 
-    A store is data: verify never runs code a recorded config names (model.factory)
-    unless --trust-factory is given. Exit code 0 when every check passes, 1 when any fails.
+    A store is data: verify never runs code a recorded config names (model.factory,
+    model.trust_remote_code) unless --trust-factory is given. Exit code 0 when every check
+    passes, 1 when any fails.
     """
     from featcache.verify import recorded_code, verify_store
 
     if trust_factory and config is None and not quick:
         code = recorded_code(store)
         if code is not None:
-            typer.echo(f"--trust-factory: verify will {code}", err=True)
+            _say(f"--trust-factory: verify will {code}", err=True)
     result = verify_store(
         store,
         samples,
@@ -237,12 +259,12 @@ def verify(
         trust_factory=trust_factory,
     )
     for check in result.checks:
-        typer.echo(f"{'ok' if check.ok else 'FAIL':<5} {check.name:<10} {check.detail}")
+        _say(f"{'ok' if check.ok else 'FAIL':<5} {check.name:<10} {check.detail}")
     failed = [check.name for check in result.checks if not check.ok]
     if failed:
-        typer.echo(f"verify: FAIL ({', '.join(failed)}): {result.path}")
+        _say(f"verify: FAIL ({', '.join(failed)}): {result.path}")
         raise typer.Exit(1)
-    typer.echo(f"verify: PASS ({len(result.rows)} rows recomputed): {result.path}")
+    _say(f"verify: PASS ({len(result.rows)} rows recomputed): {result.path}")
 
 
 @app.command()
@@ -261,7 +283,7 @@ def merge(
     if compression not in COMPRESSIONS:
         raise ConfigError(f"--compression {compression!r}: choose lzf or gzip")
     merged = merge_store(store, output, compression)
-    typer.echo(merged.describe().summary())
+    _say(merged.describe().summary())
 
 
 @app.command()
@@ -279,26 +301,26 @@ def demo(
 
     stores = run_demo(output)
     for store in stores.values():
-        typer.echo(store.describe().summary())
-    typer.echo("")
-    typer.echo(stores["train"].describe().format())
+        _say(store.describe().summary())
+    _say("")
+    _say(stores["train"].describe().format())
     results, json_path, png_path = run_demo_probe(stores, output)
-    typer.echo("")
-    typer.echo(
+    _say("")
+    _say(
         f"linear probes: lambda chosen on 20% of {stores['train'].path.name}, "
         f"top-1 on the held-out {stores['val'].path.name}"
     )
-    typer.echo(format_table(results))
+    _say(format_table(results))
     best = max(results, key=lambda result: result.top1)
     chance = best.test["chance_top1"] if best.test else best.val["chance_top1"]
-    typer.echo(
+    _say(
         f"best layer {best.layer}: {100 * best.top1:.1f}% top-1 against {100 * chance:.1f}% "
         f"for chance ({best.num_classes} classes)"
     )
     if png_path is None:
-        typer.echo(f"wrote {json_path} (for the chart too: {PLOT_EXTRA})")
+        _say(f"wrote {json_path} (for the chart too: {PLOT_EXTRA})")
     else:
-        typer.echo(f"wrote {json_path} and {png_path}")
+        _say(f"wrote {json_path} and {png_path}")
 
 
 @app.command()
@@ -384,11 +406,11 @@ def probe(
         seed=seed,
         progress=progress,
     )
-    typer.echo(format_result(results[0]) if len(results) == 1 else format_table(results))
+    _say(format_result(results[0]) if len(results) == 1 else format_table(results))
     path = save_results(results, output or default_output(train, [r.layer for r in results]))
-    typer.echo(f"wrote {path}")
+    _say(f"wrote {path}")
     if plot is not None or len(results) > 1:
-        typer.echo(f"wrote {plot_layers(results, plot or path.with_suffix('.png'))}")
+        _say(f"wrote {plot_layers(results, plot or path.with_suffix('.png'))}")
 
 
 @app.command()
@@ -412,7 +434,7 @@ def show(
     path = save_feature_grid(
         store, layer, row, output, max_channels=max_channels, nrow=nrow, scale=scale
     )
-    typer.echo(f"wrote {path}")
+    _say(f"wrote {path}")
 
 
 @app.command()
@@ -426,11 +448,21 @@ def cam(
     row: Annotated[int, typer.Option("--row", "-r", help="The store row.")] = 0,
     alpha: Annotated[float, typer.Option("--alpha", help="Weight of the CAM colours.")] = 0.5,
     scale: Annotated[int, typer.Option("--scale", help="Enlarge the picture this often.")] = 1,
+    trust_factory: Annotated[
+        bool,
+        typer.Option("--trust-factory", help="Allow the recorded config to run the code it names."),
+    ] = False,
 ) -> None:
-    """Write a Grad-CAM map of one row over its source image."""
+    """Write a Grad-CAM map of one row over its source image.
+
+    A store is data: cam runs no code its recorded config names unless --trust-factory.
+    """
     from featcache.visualize import cam_overlay
 
-    typer.echo(f"wrote {cam_overlay(store, layer, row, output, alpha=alpha, scale=scale)}")
+    path = cam_overlay(
+        store, layer, row, output, alpha=alpha, scale=scale, trust_factory=trust_factory
+    )
+    _say(f"wrote {path}")
 
 
 def main() -> None:

@@ -162,14 +162,11 @@ def recorded_code(path: str | os.PathLike) -> str | None:
     import and run, in words; None when nothing but featcache's own libraries."""
     with FeatureStore(path, allow_incomplete=True) as store:
         recorded = store.config
-    return None if recorded is None else _code_run(load_config(recorded))
+    if recorded is None:
+        return None
+    from featcache.models import code_named
 
-
-def _code_run(spec: Spec) -> str | None:
-    from featcache.models import kind_for
-
-    kind, ref = kind_for(spec.model)
-    return kind.code_run(ref, spec.model)
+    return code_named(load_config(recorded).model)
 
 
 def _rebuild_spec(
@@ -184,7 +181,9 @@ def _rebuild_spec(
             "made by `featcache extract` or extract_from_config, or a config given with --config"
         )
     spec = load_config(recorded)
-    code = _code_run(spec)
+    from featcache.models import code_named
+
+    code = code_named(spec.model)
     if code is not None and not trust:
         raise ConfigError(
             f"{store.path} records a config that would {code}; verify runs no code named in a "

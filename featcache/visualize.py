@@ -141,11 +141,13 @@ def store_cam(store: StoreLike, layer: str, row: int) -> torch.Tensor:
     return grad_cam(_spatial(fs, layer, row), _spatial(fs, grad, row))
 
 
-def source_image(store: StoreLike, row: int) -> Image.Image:
+def source_image(store: StoreLike, row: int, *, trust_factory: bool = False) -> Image.Image:
     """The source image of one row, resized and cropped as the stored input was.
 
     The store's recorded config names the data and preprocessing, and its ids check that
-    the source still holds the same sample at that position.
+    the source still holds the same sample at that position. A store is data: a recorded
+    model whose preprocessing would run code it names (a Hugging Face repository's own
+    code) is refused unless ``trust_factory``.
     """
     from featcache.sources import build_source
     from featcache.spec import from_dict
@@ -168,7 +170,7 @@ def source_image(store: StoreLike, row: int) -> Image.Image:
             f"the source of {fs.path} no longer holds sample {fs.ids[row]} at position {index}"
         )
     image, _ = source[index]
-    resize, crop = _display_geometry(spec)
+    resize, crop = _display_geometry(spec, fs.path, trust_factory)
     if resize is not None:
         image = TF.resize(image, resize, antialias=True)
     if crop is not None:
@@ -176,12 +178,18 @@ def source_image(store: StoreLike, row: int) -> Image.Image:
     return image
 
 
-def _display_geometry(spec: Any) -> tuple[int | None, int | None]:
+def _display_geometry(spec: Any, path: Path, trust_factory: bool) -> tuple[int | None, int | None]:
     p = spec.preprocess
     if p.is_set() or spec.model.name is None or spec.model.weights is None:
         return p.resize, p.crop
-    from featcache.models import build_preprocessing
+    from featcache.models import build_preprocessing, code_named
 
+    code = code_named(spec.model)
+    if code is not None and not trust_factory:
+        raise ConfigError(
+            f"{path} records a config whose preprocessing would {code}; cam runs no code "
+            "named in a store: pass --trust-factory to run it"
+        )
     preprocessing = build_preprocessing(spec.model, p)
     return preprocessing.decode_size, preprocessing.crop_size
 
@@ -207,13 +215,15 @@ def cam_overlay(
     alpha: float = 0.5,
     image: Image.Image | None = None,
     scale: int = 1,
+    trust_factory: bool = False,
 ) -> Path:
     """Write the Grad-CAM of one row of ``layer``, blended over its source image, to ``path``.
 
     The CAM is upsampled (bilinear) to the image size, coloured with :func:`jet` and
     mixed in with weight ``alpha``. ``image`` (PIL) replaces the looked-up source image.
     The PNG has the size of the image as the model saw it, times ``scale`` (the image
-    enlarged bicubic, for small inputs such as CIFAR's 32 x 32).
+    enlarged bicubic, for small inputs such as CIFAR's 32 x 32). ``trust_factory``: see
+    :func:`source_image`.
     """
     if not 0.0 <= alpha <= 1.0:
         raise ConfigError(f"alpha must lie in [0, 1], got {alpha}")
@@ -221,7 +231,7 @@ def cam_overlay(
         raise ConfigError(f"scale must be a whole number >= 1, got {scale}")
     fs = _open(store)
     cam = store_cam(fs, layer, row)
-    picture = image.convert("RGB") if image else source_image(fs, row)
+    picture = image.convert("RGB") if image else source_image(fs, row, trust_factory=trust_factory)
     if scale > 1:
         size = (picture.height * scale, picture.width * scale)
         picture = TF.resize(picture, size, interpolation=TF.InterpolationMode.BICUBIC)

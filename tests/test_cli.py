@@ -169,3 +169,22 @@ def test_demo_via_python_m(tmp_path):
     train = FeatureStore(tmp_path / "demo" / "train.h5")
     assert train.layers == ["layer3", "layer4", "avgpool"]
     assert len(FeatureStore(tmp_path / "demo" / "val.h5")) == 256
+
+
+def test_names_from_a_store_cannot_drive_the_terminal(config_file, tmp_path):
+    import h5py
+
+    from featcache.cli import terminal_safe
+    from featcache.store import codec
+
+    assert runner.invoke(app, ["extract", str(config_file)]).exit_code == 0
+    path = tmp_path / "out" / "train.h5"
+    planted = ["cat\x1b[2K\rok", "dog\x1b]0;title\x07", "\u202eemag", "tab\tok"]
+    with h5py.File(path, "r+") as f:
+        codec.write_attrs(f, {"class_names": planted})
+    info = runner.invoke(app, ["info", str(path)])
+    assert info.exit_code == 0, info.output
+    line = next(row for row in info.stdout.splitlines() if row.startswith("labels"))
+    assert line.endswith(r"(cat\x1b[2K\rok, dog\x1b]0;title\x07, \u202eemag, tab	ok)")
+    assert not any(ch in info.stdout for ch in "\x1b\r\x07\u202e")
+    assert terminal_safe("plain text\nsecond line") == "plain text\nsecond line"

@@ -3,6 +3,7 @@ image towers, token layout, extraction end to end, and the one-line errors."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 import numpy as np
@@ -363,7 +364,7 @@ def test_kwargs_rejected_by_the_model_are_a_config_error(tmp_path):
 
 @pytest.mark.parametrize("trust", [False, True])
 @pytest.mark.parametrize("weights", [None, "pretrained"])
-def test_trust_remote_code_is_passed_only_when_set(tmp_path, monkeypatch, trust, weights):
+def test_trust_remote_code_is_passed_as_set(tmp_path, monkeypatch, trust, weights):
     save(tmp_path / "m", processor=vit_processor())
     calls = []
     for cls, method in [
@@ -382,11 +383,8 @@ def test_trust_remote_code_is_passed_only_when_set(tmp_path, monkeypatch, trust,
     model = spec(tmp_path / "m", weights, trust_remote_code=trust)
     build_backbone(model, PreprocessSpec(), 0)
     assert {name for name, _ in calls} >= {"AutoConfig.from_pretrained"}
-    for name, kwargs in calls:
-        if trust:
-            assert kwargs.get("trust_remote_code") is True, name
-        else:
-            assert "trust_remote_code" not in kwargs, name
+    for name, kwargs in calls:  # always explicit: unset, transformers may ask on a terminal
+        assert kwargs.get("trust_remote_code") is trust, name
     kind, ref = kind_for(model)
     described = kind.code_run(ref, model)
     if trust:
@@ -458,3 +456,90 @@ def test_verify_refuses_a_store_whose_config_trusts_remote_code(tmp_path):
     assert "--trust-factory" in result.stderr
     trusted = CliRunner().invoke(app, ["verify", str(path), "--trust-factory"])
     assert trusted.exit_code == 0, trusted.output
+
+
+def planted_repository(folder, ran):
+    """A model folder with code of its own, which creates the file ``ran`` when run."""
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "plantednet",
+                "auto_map": {"AutoConfig": "configuration_planted.PlantedConfig"},
+            }
+        )
+    )
+    (folder / "configuration_planted.py").write_text(
+        "import pathlib\n"
+        f"pathlib.Path({str(ran)!r}).write_text('ran')\n"
+        "from transformers import PretrainedConfig\n\n\n"
+        "class PlantedConfig(PretrainedConfig):\n"
+        "    model_type = 'plantednet'\n"
+    )
+    return folder
+
+
+def test_code_of_an_untrusted_repository_never_runs(tmp_path, monkeypatch):
+    ran = tmp_path / "ran"
+    folder = planted_repository(tmp_path / "planted", ran)
+    monkeypatch.setattr("builtins.input", lambda *args: "y")  # a user saying yes to a prompt
+    with pytest.raises(ConfigError, match="trust_remote_code"):
+        build_preprocessing(spec(folder, "pretrained"), PreprocessSpec())
+    with pytest.raises(ConfigError) as err:
+        build_preprocessing(spec(folder, kwargs={"trust_remote_code": True}), PreprocessSpec())
+    assert str(err.value) == (
+        "model.kwargs.trust_remote_code is refused for hf models: set model.trust_remote_code: "
+        "true instead (verify and cam never take it from a store without --trust-factory)"
+    )
+    assert not ran.exists()
+    trusted = spec(folder, "pretrained", trust_remote_code=True)
+    with pytest.raises(ConfigError, match="has no image processor"):  # it loaded the config
+        build_preprocessing(trusted, PreprocessSpec())
+    assert ran.read_text() == "ran"  # the planted code is real: trusted, it runs
+
+
+def _planted_store(tmp_path, model: dict) -> str:
+    """A store made from a ViT folder, its recorded model replaced by ``model``."""
+    import h5py
+
+    from featcache.store import codec
+
+    save(tmp_path / "vit", "vit", processor=vit_processor())
+    config = {
+        "model": {"name": f"hf:{tmp_path / 'vit'}", "weights": "pretrained"},
+        "layers": [{"name": "layers.1", "reduce": "cls"}],
+        "data": {
+            "source": "synthetic",
+            "kwargs": {"image_size": 32, "num_classes": 3},
+            "splits": {"val": {"size": 4}},
+        },
+        "output": {"dir": str(tmp_path / "out")},
+        "runtime": {"progress": False},
+    }
+    path = featcache.extract_from_config(config)["val"].path
+    with h5py.File(path, "r+") as f:
+        recorded = codec.read_attrs(f)["config"]
+        recorded["model"].update(model)
+        codec.write_attrs(f, {"config": recorded})
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "model", [{"trust_remote_code": True}, {"kwargs": {"trust_remote_code": True}}]
+)
+def test_verify_and_cam_run_no_code_a_store_names(tmp_path, monkeypatch, model):
+    from typer.testing import CliRunner
+
+    from featcache.cli import app
+    from featcache.visualize import source_image
+
+    ran = tmp_path / "ran"
+    folder = planted_repository(tmp_path / "planted", ran)
+    path = _planted_store(tmp_path, {"name": f"hf:{folder}", **model})
+    monkeypatch.setattr("builtins.input", lambda *args: "y")
+    result = CliRunner().invoke(app, ["verify", path])
+    assert result.exit_code == 2
+    assert "trust_remote_code" in result.stderr and "--trust-factory" in result.stderr
+    with pytest.raises(ConfigError, match="trust_remote_code"):
+        source_image(path, 0)
+    assert not ran.exists()

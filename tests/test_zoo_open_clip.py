@@ -345,6 +345,35 @@ def test_a_tag_missing_from_the_offline_cache_names_the_cache_and_the_fetch(offl
     assert "open_clip.create_model('ViT-B-32', pretrained='laion2b_s34b_b79k')" in message
 
 
+class _Planted:
+    """Unpickling it creates the file ``path``: the stand-in for code in a checkpoint."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_kwargs_that_would_unpickle_are_refused(tmp_path):
+    path, planted = tmp_path / "planted.pt", tmp_path / "ran"
+    torch.save({"visual.proj": _Planted(planted)}, path)
+    model = _spec(VIT, str(path), weights_only=False)
+    with pytest.raises(ConfigError) as err:
+        build_backbone(model, PreprocessSpec())
+    assert str(err.value).startswith(
+        "model.kwargs.weights_only is refused for open_clip models: featcache reads weight "
+        "files with torch.load(weights_only=True) only"
+    )
+    assert not planted.exists()
+    with pytest.raises(ConfigError, match="model.kwargs.weights_only is refused"):
+        kind_for(model)  # so verify refuses it before anything is built
+    refused = "cannot be loaded with torch.load.weights_only=True.: it contains a pickled io.open"
+    with pytest.raises(ConfigError, match=refused):
+        build_backbone(_spec(VIT, str(path)), PreprocessSpec())
+    assert not planted.exists()
+
+
 def test_bad_kwargs_are_one_config_error():
     with pytest.raises(ConfigError, match=r"model.kwargs \{'bogus': 1\} rejected by open_clip"):
         build_backbone(_spec(VIT, bogus=1), PreprocessSpec())

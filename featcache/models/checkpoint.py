@@ -67,13 +67,7 @@ def load_checkpoint(
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
-        what = f"it contains a pickled {found.group(1)}" if found else "it is not a tensor file"
-        raise ConfigError(
-            f"checkpoint {path} cannot be loaded with torch.load(weights_only=True): {what}. "
-            "featcache loads only tensors (weights_only=True) and never unpickles arbitrary "
-            "objects; re-save it with torch.save(model.state_dict(), path)"
-        ) from exc
+        raise pickled_objects_error(path, exc) from exc
     except (EOFError, RuntimeError, OSError) as exc:
         raise ConfigError(
             f"checkpoint {path} is not a readable torch file: {first_line(exc)}"
@@ -164,3 +158,15 @@ def _prefix_hint(keys: list[str], own: Mapping[str, Any], strip_prefix: str | No
         prefix = (strip_prefix or "") + first
         note += f"; all its keys start with {first!r}: set model.strip_prefix: {prefix!r}"
     return note
+
+
+def pickled_objects_error(path: str | os.PathLike, exc: pickle.UnpicklingError) -> ConfigError:
+    """The one line for a weights file that ``torch.load(weights_only=True)`` refused:
+    what it holds besides tensors, and how to re-save it."""
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+    what = f"it contains a pickled {found.group(1)}" if found else "it is not a tensor file"
+    return ConfigError(
+        f"checkpoint {path} cannot be loaded with torch.load(weights_only=True): {what}. "
+        "featcache loads only tensors (weights_only=True) and never unpickles arbitrary "
+        "objects; re-save it with torch.save(model.state_dict(), path)"
+    )

@@ -84,6 +84,10 @@ class HFKind(ModelKind):
     """``AutoModel.from_config`` / ``AutoModel.from_pretrained`` of a repository or folder."""
 
     name = "hf"
+    refused_kwargs = {
+        "trust_remote_code": "set model.trust_remote_code: true instead (verify and cam "
+        "never take it from a store without --trust-factory)"
+    }
 
     def preprocessing(
         self, ref: str, model: ModelSpec, preprocess: PreprocessSpec
@@ -328,14 +332,15 @@ def _transformers(model: ModelSpec) -> Any:
 
 
 def remote_kwargs(source: Source, model: ModelSpec) -> dict[str, Any]:
-    """``trust_remote_code=True`` only when the config says so; otherwise nothing is passed."""
+    """The revision, and ``trust_remote_code`` as the config says (an explicit False: left
+    unset, transformers asks on a terminal whether to run a repository's code)."""
     if source.revision is not None:
         return {"revision": source.revision, **_trust(model)}
     return _trust(model)
 
 
 def _trust(model: ModelSpec) -> dict[str, Any]:
-    return {"trust_remote_code": True} if model.trust_remote_code else {}
+    return {"trust_remote_code": model.trust_remote_code}
 
 
 def _call(load: Callable[..., Any], source: Source, model: ModelSpec, *args: Any, **kw: Any) -> Any:
@@ -348,6 +353,12 @@ def _call(load: Callable[..., Any], source: Source, model: ModelSpec, *args: Any
     except OSError as exc:  # not cached, offline, or no network
         raise not_cached(source, exc) from exc
     except ValueError as exc:  # e.g. custom code without trust_remote_code
+        if "trust_remote_code" in str(exc) or "custom code" in str(exc):
+            raise ConfigError(
+                f"model.name 'hf:{source.ref}': the repository has Python code of its own that "
+                "loading it runs; set model.trust_remote_code: true to run it, only for a "
+                "repository you trust"
+            ) from exc
         raise ConfigError(f"model.name 'hf:{source.ref}': {first_line(exc)}") from exc
 
 

@@ -40,6 +40,7 @@ from torch import nn
 from featcache.errors import ConfigError, FeatcacheError, did_you_mean, first_line
 from featcache.extras import require
 from featcache.fingerprints import file_sha256
+from featcache.models.checkpoint import pickled_objects_error
 from featcache.models.preprocess import Preprocessing, spec_preprocessing
 from featcache.models.registry import BuiltModel, Inputs, ModelKind, random_weights
 from featcache.spec import ModelSpec, PreprocessSpec
@@ -63,6 +64,10 @@ class OpenClipKind(ModelKind):
     """``open_clip.create_model(architecture, pretrained=..., **model.kwargs).visual``."""
 
     name = "open_clip"
+    refused_kwargs = {
+        "weights_only": "featcache reads weight files with torch.load(weights_only=True) "
+        "only (tensors, never pickled objects); convert the checkpoint to a state dict"
+    }
 
     def preprocessing(
         self, ref: str, model: ModelSpec, preprocess: PreprocessSpec
@@ -364,7 +369,11 @@ def _create_model(
         raise FeatcacheError(
             f"open_clip could not build {architecture}: {first_line(exc)}"
         ) from exc
-    except (RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError) as exc:
+    except pickle.UnpicklingError as exc:  # weights_only=True met something besides tensors
+        if path is None:
+            raise
+        raise pickled_objects_error(path, exc) from exc
+    except (RuntimeError, ValueError, KeyError, EOFError) as exc:
         if path is not None:
             raise ConfigError(
                 f"open_clip could not load the weights file {path} into {architecture} "

@@ -77,6 +77,10 @@ class ModelKind(ABC):
     """
 
     name: ClassVar[str]  # the registry key and the model.name prefix: "timm" in "timm:vit_b"
+    # model.kwargs keys the kind refuses, each with what to do instead: options of the
+    # zoo's builder that would run code or unpickle objects, which a config (and so a
+    # store's recorded config) must not be able to switch on through kwargs.
+    refused_kwargs: ClassVar[dict[str, str]] = {}
 
     def preprocessing(
         self, ref: str, model: ModelSpec, preprocess: PreprocessSpec
@@ -146,8 +150,27 @@ def kind_for(model: ModelSpec) -> tuple[ModelKind, str]:
 
     ``factory="pkg.mod:fn"`` -> (factory, ``"pkg.mod:fn"``); ``name="timm:vit_b"`` ->
     (timm, ``"vit_b"``); ``name="resnet50"`` -> (torchvision, ``"resnet50"``). A name
-    whose prefix is no registered kind is one :class:`~featcache.errors.ConfigError`.
+    whose prefix is no registered kind, or ``model.kwargs`` with a key the kind refuses
+    (:attr:`ModelKind.refused_kwargs`), is one :class:`~featcache.errors.ConfigError`.
     """
+    kind, ref = _named_kind(model)
+    for key in model.kwargs:
+        if key in kind.refused_kwargs:
+            raise ConfigError(
+                f"model.kwargs.{key} is refused for {kind.name} models: {kind.refused_kwargs[key]}"
+            )
+    return kind, ref
+
+
+def code_named(model: ModelSpec) -> str | None:
+    """What building ``model`` would import and run that its config names, in words (None:
+    nothing but the kinds' own libraries). A store records its config, and a store is
+    data: commands that rebuild from a recorded config refuse it unless the user allows."""
+    kind, ref = kind_for(model)
+    return kind.code_run(ref, model)
+
+
+def _named_kind(model: ModelSpec) -> tuple[ModelKind, str]:
     if model.factory is not None:
         return _get(FACTORY_KIND, "model.factory"), model.factory
     if model.name is None:
