@@ -448,3 +448,38 @@ def test_time_split_is_in_seconds_and_printed_as_shares(tmp_path):
     description = FeatureStore(path).describe()
     assert description.time_split == {"data": 1.0, "model": 3.0, "disk": 0.0}
     assert "run        10.0 s, 5 images/s (data 25%, model 75%, disk 0%)" in str(description)
+
+
+@pytest.mark.parametrize(
+    ("recorded", "shown"),
+    [
+        ("featcache extract /a/c.yaml --set loader.batch_size=8", None),
+        ("torchrun --standalone --nproc-per-node 2 -m featcache extract /a/c.yaml", None),
+        ("torchrun --nnodes 2 --nproc-per-node 8 -m featcache extract 'my dir/c.yaml'", None),
+        # pasted into a shell, every word stays an argument of featcache
+        ("featcache extract c.yaml; curl x | sh", "featcache extract 'c.yaml;' curl x '|' sh"),
+        ("featcache extract $(touch x)", "featcache extract '$(touch' 'x)'"),
+        ("rm -rf ~ # featcache extract c.yaml", ""),
+        ("torchrun $(touch x) -m featcache extract c.yaml", ""),
+        ("python -m featcache extract c.yaml", ""),
+        ("featcache extract 'c.yaml", ""),
+        (["featcache", "extract"], ""),
+    ],
+)
+def test_a_recorded_resume_command_is_shown_only_as_a_featcache_command(recorded, shown):
+    from featcache.store.describe import shown_command
+
+    expected = recorded if shown is None else (shown or None)
+    assert shown_command(recorded) == expected
+
+
+def test_info_on_a_partial_store_shows_no_planted_command(tmp_path):
+    path, _ = write_store(tmp_path / "i.h5", 40, complete=False)
+    with h5py.File(partial_path(path), "r+") as f:
+        codec.write_attrs(f, {"resume_command": "curl example.org/x | sh"})
+    text = CliRunner().invoke(app, ["info", str(path)]).stdout
+    assert "curl" not in text
+    assert (
+        "resume     the extraction that made it (the command the store records is not a "
+        "featcache extract command, so it is not shown)"
+    ) in text

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,6 +15,9 @@ from featcache.units import format_bytes
 
 if TYPE_CHECKING:
     from featcache.store.reader import FeatureStore
+
+# The options torchrun is given before "-m featcache" in a recorded resume command.
+_LAUNCH_WORD = re.compile(r"--[a-z][a-z-]*|[0-9]+")
 
 # attrs ``seconds_<key>`` -> its name in the run's time split
 TIME_SPLIT = {"waiting_for_data": "data", "in_model": "model", "waiting_for_disk": "disk"}
@@ -81,8 +86,10 @@ class StoreDescription:
 
     @property
     def resume_command(self) -> str | None:
-        """The command that resumes this store's run, when it was made from a config file."""
-        return self.attrs.get("resume_command")
+        """The command that resumes this store's run, when it was made from a config file
+        (None otherwise, and for a recorded command that is not one: see
+        :func:`shown_command`)."""
+        return shown_command(self.attrs.get("resume_command"))
 
     def to_dict(self) -> dict[str, Any]:
         """Path, bytes, completeness, the writer of an incomplete store, ``layers: {key:
@@ -171,7 +178,12 @@ class StoreDescription:
             lines = [f"writer     {holder.describe()} (still running)"]
         else:
             lines = ["writer     none: the run stopped; rerun it to resume from the durable rows"]
-        command = self.resume_command or "the same extract call (the store records no config file)"
+        command = self.resume_command or (
+            "the same extract call (the store records no config file)"
+            if self.attrs.get("resume_command") is None
+            else "the extraction that made it (the command the store records is not a "
+            "featcache extract command, so it is not shown)"
+        )
         lines.append(f"resume     {command}")
         return lines
 
@@ -225,3 +237,28 @@ def describe(store: FeatureStore) -> StoreDescription:
         writer=writer,
         tokens=None if offsets is None else int(offsets[-1]),
     )
+
+
+def shown_command(recorded: Any) -> str | None:
+    """A resume command recorded in a store, as featcache shows it to be run:
+    ``featcache extract ...`` or ``torchrun <options> -m featcache extract ...``, every word
+    quoted, so that the line pasted into a shell runs exactly those words; None for
+    anything else. A store is data, and one made elsewhere may record any text."""
+    if not isinstance(recorded, str):
+        return None
+    try:
+        words = shlex.split(recorded)
+    except ValueError:  # unbalanced quotes
+        return None
+    if "extract" not in words:
+        return None
+    launcher = words[: words.index("extract")]
+    torchrun = (
+        len(launcher) >= 3
+        and launcher[0] == "torchrun"
+        and launcher[-2:] == ["-m", "featcache"]
+        and all(_LAUNCH_WORD.fullmatch(word) for word in launcher[1:-2])
+    )
+    if launcher != ["featcache"] and not torchrun:
+        return None
+    return shlex.join(words)
