@@ -206,3 +206,17 @@ def _durable(store: Path) -> int:
             return int(f["progress"][0])
     except (OSError, KeyError):
         return 0
+
+
+def test_merge_writes_its_output_under_the_lock(held, tmp_path):
+    from featcache.store import merge_store
+    from tests.stores import synthetic_store
+
+    path, child = held
+    source = synthetic_store(tmp_path / "source")
+    with pytest.raises(StoreBusyError, match=f"is being written by pid {child.pid} on host"):
+        merge_store(source, path, progress=False)
+    assert not path.exists() and not path.with_name(path.name + ".copying").exists()
+    assert holder(path).pid == child.pid  # the holder's lock is untouched
+    merged = merge_store(source, tmp_path / "single.h5", progress=False)
+    assert len(merged) == len(FeatureStore(source)) and holder(merged.path) is None

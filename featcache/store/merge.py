@@ -16,6 +16,7 @@ from featcache.errors import ConfigError, FeatcacheError
 from featcache.store import codec
 from featcache.store.chunks import MAX_META_CHUNK_ROWS, TARGET_CHUNK_BYTES, chunk_rows_of, row_bytes
 from featcache.store.integrity import dataset_has_checksum, read_or_explain
+from featcache.store.lock import writer_lock
 from featcache.store.paths import partial_path, replace_durably
 from featcache.store.reader import FeatureStore
 from featcache.store.skipped import read_skipped, write_skipped
@@ -207,15 +208,20 @@ def merge_store(
     compression: str | None = None,
     progress: bool = True,
 ) -> FeatureStore:
-    """Copy a (sharded) store into one self-contained file that needs no shard files."""
+    """Copy a (sharded) store into one self-contained file that needs no shard files.
+
+    The new file is a store like any other: it is written under its lock
+    (:func:`~featcache.store.lock.writer_lock`), so a second merge or an extraction to
+    the same path is refused while this one runs.
+    """
     store = FeatureStore(path)  # refuses incomplete stores
     target = Path(target)
-    if target.exists():
-        raise ConfigError(f"{target} already exists; choose another output path")
     if target.resolve() == store.path.resolve():
         raise ConfigError("merge writes a new file: give an output path other than the store")
-    attrs = store.attrs
-    shards = attrs.get("shards") or []
+    shards = store.attrs.get("shards") or []
     store.close()
-    copy_store(path, target, compression, progress, {"merged_from": shards}, drop=("shards",))
+    with writer_lock(target):
+        if target.exists():
+            raise ConfigError(f"{target} already exists; choose another output path")
+        copy_store(path, target, compression, progress, {"merged_from": shards}, drop=("shards",))
     return FeatureStore(target)
