@@ -220,12 +220,18 @@ def _check_file(result: VerifyResult, store: FeatureStore) -> None:
         else f"stored {', '.join(store.layers)}, recorded {', '.join(keys)}",
     )
     start, stop = recorded.get("rows", (0, recorded.get("source_rows", len(store))))
-    index = store.index
-    _check_alignment(result, store, index, range(start, stop))
-    ids = store.ids
-    unique = len(set(ids)) == len(ids)
-    result.add("unique ids", unique, f"{len(ids)} ids" + ("" if unique else " with repeats"))
     bad_chunks = scan_chunks(store)
+    corrupted = {bad.key for bad in bad_chunks}  # datasets the next checks cannot read
+    if "index" in corrupted:
+        result.add("alignment", False, "the row index fails its checksum (see checksums)")
+    else:
+        _check_alignment(result, store, store.index, range(start, stop))
+    if "ids" in corrupted:
+        result.add("unique ids", False, "the ids fail their checksum (see checksums)")
+    else:
+        ids = store.ids
+        unique = len(set(ids)) == len(ids)
+        result.add("unique ids", unique, f"{len(ids)} ids" + ("" if unique else " with repeats"))
     if bad_chunks:
         detail = "; ".join(
             f"{b.key} {span_text(store.file[b.key], b.start, b.stop)}" for b in bad_chunks[:4]

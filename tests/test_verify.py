@@ -80,6 +80,18 @@ def test_checksums_catch_a_flipped_byte_without_the_model(tmp_path):
         assert "verify: FAIL (checksums)" in cli.stdout
 
 
+@pytest.mark.parametrize(("key", "check"), [("ids", "unique ids"), ("index", "alignment")])
+def test_a_corrupted_row_table_is_a_failed_check_not_an_error(tmp_path, key, check):
+    path = synthetic_store(tmp_path)
+    corrupt_row(path, key, 5, nbytes=1)
+    cli = runner.invoke(app, ["verify", str(path), "--quick"])
+    assert cli.exit_code == 1, cli.output
+    assert f"FAIL  checksums  corrupted chunks: {key} rows 4-7" in cli.stdout
+    assert f"verify: FAIL ({check}, checksums)" in cli.stdout
+    result = verify_store(path, quick=True)
+    assert {c.name for c in result.checks if not c.ok} == {check, "checksums"}
+
+
 def test_quick_verify_checks_alignment_and_the_key(tmp_path):
     path = synthetic_store(tmp_path)
     with h5py.File(path, "r+") as f:
