@@ -26,6 +26,9 @@ _PUBLIC = {
     "extract_from_config": "featcache.extraction",
 }
 
+# Subpackages reachable as attributes (``featcache.probe.probe(...)``), loaded on first use.
+_SUBMODULES = ("models", "probe", "sources", "store", "verify", "visualize")
+
 __all__ = [
     "ConfigError",
     "FeatcacheError",
@@ -46,6 +49,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"featcache.{name}")  # the import sets the attribute
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module 'featcache' has no attribute {name!r}")
@@ -55,4 +60,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_PUBLIC])
+    return sorted({*globals(), *_PUBLIC, *_SUBMODULES})

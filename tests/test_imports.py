@@ -47,3 +47,13 @@ def test_importing_featcache_loads_no_heavy_module():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
     assert callable(featcache.extract) and featcache.FeatureStore.__name__ == "FeatureStore"
+
+
+def test_subpackages_are_reachable_as_attributes():
+    code = (
+        "import featcache\n"
+        "print(featcache.probe.probe.__module__, featcache.verify.verify_store.__name__,"
+        " 'probe' in dir(featcache))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.split() == ["featcache.probe.api", "verify_store", "True"], out.stderr
