@@ -433,23 +433,7 @@ def test_verify_refuses_a_store_whose_config_trusts_remote_code(tmp_path):
 
     from featcache.cli import app
 
-    save(tmp_path / "vit", "vit", processor=vit_processor())
-    config = {
-        "model": {
-            "name": f"hf:{tmp_path / 'vit'}",
-            "weights": "pretrained",
-            "trust_remote_code": True,
-        },
-        "layers": [{"name": "layers.1", "reduce": "cls"}],
-        "data": {
-            "source": "synthetic",
-            "kwargs": {"image_size": 32, "num_classes": 3},
-            "splits": {"val": {"size": 4}},
-        },
-        "output": {"dir": str(tmp_path / "out")},
-        "runtime": {"progress": False},
-    }
-    path = featcache.extract_from_config(config)["val"].path
+    path = _vit_store(tmp_path, trust_remote_code=True)
     result = CliRunner().invoke(app, ["verify", str(path)])
     assert result.exit_code == 2
     assert "would run the Python code of the Hugging Face repository" in result.stderr
@@ -498,15 +482,11 @@ def test_code_of_an_untrusted_repository_never_runs(tmp_path, monkeypatch):
     assert ran.read_text() == "ran"  # the planted code is real: trusted, it runs
 
 
-def _planted_store(tmp_path, model: dict) -> str:
-    """A store made from a ViT folder, its recorded model replaced by ``model``."""
-    import h5py
-
-    from featcache.store import codec
-
+def _vit_store(tmp_path, **model):
+    """A 4-row store of the class tokens of a saved ViT folder; ``model`` adds model keys."""
     save(tmp_path / "vit", "vit", processor=vit_processor())
     config = {
-        "model": {"name": f"hf:{tmp_path / 'vit'}", "weights": "pretrained"},
+        "model": {"name": f"hf:{tmp_path / 'vit'}", "weights": "pretrained", **model},
         "layers": [{"name": "layers.1", "reduce": "cls"}],
         "data": {
             "source": "synthetic",
@@ -516,7 +496,16 @@ def _planted_store(tmp_path, model: dict) -> str:
         "output": {"dir": str(tmp_path / "out")},
         "runtime": {"progress": False},
     }
-    path = featcache.extract_from_config(config)["val"].path
+    return featcache.extract_from_config(config)["val"].path
+
+
+def _planted_store(tmp_path, model: dict) -> str:
+    """A store made from a ViT folder, its recorded model updated with ``model``."""
+    import h5py
+
+    from featcache.store import codec
+
+    path = _vit_store(tmp_path)
     with h5py.File(path, "r+") as f:
         recorded = codec.read_attrs(f)["config"]
         recorded["model"].update(model)
