@@ -23,6 +23,16 @@ app = typer.Typer(
 )
 _state = {"debug": False}
 
+# The one option that lets a command rebuild what a store's recorded config names as code.
+TrustFactory = Annotated[
+    bool,
+    typer.Option(
+        "--trust-factory",
+        help="Allow the recorded config to run the code it names (a factory, a "
+        "repository's own code).",
+    ),
+]
+
 
 def terminal_safe(text: str) -> str:
     """``text`` with control and format characters other than newline and tab written as
@@ -228,14 +238,7 @@ def verify(
         Path | None,
         typer.Option("--config", help="Rebuild from this config instead of the recorded one."),
     ] = None,
-    trust_factory: Annotated[
-        bool,
-        typer.Option(
-            "--trust-factory",
-            help="Allow the recorded config to run the code it names (a factory, a "
-            "repository's own code).",
-        ),
-    ] = False,
+    trust_factory: TrustFactory = False,
 ) -> None:
     """Check a store: recompute rows from its config and compare everything it records.
 
@@ -448,10 +451,7 @@ def cam(
     row: Annotated[int, typer.Option("--row", "-r", help="The store row.")] = 0,
     alpha: Annotated[float, typer.Option("--alpha", help="Weight of the CAM colours.")] = 0.5,
     scale: Annotated[int, typer.Option("--scale", help="Enlarge the picture this often.")] = 1,
-    trust_factory: Annotated[
-        bool,
-        typer.Option("--trust-factory", help="Allow the recorded config to run the code it names."),
-    ] = False,
+    trust_factory: TrustFactory = False,
 ) -> None:
     """Write a Grad-CAM map of one row over its source image.
 

@@ -180,15 +180,11 @@ def _rebuild_spec(
             f"{store.path} records no config (it was made from Python); verify needs a store "
             "made by `featcache extract` or extract_from_config, or a config given with --config"
         )
-    spec = load_config(recorded)
-    from featcache.models import code_named
+    from featcache.models import refuse_recorded_code
 
-    code = code_named(spec.model)
-    if code is not None and not trust:
-        raise ConfigError(
-            f"{store.path} records a config that would {code}; verify runs no code named in a "
-            "store: pass --trust-factory to run it, or --config FILE to rebuild from your own"
-        )
+    spec = load_config(recorded)
+    fix = ", or --config FILE to rebuild from your own"
+    refuse_recorded_code(spec.model, store.path, "verify", trust, fix)
     return spec
 
 

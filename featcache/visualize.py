@@ -182,14 +182,9 @@ def _display_geometry(spec: Any, path: Path, trust_factory: bool) -> tuple[int |
     p = spec.preprocess
     if p.is_set() or spec.model.name is None or spec.model.weights is None:
         return p.resize, p.crop
-    from featcache.models import build_preprocessing, code_named
+    from featcache.models import build_preprocessing, refuse_recorded_code
 
-    code = code_named(spec.model)
-    if code is not None and not trust_factory:
-        raise ConfigError(
-            f"{path} records a config whose preprocessing would {code}; cam runs no code "
-            "named in a store: pass --trust-factory to run it"
-        )
+    refuse_recorded_code(spec.model, path, "cam", trust_factory)
     preprocessing = build_preprocessing(spec.model, p)
     return preprocessing.decode_size, preprocessing.crop_size
 

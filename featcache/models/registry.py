@@ -22,6 +22,7 @@ a weights-loading step applied on top of any kind (see :mod:`featcache.models.ch
 
 from __future__ import annotations
 
+import os
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -164,10 +165,24 @@ def kind_for(model: ModelSpec) -> tuple[ModelKind, str]:
 
 def code_named(model: ModelSpec) -> str | None:
     """What building ``model`` would import and run that its config names, in words (None:
-    nothing but the kinds' own libraries). A store records its config, and a store is
-    data: commands that rebuild from a recorded config refuse it unless the user allows."""
+    nothing but the kinds' own libraries)."""
     kind, ref = kind_for(model)
     return kind.code_run(ref, model)
+
+
+def refuse_recorded_code(
+    model: ModelSpec, store: str | os.PathLike, command: str, trusted: bool, other_fix: str = ""
+) -> None:
+    """Raise one :class:`~featcache.errors.ConfigError` line when ``command`` would build
+    ``model``, recorded in the store at ``store``, and that runs code the config names,
+    unless ``trusted`` (``--trust-factory``). A store is data: nothing named in one runs
+    without the user's say. ``other_fix`` offers another way out (", or ...")."""
+    code = code_named(model)
+    if code is not None and not trusted:
+        raise ConfigError(
+            f"{store} records a config that would {code}; {command} runs no code named in "
+            f"a store: pass --trust-factory to run it{other_fix}"
+        )
 
 
 def _named_kind(model: ModelSpec) -> tuple[ModelKind, str]:
