@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from featcache.errors import ConfigError
+from featcache.errors import ConfigError, CorruptStoreError
 from featcache.extraction.batches import Collate, SourceRows
 from featcache.extraction.loop import forward
 from featcache.extraction.writer_thread import CapturedBatch
@@ -39,6 +39,7 @@ from featcache.selectors import resolve_taps
 from featcache.spec import Spec, StoreSpec, load_config
 from featcache.store import FeatureStore, codec
 from featcache.store.integrity import has_checksums, scan_chunks, span_text
+from featcache.store.metadata import is_sealed
 from featcache.store.reader import read_rows
 from featcache.taps import TapSet
 
@@ -104,7 +105,13 @@ def verify_store(
     """
     from featcache.extraction.from_config import build_backbone_for, build_source_for
 
-    with FeatureStore(path, allow_incomplete=True) as store:
+    try:
+        opened = FeatureStore(path, allow_incomplete=True)
+    except CorruptStoreError as exc:  # its metadata cannot be trusted: nothing else can be
+        result = VerifyResult(Path(path))
+        result.add("metadata", False, str(exc))
+        return result
+    with opened as store:
         result = VerifyResult(store.path)
         _check_file(result, store)
         if quick or not result.passed_so_far("checksums"):
@@ -195,6 +202,14 @@ def _check_file(result: VerifyResult, store: FeatureStore) -> None:
         store.complete,
         f"{len(store)} rows" if store.complete else f"only {store.rows_written} rows written",
     )
+    if store.complete:
+        result.add(
+            "metadata",
+            True,
+            "every attribute matches the digest recorded at completion"
+            if is_sealed(store.file)
+            else "every attribute reads (no digest recorded: written before featcache kept one)",
+        )
     recorded = store.attrs.get("resume_key")
     if not recorded:
         result.add("key", False, "the store records no store key (not made by featcache?)")

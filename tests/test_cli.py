@@ -175,13 +175,14 @@ def test_names_from_a_store_cannot_drive_the_terminal(config_file, tmp_path):
     import h5py
 
     from featcache.cli import terminal_safe
-    from featcache.store import codec
+    from featcache.store import codec, seal
 
     assert runner.invoke(app, ["extract", str(config_file)]).exit_code == 0
     path = tmp_path / "out" / "train.h5"
     planted = ["cat\x1b[2K\rok", "dog\x1b]0;title\x07", "\u202eemag", "tab\tok"]
     with h5py.File(path, "r+") as f:
         codec.write_attrs(f, {"class_names": planted})
+        seal(f)  # a store written with those names
     info = runner.invoke(app, ["info", str(path)])
     assert info.exit_code == 0, info.output
     line = next(row for row in info.stdout.splitlines() if row.startswith("labels"))

@@ -18,7 +18,7 @@ from featcache import FeatureDataset, FeatureStore
 from featcache import dataset as dataset_module
 from featcache.dataset import ShuffledBatches
 from featcache.errors import ConfigError, CorruptStoreError, FeatcacheError
-from featcache.store import StoreWriter, codec
+from featcache.store import StoreWriter, codec, seal
 from tests.stores import corrupt_row
 
 
@@ -294,6 +294,7 @@ def test_layers_chunked_differently_are_read_in_whole_blocks(tmp_path):
         values, attrs = f["features/b"][:], dict(f["features/b"].attrs)
         del f["features/b"]
         f["features"].create_dataset("b", data=values, chunks=(5, 3)).attrs.update(attrs)
+        seal(f)  # as if written so
     dataset = FeatureDataset(path, ["a", "b"], dtype=None)
     assert dataset.block_rows == 16
     store = FeatureStore(path)

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 import featcache
 from featcache.cli import app
 from featcache.errors import ConfigError
+from featcache.store import seal
 from featcache.verify import verify_store
 from tests.stores import corrupt_row, synthetic_store
 
@@ -38,6 +39,7 @@ def test_verify_compares_the_recorded_store_key(tmp_path):
         key["taps"][1]["reduce"] = "max"
         key["weights"]["seed"] = 123
         f.attrs["resume_key"] = json.dumps(key)
+        seal(f)  # a store written with that key, not one damaged since
     result = verify_store(path, samples=0)
     failed = {check.name for check in result.checks if not check.ok}
     assert failed == {"taps", "weights"}
@@ -103,6 +105,7 @@ def test_quick_verify_checks_alignment_and_the_key(tmp_path):
         config = json.loads(f.attrs["config"])
         config["model"]["name"] = "resnet34"  # the recorded config no longer makes the key
         f.attrs["config"] = json.dumps(config)
+        seal(f)
     result = verify_store(path, quick=True)
     assert {c.name for c in result.checks if not c.ok} == {"key"}
 

@@ -503,13 +503,14 @@ def _planted_store(tmp_path, model: dict) -> str:
     """A store made from a ViT folder, its recorded model updated with ``model``."""
     import h5py
 
-    from featcache.store import codec
+    from featcache.store import codec, seal
 
     path = _vit_store(tmp_path)
     with h5py.File(path, "r+") as f:
         recorded = codec.read_attrs(f)["config"]
         recorded["model"].update(model)
         codec.write_attrs(f, {"config": recorded})
+        seal(f)  # whoever crafts a store can seal it: the seal guards against damage only
     return str(path)
 
 

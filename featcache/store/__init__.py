@@ -13,19 +13,24 @@ File attributes hold the format version, the ``complete`` flag, the durable row 
 library versions, class names, creation time) as JSON strings. No pickles anywhere.
 With ``store.checksum`` (the default) every chunk of features, labels, index and ids
 carries a Fletcher-32 checksum; a chunk that fails it raises
-:class:`~featcache.errors.CorruptStoreError` on read.
+:class:`~featcache.errors.CorruptStoreError` on read. A complete store is sealed: the
+file records a digest of every attribute and each chunked dataset one of its chunk
+index, checked whenever the store is opened (:mod:`.metadata`); a store edited with
+h5py afterwards reads as damaged until :func:`seal` records the edit.
 
 Modules: :mod:`.codec` (dtypes, bfloat16, attribute JSON), :mod:`.paths` (file names),
 :mod:`.chunks` (chunk sizes), :mod:`.writer` (:class:`StoreWriter`), :mod:`.resume`,
 :mod:`.skipped`, :mod:`.reader` (:class:`FeatureStore`, row reads), :mod:`.merge`
 (shards and copies), :mod:`.describe` (what ``featcache info`` shows), :mod:`.integrity`
-(chunk checksums: :func:`scan_chunks`, :func:`has_checksums`).
+(chunk checksums: :func:`scan_chunks`, :func:`has_checksums`), :mod:`.metadata`
+(header checksums, attribute and chunk index digests: :func:`seal`).
 """
 
 from featcache.store import codec
 from featcache.store.describe import StoreDescription, describe
 from featcache.store.integrity import BadChunk, has_checksums, scan_chunks
 from featcache.store.merge import combine_shards, copy_store, merge_store
+from featcache.store.metadata import seal
 from featcache.store.paths import check_output_path, partial_path, remove_store
 from featcache.store.reader import FeatureStore, read_rows
 from featcache.store.resume import ResumePoint, plan_resume, stored_resume_key
@@ -49,5 +54,6 @@ __all__ = [
     "read_rows",
     "remove_store",
     "scan_chunks",
+    "seal",
     "stored_resume_key",
 ]

@@ -17,6 +17,7 @@ from featcache.store import codec
 from featcache.store.chunks import MAX_META_CHUNK_ROWS, TARGET_CHUNK_BYTES, chunk_rows_of, row_bytes
 from featcache.store.integrity import dataset_has_checksum, read_or_explain
 from featcache.store.lock import writer_lock
+from featcache.store.metadata import DIGEST_ATTR, LIBVER, seal
 from featcache.store.paths import partial_path, replace_durably
 from featcache.store.reader import FeatureStore
 from featcache.store.skipped import read_skipped, write_skipped
@@ -41,9 +42,9 @@ def copy_store(
     """
     target = Path(target)
     tmp = target.with_name(target.name + ".copying")
-    with h5py.File(source, "r") as src, h5py.File(tmp, "w") as dst:
+    with h5py.File(source, "r") as src, h5py.File(tmp, "w", libver=LIBVER) as dst:
         for key, value in src.attrs.items():
-            if key not in drop:
+            if key not in drop and key != DIGEST_ATTR:
                 dst.attrs[key] = value
         objects = list(_walk(src))
         total = sum(o.size * o.dtype.itemsize for _, o in objects if isinstance(o, h5py.Dataset))
@@ -56,6 +57,7 @@ def copy_store(
                 else:
                     _copy_dataset(obj, dst, name, compression, bar)
         codec.write_attrs(dst, attrs or {})
+        seal(dst)
     replace_durably(tmp, target)
 
 
@@ -120,11 +122,11 @@ def combine_shards(
             if not f.attrs.get("complete"):
                 raise FeatcacheError(f"shard {shard} is incomplete; rerun to resume it")
         tmp = path.with_name(path.name + ".combining")
-        with h5py.File(tmp, "w") as out:
+        with h5py.File(tmp, "w", libver=LIBVER) as out:
             _combine(out, shards, opened, path.parent)
             first = opened[0].attrs
             for key, value in first.items():
-                if key not in ("resume_key",):
+                if key not in ("resume_key", DIGEST_ATTR):
                     out.attrs[key] = value
             rows = sum(int(f.attrs["num_rows"]) for f in opened)
             seconds = max(float(f.attrs.get("seconds", 0.0)) for f in opened)
@@ -147,6 +149,7 @@ def combine_shards(
                 },
             )
             out.attrs["complete"] = True
+            seal(out)
     finally:
         for f in opened:
             f.close()

@@ -12,9 +12,10 @@ import h5py
 import numpy as np
 import torch
 
-from featcache.errors import ConfigError, IncompleteStoreError
+from featcache.errors import ConfigError, CorruptStoreError, IncompleteStoreError, first_line
 from featcache.store import codec
-from featcache.store.integrity import read_or_explain
+from featcache.store.integrity import FIX, read_or_explain
+from featcache.store.metadata import CHUNKS_ATTR, UNREADABLE_METADATA, metadata_problem
 from featcache.store.paths import (
     PARTIAL_SUFFIX,
     partial_path,
@@ -142,11 +143,22 @@ class FeatureStore:
             self.path = partial
         self._handle = StoreFile(self.path)
         try:
-            attrs = self.file.attrs
-            if "featcache_format" not in attrs:
-                raise ConfigError(f"{self.path} is an HDF5 file but not a featcache store")
+            file = self.file
         except OSError as exc:
             raise ConfigError(f"{self.path} is not a readable HDF5 store: {exc}") from exc
+        try:
+            is_store = "featcache_format" in file.attrs
+            complete = is_store and self.complete
+        except UNREADABLE_METADATA as exc:
+            problem = f"its metadata cannot be read ({first_line(exc)})"
+        else:
+            if not is_store:
+                raise ConfigError(f"{self.path} is an HDF5 file but not a featcache store")
+            # A store still being written has no digest yet, and its writer may hold it.
+            problem = metadata_problem(file) if complete else ""
+        if problem:
+            self.close()
+            raise CorruptStoreError(f"store {self.path} is damaged: {problem}; {FIX}")
 
     @property
     def file(self) -> h5py.File:
@@ -253,8 +265,9 @@ class FeatureStore:
         return codec.torch_dtype(self._features(layer).attrs["dtype"])
 
     def layer_attrs(self, layer: str) -> dict[str, Any]:
-        """The attributes of ``layer``'s dataset: ``dtype``, ``module``, ``capture``, ..."""
-        return dict(self._features(layer).attrs)
+        """The attributes of ``layer``'s dataset: ``dtype``, ``module``, ``capture``, ...
+        (its chunk index digest, :data:`~featcache.store.metadata.CHUNKS_ATTR`, left out)."""
+        return {k: v for k, v in self._features(layer).attrs.items() if k != CHUNKS_ATTR}
 
     def _features(self, layer: str) -> h5py.Dataset:
         # Opened anew each time, not kept open: a FeatureDataset opened meanwhile in this

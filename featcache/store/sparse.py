@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 import h5py
 import numpy as np
 
+from featcache.store.metadata import LIBVER
+
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
@@ -107,7 +109,7 @@ def created_sparse(path: str | os.PathLike) -> Iterator[h5py.File]:
     synced to the disk when the block completes."""
     target = SparseWriter(Path(path))
     try:
-        with h5py.File(target, "w") as f:
+        with h5py.File(target, "w", libver=LIBVER) as f:
             yield f
         os.fsync(target.file.fileno())  # everything HDF5 wrote, now that it is closed
     finally:

@@ -18,6 +18,7 @@ from featcache.provenance import FORMAT_VERSION
 from featcache.store import codec
 from featcache.store.chunks import MAX_META_CHUNK_ROWS, chunk_rows_for
 from featcache.store.merge import copy_store
+from featcache.store.metadata import seal
 from featcache.store.paths import partial_path, replace_durably, skipped_log_path
 from featcache.store.resume import ResumePoint
 from featcache.store.skipped import rewrite_log, write_skipped
@@ -376,6 +377,7 @@ class StoreWriter:
         f.attrs["skipped"] = len(self.skipped)
         f.flush()  # every row is on disk before the flag says so
         f.attrs["complete"] = True
+        seal(f)  # last: the digest covers every attribute written above
         f.close()
         if self.compression is not None:
             copy_store(self.partial, self.path, self.compression)
