@@ -13,7 +13,13 @@ import torch
 from featcache.dataset import FeatureDataset
 from featcache.errors import CorruptStoreError
 from featcache.store import FeatureStore, StoreWriter, codec, combine_shards, copy_store, seal
-from featcache.store.metadata import CHUNKS_ATTR, DIGEST_ATTR, is_sealed, metadata_problem
+from featcache.store.metadata import (
+    CHUNKS_ATTR,
+    DIGEST_ATTR,
+    chunked_datasets,
+    is_sealed,
+    metadata_problem,
+)
 from featcache.store.paths import shard_path
 from featcache.verify import verify_store
 from tests.stores import synthetic_store
@@ -45,18 +51,6 @@ def _written(path, rows: int = 12):
     return path
 
 
-def _chunked(file: h5py.File) -> list[h5py.Dataset]:
-    found: list[h5py.Dataset] = []
-    file.visititems(
-        lambda _, o: (
-            found.append(o)
-            if isinstance(o, h5py.Dataset) and o.chunks is not None and not o.is_virtual
-            else None
-        )
-    )
-    return found
-
-
 def test_stores_copies_and_combined_shards_are_sealed(clean, tmp_path):
     assert clean.read_bytes()[8] == 2  # superblock version 2: version-2 object headers
     copied = tmp_path / "copied.h5"
@@ -66,7 +60,7 @@ def test_stores_copies_and_combined_shards_are_sealed(clean, tmp_path):
     for path in (clean, copied, combined, *shards):
         with h5py.File(path, "r") as f:
             assert is_sealed(f) and metadata_problem(f) == ""
-            chunked = _chunked(f)  # labels, index, ids and each layer; none when virtual
+            chunked = chunked_datasets(f)  # labels, index, ids and each layer; none when virtual
             assert len(chunked) >= (0 if path == combined else 3 + len(FeatureStore(path).layers))
             assert all(CHUNKS_ATTR in dataset.attrs for dataset in chunked)
         assert FeatureStore(path).complete

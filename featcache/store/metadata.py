@@ -1,4 +1,4 @@
-"""Checks on a store's metadata: checksummed HDF5 headers and a digest of every attribute.
+"""A store's metadata checks: checksummed HDF5 headers, chunk index and attribute digests.
 
 Fletcher-32 covers the chunks; this module covers the rest. Stores are created with
 :data:`LIBVER`, so that HDF5 writes version-2 object headers, which carry their own
@@ -73,7 +73,7 @@ def chunk_index_digest(dataset: h5py.Dataset) -> str:
 def seal(file: h5py.File) -> None:
     """Record the digests of the chunk indexes and of the attributes as they are now:
     call it after the last write."""
-    for dataset in _chunked_datasets(file):
+    for dataset in chunked_datasets(file):
         dataset.attrs[CHUNKS_ATTR] = chunk_index_digest(dataset)
     file.attrs[DIGEST_ATTR] = attrs_digest(file)
 
@@ -96,7 +96,7 @@ def metadata_problem(file: h5py.File) -> str:
         recorded = file.attrs.get(DIGEST_ATTR)
         if recorded is not None and recorded != attrs_digest(file):
             return "its attributes differ from the digest recorded when it was written"
-        for dataset in _chunked_datasets(file):
+        for dataset in chunked_datasets(file):
             index = dataset.attrs.get(CHUNKS_ATTR)
             if index is not None and index != chunk_index_digest(dataset):
                 return (
@@ -108,7 +108,7 @@ def metadata_problem(file: h5py.File) -> str:
     return ""
 
 
-def _chunked_datasets(file: h5py.File) -> list[h5py.Dataset]:
+def chunked_datasets(file: h5py.File) -> list[h5py.Dataset]:
     """Every chunked dataset of ``file`` that is stored in it (not a virtual one)."""
     found: list[h5py.Dataset] = []
     file.visititems(
