@@ -22,8 +22,10 @@ class ConfigError(FeatcacheError):
 
 
 class CorruptStoreError(FeatcacheError):
-    """A chunk of a store cannot be read back: its Fletcher-32 checksum (or its decoding)
-    fails. The message names the store, the dataset and the rows of the bad chunk."""
+    """A store is damaged: a chunk fails its Fletcher-32 checksum (or its decoding), and
+    the message names the store, the dataset and the rows of the bad chunk; or its
+    metadata (headers, attributes, chunk indexes) fails its checksums or digests, and the
+    message says which."""
 
 
 class IncompleteStoreError(FeatcacheError):

@@ -206,7 +206,7 @@ def _check_file(result: VerifyResult, store: FeatureStore) -> None:
         result.add(
             "metadata",
             True,
-            "every attribute matches the digest recorded at completion"
+            "attributes and chunk indexes match the digests recorded at completion"
             if is_sealed(store.file)
             else "every attribute reads (no digest recorded: written before featcache kept one)",
         )

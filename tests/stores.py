@@ -7,8 +7,10 @@ from typing import Any
 
 import h5py
 import numpy as np
+import torch
 
 import featcache
+from featcache.store import StoreWriter, codec
 
 
 def synthetic_store(folder: Path, dtype: str = "float16", **store: Any) -> Path:
@@ -50,3 +52,14 @@ def corrupt_row(
         data = handle.read(nbytes)
         handle.seek(offset)
         handle.write(bytes(b ^ 0xFF if fill is None else fill for b in data))
+
+
+def written_store(path, rows=20, *, checksum=True, seed=0):
+    """A store of seeded normal rows in layer ``a`` ([8] float16), 4 rows per chunk."""
+    values = torch.from_numpy(np.random.default_rng(seed).standard_normal((rows, 8)))
+    writer = StoreWriter(path, rows, ids_width=4, chunk_rows=4, checksum=checksum)
+    index = np.arange(rows)
+    encoded = codec.to_numpy(codec.encode(values, "float16"))
+    writer.append(index, [f"{i:04d}" for i in index], index % 3, {"a": encoded})
+    writer.close(complete=True)
+    return path

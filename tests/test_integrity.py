@@ -16,7 +16,6 @@ from featcache.store import (
     BadChunk,
     FeatureStore,
     StoreWriter,
-    codec,
     combine_shards,
     copy_store,
     fletcher,
@@ -28,21 +27,10 @@ from featcache.store import (
 from featcache.store.integrity import read_or_explain
 from featcache.store.paths import shard_path
 from featcache.store.resume import ResumePoint
-from tests.stores import corrupt_row, synthetic_store
+from tests.stores import corrupt_row, synthetic_store, written_store
 
 CHUNKED = ("features/layer2", "features/layer4", "labels", "index", "ids")
 FIX = "re-extract it (featcache extract <config> --overwrite) or restore it from a copy"
-
-
-def _written_store(path, rows=20, *, checksum=True, seed=0):
-    """A store of seeded normal rows in layer ``a`` ([8] float16), 4 rows per chunk."""
-    values = torch.from_numpy(np.random.default_rng(seed).standard_normal((rows, 8)))
-    writer = StoreWriter(path, rows, ids_width=4, chunk_rows=4, checksum=checksum)
-    index = np.arange(rows)
-    encoded = codec.to_numpy(codec.encode(values, "float16"))
-    writer.append(index, [f"{i:04d}" for i in index], index % 3, {"a": encoded})
-    writer.close(complete=True)
-    return path
 
 
 def _message(path, what: str, rows: str) -> str:
@@ -201,17 +189,17 @@ def test_a_read_that_fails_where_every_chunk_reads_is_read_again(stores, monkeyp
 
 
 def test_copies_and_merges_keep_checksums(tmp_path):
-    path = _written_store(tmp_path / "s.h5")
+    path = written_store(tmp_path / "s.h5")
     copy_store(path, tmp_path / "copy.h5")
     copy_store(path, tmp_path / "gzip.h5", "gzip")
     for copy in ("copy.h5", "gzip.h5"):
         with h5py.File(tmp_path / copy) as f:
             assert all(f[key].fletcher32 for key in ("features/a", "labels", "index", "ids"))
     assert has_checksums(tmp_path / "gzip.h5") and scan_chunks(tmp_path / "gzip.h5") == []
-    copy_store(_written_store(tmp_path / "p.h5", checksum=False), tmp_path / "plain.h5")
+    copy_store(written_store(tmp_path / "p.h5", checksum=False), tmp_path / "plain.h5")
     assert not has_checksums(tmp_path / "plain.h5")
 
-    shards = [_written_store(shard_path(tmp_path / "t.h5", r, 2), 10, seed=r) for r in (0, 1)]
+    shards = [written_store(shard_path(tmp_path / "t.h5", r, 2), 10, seed=r) for r in (0, 1)]
     combined = combine_shards(tmp_path / "t.h5", shards)
     assert has_checksums(combined)  # through the virtual datasets' sources
     merged = merge_store(combined.path, tmp_path / "merged.h5", progress=False)

@@ -8,11 +8,10 @@ import shutil
 import h5py
 import numpy as np
 import pytest
-import torch
 
 from featcache.dataset import FeatureDataset
 from featcache.errors import CorruptStoreError
-from featcache.store import FeatureStore, StoreWriter, codec, combine_shards, copy_store, seal
+from featcache.store import FeatureStore, combine_shards, copy_store, seal
 from featcache.store.metadata import (
     CHUNKS_ATTR,
     DIGEST_ATTR,
@@ -22,7 +21,7 @@ from featcache.store.metadata import (
 )
 from featcache.store.paths import shard_path
 from featcache.verify import verify_store
-from tests.stores import synthetic_store
+from tests.stores import synthetic_store, written_store
 
 FIX = "re-extract it (featcache extract <config> --overwrite) or restore it from a copy"
 
@@ -42,20 +41,11 @@ def _damaged(path, problem: str) -> str:
     return f"store {path} is damaged: {problem}; {FIX}"
 
 
-def _written(path, rows: int = 12):
-    writer = StoreWriter(path, rows, ids_width=4, chunk_rows=4)
-    index = np.arange(rows)
-    values = codec.to_numpy(codec.encode(torch.randn(rows, 8), "float16"))
-    writer.append(index, [f"{i:04d}" for i in index], index % 3, {"a": values})
-    writer.close(complete=True)
-    return path
-
-
 def test_stores_copies_and_combined_shards_are_sealed(clean, tmp_path):
     assert clean.read_bytes()[8] == 2  # superblock version 2: version-2 object headers
     copied = tmp_path / "copied.h5"
     copy_store(clean, copied, compression="gzip")
-    shards = [_written(shard_path(tmp_path / "t.h5", rank, 2)) for rank in range(2)]
+    shards = [written_store(shard_path(tmp_path / "t.h5", rank, 2)) for rank in range(2)]
     combined = combine_shards(tmp_path / "t.h5", shards).path
     for path in (clean, copied, combined, *shards):
         with h5py.File(path, "r") as f:
