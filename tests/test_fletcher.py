@@ -56,6 +56,7 @@ def test_sums_that_are_multiples_of_65535_are_kept_as_hdf5_keeps_them(data):
         ("uint16", (8, 4096), (8, 4096)),  # every word 0xffff
         ("uint8", (9, 333), (3, 333)),  # odd chunk sizes
         ("float32", (40, 3000), (40, 3000)),  # zeros
+        ("uint8", (2, 5 * 2**20 + 3), (1, 5 * 2**20 + 3)),  # chunks of several blocks
     ],
 )
 def test_matches_the_checksums_hdf5_stores(tmp_path, dtype, shape, chunks):
