@@ -137,7 +137,7 @@ class FeatureDataset(Dataset):
         for layer in self.layers:
             features = store.file["features"][layer]
             self.shapes[layer] = tuple(features.shape[1:])
-            self._storage[layer] = codec.torch_dtype(features.attrs["dtype"])
+            self._storage[layer] = codec.torch_dtype(codec.attr(features, "dtype"))
             rows = chunk_rows_of(features)
             chunk_rows.append(rows)
             # Chunks featcache reads straight from the file never go through the cache.

@@ -79,7 +79,7 @@ def test_half_precision_stores(resnet18, images, tmp_path, dtype, torch_dtype):
     with h5py.File(store.path) as f:  # bfloat16 is kept as its raw 16 bits
         raw = f["features/layer3"]
         assert raw.dtype == (np.uint16 if dtype == "bfloat16" else np.float16)
-        assert raw.attrs["dtype"] == dtype
+        assert raw.attrs["dtype"] == dtype.encode()  # fixed-length UTF-8 text
 
 
 def test_rows_order_labels_ids_and_chunking(resnet18, images, tmp_path):

@@ -8,10 +8,11 @@ import shutil
 import h5py
 import numpy as np
 import pytest
+import torch
 
 from featcache.dataset import FeatureDataset
 from featcache.errors import CorruptStoreError
-from featcache.store import FeatureStore, combine_shards, copy_store, seal
+from featcache.store import FeatureStore, StoreWriter, codec, combine_shards, copy_store, seal
 from featcache.store.metadata import (
     CHUNKS_ATTR,
     DIGEST_ATTR,
@@ -59,9 +60,10 @@ def test_stores_copies_and_combined_shards_are_sealed(clean, tmp_path):
 
 def test_a_flipped_attribute_byte_fails_every_open(store):
     raw = store.read_bytes()
-    assert raw.count(b"class_1") == 1  # the class names, in HDF5's global heap
+    assert raw.count(b"class_1") == 1  # the class names, in a checksummed attribute heap
     store.write_bytes(raw.replace(b"class_1", b"class_7"))  # bytes on disk, past HDF5
-    message = _damaged(store, "its attributes differ from the digest recorded when it was written")
+    reason = "Error iterating over attributes (incorrect metadata checksum after all read attempts)"
+    message = _damaged(store, f"its metadata cannot be read ({reason})")
     for opening in (lambda: FeatureStore(store), lambda: FeatureDataset(store, "layer4")):
         with pytest.raises(CorruptStoreError) as caught:
             opening()
@@ -129,3 +131,109 @@ def test_a_store_without_digests_still_opens(store):
     assert next(c.detail for c in result.checks if c.name == "metadata").startswith(
         "every attribute reads (no digest recorded"
     )
+
+
+def _skipping_store(path):
+    """A store of 6 rows whose source had 8 samples; 2 and 5 were skipped."""
+    writer = StoreWriter(path, 8, ids_width=4, chunk_rows=4)
+    index = np.array([0, 1, 3, 4, 6, 7])
+    values = torch.from_numpy(np.random.default_rng(0).standard_normal((6, 8)))
+    skipped = [
+        {"index": 2, "id": "s2", "reason": "unreadable: ünï"},
+        {"index": 5, "id": "s5", "reason": "x"},
+    ]
+    writer.append(
+        index,
+        [f"{i:04d}" for i in index],
+        index % 3,
+        {"a": codec.to_numpy(codec.encode(values, "float16"))},
+        {"a": {"module": "layer4", "layout": "rows"}},
+        skipped=skipped,
+    )
+    writer.close(complete=True)
+    return path, skipped
+
+
+def test_no_text_is_kept_in_hdf5s_unchecked_global_heap(clean, tmp_path):
+    """Text attributes and skip records are fixed-length strings, inside checksummed
+    headers and chunks: HDF5's global heap, which has no checksum and whose damage can
+    hang a reader, is never written."""
+    skipping, skipped = _skipping_store(tmp_path / "skipping.h5")
+    copied = tmp_path / "copied.h5"
+    copy_store(skipping, copied, compression="gzip")
+    shards = [written_store(shard_path(tmp_path / "t.h5", rank, 2)) for rank in range(2)]
+    combined = combine_shards(tmp_path / "t.h5", shards).path
+    for path in (clean, skipping, copied, combined, *shards):
+        if path != combined:  # HDF5 keeps a virtual dataset's sources there, checksummed
+            assert b"GCOL" not in path.read_bytes()  # the signature of a heap collection
+        with h5py.File(path, "r") as f:
+            names: list[str] = []
+            f.visit(names.append)
+            for obj in [f, *(f[name] for name in names)]:
+                types = [obj.attrs.get_id(key).dtype for key in obj.attrs]
+                if isinstance(obj, h5py.Dataset):
+                    types.append(obj.dtype)
+                text = [h5py.check_string_dtype(t) for t in types]
+                assert all(t is None or t.length is not None for t in text), (path, obj.name)
+    for path in (skipping, copied):
+        assert FeatureStore(path).skipped == skipped
+        assert FeatureStore(path).layer_attrs("a") == {
+            "module": "layer4",
+            "layout": "rows",
+            "dtype": "float16",
+        }
+        assert FeatureStore(path).attrs["skipped"] == 2
+
+
+def test_a_damaged_source_map_of_a_combined_store_fails_its_opening(tmp_path):
+    shards = [written_store(shard_path(tmp_path / "t.h5", r, 2), seed=r) for r in range(2)]
+    combined = combine_shards(tmp_path / "t.h5", shards).path
+    raw = bytearray(combined.read_bytes())
+    heap = raw.find(b"GCOL")  # the virtual datasets' sources: shard file and dataset names
+    at = raw.find(b"shard-00001", heap)
+    raw[at + len("shard-0000")] = ord("0")  # rows 20-39 would come from shard 0 again
+    combined.write_bytes(bytes(raw))
+    with pytest.raises(CorruptStoreError) as caught:
+        FeatureStore(combined).read("a")
+    assert str(caught.value).startswith(f"store {combined} is damaged: its metadata cannot be")
+    assert "checksum" in str(caught.value) and str(caught.value).endswith(FIX)
+
+
+def _key_extent_byte(raw: bytes, dataset: h5py.Dataset, chunk: int) -> int:
+    """Where the file holds the last offset (the one for the element's bytes, always 0) of
+    the key of chunk ``chunk`` in the version-1 B-tree that indexes ``dataset``."""
+    addresses: list[int] = []
+    dataset.id.chunk_iter(lambda info: addresses.append(info.byte_offset))
+    rank = len(dataset.shape)
+    key_bytes = 8 + 8 * (rank + 1)  # chunk size, filter mask, one offset per axis + 1
+    node = raw.find(b"TREE")
+    while node >= 0:
+        entries = int.from_bytes(raw[node + 6 : node + 8], "little")
+        first = node + 24  # signature, type, level, entries, two sibling addresses
+        children = [
+            int.from_bytes(raw[at : at + 8], "little")
+            for at in range(first + key_bytes, first + entries * (key_bytes + 8), key_bytes + 8)
+        ]
+        if raw[node + 4] == 1 and raw[node + 5] == 0 and children == addresses:
+            return first + chunk * (key_bytes + 8) + 8 + 8 * rank
+        node = raw.find(b"TREE", node + 1)
+    raise AssertionError(f"no B-tree leaf of {dataset.name} found")
+
+
+def test_rows_ids_and_labels_read_right_past_a_damaged_chunk_key(store):
+    """A changed byte in the part of a chunk's B-tree key that HDF5's chunk listing does
+    not report can make HDF5's own reads return that chunk as never written (zeros), with
+    no error; featcache finds chunks through the listing and reads the stored rows."""
+    with FeatureStore(store) as clean:  # closed: HDF5 would reuse its open file
+        want = {"labels": clean.labels, "index": clean.index, "ids": clean.ids}
+    raw = bytearray(store.read_bytes())
+    with h5py.File(store, "r") as f:
+        for name in want:  # byte 3 of the key's last offset, chunk 5 (rows 20-23)
+            raw[_key_extent_byte(bytes(raw), f[name], chunk=5) + 3] ^= 0xFF
+    store.write_bytes(bytes(raw))
+    with h5py.File(store, "r") as f:  # HDF5 is misled
+        assert not f["labels"][20:24].any() and not f["index"][20:24].any()
+        assert list(f["ids"][20:24]) == [b""] * 4
+    damaged = FeatureStore(store)
+    assert np.array_equal(damaged.labels, want["labels"])
+    assert np.array_equal(damaged.index, want["index"]) and damaged.ids == want["ids"]

@@ -81,8 +81,22 @@ def test_codec_array_views_share_memory_for_any_dtype():
 def test_codec_attrs_json_round_trip(tmp_path):
     with h5py.File(tmp_path / "a.h5", "w") as f:
         codec.write_attrs(f, {"config": {"a": [1, 2]}, "class_names": ["x"], "num_rows": 3})
-        assert isinstance(f.attrs["config"], str)  # JSON text, not a pickle
+        # JSON text, not a pickle, stored as a fixed-length UTF-8 string
+        assert f.attrs["config"] == b'{"a": [1, 2]}'
+        assert h5py.check_string_dtype(f.attrs.get_id("config").dtype).length == 13
         assert codec.read_attrs(f) == {"config": {"a": [1, 2]}, "class_names": ["x"], "num_rows": 3}
+
+
+def test_codec_reads_text_attributes_stored_either_way(tmp_path):
+    with h5py.File(tmp_path / "a.h5", "w") as f:
+        codec.set_attr(f, "fixed", "ünï")
+        codec.set_attr(f, "empty", "")
+        f.attrs["variable"] = "ünï"  # h5py's default, as stores made before 2026-11-25 hold
+        f.attrs["config"] = '{"a": 1}'
+        assert h5py.check_string_dtype(f.attrs.get_id("variable").dtype).length is None
+        assert codec.attr(f, "fixed") == codec.attr(f, "variable") == "ünï"
+        assert codec.attr(f, "empty") == "" and codec.attr(f, "missing", 7) == 7
+        assert codec.attr(f, "config") == {"a": 1}
 
 
 # -- writer and reader -------------------------------------------------------------------
@@ -92,7 +106,7 @@ def test_bfloat16_is_stored_as_uint16_bits_and_read_back_as_bfloat16(bf16):
     path, values = bf16
     with h5py.File(path, "r") as f:  # the file format: uint16 bits, dtype attribute
         dataset = f["features/a"]
-        assert dataset.dtype == np.uint16 and dataset.attrs["dtype"] == "bfloat16"
+        assert dataset.dtype == np.uint16 and dataset.attrs["dtype"] == b"bfloat16"
         raw = dataset[:]
     store = FeatureStore(path)
     assert store.dtype("a") == torch.bfloat16 and store.shape("a") == (8,)

@@ -5,13 +5,21 @@ dataset whose ``dtype`` attribute says ``"bfloat16"``. This module is the only p
 knows it: tensors go in through :func:`encode` and :func:`to_numpy`, and come back out
 through :func:`decode`; :func:`as_array` and :func:`from_array` give tensors of any
 dtype, bfloat16 included, a numpy view for HDF5 reads and numpy gathers.
+
+Text attributes are stored as fixed-length UTF-8 strings (:func:`set_attr`), which HDF5
+keeps inside the checksummed object header or attribute heap. h5py's default, a
+variable-length string, lives in HDF5's global heap, which has no checksum: a damaged
+byte there changes the text unnoticed, and a damaged length can hang the reader inside
+HDF5 (HDFGroup/hdf5#1707). h5py reads fixed-length strings back as bytes, so every
+attribute featcache reads goes through :func:`attr` or :func:`read_attrs`, which give
+text as ``str`` whichever way it was stored.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 import h5py
 import numpy as np
@@ -94,19 +102,51 @@ def from_array(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return tensor
 
 
-def write_attrs(target: h5py.File | h5py.Group | h5py.Dataset, attrs: Mapping[str, Any]) -> None:
+HDF5Object: TypeAlias = h5py.File | h5py.Group | h5py.Dataset
+
+
+def text_attr(text: str) -> np.ndarray:
+    """``text`` as a fixed-length UTF-8 attribute value (a 0-d ``S<n>`` array, ``n`` >= 1)."""
+    raw = text.encode("utf-8")
+    return np.array(raw, dtype=h5py.string_dtype("utf-8", max(len(raw), 1)))
+
+
+def set_attr(target: HDF5Object, key: str, value: Any) -> None:
+    """Write one attribute as featcache stores it: text fixed-length, the rest as given."""
+    target.attrs[key] = text_attr(value) if isinstance(value, str) else value
+
+
+def write_attrs(target: HDF5Object, attrs: Mapping[str, Any]) -> None:
     """Write attributes, JSON-encoding those listed in :data:`JSON_ATTRS`."""
     for key, value in attrs.items():
-        target.attrs[key] = json.dumps(value) if key in JSON_ATTRS else value
+        set_attr(target, key, json.dumps(value) if key in JSON_ATTRS else value)
 
 
-def read_attrs(source: h5py.File | h5py.Group | h5py.Dataset) -> dict[str, Any]:
-    """All attributes as Python data, JSON ones decoded, numpy scalars made plain."""
-    out: dict[str, Any] = {}
-    for key, value in source.attrs.items():
-        if key in JSON_ATTRS and isinstance(value, str):
-            value = json.loads(value)
-        elif isinstance(value, np.generic):
-            value = value.item()
-        out[key] = value
-    return out
+def attr(source: HDF5Object, key: str, default: Any = None) -> Any:
+    """One attribute as :func:`read_attrs` gives it; ``default`` when it is absent."""
+    if key not in source.attrs:
+        return default
+    return _plain(source.attrs[key], key in _json_attrs(source))
+
+
+def read_attrs(source: HDF5Object) -> dict[str, Any]:
+    """All attributes as Python data: text as ``str`` (stored fixed-length or
+    variable-length), the file's JSON ones (:data:`JSON_ATTRS`) decoded, numpy scalars
+    made plain."""
+    json_attrs = _json_attrs(source)
+    return {key: _plain(value, key in json_attrs) for key, value in source.attrs.items()}
+
+
+def _json_attrs(source: HDF5Object) -> frozenset[str]:
+    # JSON attributes are the file's; a dataset's "layout" is plain text ("tokens").
+    return JSON_ATTRS if source.name == "/" else frozenset()
+
+
+def _plain(value: Any, is_json: bool) -> Any:
+    if isinstance(value, bytes):  # a fixed-length string (numpy.bytes_)
+        value = value.decode("utf-8")
+    if is_json and isinstance(value, str):
+        return json.loads(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    return value

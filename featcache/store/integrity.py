@@ -14,6 +14,7 @@ import h5py
 import numpy as np
 
 from featcache.errors import CorruptStoreError, first_line
+from featcache.store import codec
 from featcache.store.chunks import chunk_rows_of
 from featcache.store.fletcher import (
     CHECKSUM_BYTES,
@@ -125,7 +126,7 @@ def corrupt_store_error(dataset: h5py.Dataset, bad: BadChunk) -> CorruptStoreErr
 def span_text(dataset: h5py.Dataset, start: int, stop: int) -> str:
     """``rows a-b`` of ``dataset`` in words; ``tokens a-b (rows i-j)`` for a dataset of
     per-token rows (a per-token layer, or ``/token_ids``)."""
-    if dataset.attrs.get("layout") != "tokens" and dataset.name != "/token_ids":
+    if codec.attr(dataset, "layout") != "tokens" and dataset.name != "/token_ids":
         return f"row {start}" if stop - start == 1 else f"rows {start}-{stop - 1}"
     tokens = f"token {start}" if stop - start == 1 else f"tokens {start}-{stop - 1}"
     try:

@@ -45,7 +45,7 @@ def copy_store(
     with h5py.File(source, "r") as src, h5py.File(tmp, "w", libver=LIBVER) as dst:
         for key, value in src.attrs.items():
             if key not in drop and key != DIGEST_ATTR:
-                dst.attrs[key] = value
+                codec.set_attr(dst, key, value)
         objects = list(_walk(src))
         total = sum(o.size * o.dtype.itemsize for _, o in objects if isinstance(o, h5py.Dataset))
         with tqdm(
@@ -100,7 +100,7 @@ def _copy_dataset(
             out[start : start + len(block)] = block
             bar.update(block.nbytes)
     for key, value in obj.attrs.items():
-        out.attrs[key] = value
+        codec.set_attr(out, key, value)
 
 
 def combine_shards(
@@ -127,7 +127,7 @@ def combine_shards(
             first = opened[0].attrs
             for key, value in first.items():
                 if key not in ("resume_key", DIGEST_ATTR):
-                    out.attrs[key] = value
+                    codec.set_attr(out, key, value)
             rows = sum(int(f.attrs["num_rows"]) for f in opened)
             seconds = max(float(f.attrs.get("seconds", 0.0)) for f in opened)
             # The rows each shard's last run computed (fewer than it holds after a resume).
@@ -190,7 +190,7 @@ def _combine(
             offset += n
         dataset = out.create_virtual_dataset(name, layout)
         for key, value in first.attrs.items():
-            dataset.attrs[key] = value
+            codec.set_attr(dataset, key, value)
     records = [record for f in opened for record in read_skipped(f)]
     if records:
         write_skipped(out, records)

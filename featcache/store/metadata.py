@@ -2,12 +2,14 @@
 
 Fletcher-32 covers the chunks; this module covers the rest. Stores are created with
 :data:`LIBVER`, so that HDF5 writes version-2 object headers, which carry their own
-checksum: a damaged header (a dataset's shape, type, filters or numeric attributes)
-fails when it is read instead of being taken at its word. String attributes (the
-recorded config, the store key, class names, a layer's dtype) live outside the headers,
-in HDF5's global heap, and the index that says which chunk holds which rows is a B-tree
-whose nodes have no checksum either: a damaged index entry can hand back another
-chunk's rows, each with a valid Fletcher-32. So :func:`seal` gives each chunked dataset
+checksum: a damaged header (a dataset's shape, type, filters or attributes) fails when
+it is read instead of being taken at its word. Text attributes are fixed-length strings
+(:func:`~featcache.store.codec.set_attr`), kept in those headers or in the checksummed
+heap HDF5 keeps a header's many attributes in, and never in HDF5's global heap, which
+has no checksum. The index that says which chunk holds which rows is a B-tree whose
+nodes have no checksum: a damaged index entry can hand back another chunk's rows, each
+with a valid Fletcher-32; and an attribute over 64 KiB (the class names of a large
+label set) is stored outside any checksum. So :func:`seal` gives each chunked dataset
 :data:`CHUNKS_ATTR`, a SHA-256 of its chunk index, and the file :data:`DIGEST_ATTR`, a
 SHA-256 over every attribute of every object (those included), and
 :func:`metadata_problem` checks both whenever a complete store is opened.
@@ -74,8 +76,8 @@ def seal(file: h5py.File) -> None:
     """Record the digests of the chunk indexes and of the attributes as they are now:
     call it after the last write."""
     for dataset in chunked_datasets(file):
-        dataset.attrs[CHUNKS_ATTR] = chunk_index_digest(dataset)
-    file.attrs[DIGEST_ATTR] = attrs_digest(file)
+        codec.set_attr(dataset, CHUNKS_ATTR, chunk_index_digest(dataset))
+    codec.set_attr(file, DIGEST_ATTR, attrs_digest(file))
 
 
 def is_sealed(file: h5py.File) -> bool:
@@ -90,11 +92,11 @@ def metadata_problem(file: h5py.File) -> str:
     that differ from the digest recorded when the store was written."""
     try:
         codec.read_attrs(file)  # the recorded JSON still parses
-        recorded = file.attrs.get(DIGEST_ATTR)
+        recorded = codec.attr(file, DIGEST_ATTR)
         if recorded is not None and recorded != attrs_digest(file):
             return "its attributes differ from the digest recorded when it was written"
         for dataset in chunked_datasets(file):
-            index = dataset.attrs.get(CHUNKS_ATTR)
+            index = codec.attr(dataset, CHUNKS_ATTR)
             if index is not None and index != chunk_index_digest(dataset):
                 return (
                     f"the chunk index of {dataset.name.lstrip('/')} differs from the one "

@@ -69,7 +69,10 @@ class RawChunks:
         if not dataset.id.valid:  # its file was closed: let h5py say so
             dataset.read_direct(out, np.s_[start:stop])
             return
-        for chunk in range(start // self.chunk_rows, -(-stop // self.chunk_rows)):
+        chunks = range(start // self.chunk_rows, -(-stop // self.chunk_rows))
+        if len(chunks) > 1 and (self.addresses[chunks.start : chunks.stop] == UNLOCATED).any():
+            self._locate_all(dataset)  # one pass over the index, not a lookup per chunk
+        for chunk in chunks:
             first = max(start, chunk * self.chunk_rows)
             last = min(stop, (chunk + 1) * self.chunk_rows)
             target = out[first - start : last - start]
@@ -95,12 +98,17 @@ class RawChunks:
             return
         addresses = self.addresses[start // self.chunk_rows : -(-stop // self.chunk_rows)]
         if (addresses == UNLOCATED).any():  # an epoch reads every chunk: locate them all
-            self.addresses[:] = plain_chunk_addresses(dataset, self.checksum)
+            self._locate_all(dataset)
         for address in addresses[addresses != BY_HDF5].tolist():
             try:
                 os.posix_fadvise(self.fd, address, self.stored_bytes, os.POSIX_FADV_WILLNEED)
             except OSError:
                 return
+
+    def _locate_all(self, dataset: h5py.Dataset) -> None:
+        """Look up where every chunk lies, listing HDF5's chunk index once (a lookup by
+        position costs a walk of the index per chunk)."""
+        self.addresses[:] = plain_chunk_addresses(dataset, self.checksum)
 
     def _locate(self, dataset: h5py.Dataset, chunk: int) -> int:
         """Look up where chunk ``chunk`` lies in the file (or :data:`BY_HDF5`), and keep it."""

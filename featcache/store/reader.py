@@ -220,7 +220,7 @@ class FeatureStore:
     def is_per_token(self, layer: str) -> bool:
         """Whether ``layer`` holds per-token rows: row ``i`` is ``[T_i, *shape]``, tokens
         ``offsets[i]:offsets[i + 1]`` of its ``[total_tokens, *shape]`` dataset."""
-        return self._features(layer).attrs.get("layout") == "tokens"
+        return codec.attr(self._features(layer), "layout") == "tokens"
 
     @property
     def offsets(self) -> np.ndarray | None:
@@ -262,12 +262,13 @@ class FeatureStore:
 
     def dtype(self, layer: str) -> torch.dtype:
         """The torch dtype rows of ``layer`` come back as."""
-        return codec.torch_dtype(self._features(layer).attrs["dtype"])
+        return codec.torch_dtype(codec.attr(self._features(layer), "dtype"))
 
     def layer_attrs(self, layer: str) -> dict[str, Any]:
         """The attributes of ``layer``'s dataset: ``dtype``, ``module``, ``capture``, ...
         (its chunk index digest, :data:`~featcache.store.metadata.CHUNKS_ATTR`, left out)."""
-        return {k: v for k, v in self._features(layer).attrs.items() if k != CHUNKS_ATTR}
+        attrs = codec.read_attrs(self._features(layer))
+        return {k: v for k, v in attrs.items() if k != CHUNKS_ATTR}
 
     def _features(self, layer: str) -> h5py.Dataset:
         # Opened anew each time, not kept open: a FeatureDataset opened meanwhile in this
@@ -296,8 +297,7 @@ class FeatureStore:
     @property
     def ids(self) -> list[str]:
         """``N`` stable sample ids (relative file paths for image folders)."""
-        ids, rows = self.file["ids"], len(self)
-        return read_or_explain(ids, range(rows), lambda: list(ids.asstr()[:rows]))
+        return [raw.decode("utf-8") for raw in _read_head(self.file["ids"], len(self))]
 
     @property
     def attrs(self) -> dict[str, Any]:
@@ -322,7 +322,7 @@ class FeatureStore:
         :class:`~featcache.errors.CorruptStoreError`.
         """
         features = self._features(layer)
-        if features.attrs.get("layout") == "tokens":
+        if codec.attr(features, "layout") == "tokens":
             raise ConfigError(
                 f"layer {layer!r} holds per-token rows of different lengths; read them with "
                 "read_tokens(), FeatureDataset (one [T, D] row per item) or TokenDataset"
@@ -391,7 +391,7 @@ def read_rows(dataset: h5py.Dataset, rows: slice | np.ndarray) -> torch.Tensor:
         if step == 1:
             array = np.empty((max(stop - start, 0), *dataset.shape[1:]), dtype=dataset.dtype)
             read_runs(dataset, [(start, stop)] if stop > start else [], array)
-            return codec.decode(array, str(dataset.attrs.get("dtype", "")))
+            return codec.decode(array, codec.attr(dataset, "dtype", ""))
         read = functools.partial(dataset.__getitem__, rows)
         array = np.ascontiguousarray(read_or_explain(dataset, range(start, stop, step), read))
     else:
@@ -400,7 +400,7 @@ def read_rows(dataset: h5py.Dataset, rows: slice | np.ndarray) -> torch.Tensor:
         read_runs(dataset, _runs(unique), array)
         if not np.array_equal(unique, rows):
             array = array[inverse.reshape(-1)]
-    return codec.decode(array, str(dataset.attrs.get("dtype", "")))
+    return codec.decode(array, codec.attr(dataset, "dtype", ""))
 
 
 def read_token_rows(
@@ -421,7 +421,7 @@ def read_token_rows(
         packed = np.concatenate(pieces) if pieces else packed[:0]
         counts = counts[order]
         starts = np.concatenate([[0], np.cumsum(counts)])
-    return codec.decode(packed, str(dataset.attrs.get("dtype", ""))), starts.astype(np.int64)
+    return codec.decode(packed, codec.attr(dataset, "dtype", "")), starts.astype(np.int64)
 
 
 def read_runs(
@@ -458,8 +458,13 @@ def _copy_rows(dataset: h5py.Dataset, start: int, stop: int, into: np.ndarray) -
 
 
 def _read_head(dataset: h5py.Dataset, rows: int) -> np.ndarray:
-    """The first ``rows`` rows of a 1-d dataset (labels, index)."""
-    return read_or_explain(dataset, range(rows), lambda: dataset[:rows])
+    """The first ``rows`` rows of a 1-d dataset (labels, index, ids), read as the
+    features are: chunks found through HDF5's listing of the chunk index, not its lookup
+    by position, which a damaged key in the index's B-tree (the part the listing does not
+    report) sends astray, so that HDF5 reads such a chunk as never written."""
+    out = np.empty((rows,), dtype=dataset.dtype)
+    read_runs(dataset, [(0, rows)] if rows else [], out)
+    return out
 
 
 def _runs(rows: np.ndarray) -> Iterable[tuple[int, int]]:

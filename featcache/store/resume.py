@@ -12,6 +12,7 @@ import h5py
 import numpy as np
 
 from featcache.errors import ConfigError, first_line
+from featcache.store import codec
 from featcache.store.paths import partial_path, skipped_log_path
 from featcache.store.skipped import read_log
 
@@ -20,7 +21,7 @@ def stored_resume_key(path: str | os.PathLike) -> dict[str, Any] | None:
     """The settings a store (complete or partial) was made with; None if unreadable."""
     try:
         with h5py.File(path, "r") as f:
-            return json.loads(f.attrs["resume_key"])
+            return codec.attr(f, "resume_key")
     except (OSError, KeyError, ValueError):
         return None
 
@@ -66,7 +67,7 @@ def plan_resume(
         return None
     try:
         with h5py.File(partial, "r") as f:
-            stored_key = json.loads(f.attrs["resume_key"])
+            stored_key = codec.attr(f, "resume_key")
             durable = int(f["progress"][0])
             index = f["index"][:durable]
     except (OSError, KeyError, ValueError) as exc:

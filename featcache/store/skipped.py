@@ -17,32 +17,49 @@ from typing import Any
 import h5py
 import numpy as np
 
+from featcache.store.integrity import read_or_explain
 from featcache.store.paths import replace_durably
 
 
 def write_skipped(f: h5py.File | h5py.Group, records: Sequence[Mapping[str, Any]]) -> None:
-    """The ``/skipped`` group: source position, id and reason of every sample left out."""
+    """The ``/skipped`` group: source position, id and reason of every sample left out.
+
+    Each is a Fletcher-32 checksummed dataset, the texts fixed-length UTF-8, so that none
+    of it lives in HDF5's unchecked global heap."""
     group = f.create_group("skipped")
-    text = h5py.string_dtype("utf-8")
-    group.create_dataset("index", data=np.array([r["index"] for r in records], dtype=np.int64))
-    group.create_dataset("ids", data=[str(r["id"]) for r in records], dtype=text)
-    group.create_dataset("reasons", data=[str(r["reason"]) for r in records], dtype=text)
+    columns = {
+        "index": np.array([r["index"] for r in records], dtype=np.int64),
+        "ids": _texts([str(r["id"]) for r in records]),
+        "reasons": _texts([str(r["reason"]) for r in records]),
+    }
+    for name, data in columns.items():
+        group.create_dataset(name, data=data, chunks=True, fletcher32=True)
+
+
+def _texts(texts: Sequence[str]) -> np.ndarray:
+    """``texts`` as a fixed-length UTF-8 array, as wide as the longest (at least 1 byte)."""
+    raw = [t.encode("utf-8") for t in texts]
+    width = max((len(r) for r in raw), default=1) or 1
+    return np.array(raw, dtype=h5py.string_dtype("utf-8", width))
 
 
 def read_skipped(f: h5py.File | h5py.Group) -> list[dict[str, Any]]:
-    """The records of the ``/skipped`` group, in stored order; [] when there is none."""
+    """The records of the ``/skipped`` group, in stored order; [] when there is none. A
+    chunk that fails its checksum raises :class:`~featcache.errors.CorruptStoreError`."""
     if "skipped" not in f:
         return []
     group = f["skipped"]
+    index, ids, reasons = (_column(group[name]) for name in ("index", "ids", "reasons"))
     return [
         {"index": int(i), "id": sample_id, "reason": reason}
-        for i, sample_id, reason in zip(
-            group["index"][:],
-            group["ids"].asstr()[:],
-            group["reasons"].asstr()[:],
-            strict=True,
-        )
+        for i, sample_id, reason in zip(index, ids, reasons, strict=True)
     ]
+
+
+def _column(dataset: h5py.Dataset) -> np.ndarray:
+    """A whole dataset of the group, text (fixed or variable length) as ``str``."""
+    view = dataset if dataset.dtype.kind in "iu" else dataset.asstr()
+    return read_or_explain(dataset, range(len(dataset)), lambda: view[:])
 
 
 def read_log(path: Path, before: int) -> list[dict[str, Any]]:

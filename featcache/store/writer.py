@@ -171,7 +171,7 @@ class StoreWriter:
             layout = {"layout": "tokens"} if key in ragged else {}
             attrs = dict(feature_attrs.get(key, {}), dtype=self.dtype, **layout)
             for attr, value in attrs.items():
-                dataset.attrs[attr] = value
+                codec.set_attr(dataset, attr, value)
 
     def _meta_dtypes(self) -> dict[str, Any]:
         dtypes = {"index": np.int64, "ids": h5py.string_dtype("utf-8", self.ids_width)}
@@ -195,7 +195,7 @@ class StoreWriter:
             if "token_ids" in f:
                 staging["token_ids"] = Staged(f["token_ids"], tokens, per_token=True)
         for key, dataset in f["features"].items():
-            if dataset.attrs.get("layout") == "tokens":
+            if codec.attr(dataset, "layout") == "tokens":
                 staging[f"features/{key}"] = Staged(dataset, tokens, per_token=True)
             else:
                 staging[f"features/{key}"] = Staged(dataset, self.start_row)
