@@ -54,6 +54,8 @@ def test_stores_copies_and_combined_shards_are_sealed(clean, tmp_path):
             chunked = chunked_datasets(f)  # labels, index, ids and each layer; none when virtual
             assert len(chunked) >= (0 if path == combined else 3 + len(FeatureStore(path).layers))
             assert all(CHUNKS_ATTR in dataset.attrs for dataset in chunked)
+            if path == combined:  # its virtual datasets record no shard's chunk index
+                assert CHUNKS_ATTR not in f["features/a"].attrs
         assert FeatureStore(path).complete
     assert verify_store(clean, quick=True).passed
 

@@ -17,7 +17,7 @@ from featcache.store import codec
 from featcache.store.chunks import MAX_META_CHUNK_ROWS, TARGET_CHUNK_BYTES, chunk_rows_of, row_bytes
 from featcache.store.integrity import dataset_has_checksum, read_or_explain
 from featcache.store.lock import writer_lock
-from featcache.store.metadata import DIGEST_ATTR, LIBVER, seal
+from featcache.store.metadata import CHUNKS_ATTR, DIGEST_ATTR, LIBVER, seal
 from featcache.store.paths import partial_path, replace_durably
 from featcache.store.reader import FeatureStore
 from featcache.store.skipped import read_skipped, write_skipped
@@ -190,7 +190,8 @@ def _combine(
             offset += n
         dataset = out.create_virtual_dataset(name, layout)
         for key, value in first.attrs.items():
-            codec.set_attr(dataset, key, value)
+            if key != CHUNKS_ATTR:  # shard 0's chunk index is not this dataset's
+                codec.set_attr(dataset, key, value)
     records = [record for f in opened for record in read_skipped(f)]
     if records:
         write_skipped(out, records)
