@@ -239,3 +239,32 @@ def test_rows_ids_and_labels_read_right_past_a_damaged_chunk_key(store):
     damaged = FeatureStore(store)
     assert np.array_equal(damaged.labels, want["labels"])
     assert np.array_equal(damaged.index, want["index"]) and damaged.ids == want["ids"]
+
+
+def test_stores_with_variable_length_text_read_verify_and_copy_as_before(tmp_path):
+    """Stores written before text attributes were fixed-length hold h5py's default
+    variable-length strings: they read the same, and a copy stores fixed-length text."""
+    path, skipped = _skipping_store(tmp_path / "old.h5")
+    with h5py.File(path, "r+") as f:
+        codec.write_attrs(f, {"class_names": ["cat", "dög"], "split": "train"})
+        names: list[str] = []
+        f.visit(names.append)
+        for obj in [f, *(f[name] for name in names)]:
+            for key in list(obj.attrs):
+                if isinstance(obj.attrs[key], bytes):
+                    obj.attrs[key] = obj.attrs[key].decode()  # as h5py writes a str
+        seal(f)
+        assert h5py.check_string_dtype(f.attrs.get_id("class_names").dtype).length is None
+    store = FeatureStore(path)
+    assert store.class_names == ["cat", "dög"] and store.attrs["split"] == "train"
+    assert store.skipped == skipped and store.layer_attrs("a")["layout"] == "rows"
+    assert store.dtype("a") == torch.float16
+    checks = {c.name: c.ok for c in verify_store(path, quick=True).checks}
+    assert checks["metadata"]  # (verify stops at the key: a bare StoreWriter records none)
+    copied = tmp_path / "copied.h5"
+    copy_store(path, copied)
+    with h5py.File(copied, "r") as f:
+        assert h5py.check_string_dtype(f.attrs.get_id("class_names").dtype).length is not None
+    attrs = FeatureStore(copied).attrs
+    assert attrs.pop(DIGEST_ATTR) != store.attrs[DIGEST_ATTR]  # the copy's own seal
+    assert attrs == {k: v for k, v in store.attrs.items() if k != DIGEST_ATTR}
