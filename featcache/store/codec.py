@@ -18,7 +18,7 @@ text as ``str`` whichever way it was stored.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias
 
 import h5py
@@ -105,10 +105,17 @@ def from_array(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 HDF5Object: TypeAlias = h5py.File | h5py.Group | h5py.Dataset
 
 
+def fixed_texts(texts: Sequence[str]) -> np.ndarray:
+    """``texts`` as fixed-length UTF-8 strings (an ``S<n>`` array, ``n`` the longest's
+    bytes and at least 1): what HDF5 keeps inside checksummed headers and chunks."""
+    raw = [text.encode("utf-8") for text in texts]
+    width = max((len(r) for r in raw), default=1) or 1
+    return np.array(raw, dtype=h5py.string_dtype("utf-8", width))
+
+
 def text_attr(text: str) -> np.ndarray:
-    """``text`` as a fixed-length UTF-8 attribute value (a 0-d ``S<n>`` array, ``n`` >= 1)."""
-    raw = text.encode("utf-8")
-    return np.array(raw, dtype=h5py.string_dtype("utf-8", max(len(raw), 1)))
+    """``text`` as a fixed-length UTF-8 attribute value (a 0-d array of :func:`fixed_texts`)."""
+    return fixed_texts([text]).reshape(())
 
 
 def set_attr(target: HDF5Object, key: str, value: Any) -> None:
@@ -126,20 +133,20 @@ def attr(source: HDF5Object, key: str, default: Any = None) -> Any:
     """One attribute as :func:`read_attrs` gives it; ``default`` when it is absent."""
     if key not in source.attrs:
         return default
-    return _plain(source.attrs[key], key in _json_attrs(source))
+    return _plain(source.attrs[key], key in JSON_ATTRS and _is_file(source))
 
 
 def read_attrs(source: HDF5Object) -> dict[str, Any]:
     """All attributes as Python data: text as ``str`` (stored fixed-length or
     variable-length), the file's JSON ones (:data:`JSON_ATTRS`) decoded, numpy scalars
     made plain."""
-    json_attrs = _json_attrs(source)
+    json_attrs = JSON_ATTRS if _is_file(source) else frozenset()
     return {key: _plain(value, key in json_attrs) for key, value in source.attrs.items()}
 
 
-def _json_attrs(source: HDF5Object) -> frozenset[str]:
+def _is_file(source: HDF5Object) -> bool:
     # JSON attributes are the file's; a dataset's "layout" is plain text ("tokens").
-    return JSON_ATTRS if source.name == "/" else frozenset()
+    return bool(source.name == "/")
 
 
 def _plain(value: Any, is_json: bool) -> Any:

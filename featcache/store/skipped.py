@@ -17,6 +17,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from featcache.store import codec
 from featcache.store.integrity import read_or_explain
 from featcache.store.paths import replace_durably
 
@@ -29,18 +30,11 @@ def write_skipped(f: h5py.File | h5py.Group, records: Sequence[Mapping[str, Any]
     group = f.create_group("skipped")
     columns = {
         "index": np.array([r["index"] for r in records], dtype=np.int64),
-        "ids": _texts([str(r["id"]) for r in records]),
-        "reasons": _texts([str(r["reason"]) for r in records]),
+        "ids": codec.fixed_texts([str(r["id"]) for r in records]),
+        "reasons": codec.fixed_texts([str(r["reason"]) for r in records]),
     }
     for name, data in columns.items():
         group.create_dataset(name, data=data, chunks=True, fletcher32=True)
-
-
-def _texts(texts: Sequence[str]) -> np.ndarray:
-    """``texts`` as a fixed-length UTF-8 array, as wide as the longest (at least 1 byte)."""
-    raw = [t.encode("utf-8") for t in texts]
-    width = max((len(r) for r in raw), default=1) or 1
-    return np.array(raw, dtype=h5py.string_dtype("utf-8", width))
 
 
 def read_skipped(f: h5py.File | h5py.Group) -> list[dict[str, Any]]:
