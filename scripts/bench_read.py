@@ -1,10 +1,10 @@
 """Shuffled reading: FeatureDataset against in-memory indexing and per-row h5py, in one process.
 
-Writes a ``[rows, dim]`` store with featcache's own writer (one layer, ~1 MiB chunks) in a
-temporary folder, then times one shuffled pass over it in batches of ``--batch`` rows for
-each case, warm-up first, the cases interleaved over ``--repeats`` repeats, medians
-reported. The file is in the page cache (just written), so the figures measure the
-reading machinery, not the disk. Cases:
+Writes a ``[rows, dim]`` store with featcache's own writer (one layer, ~1 MiB chunks) in
+a temporary folder, then times one shuffled pass over it in batches of ``--batch`` rows
+for each case, warm-up first, the cases interleaved over ``--repeats`` repeats (every
+other one in reverse order), medians reported. The file is in the page cache (just
+written), so the figures measure the reading machinery, not the disk. Cases:
 
 * in-memory tensor ``x[idx]``: the whole array in memory, indexed with a random batch of
   row numbers; the baseline (1.00x). ``x.index_select(0, idx)``, the fastest torch
@@ -14,7 +14,7 @@ reading machinery, not the disk. Cases:
   off. Only ``--per-row`` rows are read.
 * ``FeatureDataset`` through ``DataLoader(batch_size, shuffle=True)``: a batch is read in
   increasing row order (``__getitems__``), with the default chunk cache (none for an
-  uncompressed layer) and with a 4 MiB one; ``--sampled`` rows are read.
+  uncompressed layer) and with a 4 MiB one; one whole epoch, or ``--sampled`` rows of it.
 * ``FeatureDataset.batches``: chunk-aware shuffling from the file, and from memory
   (``in_memory=True``).
 * ``ShuffledBatches`` under ``DataLoader(batch_size=None, num_workers=--workers,
@@ -23,12 +23,13 @@ reading machinery, not the disk. Cases:
 The store is written as featcache writes by default, with a Fletcher-32 checksum per
 chunk (``store.checksum``). ``--checksum-cost`` also writes the same rows without
 checksums and times the per-row, ``FeatureDataset`` and ``ShuffledBatches`` cases on it
-too (rows ``..., no checksum``), then prints each case's speed with checksums over its
-speed without. featcache checks a chunk's checksum the first time it is read while its
-file is open: every case but one closes its file after each repeat, so each repeat pays
-for the checks of every chunk it touches; ``FeatureDataset.batches, later epochs, one
-handle`` keeps a copy of the store open from the warm-up on, as a training loop does,
-and shows what epochs after the first cost.
+too (rows ``..., no checksum``, each run right beside its twin with checksums), then
+prints each case's speed with checksums over its speed without. featcache checks a
+chunk's checksum the first time it is read while its file is open: every case but one
+closes its file after each repeat, so each repeat pays for the checks of every chunk it
+touches; ``FeatureDataset.batches, later epochs, one handle`` keeps a copy of the store
+open from the warm-up on, as a training loop does, and shows what epochs after the first
+cost.
 
 ``--tokens`` times the token view instead, on a store of per-token rows (as a text model
 with ``reduce: none`` writes): ``--rows`` tokens of ``--dim`` values in rows of 1 to 64
@@ -39,11 +40,14 @@ view at >= 0.5x in-memory indexing.
 
 Flags: ``--rows``, ``--dim``: the store's shape; ``--dtype``: its dtype (float16,
 float32, bfloat16); ``--batch``: rows per batch; ``--repeats``: timed repeats;
-``--per-row``, ``--sampled``: rows read per repeat by the per-row and ``__getitems__``
-cases (the slow ones); ``--workers``: DataLoader workers for ``ShuffledBatches``;
-``--float32``: convert every batch to float32, in the baseline too (by default batches
-stay in the stored dtype); ``--threads``: torch intra-op threads, 1 by default, as in a
-DataLoader worker (on a busy 2-core machine torch's multi-threaded gathers stall);
+``--per-row``: rows read per repeat by the per-row cases (the slow ones); ``--sampled``:
+rows read per repeat by the ``FeatureDataset, DataLoader`` cases (default: a whole
+epoch; fewer rows make the checksum cost look larger than it is, since a fresh handle
+checks every chunk that a random sample touches, nearly all of them, for a fraction of
+the rows); ``--workers``: DataLoader workers for ``ShuffledBatches``; ``--float32``:
+convert every batch to float32, in the baseline too (by default batches stay in the
+stored dtype); ``--threads``: torch intra-op threads, 1 by default, as in a DataLoader
+worker (on a busy 2-core machine torch's multi-threaded gathers stall);
 ``--checksum-cost``: the cases above also on a store without checksums; ``--tokens``: the
 token view (see above).
 
@@ -56,7 +60,7 @@ with a linear-probe step on each (``features.float() @ W`` for a ``[dim, 10]`` W
 read from the disk.
 
     python scripts/bench_read.py [--rows 50000] [--dim 512] [--dtype float16] [--batch 256]
-                                 [--repeats 5] [--per-row 5000] [--sampled 25600]
+                                 [--repeats 5] [--per-row 5000] [--sampled ROWS]
                                  [--workers 2] [--float32] [--threads 1] [--checksum-cost]
                                  [--tokens | --read-ahead [--cold]]
 """
@@ -154,7 +158,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--per-row", type=int, default=5000, help="rows read one at a time")
-    parser.add_argument("--sampled", type=int, default=25600, help="rows read by __getitems__")
+    parser.add_argument(
+        "--sampled", type=int, default=None, help="rows read by __getitems__ (default: all)"
+    )
     parser.add_argument("--workers", type=int, default=2, help="for ShuffledBatches; 0: skip")
     parser.add_argument("--float32", action="store_true", help="convert every batch to float32")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -294,10 +300,13 @@ def time_cases(cases: dict[str, Callable[[], int]], repeats: int) -> dict[str, f
         run()
     seconds: dict[str, list[float]] = {name: [] for name in cases}
     items: dict[str, int] = {}
-    for _ in range(repeats):  # interleaved, so drift hits every case alike
-        for name, run in cases.items():
+    names = list(cases)
+    for repeat in range(repeats):
+        # Interleaved, so that drift hits every case alike, and every other repeat in
+        # reverse, so that no case always runs right after the same one.
+        for name in names if repeat % 2 == 0 else names[::-1]:
             start = time.perf_counter()
-            items[name] = run()
+            items[name] = cases[name]()
             seconds[name].append(time.perf_counter() - start)
     return {name: items[name] / statistics.median(times) for name, times in seconds.items()}
 
@@ -341,7 +350,7 @@ def bench(args: argparse.Namespace, path: Path) -> None:
             seen = 0
             for features, _ in loader:
                 seen += len(features)
-                if seen >= args.sampled:
+                if args.sampled is not None and seen >= args.sampled:
                     break
             dataset.close()  # a fresh handle each repeat: nothing is left in the cache
             return seen
@@ -393,7 +402,10 @@ def bench(args: argparse.Namespace, path: Path) -> None:
             name = f"ShuffledBatches, DataLoader {args.workers} workers"
             cases[name + NO_CHECKSUM] = with_workers(plain_dataset, batch, args.workers)
 
-    speed = time_cases(cases, args.repeats)
+    # Each case beside its twin without checksums, so that the two run in the same state.
+    order = [name for name in cases if not name.endswith(NO_CHECKSUM)]
+    order = [n for name in order for n in (name, name + NO_CHECKSUM) if n in cases]
+    speed = time_cases({name: cases[name] for name in order}, args.repeats)
     print(
         f"[{args.rows}, {args.dim}] {args.dtype} store with checksums, chunks of "
         f"{file_dataset.block_rows} rows, batch {batch}, "
