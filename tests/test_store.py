@@ -497,3 +497,29 @@ def test_info_on_a_partial_store_shows_no_planted_command(tmp_path):
         "resume     the extraction that made it (the command the store records is not a "
         "featcache extract command, so it is not shown)"
     ) in text
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ("--set model.factory=os:system", ["model.factory"]),
+        ("--set 'model.trust_remote_code=true'", ["model.trust_remote_code"]),
+        ("--set 'model={factory: os:system, kwargs: {}}'", ["model.factory"]),
+        ("--set model.trust_remote_code=false --set loader.batch_size=8", []),
+        ("--set loader.batch_size=8", []),
+    ],
+)
+def test_info_warns_of_a_resume_command_that_runs_code(tmp_path, overrides, named):
+    path, _ = write_store(tmp_path / "i.h5", 40, complete=False)
+    recorded = f"featcache extract /a/c.yaml {overrides}"
+    with h5py.File(partial_path(path), "r+") as f:
+        codec.write_attrs(f, {"resume_command": recorded})
+    text = CliRunner().invoke(app, ["info", str(path)]).stdout
+    assert "resume     featcache extract /a/c.yaml" in text
+    if named:
+        assert (
+            f"careful: this command sets {', '.join(named)}, so it runs code that the store "
+            "names; read it before you run it"
+        ) in text
+    else:
+        assert "careful" not in text

@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import yaml
+
 from featcache.store.lock import Holder, holder
 from featcache.store.paths import store_path_of
 from featcache.units import format_bytes
@@ -185,6 +187,12 @@ class StoreDescription:
             "featcache extract command, so it is not shown)"
         )
         lines.append(f"resume     {command}")
+        code = code_overrides(self.resume_command)
+        if code:
+            lines.append(
+                f"           careful: this command sets {', '.join(code)}, so it runs code "
+                "that the store names; read it before you run it"
+            )
         return lines
 
     def _labels_text(self) -> str:
@@ -237,6 +245,28 @@ def describe(store: FeatureStore) -> StoreDescription:
         writer=writer,
         tokens=None if offsets is None else int(offsets[-1]),
     )
+
+
+def code_overrides(command: str | None) -> list[str]:
+    """The config keys that the ``--set`` overrides of a shown resume ``command`` set to
+    run code (``model.factory``, ``model.trust_remote_code``); [] when none do. A store
+    records its command as text, so a store made elsewhere may plant one."""
+    words = shlex.split(command) if command else []
+    found: list[str] = []
+    for flag, item in zip(words, words[1:], strict=False):
+        if flag != "--set":
+            continue
+        key, _, text = item.partition("=")
+        key = key.strip()
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        if key == "model" and isinstance(value, dict):  # a whole section: model={...}
+            found += [f"model.{k}" for k in ("factory", "trust_remote_code") if value.get(k)]
+        elif key in ("model.factory", "model.trust_remote_code") and value:
+            found.append(key)
+    return found
 
 
 def shown_command(recorded: Any) -> str | None:
