@@ -233,3 +233,22 @@ def test_a_resumed_store_keeps_the_filters_it_was_created_with(tmp_path):
     resumed.close(complete=True)
     assert has_checksums(path) and scan_chunks(path) == []
     assert FeatureStore(path).read("a").sum() == 8
+
+
+def test_a_read_that_fails_twice_while_its_chunks_read_says_so_in_one_line(stores):
+    clean, _ = stores
+
+    def failing() -> None:
+        raise OSError("Can't synchronously read data (addr overflow, addr = 1, size = 2)")
+
+    with h5py.File(clean) as file:
+        layer2 = file["features/layer2"]
+        with pytest.raises(FeatcacheError) as caught:
+            read_or_explain(layer2, range(10, 18), failing)
+    message = str(caught.value)
+    assert not isinstance(caught.value, CorruptStoreError) and "\n" not in message
+    assert message == (
+        f"reading layer layer2 rows 10-17 of store {clean} failed twice (Can't synchronously "
+        "read data (addr overflow, addr = 1, size = 2)), though each chunk holding them "
+        f"reads on its own; check the store with featcache verify --quick {clean}"
+    )

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, TypeVar
 import h5py
 import numpy as np
 
-from featcache.errors import CorruptStoreError, first_line
+from featcache.errors import CorruptStoreError, FeatcacheError, first_line
 from featcache.store import codec
 from featcache.store.chunks import chunk_rows_of
 from featcache.store.fletcher import (
@@ -96,8 +96,8 @@ def read_or_explain(dataset: h5py.Dataset, rows: range, read: Callable[[], T]) -
 
     When every such chunk reads on its own, the failure was passing (a chunk rewritten by
     the writer of a store still being written, read halfway), and ``read()`` runs once
-    more; a second failure of it propagates. The read paths pay nothing until a read
-    fails.
+    more; a second failure of it raises :class:`FeatcacheError`, one line naming the
+    store, the rows and HDF5's reason. The read paths pay nothing until a read fails.
     """
     try:
         return read()
@@ -105,13 +105,22 @@ def read_or_explain(dataset: h5py.Dataset, rows: range, read: Callable[[], T]) -
         bad = _first_bad_chunk(dataset, rows)
         if bad is not None:
             raise corrupt_store_error(dataset, bad) from error
-    return read()
+    try:
+        return read()
+    except OSError as error:
+        what = _named(dataset.name.lstrip("/"))
+        where = span_text(dataset, rows.start, rows[-1] + 1) if rows else "no rows"
+        store = dataset.file.filename
+        raise FeatcacheError(
+            f"reading {what} {where} of store {store} failed twice ({first_line(error)}), "
+            "though each chunk holding them reads on its own; check the store with "
+            f"featcache verify --quick {store}"
+        ) from error
 
 
 def corrupt_store_error(dataset: h5py.Dataset, bad: BadChunk) -> CorruptStoreError:
     """The one-line error for the chunk ``bad`` of ``dataset``: store, dataset, rows, fix."""
-    key = bad.key
-    what = f"layer {key[len('features/') :]}" if key.startswith("features/") else f"dataset {key}"
+    what = _named(bad.key)
     one = bad.stop - bad.start == 1
     rows = span_text(dataset, bad.start, bad.stop)
     if dataset_has_checksum(dataset):
@@ -121,6 +130,11 @@ def corrupt_store_error(dataset: h5py.Dataset, bad: BadChunk) -> CorruptStoreErr
     return CorruptStoreError(
         f"store {dataset.file.filename} is corrupted: {what} {rows} {fails}; {FIX}"
     )
+
+
+def _named(key: str) -> str:
+    """A dataset of a store in words: ``layer <name>`` for a feature layer."""
+    return f"layer {key[len('features/') :]}" if key.startswith("features/") else f"dataset {key}"
 
 
 def span_text(dataset: h5py.Dataset, start: int, stop: int) -> str:
