@@ -34,10 +34,10 @@ from featcache.store.reader import (
     FeatureStore,
     StoreFile,
     read_rows,
-    read_runs,
     read_token_rows,
     row_numbers,
 )
+from featcache.store.rows import read_runs
 
 Features = torch.Tensor | dict[str, torch.Tensor]
 Batch = tuple[Features, torch.Tensor] | tuple[Features, torch.Tensor, torch.Tensor]

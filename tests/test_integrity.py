@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import featcache
-import featcache.store.reader as reader_module
+import featcache.store.rows as rows_module
 from featcache.dataset import FeatureDataset
 from featcache.errors import CorruptStoreError, FeatcacheError
 from featcache.store import (
@@ -182,7 +182,7 @@ def test_a_read_that_fails_where_every_chunk_reads_is_read_again(stores, monkeyp
 
     monkeypatch.setattr(h5py.Dataset, "__getitem__", torn)
     # HDF5 reads the labels itself, as it reads every dataset of a compressed store
-    monkeypatch.setattr(reader_module, "raw_chunks", lambda dataset: None)
+    monkeypatch.setattr(rows_module, "raw_chunks", lambda dataset: None)
     with FeatureStore(clean) as store:
         assert np.array_equal(store.labels, expected) and failures["left"] == 0
     with h5py.File(bad) as file:  # a chunk that fails every read is named

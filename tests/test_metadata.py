@@ -241,6 +241,42 @@ def test_rows_ids_and_labels_read_right_past_a_damaged_chunk_key(store):
     assert np.array_equal(damaged.index, want["index"]) and damaged.ids == want["ids"]
 
 
+def test_skip_records_read_right_past_a_damaged_chunk_key(tmp_path):
+    path = tmp_path / "s.h5"
+    writer = StoreWriter(path, 4004, ids_width=4, chunk_rows=4)
+    skipped = [{"index": 4 + i, "id": f"s{i}", "reason": f"unreadable {i}"} for i in range(4000)]
+    values = codec.to_numpy(codec.encode(torch.ones(4, 8), "float16"))
+    ids = ["0", "1", "2", "3"]
+    writer.append(np.arange(4), ids, np.zeros(4), {"a": values}, {"a": {}}, skipped=skipped)
+    writer.close(complete=True)
+    raw = bytearray(path.read_bytes())
+    with h5py.File(path, "r") as f:  # several chunks each: the last one's key is damaged
+        for name in ("index", "ids", "reasons"):
+            dataset = f[f"skipped/{name}"]
+            last = dataset.id.get_num_chunks() - 1
+            raw[_key_extent_byte(bytes(raw), dataset, chunk=last) + 3] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with h5py.File(path, "r") as f:  # HDF5 is misled
+        assert f["skipped/index"].chunks == (1000,) and not f["skipped/index"][3000:].any()
+        assert not any(f["skipped/reasons"][3500:])  # its last chunk: 500 records
+    assert FeatureStore(path).skipped == skipped
+
+
+def test_skip_records_in_variable_length_text_read_as_before(tmp_path):
+    """Stores written before skip records were fixed-length text hold them as h5py's
+    variable-length strings."""
+    path, skipped = _skipping_store(tmp_path / "old.h5")
+    with h5py.File(path, "r+") as f:
+        for name in ("ids", "reasons"):
+            texts = f[f"skipped/{name}"].asstr()[:]
+            del f[f"skipped/{name}"]
+            f["skipped"].create_dataset(name, data=texts, dtype=h5py.string_dtype(), chunks=True)
+        seal(f)
+    with h5py.File(path, "r") as f:
+        assert h5py.check_string_dtype(f["skipped/reasons"].dtype).length is None
+    assert FeatureStore(path).skipped == skipped
+
+
 def test_stores_with_variable_length_text_read_verify_and_copy_as_before(tmp_path):
     """Stores written before text attributes were fixed-length hold h5py's default
     variable-length strings: they read the same, and a copy stores fixed-length text."""

@@ -14,7 +14,7 @@ from featcache.errors import CorruptStoreError
 from featcache.store import FeatureStore, StoreWriter, codec, fletcher, read_rows
 from featcache.store import raw_chunks as raw_module
 from featcache.store.raw_chunks import raw_chunks
-from featcache.store.reader import read_runs
+from featcache.store.rows import read_runs
 
 
 def _store(path, rows=23, dtype="float16", checksum=True, compression=None):

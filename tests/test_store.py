@@ -32,7 +32,8 @@ from featcache.store import (
 from featcache.store import merge as store_merge
 from featcache.store import writer as store_writer
 from featcache.store.paths import replace_durably, shard_path, skipped_log_path
-from featcache.store.reader import DIRECT_READ_BYTES, StoreFile
+from featcache.store.reader import StoreFile
+from featcache.store.rows import DIRECT_READ_BYTES
 
 
 def write_store(path, rows=50, *, dtype="float16", dim=8, complete=True, seed=0, **options):

@@ -20,10 +20,11 @@ h5py afterwards reads as damaged until :func:`seal` records the edit.
 
 Modules: :mod:`.codec` (dtypes, bfloat16, attribute JSON), :mod:`.paths` (file names),
 :mod:`.chunks` (chunk sizes), :mod:`.writer` (:class:`StoreWriter`), :mod:`.resume`,
-:mod:`.skipped`, :mod:`.reader` (:class:`FeatureStore`, row reads), :mod:`.merge`
-(shards and copies), :mod:`.describe` (what ``featcache info`` shows), :mod:`.integrity`
-(chunk checksums: :func:`scan_chunks`, :func:`has_checksums`), :mod:`.metadata`
-(header checksums, attribute and chunk index digests: :func:`seal`).
+:mod:`.skipped`, :mod:`.reader` (:class:`FeatureStore`, row reads), :mod:`.rows` (row
+ranges read through :mod:`.raw_chunks`), :mod:`.merge` (shards and copies),
+:mod:`.describe` (what ``featcache info`` shows), :mod:`.integrity` (chunk checksums:
+:func:`scan_chunks`, :func:`has_checksums`), :mod:`.metadata` (header checksums,
+attribute and chunk index digests: :func:`seal`).
 """
 
 from featcache.store import codec

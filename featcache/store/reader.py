@@ -24,16 +24,13 @@ from featcache.store.paths import (
     skipped_log_path,
     store_path_of,
 )
-from featcache.store.raw_chunks import raw_chunks
+from featcache.store.rows import read_head, read_runs
 from featcache.store.skipped import read_log, read_skipped
 
 if TYPE_CHECKING:
     from featcache.store.describe import StoreDescription
 
 READ_CACHE_BYTES = 16 << 20  # HDF5 chunk cache per open dataset: holds several whole chunks
-# A run of rows at least this big is read straight into its destination (read_direct);
-# a smaller one through h5py's fast slice reader, whose calls cost several times less.
-DIRECT_READ_BYTES = 256 << 10
 
 Rows = slice | Sequence[int] | np.ndarray
 
@@ -227,7 +224,7 @@ class FeatureStore:
         """``[N + 1]`` int64 token offsets of the rows (None: no per-token layers)."""
         if "offsets" not in self.file:
             return None
-        return _read_head(self.file["offsets"], len(self) + 1)
+        return read_head(self.file["offsets"], len(self) + 1)
 
     @property
     def token_ids(self) -> np.ndarray | None:
@@ -235,7 +232,7 @@ class FeatureStore:
         offsets = self.offsets
         if offsets is None or "token_ids" not in self.file:
             return None
-        return _read_head(self.file["token_ids"], int(offsets[-1]))
+        return read_head(self.file["token_ids"], int(offsets[-1]))
 
     def read_tokens(self, layer: str, rows: Rows = slice(None)) -> tuple[torch.Tensor, np.ndarray]:
         """The tokens of ``rows`` of a per-token layer: ``(values, offsets)``.
@@ -287,17 +284,17 @@ class FeatureStore:
     @property
     def labels(self) -> np.ndarray | None:
         """``[N]`` int64 labels, or None when the source had none."""
-        return _read_head(self.file["labels"], len(self)) if self.has_labels else None
+        return read_head(self.file["labels"], len(self)) if self.has_labels else None
 
     @property
     def index(self) -> np.ndarray:
         """``[N]`` int64 position of each row in the source dataset."""
-        return _read_head(self.file["index"], len(self))
+        return read_head(self.file["index"], len(self))
 
     @property
     def ids(self) -> list[str]:
         """``N`` stable sample ids (relative file paths for image folders)."""
-        return [raw.decode("utf-8") for raw in _read_head(self.file["ids"], len(self))]
+        return [raw.decode("utf-8") for raw in read_head(self.file["ids"], len(self))]
 
     @property
     def attrs(self) -> dict[str, Any]:
@@ -422,49 +419,6 @@ def read_token_rows(
         counts = counts[order]
         starts = np.concatenate([[0], np.cumsum(counts)])
     return codec.decode(packed, codec.attr(dataset, "dtype", "")), starts.astype(np.int64)
-
-
-def read_runs(
-    dataset: h5py.Dataset, runs: Iterable[tuple[int, int]], out: np.ndarray, at: int = 0
-) -> None:
-    """Copy the row ranges ``[start, stop)`` of ``dataset`` into ``out``, one after the
-    other from row ``at``. ``out`` has the dataset's numpy dtype (``uint16`` for bfloat16:
-    :func:`~featcache.store.codec.as_array` of a bfloat16 tensor). A chunk that fails its
-    checksum raises :class:`~featcache.errors.CorruptStoreError` naming its rows."""
-    row_bytes = max(out.dtype.itemsize * int(np.prod(out.shape[1:], dtype=np.int64)), 1)
-    direct_rows = max(DIRECT_READ_BYTES // row_bytes, 1)
-    raw = raw_chunks(dataset)
-    for start, stop in runs:
-        rows = stop - start
-        try:
-            if raw is not None:
-                raw.read(dataset, start, stop, out[at : at + rows])
-            elif rows >= direct_rows:
-                dataset.read_direct(out, np.s_[start:stop], np.s_[at : at + rows])
-            else:
-                out[at : at + rows] = dataset[start:stop]
-        except OSError:  # read once more through HDF5, or have the bad chunk named
-            into = out[at : at + rows]
-            read_or_explain(
-                dataset,
-                range(start, stop),
-                functools.partial(_copy_rows, dataset, start, stop, into),
-            )
-        at += rows
-
-
-def _copy_rows(dataset: h5py.Dataset, start: int, stop: int, into: np.ndarray) -> None:
-    into[...] = dataset[start:stop]
-
-
-def _read_head(dataset: h5py.Dataset, rows: int) -> np.ndarray:
-    """The first ``rows`` rows of a 1-d dataset (labels, index, ids), read as the
-    features are: chunks found through HDF5's listing of the chunk index, not its lookup
-    by position, which a damaged key in the index's B-tree (the part the listing does not
-    report) sends astray, so that HDF5 reads such a chunk as never written."""
-    out = np.empty((rows,), dtype=dataset.dtype)
-    read_runs(dataset, [(0, rows)] if rows else [], out)
-    return out
 
 
 def _runs(rows: np.ndarray) -> Iterable[tuple[int, int]]:

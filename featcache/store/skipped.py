@@ -20,6 +20,7 @@ import numpy as np
 from featcache.store import codec
 from featcache.store.integrity import read_or_explain
 from featcache.store.paths import replace_durably
+from featcache.store.rows import read_head
 
 
 def write_skipped(f: h5py.File | h5py.Group, records: Sequence[Mapping[str, Any]]) -> None:
@@ -50,10 +51,15 @@ def read_skipped(f: h5py.File | h5py.Group) -> list[dict[str, Any]]:
     ]
 
 
-def _column(dataset: h5py.Dataset) -> np.ndarray:
-    """A whole dataset of the group, text (fixed or variable length) as ``str``."""
-    view = dataset if dataset.dtype.kind in "iu" else dataset.asstr()
-    return read_or_explain(dataset, range(len(dataset)), lambda: view[:])
+def _column(dataset: h5py.Dataset) -> np.ndarray | list[str]:
+    """A whole dataset of the group, text as ``str``. Read as the features are (see
+    :func:`~featcache.store.rows.read_head`), but for the variable-length text of stores
+    written before featcache stored text at a fixed length."""
+    if dataset.dtype.kind == "O":
+        text = dataset.asstr()
+        return list(read_or_explain(dataset, range(len(dataset)), lambda: text[:]))
+    values = read_head(dataset, len(dataset))
+    return values if dataset.dtype.kind in "iu" else [v.decode("utf-8") for v in values]
 
 
 def read_log(path: Path, before: int) -> list[dict[str, Any]]:
