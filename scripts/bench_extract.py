@@ -2,6 +2,8 @@
 
 Everything runs in this one process (peak-RSS cases in child processes of it), with a
 warm-up first, repeats interleaved so that drift hits every case alike, and medians.
+Each timed case starts after ``os.sync()``, so that none pays for writing back the files
+an earlier case left in the page cache.
 The process starts in the malloc state that a featcache run leaves behind
 (``featcache.memory.settle_thresholds``), so no case runs in a state that depends on
 which case ran before it.
@@ -51,6 +53,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -189,6 +192,7 @@ def timed(cases: dict[str, Callable[[], None]], repeats: int) -> dict[str, float
     seconds: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(repeats):
         for name, run in cases.items():
+            os.sync()  # no case pays for writing back what an earlier one left dirty
             start = time.perf_counter()
             run()
             seconds[name].append(time.perf_counter() - start)
