@@ -1,0 +1,162 @@
+"""A Hugging Face image processor as featcache preprocessing: a torchvision pipeline.
+
+A standard processor (transformers' torchvision backend, no steps of its own) becomes, in
+its own order: uint8 tensor -> resize (torchvision v2, antialiased: v1 rounds uint8
+differently) -> centre crop (offsets rounded down) -> fused rescale and normalise. Its
+output equals the processor's ``pixel_values`` (measured exactly equal on transformers
+5.23). Any other processor is refused with the fix: an explicit ``preprocess``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torchvision
+from torchvision import transforms as T
+from torchvision.transforms import functional as TF
+from torchvision.transforms import v2
+
+from featcache.errors import ConfigError
+from featcache.models.preprocess import Preprocessing
+
+# PIL resample numbers -> the modes transformers' torchvision backend resizes tensors with;
+# LANCZOS needs torchvision 0.27 (transformers falls back to bicubic before, as here).
+_LANCZOS_OK = tuple(int(n) for n in re.findall(r"\d+", torchvision.__version__)[:2]) >= (0, 27)
+_RESAMPLE = {
+    0: T.InterpolationMode.NEAREST_EXACT,
+    1: T.InterpolationMode.LANCZOS if _LANCZOS_OK else T.InterpolationMode.BICUBIC,
+    2: T.InterpolationMode.BILINEAR,
+    3: T.InterpolationMode.BICUBIC,
+}
+
+
+def processor_preprocessing(processor: Any) -> Preprocessing:
+    """A transformers image processor as a picklable torchvision pipeline and its sizes.
+
+    PIL RGB -> uint8 ``[3, H, W]`` -> resize (``size``: ``shortest_edge`` or
+    ``height``/``width``, antialiased, ``resample`` as a torchvision mode) -> centre crop
+    (``crop_size``, if ``do_center_crop``) -> float32 rescaled (``rescale_factor``) and
+    normalised (``image_mean``/``image_std``): the order and rounding of the processor.
+    """
+    cls = type(processor)
+    check_standard(processor)
+    steps: list[Callable[..., Any]] = [T.PILToTensor()]
+    decode_size = crop_size = None
+    if getattr(processor, "do_resize", False):
+        size = _size(processor, "size")
+        resample = getattr(processor, "resample", None)
+        if not isinstance(resample, T.InterpolationMode):
+            resample = _RESAMPLE.get(2 if resample is None else int(resample))
+        if resample is None:
+            raise ConfigError(
+                f"{cls.__name__} resizes with PIL resample {processor.resample!r}, which "
+                "featcache does not reproduce; set preprocess.resize/crop/mean/std explicitly"
+            )
+        if "shortest_edge" in size:
+            steps.append(v2.Resize(size["shortest_edge"], resample, antialias=True))
+            decode_size = size["shortest_edge"]
+        else:
+            steps.append(v2.Resize((size["height"], size["width"]), resample, antialias=True))
+            decode_size = size["height"] if size["height"] == size["width"] else None
+    if getattr(processor, "do_center_crop", False):
+        crop = _size(processor, "crop_size")
+        if "height" not in crop:
+            raise ConfigError(f"{cls.__name__}.crop_size {crop} has no height and width")
+        steps.append(CenterCrop(crop["height"], crop["width"]))
+        crop_size = crop["height"] if crop["height"] == crop["width"] else None
+    steps.append(
+        RescaleNormalize(
+            float(processor.rescale_factor) if getattr(processor, "do_rescale", False) else None,
+            _triple(processor.image_mean) if getattr(processor, "do_normalize", False) else None,
+            _triple(processor.image_std) if getattr(processor, "do_normalize", False) else None,
+        )
+    )
+    return Preprocessing(T.Compose(steps), decode_size, crop_size)
+
+
+class CenterCrop:
+    """Centre crop of a ``[C, H, W]`` tensor with transformers' offsets (rounded down).
+
+    torchvision rounds half offsets to even; a one pixel shift would break equality.
+    """
+
+    def __init__(self, height: int, width: int) -> None:
+        self.height, self.width = height, width
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        h, w = image.shape[-2:]
+        if self.height > h or self.width > w:  # padded, as both libraries do
+            return TF.center_crop(image, [self.height, self.width])
+        top, left = int((h - self.height) / 2.0), int((w - self.width) / 2.0)
+        return image[..., top : top + self.height, left : left + self.width]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(height={self.height}, width={self.width})"
+
+
+class RescaleNormalize:
+    """uint8 ``[3, H, W]`` -> float32 ``(x * scale - mean) / std``, fused as transformers does.
+
+    With both, ``(x - mean / scale) / (std / scale)``; ``None`` skips a step.
+    """
+
+    def __init__(
+        self,
+        scale: float | None,
+        mean: tuple[float, float, float] | None,
+        std: tuple[float, float, float] | None,
+    ) -> None:
+        self.scale, self.mean, self.std = scale, mean, std
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        x = image.to(torch.float32)
+        if self.mean is None or self.std is None:
+            return x * self.scale if self.scale is not None else x
+        mean, std = torch.tensor(self.mean), torch.tensor(self.std)
+        if self.scale is not None:
+            mean, std = mean * (1.0 / self.scale), std * (1.0 / self.scale)
+        return TF.normalize(x, mean.tolist(), std.tolist())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(scale={self.scale}, mean={self.mean}, std={self.std})"
+
+
+def check_standard(processor: Any) -> None:
+    """Refuse processors with steps of their own (ConvNeXt's crop_pct, padding, tiling)."""
+    from transformers.image_processing_backends import TorchvisionBackend
+
+    cls = type(processor)
+    own = [
+        method
+        for method in ("_preprocess", "resize", "center_crop", "rescale_and_normalize")
+        if getattr(cls, method, None) is not getattr(TorchvisionBackend, method)
+    ]
+    if not issubclass(cls, TorchvisionBackend):
+        own = ["a backend other than torchvision's"]
+    elif getattr(processor, "do_pad", False):
+        own.append("padding")
+    if own:
+        raise ConfigError(
+            f"{cls.__name__} preprocesses in its own way ({', '.join(own)}), which featcache "
+            "does not reproduce; set preprocess.resize/crop/mean/std explicitly"
+        )
+
+
+def _size(processor: Any, attribute: str) -> dict[str, int]:
+    size = {k: v for k, v in dict(getattr(processor, attribute)).items() if v is not None}
+    if set(size) not in ({"shortest_edge"}, {"height", "width"}):
+        raise ConfigError(
+            f"{type(processor).__name__}.{attribute} {size} is not a shortest_edge or a "
+            "height and width, which featcache reproduces; set preprocess explicitly"
+        )
+    return size
+
+
+def _triple(values: Any) -> tuple[float, float, float]:
+    if isinstance(values, (int, float)):
+        return (float(values),) * 3
+    a, b, c = (float(v) for v in values)
+    return a, b, c
