@@ -161,35 +161,9 @@ def layers(
     ] = False,
 ) -> None:
     """List module names, types and per-sample output shapes, to choose layers from."""
-    from featcache.layers import describe_layers, text_example
-    from featcache.models import build_backbone, build_preprocessing
-    from featcache.spec import ModelSpec, PreprocessSpec, load_config
+    from featcache.models import backbone_layers
 
-    if model_or_config.endswith((".yaml", ".yml")) or Path(model_or_config).is_file():
-        spec = load_config(model_or_config)
-        model_spec, preprocess = spec.model, spec.preprocess
-        text = text or spec.data.inputs == "text"
-    else:
-        model_spec, preprocess = ModelSpec(name=model_or_config), PreprocessSpec()
-    example, size = None, 0
-    if text:
-        backbone = build_backbone(model_spec, preprocess, inputs="text")
-        example = text_example(backbone.tokenizer)
-        shown = f"input {example['input_ids'].shape[1]} tokens"
-    else:
-        seen = build_preprocessing(model_spec, preprocess)  # the size the model expects
-        size = input_size or seen.crop_size or seen.decode_size or 224
-        if size < 1:
-            raise ConfigError("--input-size must be at least 1")
-        backbone = build_backbone(model_spec, preprocess)
-        shown = f"input {size}px"
-    found = describe_layers(
-        backbone.model,
-        input_size=size,
-        prefix_tokens=backbone.prefix_tokens,
-        sequence_first=backbone.sequence_first,
-        example=example,
-    )
+    found, shown = backbone_layers(model_or_config, input_size=input_size, text=text)
     rows = [info for info in found if all_ or info.output != "-"]
     width = max(len(info.name) for info in rows)
     type_width = max(len(info.type) for info in rows)

@@ -358,3 +358,21 @@ def test_resnet56_real_weights_load_strictly(cifar_test_images):
     acc = accuracy(backbone, *cifar_test_images)
     print(f"resnet56 accuracy on {len(cifar_test_images[1])} CIFAR-10 JPEG test images: {acc:.3f}")
     assert acc > 0.70
+
+
+def test_backbone_layers_probes_a_named_model_or_a_configs(tmp_path):
+    from featcache.models import backbone_layers
+
+    layers, shown = backbone_layers("resnet18", input_size=32)
+    by_name = {info.name: info for info in layers}
+    assert shown == "input 32px"
+    assert by_name["layer4"].output == "[512, 1, 1]" and by_name["fc"].output == "[1000]"
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "model: {name: resnet18}\nlayers: [layer1]\n"
+        "data: {source: synthetic, splits: [train]}\npreprocess: {crop: 40}\n"
+    )
+    layers, shown = backbone_layers(str(config))  # the config's crop sizes the probe
+    assert shown == "input 40px" and {i.name: i for i in layers}["layer1"].output == "[64, 10, 10]"
+    with pytest.raises(ConfigError, match="input_size -3 is not a probe image side"):
+        backbone_layers("resnet18", input_size=-3)

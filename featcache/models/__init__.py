@@ -6,7 +6,12 @@ The built-in kinds are registered below, in one list; a new kind (``timm``, ``hf
 
 from __future__ import annotations
 
-from featcache.models.backbone import Backbone, build_backbone, build_preprocessing
+from featcache.models.backbone import (
+    Backbone,
+    backbone_layers,
+    build_backbone,
+    build_preprocessing,
+)
 from featcache.models.checkpoint import load_checkpoint
 from featcache.models.factory import FactoryKind, import_factory
 from featcache.models.hf import HFKind
@@ -52,6 +57,7 @@ __all__ = [
     "TimmKind",
     "Tokenizer",
     "TorchvisionKind",
+    "backbone_layers",
     "build_backbone",
     "build_preprocessing",
     "build_transform",

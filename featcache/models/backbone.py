@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import KW_ONLY, dataclass
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from featcache.errors import ConfigError
+from featcache.layers import LayerInfo, describe_layers, text_example
 from featcache.models.checkpoint import apply_checkpoint
 from featcache.models.preprocess import Preprocessing, Transform, spec_preprocessing
 from featcache.models.registry import (
@@ -33,7 +35,7 @@ from featcache.models.registry import (
     kind_for,
     refuse_text,
 )
-from featcache.spec import ModelSpec, PreprocessSpec
+from featcache.spec import ModelSpec, PreprocessSpec, load_config
 from featcache.validation import check
 
 
@@ -121,3 +123,47 @@ def build_preprocessing(model: ModelSpec, preprocess: PreprocessSpec) -> Preproc
     check(model, "model")
     kind, ref = kind_for(model)
     return kind.preprocessing(ref, model, preprocess)
+
+
+def backbone_layers(
+    model_or_config: str, *, input_size: int | None = None, text: bool = False
+) -> tuple[list[LayerInfo], str]:
+    """The modules of the model that ``model_or_config`` names, to choose layers from.
+
+    ``model_or_config`` is a model name (``resnet50``, ``timm:vit_small_patch16_224``,
+    ``hf:<repo or folder>``, ``open_clip:<architecture>``) or a YAML config file. One probe
+    batch runs through the model: a square image of side ``input_size`` (default: the
+    size the model's preprocessing gives, else 224), or with ``text`` (or a config whose
+    data is text) a short text through the model's tokenizer. Returns a
+    :class:`~featcache.layers.LayerInfo` per module (output ``"-"`` for those the forward
+    never called) and the probe input in words (``"input 224px"``, ``"input 12 tokens"``).
+    """
+    if model_or_config.endswith((".yaml", ".yml")) or Path(model_or_config).is_file():
+        spec = load_config(model_or_config)
+        model, preprocess = spec.model, spec.preprocess
+        text = text or spec.data.inputs == "text"
+    else:
+        model, preprocess = ModelSpec(name=model_or_config), PreprocessSpec()
+    if text:
+        backbone = build_backbone(model, preprocess, inputs="text")
+        example = text_example(backbone.tokenizer)
+        layers = describe_layers(
+            backbone.model,
+            input_size=0,
+            prefix_tokens=backbone.prefix_tokens,
+            sequence_first=backbone.sequence_first,
+            example=example,
+        )
+        return layers, f"input {example['input_ids'].shape[1]} tokens"
+    seen = build_preprocessing(model, preprocess)  # the size the model expects
+    size = input_size or seen.crop_size or seen.decode_size or 224
+    if size < 1:
+        raise ConfigError(f"input_size {size} is not a probe image side; give 1 pixel or more")
+    backbone = build_backbone(model, preprocess)
+    layers = describe_layers(
+        backbone.model,
+        input_size=size,
+        prefix_tokens=backbone.prefix_tokens,
+        sequence_first=backbone.sequence_first,
+    )
+    return layers, f"input {size}px"
