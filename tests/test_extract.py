@@ -64,6 +64,23 @@ def test_stored_features_equal_direct_computation(resnet18, images, tmp_path):
         torch.testing.assert_close(got, value, rtol=1e-4, atol=1e-5, msg=key)
 
 
+def test_the_store_returned_is_not_checked_again(resnet18, images, tmp_path, monkeypatch):
+    """The store extract returns was sealed a moment before by this process: opening it
+    costs nothing more, and reads as a store opened anew does."""
+    import featcache.store.reader as reader_module
+
+    checks = []
+    original = reader_module.metadata_problem
+    monkeypatch.setattr(
+        reader_module, "metadata_problem", lambda f: checks.append(f) or original(f)
+    )
+    store = featcache.extract(resnet18, images, ["layer1"], tmp_path / "f.h5", progress=False)
+    assert checks == [] and store.complete and len(store) == len(images)
+    again = FeatureStore(tmp_path / "f.h5")
+    assert len(checks) == 1 and torch.equal(store.read("layer1"), again.read("layer1"))
+    assert store.ids == again.ids and repr(store) == repr(again)
+
+
 @pytest.mark.parametrize(
     "dtype, torch_dtype", [("float16", torch.float16), ("bfloat16", torch.bfloat16)]
 )

@@ -259,7 +259,7 @@ def _extract(
             f"{writer.skipped[0]['reason']}); the store lists them under /skipped",
             stacklevel=2,
         )
-    return FeatureStore(path)
+    return FeatureStore.just_sealed(path)
 
 
 def _plan(

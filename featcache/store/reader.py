@@ -157,6 +157,17 @@ class FeatureStore:
             self.close()
             raise CorruptStoreError(f"store {self.path} is damaged: {problem}; {FIX}")
 
+    @classmethod
+    def just_sealed(cls, path: str | os.PathLike) -> FeatureStore:
+        """The complete store this process has just written and sealed at ``path`` (while
+        holding its writer lock), opened without checking its metadata against the
+        digests recorded a moment ago: what :func:`featcache.extract` returns."""
+        store = cls.__new__(cls)
+        store.path = Path(path)
+        store._handle = StoreFile(store.path)
+        _ = store.file  # opened now, as __init__ does: a later move of the file is no matter
+        return store
+
     @property
     def file(self) -> h5py.File:
         """The open ``h5py.File`` for this process (read-only)."""
