@@ -165,7 +165,7 @@ class FeatureStore:
         store = cls.__new__(cls)
         store.path = Path(path)
         store._handle = StoreFile(store.path)
-        _ = store.file  # opened now, as __init__ does: a later move of the file is no matter
+        _ = store.file  # opened now, as __init__ opens it: moving the file later changes nothing
         return store
 
     @property

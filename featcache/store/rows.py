@@ -51,10 +51,10 @@ def _copy_rows(dataset: h5py.Dataset, start: int, stop: int, into: np.ndarray) -
 
 
 def read_head(dataset: h5py.Dataset, rows: int) -> np.ndarray:
-    """The first ``rows`` rows of a 1-d dataset (labels, index, ids), read as the
-    features are: chunks found through HDF5's listing of the chunk index, not its lookup
-    by position, which a damaged key in the index's B-tree (the part the listing does not
-    report) sends astray, so that HDF5 reads such a chunk as never written."""
+    """The first ``rows`` rows of a 1-d dataset (labels, index, ids, skip records), read
+    as the features are: chunks found through HDF5's listing of the chunk index, not its
+    lookup by position, which a damaged key in the index's B-tree (the part the listing
+    does not report) sends astray, so that HDF5 reads such a chunk as never written."""
     out = np.empty((rows,), dtype=dataset.dtype)
     read_runs(dataset, [(0, rows)] if rows else [], out)
     return out
