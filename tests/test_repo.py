@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,3 +80,31 @@ def test_text_config_selects_its_layers_on_a_minilm_shaped_bert():
     )
     model = transformers.BertModel(config)
     assert [tap.key for tap in resolve_taps(model, spec.layers)] == ["sentence", "tokens"]
+
+
+def test_ci_fails_when_any_step_of_the_test_command_fails(tmp_path):
+    """Under ``set -e``, bash goes on after a failure inside an ``&&`` list: an install
+    that fails must still fail CI, even when the checks after it would pass."""
+    repo = tmp_path / "repo"
+    (repo / ".ci").mkdir(parents=True)
+    shutil.copy(REPO / ".ci" / "run", repo / ".ci" / "run")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # A python3 whose venv holds a python that fails to install, and lint tools that pass.
+    fake = bin_dir / "python3"
+    fake.write_text(
+        "#!/bin/sh\n"
+        "mkdir -p .venv/bin\n"
+        "printf '#!/bin/sh\\nexit 3\\n' > .venv/bin/python\n"
+        "for tool in ruff mypy; do printf '#!/bin/sh\\nexit 0\\n' > .venv/bin/$tool; done\n"
+        "chmod +x .venv/bin/*\n"
+    )
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    bash = shutil.which("bash")
+    assert bash is not None
+    done = subprocess.run(
+        [bash, str(repo / ".ci" / "run")], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 3, done.stderr
+    assert "ci: the README's test command failed (exit 3)" in done.stderr
