@@ -51,9 +51,11 @@ bare eager forward, ``vs best`` against the fastest bare loop at the same depth:
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -95,6 +97,13 @@ class RandomImages(Dataset):
     def __getitem__(self, i: int):
         g = torch.Generator().manual_seed(i)
         return torch.randn(3, self.size, self.size, generator=g), 0
+
+
+def scratch(prefix: str) -> Path:
+    """A temporary folder for a part's files, removed when the script exits."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def truncated(model: nn.Module, layer: str) -> nn.Module:
@@ -206,7 +215,7 @@ def throughput(
     model = torchvision.models.get_model(model_name, weights=None).eval()
     data = torch.randn(images, 3, size, size)
     dataset = TensorDataset(data, torch.zeros(images, dtype=torch.long))
-    folder = Path(tempfile.mkdtemp(prefix="featcache-bench-"))
+    folder = scratch("featcache-bench-")
     cases: dict[str, Callable[[], None]] = {
         "bare eager forward, default layout": lambda: bare(model, data, batch, False),
         "bare forward, channels_last": lambda: bare(model, data, batch, True),
@@ -295,7 +304,7 @@ def creation_cost(folder: Path, rows: int = 40_000) -> None:
 
 
 RSS_CHILD = """
-import json, sys, tempfile
+import json, shutil, sys, tempfile
 from pathlib import Path
 sys.path.insert(0, {scripts!r})
 import torch
@@ -320,6 +329,7 @@ if approach == "featcache":
 else:
     hooks_to_lists(model, DataLoader(data, batch_size=64), "layer3", folder / "s.h5")
 peak = status_kb("VmHWM")
+shutil.rmtree(folder)
 print(json.dumps({{"extra_mb": (peak - base) / 1024}}))
 """
 
@@ -354,7 +364,7 @@ def jpeg_pipeline(repeats: int, batch: int) -> None:
     from featcache.sources import build_source
     from featcache.spec import DataSpec, PreprocessSpec
 
-    folder = Path(tempfile.mkdtemp(prefix="featcache-jpeg-"))
+    folder = scratch("featcache-jpeg-")
     with tarfile.open(archive) as tar:
         tar.extractall(folder, filter="data")
     root = folder / "photos" / "all"  # train and val photos together, by class
@@ -470,7 +480,7 @@ def timm_throughput(reference: str, images: int, size: int, batch: int, repeats:
     model = build_backbone(spec, PreprocessSpec()).model.eval()
     data = torch.randn(images, 3, size, size)
     dataset = TensorDataset(data, torch.zeros(images, dtype=torch.long))
-    folder = Path(tempfile.mkdtemp(prefix="featcache-bench-"))
+    folder = scratch("featcache-bench-")
     depth = len(model.blocks)
     cases: dict[str, Callable[[], None]] = {
         "bare forward": lambda: timed_forward(model, data, batch),
@@ -553,7 +563,7 @@ def text_throughput(count: int, batch: int, repeats: int) -> None:
             for inputs in padded:
                 model(**inputs)
 
-    folder = Path(tempfile.mkdtemp(prefix="featcache-bench-"))
+    folder = scratch("featcache-bench-")
     last = f"encoder.layer.{config.num_hidden_layers - 1}"
     mean = {"name": last, "reduce": "mean", "key": "mean"}
 
