@@ -144,26 +144,21 @@ def backbone_layers(
         text = text or spec.data.inputs == "text"
     else:
         model, preprocess = ModelSpec(name=model_or_config), PreprocessSpec()
-    if text:
-        backbone = build_backbone(model, preprocess, inputs="text")
-        example = text_example(backbone.tokenizer)
-        layers = describe_layers(
-            backbone.model,
-            input_size=0,
-            prefix_tokens=backbone.prefix_tokens,
-            sequence_first=backbone.sequence_first,
-            example=example,
-        )
-        return layers, f"input {example['input_ids'].shape[1]} tokens"
-    seen = build_preprocessing(model, preprocess)  # the size the model expects
-    size = input_size or seen.crop_size or seen.decode_size or 224
-    if size < 1:
-        raise ConfigError(f"input_size {size} is not a probe image side; give 1 pixel or more")
-    backbone = build_backbone(model, preprocess)
+    size = 0  # the probe is a text, not an image
+    if not text:
+        seen = build_preprocessing(model, preprocess)  # the size the model expects
+        size = input_size or seen.crop_size or seen.decode_size or 224
+        if size < 1:
+            raise ConfigError(f"input_size {size} is not a probe image side; give 1 pixel or more")
+    backbone = build_backbone(model, preprocess, inputs="text" if text else "image")
+    example = text_example(backbone.tokenizer) if text else None
     layers = describe_layers(
         backbone.model,
         input_size=size,
         prefix_tokens=backbone.prefix_tokens,
         sequence_first=backbone.sequence_first,
+        example=example,
     )
+    if example is not None:
+        return layers, f"input {example['input_ids'].shape[1]} tokens"
     return layers, f"input {size}px"

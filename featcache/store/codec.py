@@ -18,7 +18,7 @@ text as ``str`` whichever way it was stored.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import h5py
@@ -123,10 +123,20 @@ def set_attr(target: HDF5Object, key: str, value: Any) -> None:
     target.attrs[key] = text_attr(value) if isinstance(value, str) else value
 
 
+def copy_attrs(source: HDF5Object, target: HDF5Object, skip: Collection[str] = ()) -> None:
+    """Copy every attribute of ``source`` but those in ``skip`` to ``target``, as
+    :func:`set_attr` writes them (text written variable-length before becomes fixed)."""
+    for key, value in source.attrs.items():
+        if key not in skip:
+            set_attr(target, key, value)
+
+
 def write_attrs(target: HDF5Object, attrs: Mapping[str, Any]) -> None:
-    """Write attributes, JSON-encoding those listed in :data:`JSON_ATTRS`."""
+    """Write attributes as :func:`set_attr` does, JSON-encoding the file's ones listed in
+    :data:`JSON_ATTRS` (as :func:`read_attrs` decodes them)."""
+    json_attrs = JSON_ATTRS if _is_file(target) else frozenset()
     for key, value in attrs.items():
-        set_attr(target, key, json.dumps(value) if key in JSON_ATTRS else value)
+        set_attr(target, key, json.dumps(value) if key in json_attrs else value)
 
 
 def attr(source: HDF5Object, key: str, default: Any = None) -> Any:

@@ -43,9 +43,7 @@ def copy_store(
     target = Path(target)
     tmp = target.with_name(target.name + ".copying")
     with h5py.File(source, "r") as src, h5py.File(tmp, "w", libver=LIBVER) as dst:
-        for key, value in src.attrs.items():
-            if key not in drop and key != DIGEST_ATTR:
-                codec.set_attr(dst, key, value)
+        codec.copy_attrs(src, dst, skip={*drop, DIGEST_ATTR})
         objects = list(_walk(src))
         total = sum(o.size * o.dtype.itemsize for _, o in objects if isinstance(o, h5py.Dataset))
         with tqdm(
@@ -99,8 +97,7 @@ def _copy_dataset(
             block = read_or_explain(obj, rows_read, read)
             out[start : start + len(block)] = block
             bar.update(block.nbytes)
-    for key, value in obj.attrs.items():
-        codec.set_attr(out, key, value)
+    codec.copy_attrs(obj, out)
 
 
 def combine_shards(
@@ -124,10 +121,7 @@ def combine_shards(
         tmp = path.with_name(path.name + ".combining")
         with h5py.File(tmp, "w", libver=LIBVER) as out:
             _combine(out, shards, opened, path.parent)
-            first = opened[0].attrs
-            for key, value in first.items():
-                if key not in ("resume_key", DIGEST_ATTR):
-                    codec.set_attr(out, key, value)
+            codec.copy_attrs(opened[0], out, skip=("resume_key", DIGEST_ATTR))
             rows = sum(int(f.attrs["num_rows"]) for f in opened)
             seconds = max(float(f.attrs.get("seconds", 0.0)) for f in opened)
             # The rows each shard's last run computed (fewer than it holds after a resume).
@@ -189,9 +183,8 @@ def _combine(
             layout[offset : offset + n] = h5py.VirtualSource(source, name, shape=f[name].shape)
             offset += n
         dataset = out.create_virtual_dataset(name, layout)
-        for key, value in first.attrs.items():
-            if key != CHUNKS_ATTR:  # shard 0's chunk index is not this dataset's
-                codec.set_attr(dataset, key, value)
+        # Shard 0's chunk index is not this dataset's.
+        codec.copy_attrs(first, dataset, skip=(CHUNKS_ATTR,))
     records = [record for f in opened for record in read_skipped(f)]
     if records:
         write_skipped(out, records)

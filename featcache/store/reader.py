@@ -24,7 +24,7 @@ from featcache.store.paths import (
     skipped_log_path,
     store_path_of,
 )
-from featcache.store.rows import read_head, read_runs
+from featcache.store.rows import read_head, read_runs, read_text_head
 from featcache.store.skipped import read_log, read_skipped
 
 if TYPE_CHECKING:
@@ -305,7 +305,7 @@ class FeatureStore:
     @property
     def ids(self) -> list[str]:
         """``N`` stable sample ids (relative file paths for image folders)."""
-        return [raw.decode("utf-8") for raw in read_head(self.file["ids"], len(self))]
+        return read_text_head(self.file["ids"], len(self))
 
     @property
     def attrs(self) -> dict[str, Any]:

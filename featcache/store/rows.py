@@ -58,3 +58,9 @@ def read_head(dataset: h5py.Dataset, rows: int) -> np.ndarray:
     out = np.empty((rows,), dtype=dataset.dtype)
     read_runs(dataset, [(0, rows)] if rows else [], out)
     return out
+
+
+def read_text_head(dataset: h5py.Dataset, rows: int) -> list[str]:
+    """:func:`read_head` of a dataset of fixed-length UTF-8 text (ids, skip records), as
+    ``str``."""
+    return [raw.decode("utf-8") for raw in read_head(dataset, rows)]

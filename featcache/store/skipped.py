@@ -20,7 +20,7 @@ import numpy as np
 from featcache.store import codec
 from featcache.store.integrity import read_or_explain
 from featcache.store.paths import replace_durably
-from featcache.store.rows import read_head
+from featcache.store.rows import read_head, read_text_head
 
 
 def write_skipped(f: h5py.File | h5py.Group, records: Sequence[Mapping[str, Any]]) -> None:
@@ -58,8 +58,9 @@ def _column(dataset: h5py.Dataset) -> np.ndarray | list[str]:
     if dataset.dtype.kind == "O":
         text = dataset.asstr()
         return list(read_or_explain(dataset, range(len(dataset)), lambda: text[:]))
-    values = read_head(dataset, len(dataset))
-    return values if dataset.dtype.kind in "iu" else [v.decode("utf-8") for v in values]
+    if dataset.dtype.kind in "iu":
+        return read_head(dataset, len(dataset))
+    return read_text_head(dataset, len(dataset))
 
 
 def read_log(path: Path, before: int) -> list[dict[str, Any]]:

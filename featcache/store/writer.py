@@ -169,9 +169,7 @@ class StoreWriter:
                 group, key, (length, *shape), codec.numpy_dtype(self.dtype), chunk, self.checksum
             )
             layout = {"layout": "tokens"} if key in ragged else {}
-            attrs = dict(feature_attrs.get(key, {}), dtype=self.dtype, **layout)
-            for attr, value in attrs.items():
-                codec.set_attr(dataset, attr, value)
+            codec.write_attrs(dataset, dict(feature_attrs.get(key, {}), dtype=self.dtype, **layout))
 
     def _meta_dtypes(self) -> dict[str, Any]:
         dtypes = {"index": np.int64, "ids": h5py.string_dtype("utf-8", self.ids_width)}
