@@ -29,8 +29,6 @@ UNCONDITIONAL_OPS: dict[str, str] = {
     "qnms": "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
 }
 
-_declared: list[torch.library.Library] = []
-
 
 def _has_schema(name: str) -> bool:
     try:
@@ -68,14 +66,14 @@ def torchvision_extension_loads() -> bool:
 def declare_torchvision_ops() -> list[str]:
     """Declare the schemas of :data:`UNCONDITIONAL_OPS` that do not exist yet.
 
-    Returns the names declared (empty when all were already there).
+    Returns the names declared (empty when all were already there). The declarations
+    live as long as the process: ``torch.library.define`` without a ``lib`` keeps its
+    library alive inside torch, whereas a ``Library`` held by this module would remove
+    the ops when garbage-collected, for instance after the module is reloaded.
     """
     missing = [name for name in UNCONDITIONAL_OPS if not _has_schema(name)]
-    if missing:
-        lib = torch.library.Library("torchvision", "FRAGMENT")
-        for name in missing:
-            lib.define(name + UNCONDITIONAL_OPS[name])
-        _declared.append(lib)  # a Library deregisters its ops when garbage-collected
+    for name in missing:
+        torch.library.define(f"torchvision::{name}", UNCONDITIONAL_OPS[name])
     return missing
 
 

@@ -64,3 +64,27 @@ def test_without_the_fix_torchvision_import_fails_when_extension_is_broken():
         result = _python("import torchvision")
         assert result.returncode != 0
         assert "torchvision::nms does not exist" in result.stderr
+
+
+def test_declared_ops_outlive_the_module_that_declared_them():
+    # Forgetting featcache's modules (a reload, or tests that re-import modules one by
+    # one) and collecting them must not take the declarations with them: torchvision is
+    # already imported and looks the ops up again when its submodules load.
+    code = (
+        "import gc, importlib, sys, torch\n"
+        "importlib.import_module('featcache._compat').ensure_torchvision_importable()\n"
+        "import torchvision\n"
+        "for _ in range(2):\n"
+        "    for name in [m for m in sys.modules if m.split('.')[0] == 'featcache']:\n"
+        "        del sys.modules[name]\n"
+        "    gc.collect()\n"
+        "    importlib.import_module('featcache._compat').ensure_torchvision_importable()\n"
+        "for name in [m for m in sys.modules if m.split('.')[0] == 'featcache']:\n"
+        "    del sys.modules[name]\n"
+        "gc.collect()\n"
+        "print([str(torch._C._get_schema(f'torchvision::{n}', '')) for n in ('nms', 'qnms')])\n"
+        "import torchvision.ops\n"
+    )
+    result = _python(code)
+    assert result.returncode == 0, result.stderr
+    assert "torchvision::nms(" in result.stdout and "torchvision::qnms(" in result.stdout
