@@ -1,10 +1,11 @@
 """Shuffled reading: FeatureDataset against in-memory indexing and per-row h5py, in one process.
 
-Writes a ``[rows, dim]`` store with featcache's own writer (one layer, ~1 MiB chunks) in
-a temporary folder, then times one shuffled pass over it in batches of ``--batch`` rows
-for each case, warm-up first, the cases interleaved over ``--repeats`` repeats (every
-other one in reverse order), medians reported. The file is in the page cache (just
-written), so the figures measure the reading machinery, not the disk. Cases:
+Writes a ``[rows, dim]`` store with featcache's own writer (one layer, chunks of ~1 MiB or
+of ``--chunk-rows`` rows) in a temporary folder, then times one shuffled pass over it in
+batches of ``--batch`` rows for each case, warm-up first, the cases interleaved over
+``--repeats`` repeats (every other one in reverse order), medians reported. The file is
+in the page cache (just written), so the figures measure the reading machinery, not the
+disk. Cases:
 
 * in-memory tensor ``x[idx]``: the whole array in memory, indexed with a random batch of
   row numbers; the baseline (1.00x). ``x.index_select(0, idx)``, the fastest torch
@@ -93,10 +94,20 @@ NO_CHECKSUM = ", no checksum"  # suffix of the cases on the store without checks
 LATER_EPOCHS = "FeatureDataset.batches, later epochs, one handle"
 
 
-def write_store(path: Path, rows: int, dim: int, dtype: str, checksum: bool = True) -> None:
-    """A one-layer store ``x`` of standard normal rows, labels ``row % 10``."""
+def write_store(
+    path: Path,
+    rows: int,
+    dim: int,
+    dtype: str,
+    checksum: bool = True,
+    chunk_rows: int | None = None,
+) -> None:
+    """A one-layer store ``x`` of standard normal rows, labels ``row % 10``; chunks of
+    ``chunk_rows`` rows (None: featcache's ~1 MiB)."""
     rng = np.random.default_rng(0)
-    writer = StoreWriter(path, rows, ids_width=8, dtype=dtype, checksum=checksum)
+    writer = StoreWriter(
+        path, rows, ids_width=8, dtype=dtype, checksum=checksum, chunk_rows=chunk_rows
+    )
     for start in range(0, rows, 4096):
         stop = min(start + 4096, rows)
         index = np.arange(start, stop)
@@ -156,6 +167,9 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--dtype", default="float16", choices=["float16", "float32", "bfloat16"])
     parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument(
+        "--chunk-rows", type=int, default=None, help="rows per chunk (default: about 1 MiB)"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--per-row", type=int, default=5000, help="rows read one at a time")
     parser.add_argument(
@@ -239,10 +253,10 @@ def in_memory_case(memory: torch.Tensor, batch: int, float32: bool) -> Callable[
 
 def bench_read_ahead(args: argparse.Namespace, folder: Path) -> None:
     stores = {"checksums": folder / "summed.h5"}
-    write_store(stores["checksums"], args.rows, args.dim, args.dtype)
+    write_store(stores["checksums"], args.rows, args.dim, args.dtype, chunk_rows=args.chunk_rows)
     if args.checksum_cost:
         stores["no checksum"] = folder / "plain.h5"
-        write_store(stores["no checksum"], args.rows, args.dim, args.dtype, checksum=False)
+        write_store(stores["no checksum"], args.rows, args.dim, args.dtype, False, args.chunk_rows)
     weights = torch.randn(args.dim, 10)
 
     def epoch(path: Path, read_ahead: bool, step: bool) -> Callable[[], float]:
@@ -312,10 +326,10 @@ def time_cases(cases: dict[str, Callable[[], int]], repeats: int) -> dict[str, f
 
 
 def bench(args: argparse.Namespace, path: Path) -> None:
-    write_store(path, args.rows, args.dim, args.dtype)
+    write_store(path, args.rows, args.dim, args.dtype, chunk_rows=args.chunk_rows)
     plain = path.with_name("plain.h5")
     if args.checksum_cost:
-        write_store(plain, args.rows, args.dim, args.dtype, checksum=False)
+        write_store(plain, args.rows, args.dim, args.dtype, False, args.chunk_rows)
     dtype = torch.float32 if args.float32 else None
     batch = args.batch
     shuffled_rows = np.random.default_rng(1).permutation(args.rows)[: args.per_row].tolist()

@@ -3,6 +3,8 @@ whole chunks (written as stored, with that checksum) against HDF5's own reads.""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import h5py
 import numpy as np
 import pytest
@@ -47,6 +49,16 @@ def test_matches_hdf5s_algorithm_on_random_bytes(size):
 @pytest.mark.parametrize("data", [bytes(9), b"\xff" * 8194, b"\xff" * 8192 + b"\x01"])
 def test_sums_that_are_multiples_of_65535_are_kept_as_hdf5_keeps_them(data):
     assert fletcher32(data) == _reference(data)
+
+
+def test_threads_checking_at_once_each_get_their_own_sums():
+    # Each thread widens its blocks into a buffer of its own; a shared one would mix them.
+    rng = np.random.default_rng(7)
+    chunks = [rng.integers(0, 256, 3 * 2**20 + 11, dtype=np.uint8) for _ in range(4)]
+    expected = [fletcher32(chunk) for chunk in chunks]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(5):
+            assert list(pool.map(fletcher32, chunks)) == expected
 
 
 @pytest.mark.parametrize(
