@@ -19,7 +19,11 @@ from typing import Any
 
 from featcache.spec import Spec, to_dict
 
-FORMAT_VERSION = 1
+# The store layout's version, recorded as the featcache_format attribute and in the key.
+# 1: the first stores. 2: Fletcher-32 chunk checksums, text attributes as fixed-length
+# strings, digests of the attributes and chunk indexes. featcache reads every format up to
+# this one and refuses a newer store.
+FORMAT_VERSION = 2
 
 # Config keys that do not change what a store contains (None: the whole section).
 CONTENT_FREE_KEYS: dict[str, tuple[str, ...] | None] = {
@@ -111,7 +115,13 @@ class StoreKey:
         return [k for k in sorted(set(stored) | set(mine)) if stored.get(k) != mine.get(k)]
 
     def matches(self, stored: Mapping[str, Any] | None) -> bool:
-        return not self.differences(stored)
+        """Whether a finished store made under ``stored`` holds what this key would write.
+        A store in an older format that featcache still reads counts: only its layout
+        differs, and a rerun leaves it alone."""
+        if stored is None:
+            return False
+        older = stored.get("featcache_format") in range(1, FORMAT_VERSION)
+        return self.differences(stored) in ([], ["featcache_format"] if older else [])
 
 
 def store_attributes(

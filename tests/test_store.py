@@ -443,7 +443,7 @@ def test_describe_holds_the_data_the_cli_prints(bf16):
     assert json.loads(description.to_json()) == data
     text = str(description)
     assert text == description.format()
-    assert text.splitlines()[1] == "status     complete, 50 rows, format 1"
+    assert text.splitlines()[1] == "status     complete, 50 rows, format 2"
     assert description.summary().startswith(f"{path}: 50 rows; a [8]; ")
     info = CliRunner().invoke(app, ["info", str(path)])
     assert info.exit_code == 0 and info.stdout == text + "\n"

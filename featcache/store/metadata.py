@@ -24,7 +24,9 @@ from typing import Any
 import h5py
 import numpy as np
 
+from featcache import __version__
 from featcache.errors import first_line
+from featcache.provenance import FORMAT_VERSION
 from featcache.store import codec
 
 # Oldest format that writes checksummed (version-2) object headers, newest that featcache
@@ -105,6 +107,18 @@ def metadata_problem(file: h5py.File) -> str:
     except UNREADABLE_METADATA as exc:
         return f"its metadata cannot be read ({first_line(exc)})"
     return ""
+
+
+def newer_format(file: h5py.File) -> str:
+    """Why this featcache cannot read ``file`` ("" when it can): its recorded store format
+    is newer than :data:`~featcache.provenance.FORMAT_VERSION`."""
+    found = codec.attr(file, "featcache_format")
+    if not isinstance(found, (int, np.integer)) or found <= FORMAT_VERSION:
+        return ""  # a damaged number is the digest's to find
+    return (
+        f"it is in store format {found}, newer than featcache {__version__} reads (formats "
+        f"1 to {FORMAT_VERSION}); upgrade featcache (pip install -U featcache) to read it"
+    )
 
 
 def chunked_datasets(file: h5py.File) -> list[h5py.Dataset]:

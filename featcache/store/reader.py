@@ -15,7 +15,12 @@ import torch
 from featcache.errors import ConfigError, CorruptStoreError, IncompleteStoreError, first_line
 from featcache.store import codec
 from featcache.store.integrity import FIX, read_or_explain
-from featcache.store.metadata import CHUNKS_ATTR, UNREADABLE_METADATA, metadata_problem
+from featcache.store.metadata import (
+    CHUNKS_ATTR,
+    UNREADABLE_METADATA,
+    metadata_problem,
+    newer_format,
+)
 from featcache.store.paths import (
     PARTIAL_SUFFIX,
     partial_path,
@@ -145,12 +150,16 @@ class FeatureStore:
             raise ConfigError(f"{self.path} is not a readable HDF5 store: {exc}") from exc
         try:
             is_store = "featcache_format" in file.attrs
-            complete = is_store and self.complete
+            newer = newer_format(file) if is_store else ""
+            complete = is_store and not newer and self.complete
         except UNREADABLE_METADATA as exc:
             problem = f"its metadata cannot be read ({first_line(exc)})"
         else:
             if not is_store:
                 raise ConfigError(f"{self.path} is an HDF5 file but not a featcache store")
+            if newer:
+                self.close()
+                raise ConfigError(f"cannot read store {self.path}: {newer}")
             # A store still being written has no digest yet, and its writer may hold it.
             problem = metadata_problem(file) if complete else ""
         if problem:
