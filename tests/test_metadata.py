@@ -304,3 +304,32 @@ def test_stores_with_variable_length_text_read_verify_and_copy_as_before(tmp_pat
     attrs = FeatureStore(copied).attrs
     assert attrs.pop(DIGEST_ATTR) != store.attrs[DIGEST_ATTR]  # the copy's own seal
     assert attrs == {k: v for k, v in store.attrs.items() if k != DIGEST_ATTR}
+
+
+def test_a_compressed_stores_chunk_indexes_fail_loudly_when_damaged(tmp_path):
+    """A compressed store is a copy written whole, in HDF5's 1.10 format: its chunk indexes
+    are fixed arrays whose blocks carry checksums, not B-trees, which a changed byte can
+    send to no chunk (read as zeros) without an error. Every byte of every index data
+    block, changed in turn, fails the store's opening or its reads with one line."""
+    path = synthetic_store(tmp_path, compression="gzip")
+    with FeatureStore(path) as clean:
+        want = {layer: clean.read(layer) for layer in clean.layers}
+        want_rows = (clean.labels, clean.index, clean.ids)
+    raw = path.read_bytes()
+    assert b"TREE" not in raw  # no version-1 B-tree anywhere
+    blocks = [at for at in range(len(raw)) if raw.startswith(b"FADB", at)]
+    assert len(blocks) == 5  # layer2, layer4, labels, index, ids
+    damaged = tmp_path / "damaged.h5"
+    for at in blocks:
+        for offset in range(at, at + 40, 3):
+            changed = bytearray(raw)
+            changed[offset] ^= 0xFF
+            damaged.write_bytes(bytes(changed))
+            with pytest.raises(CorruptStoreError, match=f"^store {damaged} is damaged|^rea"):
+                with FeatureStore(damaged) as store:
+                    got = {layer: store.read(layer) for layer in store.layers}
+                    rows = (store.labels, store.index, store.ids)
+                    # Reaching here, every value must be the stored one (and then the
+                    # test fails, for no error was raised).
+                    assert all(torch.equal(got[k], v) for k, v in want.items())
+                    assert all(np.array_equal(a, b) for a, b in zip(rows, want_rows, strict=True))

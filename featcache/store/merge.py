@@ -17,7 +17,7 @@ from featcache.store import codec
 from featcache.store.chunks import MAX_META_CHUNK_ROWS, TARGET_CHUNK_BYTES, chunk_rows_of, row_bytes
 from featcache.store.integrity import dataset_has_checksum, read_or_explain
 from featcache.store.lock import writer_lock
-from featcache.store.metadata import CHUNKS_ATTR, DIGEST_ATTR, LIBVER, seal
+from featcache.store.metadata import CHUNKS_ATTR, DIGEST_ATTR, WHOLE_FILE_LIBVER, seal
 from featcache.store.paths import partial_path, replace_durably
 from featcache.store.reader import FeatureStore
 from featcache.store.skipped import read_skipped, write_skipped
@@ -42,7 +42,7 @@ def copy_store(
     """
     target = Path(target)
     tmp = target.with_name(target.name + ".copying")
-    with h5py.File(source, "r") as src, h5py.File(tmp, "w", libver=LIBVER) as dst:
+    with h5py.File(source, "r") as src, h5py.File(tmp, "w", libver=WHOLE_FILE_LIBVER) as dst:
         codec.copy_attrs(src, dst, skip={*drop, DIGEST_ATTR})
         objects = list(_walk(src))
         total = sum(o.size * o.dtype.itemsize for _, o in objects if isinstance(o, h5py.Dataset))
@@ -119,7 +119,7 @@ def combine_shards(
             if not f.attrs.get("complete"):
                 raise FeatcacheError(f"shard {shard} is incomplete; rerun to resume it")
         tmp = path.with_name(path.name + ".combining")
-        with h5py.File(tmp, "w", libver=LIBVER) as out:
+        with h5py.File(tmp, "w", libver=WHOLE_FILE_LIBVER) as out:
             _combine(out, shards, opened, path.parent)
             codec.copy_attrs(opened[0], out, skip=("resume_key", DIGEST_ATTR))
             rows = sum(int(f.attrs["num_rows"]) for f in opened)

@@ -6,13 +6,15 @@ checksum: a damaged header (a dataset's shape, type, filters or attributes) fail
 it is read instead of being taken at its word. Text attributes are fixed-length strings
 (:func:`~featcache.store.codec.set_attr`), kept in those headers or in the checksummed
 heap HDF5 keeps a header's many attributes in, and never in HDF5's global heap, which
-has no checksum. The index that says which chunk holds which rows is a B-tree whose
-nodes have no checksum: a damaged index entry can hand back another chunk's rows, each
-with a valid Fletcher-32; and an attribute over 64 KiB (the class names of a large
-label set) is stored outside any checksum. So :func:`seal` gives each chunked dataset
-:data:`CHUNKS_ATTR`, a SHA-256 of its chunk index, and the file :data:`DIGEST_ATTR`, a
-SHA-256 over every attribute of every object (those included), and
-:func:`metadata_problem` checks both whenever a complete store is opened.
+has no checksum. The index that says which chunk holds which rows is, in a store a run
+writes, a B-tree whose nodes have no checksum (files written whole, such as compressed
+copies, use :data:`WHOLE_FILE_LIBVER`, whose indexes have checksums): a damaged index
+entry can hand back another chunk's rows, each with a valid Fletcher-32; and an
+attribute over 64 KiB (the class names of a large label set) is stored outside any
+checksum. So :func:`seal` gives each chunked dataset :data:`CHUNKS_ATTR`, a SHA-256 of
+its chunk index, and the file :data:`DIGEST_ATTR`, a SHA-256 over every attribute of
+every object (those included), and :func:`metadata_problem` checks both whenever a
+complete store is opened.
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ from featcache.store import codec
 # Oldest format that writes checksummed (version-2) object headers, newest that featcache
 # needs (virtual datasets, for combined torchrun shards). Files stay readable by HDF5 1.10.
 LIBVER = ("v108", "v110")
+# Files written whole and never opened for writing again (copies, compressed stores,
+# merged or combined torchrun shards) are in HDF5's 1.10 format, whose chunk indexes
+# (fixed and extensible arrays) carry checksums: a damaged entry fails to read, where one
+# in the B-tree of :data:`LIBVER` can send HDF5 to no chunk (read as zeros) without an
+# error. A store being written cannot use it: that format marks a file as open for
+# writing until it is closed, and HDF5 refuses to reopen a store whose writer was killed,
+# as a resume must.
+WHOLE_FILE_LIBVER = ("v110", "v110")
 DIGEST_ATTR = "attrs_sha256"
 CHUNKS_ATTR = "chunks_sha256"
 
