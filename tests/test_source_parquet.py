@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 import featcache
 from featcache.errors import ConfigError, FeatcacheError
@@ -159,3 +163,25 @@ def test_a_text_column_makes_a_text_source(tmp_path):
     assert len(source[2][0]["input_ids"]) == 8  # the tokenizer's own limit
     with pytest.raises(ConfigError, match="text_column is set but the model has no tokenizer"):
         build_source(data, "s", None)
+
+
+def test_reads_in_a_fresh_interpreter_where_nothing_imported_pyarrow_parquet(tmp_path):
+    # `import pyarrow` leaves out its parquet submodule: featcache must import it itself.
+    images = []
+    for shade in range(3):
+        buffer = io.BytesIO()
+        Image.new("RGB", (8, 8), (shade * 80, 0, 0)).save(buffer, format="PNG")
+        images.append(buffer.getvalue())
+    pq.write_table(pa.table({"image": images, "label": [0, 1, 1]}), tmp_path / "t.parquet")
+    code = (
+        "import sys\n"
+        "from featcache.sources import build_source\n"
+        "from featcache.spec import DataSpec\n"
+        f"data = DataSpec(source='parquet', root={str(tmp_path)!r}, splits={{'t': 't.parquet'}})\n"
+        "source = build_source(data, 't', None)\n"
+        "image, label = source[2]\n"
+        "print(len(source), image.size, label, 'pyarrow.parquet' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["3", "(8,", "8)", "1", "True"]

@@ -14,9 +14,11 @@ asked for, per process: consecutive rows (a loader's batches) cost one read per 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -87,7 +89,7 @@ class ParquetSource(EncodedImageSource):
             self._reset()
         if self._group is not None and self._group[:2] == (file, group):
             return self._group[2]
-        pq = require("pyarrow", "data.source parquet").parquet
+        _, pq = _arrow()
         handle = self._handles.get(file)
         if handle is None:
             handle = self._handles[file] = pq.ParquetFile(self.files[file])
@@ -122,7 +124,7 @@ class ParquetSource(EncodedImageSource):
         return self.decode(value, f"{self.ids[i]} ({where})", self.root), label
 
     def fingerprint(self, content: bool = False) -> str:
-        pq = require("pyarrow", "data.source parquet").parquet
+        _, pq = _arrow()
         lines = [f"parquet\t{len(self)} rows\t{self.column}"]
         for path, name in zip(self.files, self.names, strict=True):
             schema = pq.read_schema(path).remove_metadata().to_string()
@@ -131,6 +133,12 @@ class ParquetSource(EncodedImageSource):
                 line += "\t" + file_sha256(path)
             lines.append(line)
         return lines_sha256(lines)
+
+
+def _arrow() -> tuple[ModuleType, ModuleType]:
+    """``pyarrow`` and ``pyarrow.parquet``, a submodule that ``import pyarrow`` leaves out."""
+    pa = require("pyarrow", "data.source parquet")
+    return pa, importlib.import_module("pyarrow.parquet")
 
 
 def parquet_source(
@@ -146,8 +154,7 @@ def parquet_source(
         ConfigError: no such file, a file that is not Parquet, a missing column (the
             message lists the columns), files whose columns differ, bad labels or ids.
     """
-    pa = require("pyarrow", "data.source parquet")
-    pq = pa.parquet
+    pa, pq = _arrow()
     check_columns(data)
     refuse_kwargs(data)
     paths = split_files(data, split, value, "Parquet files")
