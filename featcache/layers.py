@@ -10,6 +10,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from featcache.errors import ConfigError, first_line
+from featcache.reduce import layer_prefix
+
 PROBE_BATCH = 2  # samples in the probe batch
 
 
@@ -44,6 +47,10 @@ def describe_layers(
     read ``"[T, D] tokens (1 prefix)"``, sequence-first ones transposed to that form.
     Modules are listed in ``named_modules()`` order, the root excluded. The model's
     train/eval flag is restored afterwards and all hooks are removed.
+
+    Raises:
+        ConfigError: the probe batch fails in the model (an image size it does not take),
+            with the model's own reason.
     """
     shapes: dict[str, str] = {}
     tokens = None if example is None else int(example["input_ids"].shape[1])
@@ -66,6 +73,13 @@ def describe_layers(
                 model(**{key: value.to(device) for key, value in example.items()})
             else:
                 model(torch.zeros(PROBE_BATCH, channels, input_size, input_size, device=device))
+    except Exception as exc:  # the model's own complaint, about the probe input
+        probe = "text" if example is not None else f"batch of {input_size}px images"
+        fix = "" if example is not None else "; give an input size the model takes (--input-size)"
+        raise ConfigError(
+            f"the probe {probe} does not run through the model ({type(exc).__name__}: "
+            f"{first_line(exc).rstrip('.')}){fix}"
+        ) from exc
     finally:
         for handle in handles:
             handle.remove()
@@ -99,7 +113,7 @@ def _describe(
         if prefix is not None and output.dim() == 3:
             if sequence_first and shape[1] == PROBE_BATCH and shape[0] != PROBE_BATCH:
                 shape = [shape[1], shape[0], shape[2]]
-            return f"{shape[1:]} tokens ({prefix} prefix)"
+            return f"{shape[1:]} tokens ({layer_prefix(shape[1], prefix)} prefix)"
         return str(shape[1:])
     if isinstance(output, (tuple, list)):
         parts = (_describe(item, prefix, sequence_first, tokens) for item in output)

@@ -78,14 +78,38 @@ def reduce_tensor(x: torch.Tensor, tap: Tap, context: ReduceContext = NO_CONTEXT
     raise ConfigError(f"layer {tap.key!r}: unknown reduce {how!r}")
 
 
+def layer_prefix(tokens: int, prefix: int | None) -> int | None:
+    """The prefix tokens in a token output of ``tokens`` tokens of a model whose token
+    outputs carry ``prefix`` of them (None: the model declares no layout).
+
+    A layer that runs before the model adds its prefix tokens (a ViT's patch embedding)
+    holds the patch tokens alone. It is told apart by its count: ``tokens`` makes a square
+    grid and ``tokens - prefix`` does not. A grid that is not square cannot tell, and is
+    taken to carry the prefix.
+    """
+    if prefix and _is_square(tokens) and not _is_square(tokens - prefix):
+        return 0
+    return prefix
+
+
+def _is_square(n: int) -> bool:
+    return n > 0 and math.isqrt(n) ** 2 == n
+
+
 def _reduce_tokens(x: torch.Tensor, tap: Tap, context: ReduceContext) -> torch.Tensor:
     _need_dims(x, tap, minimum=3, maximum=3, shape="[B, T, D] tokens")
     how = tap.reduce
-    prefix = context.prefix_tokens
+    prefix = layer_prefix(x.shape[1], context.prefix_tokens)
     if how in ("cls", "cls+mean") and prefix == 0:
+        why = (
+            "this model's token outputs have none"
+            if not context.prefix_tokens
+            else f"its {x.shape[1]} tokens are the patch tokens alone (the model adds its "
+            f"{context.prefix_tokens} prefix tokens after this layer)"
+        )
         raise ConfigError(
-            f"layer {tap.key!r}: reduce={how} needs a class token, and this model's token "
-            "outputs have none; use mean (the patch tokens' average) instead"
+            f"layer {tap.key!r}: reduce={how} needs a class token, and {why}; use mean (the "
+            "patch tokens' average) or capture a later layer"
         )
     patches = x[:, prefix or 0 :]
     if how == "cls":

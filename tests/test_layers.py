@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from featcache.errors import ConfigError
 from featcache.layers import LayerInfo, describe_layers
 from tests.cifar_resnet import resnet20
 
@@ -101,7 +102,11 @@ def test_mode_is_restored_and_hooks_removed(training):
 
 def test_hooks_are_removed_when_the_forward_fails():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Linear(5, 5)).train()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(
+        ConfigError,
+        match=r"^the probe batch of 8px images does not run .*"
+        r"\(RuntimeError: mat1 and mat2 shapes cannot be multiplied.*--input-size",
+    ):
         describe_layers(model, input_size=8)
     assert model.training
     assert all(not m._forward_hooks for m in model.modules())

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from featcache.errors import ConfigError
-from featcache.reduce import ReduceContext, reduce_tensor
+from featcache.reduce import ReduceContext, layer_prefix, reduce_tensor
 from featcache.taps import Tap
 
 
@@ -107,6 +107,17 @@ def test_token_reductions_know_the_prefix_tokens(reduce, expected):
     assert torch.equal(reduce_tensor(TOKENS, Tap("k", "m", reduce=reduce), VIT), expected)
 
 
+@pytest.mark.parametrize("reduce", ["mean", "max", "patches", "last"])
+def test_a_layer_before_the_prefix_tokens_are_added_is_all_patches(reduce):
+    """A ViT's patch embedding gives the 4 patch tokens alone: a square grid, where 4 - 1
+    is not. Its reductions read every token; with the prefix tokens, the first of them."""
+    patches = TOKENS[:, 1:]
+    expected = reduce_tensor(patches, Tap("k", "m", reduce=reduce), ReduceContext(prefix_tokens=0))
+    assert torch.equal(reduce_tensor(patches, Tap("k", "m", reduce=reduce), VIT), expected)
+    assert layer_prefix(4, 1) == 0 and layer_prefix(5, 1) == 1 and layer_prefix(16, 5) == 0
+    assert layer_prefix(21, 5) == 5 and layer_prefix(7, 1) == 1 and layer_prefix(9, None) is None
+
+
 def test_patch_grid_pools_like_a_feature_map():
     grid = TOKENS[:, 1:].transpose(1, 2).reshape(2, 3, 2, 2)
     pooled = reduce_tensor(TOKENS, Tap("k", "m", reduce="adaptive_avg", size=1), VIT)
@@ -128,7 +139,8 @@ def test_sequence_first_outputs_are_transposed():
     ("value", "context", "reduce", "message"),
     [
         (TOKENS, ReduceContext(prefix_tokens=0), "cls", "needs a class token"),
-        (torch.randn(2, 4, 3), VIT, "patches", "3 patch tokens do not form a square grid"),
+        (torch.randn(2, 6, 3), VIT, "patches", "5 patch tokens do not form a square grid"),
+        (TOKENS[:, 1:], VIT, "cls", "its 4 tokens are the patch tokens alone .* later layer"),
         (torch.randn(3, 4, 5), VIT, "none", "has no axis of the batch size 2"),
         (torch.randn(5, 2, 3), VIT, "none", r"is sequence-first .* pass sequence_first=True"),
     ],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 import numpy as np
@@ -231,6 +232,36 @@ def test_register_tokens_stay_out_of_the_patch_mean(tmp_path):
     torch.testing.assert_close(store.read("blocks.4"), tokens[:, 5:].mean(1))
     with pytest.raises(ConfigError, match=r"index 99 is out of range; blocks has 5 entries"):
         featcache.extract(backbone.model, images, ["blocks[99]"], tmp_path / "t.h5", progress=False)
+
+
+def test_the_patch_embedding_holds_no_class_token(tmp_path):
+    """patch_embed runs before the ViT adds its class token: its 16 tokens are all patches,
+    so mean averages all of them and cls is refused, where blocks carry the class token."""
+    backbone = _backbone()
+    x = torch.randn(3, 3, 32, 32)
+    images = torch.utils.data.TensorDataset(x)
+    layers = [{"name": "patch_embed", "reduce": "mean"}, {"name": "blocks[0]", "reduce": "mean"}]
+    store = featcache.extract(
+        backbone.model, images, layers, tmp_path / "s.h5", dtype="float32", progress=False
+    )
+    with torch.no_grad():
+        patches = backbone.model.patch_embed(x)  # [3, 16, 32]
+        tokens = backbone.model.blocks[0](backbone.model._pos_embed(patches))  # [3, 1 + 16, 32]
+    torch.testing.assert_close(store.read("patch_embed"), patches.mean(1))
+    torch.testing.assert_close(store.read("blocks.0"), tokens[:, 1:].mean(1))
+    with pytest.raises(ConfigError, match=r"16 tokens are the patch tokens alone"):
+        featcache.extract(
+            backbone.model, images, [{"name": "patch_embed", "reduce": "cls"}], tmp_path / "c.h5"
+        )
+    listed = CliRunner().invoke(app, ["layers", VIT]).output  # at 224px: 14 x 14 patches
+    assert re.search(r"patch_embed +PatchEmbed +\[196, 192\] tokens \(0 prefix\)", listed)
+    assert re.search(r"blocks\.0 +Block +\[197, 192\] tokens \(1 prefix\)", listed)
+    small = CliRunner().invoke(app, ["layers", VIT, "--input-size", "32"])
+    assert small.exit_code == 2 and small.output.strip() == (
+        "featcache: error: the probe batch of 32px images does not run through the model "
+        "(AssertionError: Input height (32) doesn't match model (224)); give an input size "
+        "the model takes (--input-size)"
+    )
 
 
 @pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
