@@ -15,6 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 from featcache.cli import app
+from featcache.dataset import FeatureDataset
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.store import (
     FeatureStore,
@@ -172,6 +173,15 @@ def test_incomplete_store_shows_only_its_durable_rows(tmp_path):
         f"featcache: error: store {path} is incomplete (40 rows written); rerun its "
         f"extraction to resume it (`featcache info {path}` prints the command)"
     )
+    # Named by its .partial file, it is the same incomplete store.
+    partial = partial_path(path)
+    with pytest.raises(FeatcacheError, match=f"^store {path} is incomplete .40 rows written"):
+        FeatureStore(partial)
+    with pytest.raises(FeatcacheError, match=f"^store {path} is incomplete"):
+        FeatureDataset(partial, "a")
+    assert FeatureStore(partial, allow_incomplete=True).path == partial
+    result = CliRunner().invoke(app, ["probe", str(partial), "-l", "a"])
+    assert result.exit_code == 1 and "is incomplete (40 rows written)" in result.stderr
 
 
 def test_a_missing_store_with_torchrun_shards_points_to_them(tmp_path):

@@ -123,12 +123,13 @@ class FeatureStore:
     Metadata (layers, shapes, labels, ids, provenance) is read when needed; the file is
     opened lazily and reopened in a new process, so instances can be sent to workers.
     A store that is still being written (or whose run was interrupted) lives at
-    ``<path>.partial``; opening it raises :class:`~featcache.errors.IncompleteStoreError` unless
-    ``allow_incomplete=True``, and then only its durable rows are visible.
+    ``<path>.partial``; opening it (by either name) raises
+    :class:`~featcache.errors.IncompleteStoreError` unless ``allow_incomplete=True``, and
+    then only its durable rows are visible.
     """
 
     def __init__(self, path: str | os.PathLike, *, allow_incomplete: bool = False):
-        self.path = Path(path)
+        self.path = store_path_of(path)  # a store's .partial file is the store, incomplete
         if not self.path.is_file():
             partial = partial_path(self.path)
             if not partial.is_file():
