@@ -275,9 +275,19 @@ def load_config(
             raise ConfigError(f"config {path} is not valid YAML{where}; fix its syntax") from exc
     if not isinstance(raw, dict):
         raise ConfigError("a config must be a mapping of sections (model, layers, data, ...)")
-    for item in overrides:
+    for item in override_list(overrides):
         apply_override(raw, item)
     return build(Spec, raw)
+
+
+def override_list(overrides: Iterable[str]) -> list[str]:
+    """``overrides`` as a list, refusing one string (which would be read letter by letter)."""
+    if isinstance(overrides, (str, bytes)):
+        raise ConfigError(
+            f"overrides must be a list of key.sub=value strings, got the string {overrides!r}; "
+            f"pass [{overrides!r}]"
+        )
+    return list(overrides)
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:

@@ -282,7 +282,7 @@ def test_config_refuses_existing_outputs_before_any_work(tmp_path):
     config = demo_like(tmp_path)
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "val.h5").write_bytes(b"precious")
-    with pytest.raises(ConfigError, match="val.h5; pass --overwrite"):
+    with pytest.raises(ConfigError, match="val.h5; pass --overwrite .overwrite=True in Python."):
         featcache.extract_from_config(config)
     assert not (tmp_path / "out" / "train.h5").exists()
     assert (tmp_path / "out" / "val.h5").read_bytes() == b"precious"

@@ -213,6 +213,7 @@ def test_copies_and_merges_keep_checksums(tmp_path):
     corrupt_row(tmp_path / "copy.h5", "features/a", 6)
     with pytest.raises(CorruptStoreError, match="layer a rows 4-7 fail their checksum"):
         merge_store(tmp_path / "copy.h5", tmp_path / "again.h5", progress=False)
+    assert sorted(p.name for p in tmp_path.glob("again*")) == []  # no half-made copy left
 
     corrupt_row(shards[1], "features/a", 5)  # the shard's rows 4-7: rows 14-17 of the store
     with pytest.raises(CorruptStoreError) as caught:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import featcache
 from featcache.demo import demo_config_path
 from featcache.errors import ConfigError
 from featcache.provenance import config_fingerprint as fingerprint
@@ -93,6 +94,13 @@ def test_apply_override_refuses_to_descend_into_a_scalar():
     raw = {"loader": {"batch_size": 4}}
     with pytest.raises(ConfigError, match="loader.batch_size is not a mapping"):
         apply_override(raw, "loader.batch_size.x=1")
+
+
+def test_overrides_given_as_one_string_are_refused_with_the_fix():
+    with pytest.raises(ConfigError, match=r"^overrides must be a list .* pass \['output.dir=x'\]$"):
+        load_config(BASE, "output.dir=x")
+    with pytest.raises(ConfigError, match=r"^overrides apply to a config file or mapping, not"):
+        featcache.extract_from_config(load_config(BASE), ["output.dir=x"])
 
 
 def test_fingerprint_ignores_output_and_progress_only():

@@ -10,10 +10,11 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from featcache.distributed import Rank, check_other_world_sizes, current_rank, launch_words
+from featcache.errors import ConfigError
 from featcache.extraction.api import extract
 from featcache.extraction.sharding import extract_shard
 from featcache.provenance import config_fingerprint
-from featcache.spec import Spec, load_config, to_dict
+from featcache.spec import Spec, load_config, override_list, to_dict
 from featcache.store import FeatureStore, check_output_path, stored_resume_key
 from featcache.store.lock import writer_lock
 
@@ -32,6 +33,12 @@ def extract_from_config(
     is checked, and locked against other writers (:mod:`featcache.store.lock`), before
     any work starts.
     """
+    overrides = override_list(overrides)
+    if isinstance(config, Spec) and overrides:
+        raise ConfigError(
+            "overrides apply to a config file or mapping, not to a loaded Spec; pass the "
+            "config itself, or apply them with featcache.spec.load_config(config, overrides)"
+        )
     spec = config if isinstance(config, Spec) else load_config(config, overrides)
     rank = current_rank()
     with contextlib.ExitStack() as held:

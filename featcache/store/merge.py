@@ -18,7 +18,7 @@ from featcache.store.chunks import MAX_META_CHUNK_ROWS, TARGET_CHUNK_BYTES, chun
 from featcache.store.integrity import dataset_has_checksum, read_or_explain
 from featcache.store.lock import writer_lock
 from featcache.store.metadata import CHUNKS_ATTR, DIGEST_ATTR, WHOLE_FILE_LIBVER, seal
-from featcache.store.paths import partial_path, replace_durably
+from featcache.store.paths import building_beside, partial_path, replace_durably
 from featcache.store.reader import FeatureStore
 from featcache.store.skipped import read_skipped, write_skipped
 
@@ -38,11 +38,14 @@ def copy_store(
     (or, for a virtual one, whose sources' chunks) carry Fletcher-32 checksums keeps them;
     ``attrs`` are set last and the file attributes named in ``drop`` are left out. A
     source chunk that fails its checksum raises
-    :class:`~featcache.errors.CorruptStoreError`.
+    :class:`~featcache.errors.CorruptStoreError`; the half-made copy is removed.
     """
     target = Path(target)
-    tmp = target.with_name(target.name + ".copying")
-    with h5py.File(source, "r") as src, h5py.File(tmp, "w", libver=WHOLE_FILE_LIBVER) as dst:
+    with (
+        building_beside(target, ".copying") as tmp,
+        h5py.File(source, "r") as src,
+        h5py.File(tmp, "w", libver=WHOLE_FILE_LIBVER) as dst,
+    ):
         codec.copy_attrs(src, dst, skip={*drop, DIGEST_ATTR})
         objects = list(_walk(src))
         total = sum(o.size * o.dtype.itemsize for _, o in objects if isinstance(o, h5py.Dataset))
@@ -118,8 +121,10 @@ def combine_shards(
         for shard, f in zip(shards, opened, strict=True):
             if not f.attrs.get("complete"):
                 raise FeatcacheError(f"shard {shard} is incomplete; rerun to resume it")
-        tmp = path.with_name(path.name + ".combining")
-        with h5py.File(tmp, "w", libver=WHOLE_FILE_LIBVER) as out:
+        with (
+            building_beside(path, ".combining") as tmp,
+            h5py.File(tmp, "w", libver=WHOLE_FILE_LIBVER) as out,
+        ):
             _combine(out, shards, opened, path.parent)
             codec.copy_attrs(opened[0], out, skip=("resume_key", DIGEST_ATTR))
             rows = sum(int(f.attrs["num_rows"]) for f in opened)

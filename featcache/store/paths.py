@@ -3,16 +3,20 @@ and moving a finished file into place durably."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from featcache.errors import ConfigError
 
 PARTIAL_SUFFIX = ".partial"
 SKIPPED_SUFFIX = ".skipped.jsonl"
+# How to replace a store, for an error line read on the command line or in Python.
+OVERWRITE = "--overwrite (overwrite=True in Python)"
 SHARD_PATTERN = re.compile(r"\.shard-(\d{5})-of-(\d{5})\.h5(\.partial)?$")
 
 
@@ -50,7 +54,7 @@ def shard_path(path: str | os.PathLike, rank: int, world_size: int) -> Path:
 def check_output_path(path: Path, overwrite: bool) -> None:
     """Refuse to clobber a complete store, and fail early when the folder cannot take one."""
     if path.exists() and not overwrite:
-        raise ConfigError(f"store already exists: {path}; pass --overwrite to replace it")
+        raise ConfigError(f"store already exists: {path}; pass {OVERWRITE} to replace it")
     if path.exists() and path.is_dir():
         raise ConfigError(f"output path {path} is a folder; give a file path ending in .h5")
     prepare_output_folder(path.parent)
@@ -99,7 +103,7 @@ def check_other_world_sizes(path: str | os.PathLike, world_size: int, overwrite:
         raise ConfigError(
             f"{path} has shards of a run with {', '.join(map(str, sizes))} processes "
             f"({first.name}, ...); rerun with that many processes to resume it "
-            f"(`featcache info {first}` prints the command), or pass --overwrite to start over"
+            f"(`featcache info {first}` prints the command), or pass {OVERWRITE} to start over"
         )
 
 
@@ -108,6 +112,20 @@ def remove_store(path: str | os.PathLike) -> None:
     for candidate in (Path(path), partial_path(path), skipped_log_path(path)):
         if candidate.exists():
             candidate.unlink()
+
+
+@contextlib.contextmanager
+def building_beside(target: str | os.PathLike, suffix: str) -> Iterator[Path]:
+    """The name ``target`` + ``suffix`` beside ``target``, for a file to build and then
+    move into place; the file is removed when the block fails, so that a failed copy
+    leaves nothing behind."""
+    target = Path(target)
+    building = target.with_name(target.name + suffix)
+    try:
+        yield building
+    except BaseException:
+        building.unlink(missing_ok=True)
+        raise
 
 
 def replace_durably(source: str | os.PathLike, target: str | os.PathLike) -> None:

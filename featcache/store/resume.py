@@ -13,7 +13,7 @@ import numpy as np
 
 from featcache.errors import ConfigError, first_line
 from featcache.store import codec
-from featcache.store.paths import partial_path, skipped_log_path
+from featcache.store.paths import OVERWRITE, partial_path, skipped_log_path
 from featcache.store.skipped import read_log
 
 
@@ -73,14 +73,14 @@ def plan_resume(
     except (OSError, KeyError, ValueError) as exc:
         raise ConfigError(
             f"cannot resume from {partial}: it is not readable ({first_line(exc)}); "
-            "pass --overwrite to start over"
+            f"pass {OVERWRITE} to start over"
         ) from exc
     for key in sorted(set(stored_key) | set(resume_key)):
         if stored_key.get(key) != resume_key.get(key):
             raise ConfigError(
                 f"cannot resume {partial}: its {key.replace('_', ' ')} differs from this "
                 f"run's ({_short(stored_key.get(key))} vs {_short(resume_key.get(key))}); "
-                "pass --overwrite to start over"
+                f"pass {OVERWRITE} to start over"
             )
     next_position = int(index[-1]) + 1 if durable else first
     # Restart on the batch grid of the first run (batches start at ``first``), so that every
