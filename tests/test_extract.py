@@ -14,7 +14,7 @@ import featcache
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.provenance import config_fingerprint as fingerprint
 from featcache.spec import load_config, to_dict
-from featcache.store import FeatureStore, StoreWriter
+from featcache.store import FeatureStore, StoreWriter, partial_path
 
 
 def resnet_outputs(model, x):
@@ -192,6 +192,22 @@ class Failing(torch.utils.data.Dataset):
         if i == self.fail_at:
             raise RuntimeError(f"cannot read sample {i}")
         return torch.full((3, 32, 32), float(i) / 40), i % 3
+
+
+def test_a_failed_overwrite_keeps_the_complete_store_it_was_to_replace(resnet18, tmp_path):
+    path = tmp_path / "s.h5"
+    featcache.extract(resnet18, Failing(-1), ["layer1"], path, batch_size=8, progress=False)
+    before = path.read_bytes()
+    with pytest.raises(FeatcacheError, match="cannot read sample 30"):
+        featcache.extract(
+            resnet18, Failing(30), ["layer2"], path, batch_size=8, overwrite=True, progress=False
+        )
+    assert path.read_bytes() == before and FeatureStore(path).layers == ["layer1"]
+    assert partial_path(path).exists()  # the new run's rows, for a resume
+    store = featcache.extract(
+        resnet18, Failing(-1), ["layer2"], path, batch_size=8, overwrite=True, progress=False
+    )
+    assert store.layers == ["layer2"] and not partial_path(path).exists()
 
 
 def test_failure_leaves_an_incomplete_store_and_no_hooks(resnet18, tmp_path):

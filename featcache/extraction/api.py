@@ -44,7 +44,7 @@ from featcache.store import (
     check_output_path,
     partial_path,
     plan_resume,
-    remove_store,
+    remove_partial,
     stored_resume_key,
 )
 from featcache.store.lock import writer_lock
@@ -192,7 +192,7 @@ def _extract(
 ) -> FeatureStore:
     """Write (or resume, or find complete) the store ``plan`` describes at ``path``."""
     if run.overwrite:
-        remove_store(path)
+        remove_partial(path)  # a complete store stays until the new one replaces it
     elif path.exists() and plan.key().matches(stored_resume_key(path)):
         return FeatureStore(path)  # a rerun after this store completed: nothing left to do
     check_output_path(path, run.overwrite)  # before any work starts

@@ -108,10 +108,17 @@ def check_other_world_sizes(path: str | os.PathLike, world_size: int, overwrite:
 
 
 def remove_store(path: str | os.PathLike) -> None:
-    """Delete a store and any partial state of it (``--overwrite``)."""
-    for candidate in (Path(path), partial_path(path), skipped_log_path(path)):
-        if candidate.exists():
-            candidate.unlink()
+    """Delete a store and any partial state of it."""
+    Path(path).unlink(missing_ok=True)
+    remove_partial(path)
+
+
+def remove_partial(path: str | os.PathLike) -> None:
+    """Delete the partial state of the store at ``path`` (its ``.partial`` file and skip
+    log), and leave a complete store there in place: a run with ``--overwrite`` replaces
+    it only once the new store is complete, so a run that fails keeps the old one."""
+    for candidate in (partial_path(path), skipped_log_path(path)):
+        candidate.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
