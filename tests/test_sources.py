@@ -112,6 +112,39 @@ def test_imagefolder_split_subfolder_dot(tree, transform):
     assert ds.ids == EXPECTED_IDS
 
 
+def test_imagefolder_follows_links_but_not_back_up_a_cycle(tree, transform):
+    cats = tree / "train" / "cats"
+    (cats / "loop").symlink_to("..", target_is_directory=True)  # train/cats/loop -> train
+    (tree / "train" / "birds" / "more_dogs").symlink_to(tree / "train" / "dogs")
+    ds = build_source(DataSpec(root=str(tree)), "train", transform)
+    assert len(ds) == 9 + 4  # the linked dogs folder once; the loop not at all
+    assert [i for i in ds.ids if i.startswith("birds/more_dogs/")] == [
+        "birds/more_dogs/" + i.split("/", 1)[1] for i in EXPECTED_IDS if i.startswith("dogs/")
+    ]
+
+
+def test_splits_with_different_classes_are_refused_before_any_work(tree, tmp_path):
+    val = tree / "val" / "dogs"
+    val.mkdir(parents=True)
+    Image.fromarray(_noise()).save(val / "d.png")
+    config = {
+        "model": {"name": "resnet18"},
+        "layers": [{"name": "layer1", "reduce": "avg"}],
+        "data": {"root": str(tree), "splits": {"train": "train", "val": "val"}},
+        "preprocess": {"resize": 32, "crop": 32},
+        "output": {"dir": str(tmp_path / "out")},
+        "runtime": {"progress": False},
+    }
+    with pytest.raises(ConfigError, match=r"^splits 'train' and 'val' have different classes"):
+        featcache.extract_from_config(config)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    for name in ("birds", "cats", "empty"):  # the same class folders, empty ones too
+        (tree / "val" / name).mkdir()
+    stores = featcache.extract_from_config(config)
+    assert stores["val"].class_names == stores["train"].class_names
+    assert list(stores["val"].labels) == [2]
+
+
 def test_imagefolder_modes_convert_to_rgb(tree):
     ds = build_source(DataSpec(root=str(tree)), "train", None)
     with warnings.catch_warnings():

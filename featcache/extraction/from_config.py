@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import os
 import shlex
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from featcache.distributed import Rank, check_other_world_sizes, current_rank, launch_words
@@ -46,6 +46,26 @@ def extract_from_config(
             for split in spec.data.splits:
                 held.enter_context(writer_lock(spec.store_path(split)))
         return _extract_splits(spec, rank, resume_command(config, overrides, rank))
+
+
+def check_same_classes(class_names: Mapping[str, Sequence[str] | None]) -> None:
+    """Refuse splits whose class names differ (those that name none aside): label ``i``
+    would stand for one class in one split's store and another in the next.
+
+    Raises:
+        ConfigError: naming the first two splits that differ and the classes one lacks.
+    """
+    named = [(split, list(names)) for split, names in class_names.items() if names]
+    for split, names in named[1:]:
+        first, first_names = named[0]
+        if names != first_names:
+            lacking = sorted(set(first_names) ^ set(names)) or first_names[:3]
+            raise ConfigError(
+                f"splits {first!r} and {split!r} have different classes ({len(first_names)} "
+                f"vs {len(names)}; differing: {', '.join(lacking[:5])}), so a label would name "
+                "different classes in their stores; give every split the same classes (the "
+                "same class folders, where an empty one counts, or integer labels)"
+            )
 
 
 def resume_command(
@@ -104,6 +124,7 @@ def _extract_splits(spec: Spec, rank: Rank | None, command: str | None) -> dict[
     text = spec.data.inputs == "text"
     backbone = build_backbone_for(spec)
     sources = {split: build_source_for(spec, split, backbone) for split in spec.data.splits}
+    check_same_classes({split: source.class_names for split, source in sources.items()})
     options = {
         **dataclasses.asdict(spec.loader),
         **dataclasses.asdict(spec.store),

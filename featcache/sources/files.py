@@ -69,7 +69,7 @@ def imagefolder_source(
     ids: list[str] = []
     for label, name in enumerate(classes):
         # The same walk and order as torchvision.datasets.ImageFolder.
-        for root, _, files in sorted(os.walk(folder / name, followlinks=True)):
+        for root, files in _walk(folder / name):
             rel_root = Path(root).relative_to(folder)
             if any(part.startswith(".") for part in rel_root.parts):
                 continue
@@ -87,6 +87,26 @@ def imagefolder_source(
             "put the images in one subfolder per class"
         )
     return FileSource(paths, labels, ids, classes, transform)
+
+
+def _walk(top: Path) -> list[tuple[str, list[str]]]:
+    """``(folder, files)`` under ``top`` as ``sorted(os.walk(top, followlinks=True))``
+    gives them, but a link to a folder that holds it (a cycle, which would list its
+    images again at every depth) is not followed."""
+    walked = []
+    for root, folders, files in os.walk(top, followlinks=True):
+        here = os.path.realpath(root)
+        folders[:] = [f for f in folders if not _leads_up(os.path.join(root, f), here)]
+        walked.append((root, files))
+    return sorted(walked)
+
+
+def _leads_up(folder: str, here: str) -> bool:
+    """Whether ``folder`` is a link to ``here`` or to a folder that holds it."""
+    if not os.path.islink(folder):
+        return False
+    target = os.path.realpath(folder)
+    return here == target or here.startswith(target.rstrip(os.sep) + os.sep)
 
 
 def manifest_source(
