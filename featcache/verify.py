@@ -145,13 +145,26 @@ def verify_store(
         )
         index = store.index
         ids = store.ids
+        past = [r for r, i in enumerate(index) if i >= len(source)]  # the data shrank
         wrong_ids = [r for r, i in enumerate(index) if i >= len(source) or ids[r] != source.ids[i]]
         result.add("ids", not wrong_ids, _rows_text(wrong_ids, "ids match the source"))
         labels = store.labels
         source_labels = getattr(source, "labels", None)
         if labels is not None and source_labels is not None:
-            wrong = [r for r, i in enumerate(index) if labels[r] != source_labels[i]]
+            wrong = [
+                r
+                for r, i in enumerate(index)
+                if i >= len(source_labels) or labels[r] != source_labels[i]
+            ]
             result.add("labels", not wrong, _rows_text(wrong, "labels match the source"))
+        if past:
+            result.add(
+                "values",
+                False,
+                f"not recomputed: rows {_list(past)} are samples past the {len(source)} the "
+                "source holds now",
+            )
+            return result
         runtime = dataclasses.replace(spec.runtime, device=device or spec.runtime.device)
         layout = choose_layout(backbone.model, runtime)
         tokens = ReduceContext(

@@ -239,6 +239,11 @@ def test_rows_ids_and_labels_read_right_past_a_damaged_chunk_key(store):
     damaged = FeatureStore(store)
     assert np.array_equal(damaged.labels, want["labels"])
     assert np.array_equal(damaged.index, want["index"]) and damaged.ids == want["ids"]
+    # verify --quick says so, as plain HDF5 readers of the store are misled.
+    checks = {c.name: c for c in verify_store(store, quick=True).checks}
+    assert checks["checksums"].detail == (
+        "corrupted chunks: ids rows 20-23; index rows 20-23; labels rows 20-23"
+    )
 
 
 def test_skip_records_read_right_past_a_damaged_chunk_key(tmp_path):

@@ -207,6 +207,14 @@ def test_verify_sees_changed_data_and_skips(tmp_path):
     result = verify_store(path, samples=-1)
     failed = {c.name for c in result.checks if not c.ok}
     assert failed == {"dataset", "values"}
+    for name in ("3.png", "4.png"):  # the data shrank: rows 3 and 4 point past its end
+        (root / name).unlink()
+    result = verify_store(path, samples=-1)
+    failed = {c.name: c.detail for c in result.checks if not c.ok}
+    assert set(failed) == {"dataset", "ids", "labels", "values"}
+    assert (
+        failed["values"] == "not recomputed: rows 3, 4 are samples past the 4 the source holds now"
+    )
 
 
 def test_verify_needs_a_recorded_config(resnet18, images, tmp_path):

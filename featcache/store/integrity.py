@@ -196,7 +196,13 @@ def checked_twice(check: Callable[[], object]) -> None:
 def _check_stored_chunk(dataset: h5py.Dataset, start: int) -> None:
     """Check the chunk at row ``start`` with featcache's Fletcher-32 (a few times faster
     than HDF5's filter); raises OSError when it does not match."""
-    _, stored = dataset.id.read_direct_chunk((start, *(0 for _ in dataset.shape[1:])))
+    try:
+        _, stored = dataset.id.read_direct_chunk((start, *(0 for _ in dataset.shape[1:])))
+    except (RuntimeError, KeyError) as exc:  # the listing has it; a lookup does not find it
+        raise OSError(
+            f"HDF5 finds no chunk by its position though the chunk index lists one (a damaged "
+            f"index key: featcache reads it, plain HDF5 reads zeros; {first_line(exc)})"
+        ) from exc
     view = memoryview(stored)  # slices of bytes would copy them
     data, expected = view[:-CHECKSUM_BYTES], view[-CHECKSUM_BYTES:]
     if checksum_bytes(data) != expected:
