@@ -164,8 +164,11 @@ class DataSpec:
         if not self.splits:
             raise ConfigError(f"{at}.splits is empty; name at least one split, e.g. [train]")
         for split in self.splits:
-            if not split or "/" in split:
-                raise ConfigError(f"{at}.splits: {split!r} is not a usable split name")
+            if not split or "/" in split or split.startswith("."):
+                raise ConfigError(
+                    f"{at}.splits: {split!r} is not a usable split name (it names the store "
+                    f"file <name>.h5); use a plain name, mapped to a folder: {{all: {split!r}}}"
+                )
         if self.source == "torchvision" and not self.dataset:
             raise ConfigError(f"{at}.dataset must name a torchvision dataset class, e.g. CIFAR10")
         if self.source == "hf" and not self.dataset:
@@ -195,6 +198,11 @@ class PreprocessSpec:
             value = getattr(self, name)
             if value is not None and len(value) != 3:
                 raise ConfigError(f"{at or 'preprocess'}.{name} must list 3 numbers (R, G, B)")
+        if self.std is not None and not all(self.std):
+            raise ConfigError(
+                f"{at or 'preprocess'}.std {self.std} has a zero, and normalising divides by it; "
+                "give the per-channel standard deviations, e.g. [0.229, 0.224, 0.225]"
+            )
 
 
 @dataclass
@@ -268,7 +276,11 @@ def load_config(
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}; pass the path of a YAML config")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"config {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8"
+            ) from exc
         except yaml.YAMLError as exc:
             line = getattr(getattr(exc, "problem_mark", None), "line", None)
             where = f" (line {line + 1})" if line is not None else ""

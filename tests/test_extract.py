@@ -169,6 +169,19 @@ def test_existing_store_is_never_overwritten_silently(resnet18, images, tmp_path
     assert store.layers == ["layer2"]
 
 
+def test_arguments_that_would_make_a_bad_store_are_refused(resnet18, images, tmp_path):
+    path = tmp_path / "s.h5"
+    ids = [f"i{n}" for n in range(20)]
+    ids[7] = "i3"
+    with pytest.raises(ConfigError, match=r"^id 'i3' is given to rows 3 and 7; every row needs"):
+        featcache.extract(resnet18, images, ["layer1"], path, ids=ids, progress=False)
+    with pytest.raises(ConfigError, match=r"^class_names must be a list of names, got the str"):
+        featcache.extract(resnet18, images, ["layer1"], path, class_names="abc", progress=False)
+    with pytest.raises(ConfigError, match=r"^model must be a torch.nn.Module, got str 'resnet18'"):
+        featcache.extract("resnet18", images, ["layer1"], path, progress=False)
+    assert not any(tmp_path.iterdir())
+
+
 def test_unusable_output_path(resnet18, images, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")

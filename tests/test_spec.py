@@ -64,6 +64,9 @@ def test_overrides_are_parsed_as_yaml():
         ("layers=[{name: a, reduce: adaptive_avg}]", "needs size"),
         ("layers=[{name: a, wat: 1}]", "unknown config key layers[0].wat"),
         ("preprocess.mean=[1, 2]", "preprocess.mean must list 3 numbers"),
+        ("preprocess.std=[0.2, 0, 0.2]", "preprocess.std [0.2, 0.0, 0.2] has a zero"),
+        ("data.splits=[.]", "'.' is not a usable split name (it names the store file"),
+        ("data.splits=[..]", "use a plain name, mapped to a folder: {all: '..'}"),
         ("data.source=lmdb", "data.source is 'lmdb'; choose one of"),
         ("data.source=hf", "data.dataset must name a Hugging Face dataset"),
         ("data.source=imagefolder", "data.root is required"),
@@ -80,6 +83,10 @@ def test_config_errors_name_the_key(override, message):
 def test_yaml_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "missing.yaml")
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("model: {name: r\xe9snet}\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin.yaml is not UTF-8 text \(byte 15\); save it"):
+        load_config(latin)
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):

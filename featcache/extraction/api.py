@@ -262,6 +262,22 @@ def _extract(
     return FeatureStore.just_sealed(path)
 
 
+def check_unique(ids: Sequence[str]) -> None:
+    """Refuse ids that repeat: a row is found, resumed and verified by its id.
+
+    Raises:
+        ConfigError: naming the first repeated id and the two rows that have it.
+    """
+    first_row: dict[str, int] = {}
+    for row, sample_id in enumerate(ids):
+        earlier = first_row.setdefault(str(sample_id), row)
+        if earlier != row:
+            raise ConfigError(
+                f"id {sample_id!r} is given to rows {earlier} and {row}; every row needs its "
+                "own id (list each image once, or pass distinct ids)"
+            )
+
+
 def _plan(
     model: nn.Module,
     dataset: Dataset,
@@ -275,6 +291,11 @@ def _plan(
     tokens: ReduceContext,
 ) -> _Plan:
     """Check the arguments of :func:`extract` and decide what the run will do."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"model must be a torch.nn.Module, got {type(model).__name__} {model!r:.40}; to "
+            "name a model, use featcache.extract_from_config with model.name"
+        )
     taps = resolve_taps(model, layers)  # type: ignore[arg-type]
     num_rows = source_length(dataset)
     if ids is None:
@@ -283,6 +304,9 @@ def _plan(
         ids = [f"{type(dataset).__name__}:{i}" for i in range(num_rows)]
     if len(ids) != num_rows:
         raise ConfigError(f"{len(ids)} ids given for a dataset of {num_rows} rows")
+    check_unique(ids)
+    if isinstance(class_names, str):
+        raise ConfigError(f"class_names must be a list of names, got the string {class_names!r}")
     rows = range(num_rows) if rows is None else rows
     if rows.step != 1 or not rows or rows.start < 0 or rows.stop > num_rows:
         raise ConfigError(f"rows must be a non-empty range within the {num_rows} source rows")
