@@ -56,18 +56,40 @@ LATER_KEYS: dict[str, dict[str, Any]] = {
 
 def config_fingerprint(spec: Spec) -> str:
     """sha256 of the canonical JSON of every config key that decides the stored values."""
-    data = to_dict(spec)
+    return _json_sha256(content_config(to_dict(spec)))
+
+
+def content_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a config (as :func:`~featcache.spec.to_dict` gives it) that decides
+    the stored values: what :func:`config_fingerprint` hashes."""
+    data = json.loads(json.dumps(config))
     for section, keys in CONTENT_FREE_KEYS.items():
         if keys is None:
             data.pop(section, None)
         else:
             for key in keys:
-                data[section].pop(key, None)
+                data.get(section, {}).pop(key, None)
     for section, defaults in LATER_KEYS.items():
         for key, default in defaults.items():
-            if data[section].get(key, default) == default:
-                data[section].pop(key, None)
-    return _json_sha256(data)
+            if data.get(section, {}).get(key, default) == default:
+                data.get(section, {}).pop(key, None)
+    return data
+
+
+def config_differences(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """The dotted keys (``preprocess.resize``, ``layers``) whose values differ between two
+    configs, in the part that decides the stored values; sorted."""
+
+    def flat(data: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(data, Mapping):
+            return {prefix: data}
+        found: dict[str, Any] = {}
+        for key, value in data.items():
+            found.update(flat(value, f"{prefix}{key}."))
+        return found
+
+    mine, theirs = flat(content_config(current)), flat(content_config(stored))
+    return sorted(k.rstrip(".") for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -245,3 +245,35 @@ def test_partial_store_is_found_by_readers_and_info(resnet18, tmp_path):
     result = CliRunner().invoke(app, ["info", str(path)])
     assert result.exit_code == 0 and "INCOMPLETE (12 rows durable)" in result.stdout
     assert os.path.basename(partial_path(path)) in result.stdout
+
+
+def test_a_refused_resume_names_the_config_keys_that_differ(tmp_path):
+    from PIL import Image
+
+    folder = tmp_path / "images" / "train" / "things"
+    folder.mkdir(parents=True)
+    for i in range(10):
+        Image.new("RGB", (24, 24), (i * 20, 0, 0)).save(folder / f"{i}.png")
+    (folder / "9.png").write_bytes(b"not a png")  # the run stops here, rows 0-7 durable
+    config = {
+        "model": {"name": "resnet18"},
+        "layers": [{"name": "layer1", "reduce": "avg"}],
+        "data": {"root": str(tmp_path / "images")},
+        "preprocess": {"resize": 32},
+        "loader": {"batch_size": 4, "num_workers": 0},
+        "output": {"dir": str(tmp_path / "out")},
+        "runtime": {"progress": False},
+    }
+    with pytest.raises(FeatcacheError, match="cannot decode"):
+        featcache.extract_from_config(config)
+    store = tmp_path / "out" / "train.h5"
+    assert partial_path(store).exists()
+    with pytest.raises(
+        ConfigError,
+        match=r"its config differs from this run's at layers and preprocess.resize \(\[\{",
+    ):
+        featcache.extract_from_config(
+            config, ["preprocess.resize=40", "layers=[{name: layer2, reduce: avg}]"]
+        )
+    with pytest.raises(ConfigError, match=r"at preprocess.resize \(32 vs 40\); pass --overwrite"):
+        featcache.extract_from_config(config, ["preprocess.resize=40"])

@@ -200,7 +200,14 @@ def _extract(
     batch_size = run.loader.batch_size
     step = plan.bucket_window or batch_size  # the grid's unit: a batch, or a bucketed window
     if partial_path(path).exists():
-        resume = plan_resume(path, plan.key().to_json(), step, plan.rows.start, plan.shard_starts)
+        resume = plan_resume(
+            path,
+            plan.key().to_json(),
+            step,
+            plan.rows.start,
+            plan.shard_starts,
+            config=plan.provenance.get("config"),
+        )
     todo = range(resume.position if resume else plan.rows.start, plan.rows.stop)
     device = plan.layout.device
     pin = device.type == "cuda" if run.loader.pin_memory == "auto" else bool(run.loader.pin_memory)

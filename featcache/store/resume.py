@@ -12,7 +12,9 @@ import h5py
 import numpy as np
 
 from featcache.errors import ConfigError, first_line
+from featcache.provenance import config_differences
 from featcache.store import codec
+from featcache.store.metadata import UNREADABLE_METADATA
 from featcache.store.paths import OVERWRITE, partial_path, skipped_log_path
 from featcache.store.skipped import read_log
 
@@ -53,6 +55,7 @@ def plan_resume(
     batch_size: int,
     first: int = 0,
     boundaries: Sequence[int] = (),
+    config: Mapping[str, Any] | None = None,
 ) -> ResumePoint | None:
     """Check a partial store left by an earlier run; None when there is none.
 
@@ -60,7 +63,9 @@ def plan_resume(
     grid's step).
 
     Raises :class:`ConfigError` naming the first difference when the partial store was
-    made with other settings, data or model, and when it cannot be read.
+    made with other settings, data or model (given this run's ``config``, as
+    :func:`~featcache.spec.to_dict` gives it, the config keys that differ), and when it
+    cannot be read.
     """
     partial = partial_path(path)
     if not partial.exists():
@@ -68,20 +73,18 @@ def plan_resume(
     try:
         with h5py.File(partial, "r") as f:
             stored_key = codec.attr(f, "resume_key")
+            stored_config = codec.attr(f, "config")
             durable = int(f["progress"][0])
             index = f["index"][:durable]
-    except (OSError, KeyError, ValueError) as exc:
+    except UNREADABLE_METADATA as exc:
         raise ConfigError(
             f"cannot resume from {partial}: it is not readable ({first_line(exc)}); "
             f"pass {OVERWRITE} to start over"
         ) from exc
     for key in sorted(set(stored_key) | set(resume_key)):
         if stored_key.get(key) != resume_key.get(key):
-            raise ConfigError(
-                f"cannot resume {partial}: its {key.replace('_', ' ')} differs from this "
-                f"run's ({_short(stored_key.get(key))} vs {_short(resume_key.get(key))}); "
-                f"pass {OVERWRITE} to start over"
-            )
+            differs = _difference(key, stored_key, resume_key, stored_config, config)
+            raise ConfigError(f"cannot resume {partial}: {differs}; pass {OVERWRITE} to start over")
     next_position = int(index[-1]) + 1 if durable else first
     # Restart on the batch grid of the first run (batches start at ``first``), so that every
     # batch holds the same samples as in an uninterrupted run: batch composition can
@@ -89,6 +92,40 @@ def plan_resume(
     position = grid_start(next_position, first, batch_size, boundaries)
     row = int(np.searchsorted(index, position))
     return ResumePoint(row, position, read_log(skipped_log_path(path), before=position))
+
+
+def _difference(
+    key: str,
+    stored: Mapping[str, Any],
+    current: Mapping[str, Any],
+    stored_config: Mapping[str, Any] | None,
+    config: Mapping[str, Any] | None,
+) -> str:
+    """What differs between a partial store's key and this run's, at ``key``: for the
+    config fingerprint, the config keys themselves when both configs are known."""
+    what, before, now = f"its {key.replace('_', ' ')} differs from this run's", stored, current
+    keys = []
+    if key == "config_fingerprint" and stored_config and config is not None:
+        keys = config_differences(stored_config, config)
+    if keys:
+        key = keys[0]
+        what = f"its config differs from this run's at {_keys(keys)}"
+        before, now = {key: _value_at(stored_config, key)}, {key: _value_at(config, key)}
+    return f"{what} ({_short(before.get(key))} vs {_short(now.get(key))})"
+
+
+def _keys(keys: Sequence[str]) -> str:
+    """``"layers"``, ``"layers and preprocess.resize"``, ``"a, b and 3 more"``."""
+    if len(keys) <= 2:
+        return " and ".join(keys)
+    return f"{keys[0]}, {keys[1]} and {len(keys) - 2} more"
+
+
+def _value_at(config: Any, dotted: str) -> Any:
+    """The value at a dotted key of a config (None when absent)."""
+    for part in dotted.split("."):
+        config = config.get(part) if isinstance(config, Mapping) else None
+    return config
 
 
 def _short(value: Any) -> str:
