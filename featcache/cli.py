@@ -360,7 +360,12 @@ def probe(
         probe_layers,
         save_results,
     )
+    from featcache.store.paths import output_file
 
+    if output is not None:  # before the fit: a bad name fails now, not after minutes
+        output_file(output, (".json",), "results file")
+    if plot is not None:
+        output_file(plot, (".png",), "plot")
     grid = None
     if lambdas is not None:
         try:

@@ -24,6 +24,10 @@ from torchvision.utils import make_grid, save_image
 from featcache.errors import ConfigError
 from featcache.plotting import require_matplotlib
 from featcache.store import FeatureStore
+from featcache.store.paths import output_file
+
+# Picture formats save_image (PIL) writes, by the file's suffix.
+PICTURE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 
 StoreLike = FeatureStore | str | os.PathLike
 
@@ -92,8 +96,9 @@ def feature_grid(
 def save_feature_grid(
     store: StoreLike, layer: str, row: int, path: str | os.PathLike, **kwargs: Any
 ) -> Path:
-    """Write :func:`feature_grid` (same keywords) to ``path`` (PNG by its suffix)."""
-    path = Path(path)
+    """Write :func:`feature_grid` (same keywords) to ``path`` (a picture in the format its
+    suffix names: PNG, JPEG, ...)."""
+    path = output_file(path, PICTURE_SUFFIXES, "picture")
     save_image(feature_grid(store, layer, row, **kwargs), path)
     return path
 
@@ -224,6 +229,7 @@ def cam_overlay(
         raise ConfigError(f"alpha must lie in [0, 1], got {alpha}")
     if scale < 1:
         raise ConfigError(f"scale must be a whole number >= 1, got {scale}")
+    path = output_file(path, PICTURE_SUFFIXES, "picture")
     fs = _open(store)
     cam = store_cam(fs, layer, row)
     picture = image.convert("RGB") if image else source_image(fs, row, trust_factory=trust_factory)
@@ -234,6 +240,5 @@ def cam_overlay(
     size = picture.shape[1:]
     cam = F.interpolate(cam[None, None], size=size, mode="bilinear", align_corners=False)[0, 0]
     blended = (1 - alpha) * picture + alpha * jet(cam)
-    path = Path(path)
     save_image(blended, path)
     return path

@@ -239,6 +239,34 @@ def test_plot_is_a_png_of_the_requested_size(stores, tmp_path):
         assert image.size == (400, 300)
 
 
+def test_results_are_replaced_whole_and_bad_names_fail_before_the_fit(
+    stores, tmp_path, monkeypatch
+):
+    options = ProbeOptions(progress=False)
+    results = probe_layers(stores["train"], "all", options=options)
+    path = save_results(results, tmp_path / "r.json", options=options)
+    before = path.read_bytes()
+    import featcache.probe.report as report_module
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(report_module.Path, "write_text", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        save_results(results, path, options=options)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    monkeypatch.undo()
+    fitted = []
+    monkeypatch.setattr(featcache.probe, "probe_layers", lambda *a, **k: fitted.append(1))
+    train = stores["train"]
+    for flag, name in (("-o", "r.txt"), ("--plot", "p.json")):
+        result = runner.invoke(
+            app,
+            ["probe", str(getattr(train, "path", train)), "-l", "all", flag, str(tmp_path / name)],
+        )
+        assert result.exit_code == 2 and "does not end in" in result.output and not fitted
+
+
 def test_results_json_holds_everything_needed_to_trace_a_number(stores, tmp_path):
     options = ProbeOptions(progress=False)
     results = probe_layers(stores["train"], "all", test=stores["test"], options=options)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -138,3 +140,22 @@ def _png(path) -> np.ndarray:
     with Image.open(path) as image:
         assert image.format == "PNG"
         return np.asarray(image.convert("RGB")).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("grid.txt", r"picture .*grid.txt does not end in .png or .jpg .* such as .*grid.png$"),
+        ("folder", r"picture .*folder is a folder; give a file name such as .*out.png$"),
+    ],
+)
+def test_a_picture_name_that_cannot_be_written_fails_in_one_line(
+    store_path, tmp_path, name, message
+):
+    (tmp_path / "folder").mkdir()
+    for command in ("show", "cam"):
+        result = runner.invoke(
+            app, [command, str(store_path), "-l", "layer2", "-o", str(tmp_path / name)]
+        )
+        assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
+        assert re.search(message, result.output.strip()), result.output

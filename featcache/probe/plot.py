@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from featcache.plotting import require_matplotlib
 from featcache.probe.results import ProbeResult
+from featcache.store.paths import output_file
 
 if TYPE_CHECKING:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -32,6 +33,7 @@ def plot_layers(
         FeatcacheError: matplotlib (the ``plot`` extra) is not installed.
     """
     require_matplotlib()
+    path = output_file(path, (".png",), "plot")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MultipleLocator, PercentFormatter
@@ -94,8 +96,6 @@ def plot_layers(
         fontsize="small",
         borderaxespad=0.3,
     )
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     canvas.print_png(path)
     return path
 

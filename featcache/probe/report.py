@@ -17,6 +17,7 @@ from featcache.probe.options import ProbeOptions
 from featcache.probe.results import ProbeResult
 from featcache.probe.splits import Source
 from featcache.store import FeatureStore
+from featcache.store.paths import building_beside, output_file
 
 PROBE_FORMAT = 1
 
@@ -43,9 +44,10 @@ def save_results(
         "versions": library_versions(),
         "results": [result.to_dict() for result in results],
     }
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=2) + "\n")
+    path = output_file(path, (".json",), "results file")
+    with building_beside(path, ".writing") as building:  # a failed write keeps the old file
+        building.write_text(json.dumps(document, indent=2) + "\n")
+    os.replace(building, path)
     return path
 
 

@@ -8,7 +8,7 @@ import glob
 import os
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from featcache.errors import ConfigError
@@ -73,6 +73,28 @@ def prepare_output_folder(folder: Path) -> None:
         raise ConfigError(
             f"output folder {folder} is not writable ({exc.strerror}); choose another output dir"
         ) from exc
+
+
+def output_file(path: str | os.PathLike, suffixes: Sequence[str], what: str) -> Path:
+    """``path`` as a file to write (a results file, a picture), checked before any work:
+    not a folder, named with one of ``suffixes``, in a folder that exists (created if
+    needed) and takes a file.
+
+    Raises:
+        ConfigError: one line naming the problem and a name that would do.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(
+            f"{what} {path} is a folder; give a file name such as {path / ('out' + suffixes[0])}"
+        )
+    if path.suffix.lower() not in suffixes:
+        raise ConfigError(
+            f"{what} {path} does not end in {' or '.join(suffixes)}; give a name such as "
+            f"{path.with_suffix(suffixes[0])}"
+        )
+    prepare_output_folder(path.parent)
+    return path
 
 
 def shards_of(path: str | os.PathLike) -> dict[Path, int]:
