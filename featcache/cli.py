@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import traceback
 import unicodedata
 import warnings
@@ -80,6 +82,9 @@ def _friendly(command: Callable[..., Any]) -> Callable[..., Any]:
         except KeyboardInterrupt:
             _say("featcache: interrupted", err=True)
             raise typer.Exit(130) from None
+        except BrokenPipeError:  # the reader of stdout stopped (`| head`): stop quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(0) from None
         except Exception as exc:
             if _state["debug"]:
                 traceback.print_exc()

@@ -189,3 +189,17 @@ def test_names_from_a_store_cannot_drive_the_terminal(config_file, tmp_path):
     assert line.endswith(r"(cat\x1b[2K\rok, dog\x1b]0;title\x07, \u202eemag, tab	ok)")
     assert not any(ch in info.stdout for ch in "\x1b\r\x07\u202e")
     assert terminal_safe("plain text\nsecond line") == "plain text\nsecond line"
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly():
+    # `featcache layers ... | head -1`: the pipe closes while featcache still writes.
+    code = (
+        "import sys, featcache.cli, featcache.models\n"
+        "def listing(*args, **kwargs):\n"
+        "    raise BrokenPipeError(32, 'Broken pipe')\n"
+        "featcache.models.backbone_layers = listing\n"
+        "sys.argv = ['featcache', 'layers', 'resnet18']\n"
+        "featcache.cli.main()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stderr == "", result.stderr

@@ -431,6 +431,17 @@ def test_token_reductions_of_a_vit_equal_a_direct_computation(tmp_path):
     assert key["tokens"] == {"prefix_tokens": 1, "sequence_first": False}
 
 
+def test_inputs_the_model_refuses_fail_in_one_line_naming_their_shape(tmp_path):
+    images = torch.utils.data.TensorDataset(torch.randn(4, 3, 16, 16))  # the ViT takes 32 px
+    with pytest.raises(FeatcacheError) as caught:
+        featcache.extract(_tiny_vit(), images, ["encoder"], tmp_path / "v.h5", progress=False)
+    assert str(caught.value) == (
+        "the model fails on a batch of inputs [4, 3, 16, 16] (AssertionError: Wrong image "
+        "height! Expected 32 but got 16!); check that the preprocessing (preprocess.resize, "
+        "crop) or the dataset gives inputs the model takes"
+    )
+
+
 def test_layer_index_out_of_range_names_the_container_length(tmp_path):
     dataset = torch.utils.data.TensorDataset(torch.randn(2, 3, 32, 32))
     with pytest.raises(ConfigError, match=r"index 3 is out of range; encoder.layers has 3 entr"):

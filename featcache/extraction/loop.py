@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from featcache.errors import ConfigError, FeatcacheError
+from featcache.errors import ConfigError, FeatcacheError, first_line
 from featcache.extraction.batches import Batch
 from featcache.extraction.bucketing import WindowReorder
 from featcache.extraction.nonfinite import check_finite, skip_record
@@ -158,10 +158,25 @@ def forward(
     extra: dict[str, Any] = {"labels": batch.labels} if tapset.needs_grad else {}
     inputs = on_device.inputs
     with mode, autocast:
-        if isinstance(inputs, dict):
-            values = tapset.run(context=context, **extra, **inputs)
-        else:
-            values = tapset.run(inputs, context=context, **extra)
+        try:
+            if isinstance(inputs, dict):
+                values = tapset.run(context=context, **extra, **inputs)
+            else:
+                values = tapset.run(inputs, context=context, **extra)
+        except (FeatcacheError, torch.OutOfMemoryError):
+            raise
+        except Exception as exc:  # the model's own complaint about its input
+            shapes = (
+                {key: list(value.shape) for key, value in inputs.items()}
+                if isinstance(inputs, dict)
+                else list(getattr(inputs, "shape", []))
+            )
+            why = first_line(exc, with_type=True)
+            raise FeatcacheError(
+                f"the model fails on a batch of inputs {shapes} ({why}); check that the "
+                "preprocessing (preprocess.resize, crop) or the dataset gives inputs the model "
+                "takes"
+            ) from exc
         values, captured.ragged, lengths, token_ids = pack_tokens(values, tapset.taps, on_device)
         keep = check_finite(
             values, batch.rows, ids, store, captured.skipped, lengths, captured.ragged
