@@ -205,9 +205,21 @@ def _convert(hint: Any, bounds: Bounds | None, value: Any, at: str) -> Any:
         raise ConfigError(f"{at} is {value!r}; choose one of: {_names(choices(hint))}")
     if value is None:
         raise ConfigError(f"{at} must not be null")
+    hint_text = ""
+    if isinstance(value, str) and float in alternatives and _parses_as_float(value):
+        # YAML 1.1 reads 1e-6 (no dot) as text
+        hint_text = f" (YAML reads {value} as text; write it with a dot, e.g. 1.0e-6)"
     raise ConfigError(
-        f"{at} must be {_expected(alternatives, bounds)}, got {_kind(value)} {value!r}"
+        f"{at} must be {_expected(alternatives, bounds)}, got {_kind(value)} {value!r}" + hint_text
     )
+
+
+def _parses_as_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _match(kind: Any, value: Any, at: str) -> tuple[bool, Any]:

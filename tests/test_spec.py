@@ -65,6 +65,7 @@ def test_overrides_are_parsed_as_yaml():
         ("layers=[{name: a, wat: 1}]", "unknown config key layers[0].wat"),
         ("preprocess.mean=[1, 2]", "preprocess.mean must list 3 numbers"),
         ("preprocess.std=[0.2, 0, 0.2]", "preprocess.std [0.2, 0.0, 0.2] has a zero"),
+        ("preprocess.std=[1e-6, 1, 1]", "got a string '1e-6' (YAML reads 1e-6 as text; write"),
         ("data.splits=[.]", "'.' is not a usable split name (it names the store file"),
         ("data.splits=[..]", "use a plain name, mapped to a folder: {all: '..'}"),
         ("data.source=lmdb", "data.source is 'lmdb'; choose one of"),
