@@ -239,7 +239,7 @@ def _check_file(result: VerifyResult, store: FeatureStore) -> None:
     result.add(
         "layers",
         sorted(keys) == sorted(store.layers),
-        f"{len(keys)} layers as recorded ({', '.join(keys)})"
+        f"{len(keys)} layer{'s' if len(keys) != 1 else ''} as recorded ({', '.join(keys)})"
         if sorted(keys) == sorted(store.layers)
         else f"stored {', '.join(store.layers)}, recorded {', '.join(keys)}",
     )
