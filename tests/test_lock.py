@@ -175,6 +175,7 @@ def test_info_on_a_partial_store_names_its_writer_and_the_resume_command(tmp_pat
         assert "status     INCOMPLETE (" in text
         assert f"writer     pid {run.pid} on host {socket.gethostname()}, started" in text
         assert f"resume     featcache extract {config}" in text
+        assert f"           run it from {REPO} (relative paths in the config)" in text
         # Opening it says how far the running writer has got (its HDF5 lock is no bar).
         with pytest.raises(IncompleteStoreError) as caught:
             FeatureStore(store)

@@ -145,6 +145,7 @@ def _extract_splits(spec: Spec, rank: Rank | None, command: str | None) -> dict[
         }
         if command is not None:
             provenance["resume_command"] = command
+            provenance["resume_folder"] = os.getcwd()  # the config's relative paths start here
         arguments = dict(
             provenance=provenance,
             dataset_fingerprint=source.fingerprint(content=spec.data.content_hash),

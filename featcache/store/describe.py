@@ -187,6 +187,9 @@ class StoreDescription:
             "featcache extract command, so it is not shown)"
         )
         lines.append(f"resume     {command}")
+        folder = self.attrs.get("resume_folder")
+        if self.resume_command and isinstance(folder, str):
+            lines.append(f"           run it from {folder} (relative paths in the config)")
         code = code_overrides(self.resume_command)
         if code:
             lines.append(
