@@ -534,3 +534,17 @@ def test_info_warns_of_a_resume_command_that_runs_code(tmp_path, overrides, name
         ) in text
     else:
         assert "careful" not in text
+
+
+def test_a_copy_that_the_disk_cannot_hold_is_refused_before_it_starts(bf16, tmp_path, monkeypatch):
+    path, _ = bf16
+    usage = store_merge.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(
+        store_merge.shutil, "disk_usage", lambda folder: usage._replace(free=200 << 10)
+    )
+    target = tmp_path / "copy" / "c.h5"
+    target.parent.mkdir()
+    with pytest.raises(FeatcacheError, match=r"^not enough space for .*c.h5: the copy needs about"):
+        merge_store(path, target, progress=False)
+    assert list(target.parent.iterdir()) == []
+    copy_store(path, tmp_path / "gzip.h5", "gzip")  # a compressed copy's size is unknown

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,8 @@ def copy_store(
     :class:`~featcache.errors.CorruptStoreError`; the half-made copy is removed.
     """
     target = Path(target)
+    if compression is None:  # the copy's size is known: refuse before HDF5 hits a full disk
+        _check_space(source, target)
     with (
         building_beside(target, ".copying") as tmp,
         h5py.File(source, "r") as src,
@@ -60,6 +63,22 @@ def copy_store(
         codec.write_attrs(dst, attrs or {})
         seal(dst)
     replace_durably(tmp, target)
+
+
+def _check_space(source: str | os.PathLike, target: Path) -> None:
+    """Refuse a copy of ``source`` (uncompressed) that the disk under ``target`` cannot
+    hold: HDF5 fails badly on a full disk (h5py can even crash while closing the file)."""
+    with h5py.File(source, "r") as src:
+        needed = sum(
+            o.size * o.dtype.itemsize for _, o in _walk(src) if isinstance(o, h5py.Dataset)
+        )
+    needed += needed // 50 + (1 << 20)  # chunk checksums, HDF5's own metadata
+    free = shutil.disk_usage(target.parent if target.parent.exists() else ".").free
+    if free < needed:
+        raise FeatcacheError(
+            f"not enough space for {target}: the copy needs about {needed / 2**20:,.1f} MiB "
+            f"and {free / 2**20:,.1f} MiB are free; free some space or write it elsewhere"
+        )
 
 
 def _walk(group: h5py.Group, prefix: str = "") -> Iterator[tuple[str, Any]]:
