@@ -11,6 +11,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -78,6 +79,7 @@ def write_store(
     *,
     class_names: list[str] | None = None,
     dtype: str = "float32",
+    **options: Any,
 ) -> Path:
     """A complete store, made with featcache.extract, whose layers hold ``features``."""
     model = _Slices({name: value.shape[1:] for name, value in features.items()})
@@ -93,6 +95,7 @@ def write_store(
         dtype=dtype,
         batch_size=len(flat),
         progress=False,
+        **options,
     )
     return path
 
@@ -237,6 +240,15 @@ def test_plot_is_a_png_of_the_requested_size(stores, tmp_path):
     assert (45, 110, 180) in colours and (214, 96, 39) in colours  # val and test lines
     with Image.open(plot_layers(results[:1], tmp_path / "one.png", size=(400, 300))) as image:
         assert image.size == (400, 300)
+
+
+@pytest.mark.parametrize("trainer", ["full", "streaming"])
+def test_features_with_inf_are_refused_with_the_fix(tmp_path, trainer):
+    features, labels = _clusters(60, 4, 2, 0, spread=2.0)
+    features[3, 1] = np.inf
+    path = write_store(tmp_path / "inf.h5", {"x": features}, labels, on_nonfinite="keep")
+    with pytest.raises(ConfigError, match=r"^the features hold NaN or Inf values .*on_nonfinite"):
+        probe_layers(path, "x", options=ProbeOptions(progress=False, trainer=trainer))
 
 
 def test_results_are_replaced_whole_and_bad_names_fail_before_the_fit(

@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from featcache.errors import ConfigError
+
 SLICE_ROWS = 8192  # rows Moments converts to float64 at a time
 
 
@@ -77,7 +79,18 @@ class Moments:
             self.n = total
 
     def standardizer(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Float32 ``(mean, std)`` ``[D]`` on ``device``; constant features get std 1."""
+        """Float32 ``(mean, std)`` ``[D]`` on ``device``; constant features get std 1.
+
+        Raises:
+            ConfigError: the rows held NaN or Inf (a store written with
+                ``store.on_nonfinite: keep``), which no probe can fit.
+        """
+        if not (torch.isfinite(self.mean).all() and torch.isfinite(self.m2).all()):
+            raise ConfigError(
+                "the features hold NaN or Inf values (the store was written with "
+                "store.on_nonfinite: keep); re-extract with on_nonfinite: skip, or in float32 "
+                "if float16 overflowed"
+            )
         std = (self.m2 / max(self.n, 1)).sqrt()
         std = torch.where(std > 1e-6, std, torch.ones_like(std))
         return self.mean.float().to(device), std.float().to(device)
