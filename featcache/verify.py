@@ -384,8 +384,11 @@ def _recompute(
                         f"{key}: stored {list(stored.shape)}, recomputed {list(expected.shape)}",
                     )
                     return
-                error = (stored - expected).abs().flatten(1)
-                scale = expected.abs().flatten(1).amax(dim=1, keepdim=True).clamp_min(1e-6)
+                # The same Inf, or NaN in both, is no error (a store kept them on purpose).
+                same = (stored == expected) | (stored.isnan() & expected.isnan())
+                error = torch.where(same, 0.0, (stored - expected).abs()).flatten(1)
+                finite = torch.nan_to_num(expected.abs(), nan=0.0, posinf=0.0)
+                scale = finite.flatten(1).amax(dim=1, keepdim=True).clamp_min(1e-6)
                 relative = (error / scale).amax(dim=1)
                 if key in captured.ragged:  # the worst token of each row
                     owner = torch.repeat_interleave(

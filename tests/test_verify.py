@@ -231,3 +231,24 @@ def test_same_config_twice_same_arrays_and_fingerprints(tmp_path):
         assert torch.equal(a.read(layer), b.read(layer))
     for key in ("config_fingerprint", "dataset_fingerprint", "weights"):
         assert a.attrs[key] == b.attrs[key]
+
+
+def test_a_store_that_kept_inf_values_verifies(tmp_path):
+    # Inputs scaled by 1e7 overflow float16 in layer4: kept as Inf, recomputed as Inf.
+    config = {
+        "model": {"name": "resnet18", "weights": None},
+        "layers": [{"name": "layer4", "reduce": "avg"}],
+        "data": {
+            "source": "synthetic",
+            "kwargs": {"image_size": 32, "num_classes": 2},
+            "splits": {"val": {"size": 6}},
+        },
+        "preprocess": {"mean": [0.5] * 3, "std": [1e-7] * 3},
+        "store": {"dtype": "float16", "on_nonfinite": "keep"},
+        "output": {"dir": str(tmp_path / "out")},
+        "runtime": {"progress": False},
+    }
+    store = featcache.extract_from_config(config)["val"]
+    assert torch.isinf(store.read("layer4")).any()
+    result = verify_store(store.path, samples=-1)
+    assert result.passed, [c for c in result.checks if not c.ok]
