@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
 import tarfile
 import warnings
@@ -121,6 +122,15 @@ def test_imagefolder_follows_links_but_not_back_up_a_cycle(tree, transform):
     assert [i for i in ds.ids if i.startswith("birds/more_dogs/")] == [
         "birds/more_dogs/" + i.split("/", 1)[1] for i in EXPECTED_IDS if i.startswith("dogs/")
     ]
+
+
+def test_a_file_name_that_is_not_utf8_is_named_in_one_line(tree, transform):
+    cats = tree / "train" / "cats"
+    image = (cats / sorted(os.listdir(cats))[0]).read_bytes()
+    with open(os.path.join(os.fsencode(cats), b"caf\xe9.png"), "wb") as handle:  # Latin-1
+        handle.write(image)
+    with pytest.raises(ConfigError, match=r"^file name b'.*caf\\xe9.png' is not valid UTF-8"):
+        build_source(DataSpec(root=str(tree)), "train", transform)
 
 
 def test_splits_with_different_classes_are_refused_before_any_work(tree, tmp_path):

@@ -76,7 +76,7 @@ def imagefolder_source(
             for file in sorted(files):
                 if file.startswith(".") or not file.lower().endswith(IMAGE_EXTENSIONS):
                     continue
-                paths.append(os.path.join(root, file))
+                paths.append(_utf8(os.path.join(root, file)))
                 labels.append(label)
                 ids.append((rel_root / file).as_posix())
     if not paths:
@@ -87,6 +87,18 @@ def imagefolder_source(
             "put the images in one subfolder per class"
         )
     return FileSource(paths, labels, ids, classes, transform)
+
+
+def _utf8(path: str) -> str:
+    """``path``, refused when its name is not UTF-8 (ids are stored as UTF-8 text)."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(
+            f"file name {os.fsencode(path)!r} is not valid UTF-8, and sample ids are stored "
+            "as UTF-8; rename the file"
+        ) from None
+    return path
 
 
 def _walk(top: Path) -> list[tuple[str, list[str]]]:
