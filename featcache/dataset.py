@@ -92,12 +92,20 @@ class FeatureDataset(Dataset):
         allow_incomplete: bool = False,
         chunk_cache: int | None = None,
     ):
+        if not isinstance(path, (str, os.PathLike)):
+            raise ConfigError(f"FeatureDataset takes a store path, got {type(path).__name__}")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise ConfigError(f"dtype must be a torch.dtype such as torch.float32, got {dtype!r}")
         self.path = Path(path)
-        store = FeatureStore(self.path, allow_incomplete=allow_incomplete)
         self.single = isinstance(layers, str)
+        if not self.single and not (
+            isinstance(layers, Sequence) and all(isinstance(layer, str) for layer in layers)
+        ):
+            raise ConfigError(f"layers must be a layer key or a list of them, got {layers!r}")
         self.layers = [layers] if isinstance(layers, str) else list(layers)
         if not self.layers:
             raise ConfigError("FeatureDataset needs at least one layer")
+        store = FeatureStore(self.path, allow_incomplete=allow_incomplete)
         for layer in self.layers:
             store.shape(layer)  # raises a clear error for a missing layer
         self.num_rows = store.rows_written if allow_incomplete else len(store)

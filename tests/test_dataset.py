@@ -392,6 +392,21 @@ def test_bad_batch_options_are_refused(rows_path):
         ShuffledBatches(dataset, 0)
 
 
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"layers": 123}, r"^layers must be a layer key or a list of them, got 123$"),
+        ({"layers": ["a", 1]}, r"^layers must be a layer key or a list of them"),
+        ({"layers": "a", "dtype": "float64"}, r"^dtype must be a torch.dtype such as torch.f"),
+        ({"layers": "a", "path": None}, r"^FeatureDataset takes a store path, got NoneType$"),
+    ],
+)
+def test_bad_arguments_are_refused_in_one_line(rows_path, arguments, message):
+    arguments = {"path": rows_path, **arguments}
+    with pytest.raises(ConfigError, match=message):
+        FeatureDataset(arguments.pop("path"), **arguments)
+
+
 def test_virtual_store_over_shards_reads_like_one_file(tmp_path):
     from featcache.distributed import combine_shards
 
