@@ -9,7 +9,9 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from featcache.cli import app
 from featcache.dataset import FeatureDataset
 from featcache.errors import CorruptStoreError
 from featcache.store import FeatureStore, StoreWriter, codec, combine_shards, copy_store, seal
@@ -20,7 +22,7 @@ from featcache.store.metadata import (
     is_sealed,
     metadata_problem,
 )
-from featcache.store.paths import shard_path
+from featcache.store.paths import partial_path, shard_path
 from featcache.verify import verify_store
 from tests.stores import synthetic_store, written_store
 
@@ -72,6 +74,25 @@ def test_a_flipped_attribute_byte_fails_every_open(store):
         assert str(caught.value) == message
     result = verify_store(store, quick=True)
     assert [(c.name, c.ok, c.detail) for c in result.checks] == [("metadata", False, message)]
+
+
+def test_a_partial_store_whose_attributes_cannot_be_read_fails_in_one_line(tmp_path):
+    """Many long attributes live in a checksummed heap of their own: a changed byte there
+    fails only when they are all read, as describe does, so an open must read them all."""
+    path = tmp_path / "p.h5"
+    notes = {f"note{i}": "z" * 200 + str(i) for i in range(12)}
+    writer = StoreWriter(path, 8, ids_width=1, chunk_rows=4, attrs=notes)
+    writer.append(np.arange(4), list("abcd"), np.zeros(4), {"a": np.ones((4, 2), np.float16)})
+    writer.close()  # interrupted: four durable rows in p.h5.partial
+    partial = partial_path(path)
+    raw = bytearray(partial.read_bytes())
+    raw[raw.index(b"z" * 200 + b"7") + 5] ^= 0xFF
+    partial.write_bytes(bytes(raw))
+    with pytest.raises(CorruptStoreError, match=f"^store {partial} is damaged: its metadata"):
+        FeatureStore(path, allow_incomplete=True)
+    result = CliRunner().invoke(app, ["info", str(path)])
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
+    assert "is damaged: its metadata cannot be read" in result.output
 
 
 def test_a_layer_attribute_edited_with_h5py_reads_as_damaged_until_sealed(store):

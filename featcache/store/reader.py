@@ -152,7 +152,6 @@ class FeatureStore:
         try:
             is_store = "featcache_format" in file.attrs
             newer = newer_format(file) if is_store else ""
-            complete = is_store and not newer and self.complete
         except UNREADABLE_METADATA as exc:
             problem = f"its metadata cannot be read ({first_line(exc)})"
         else:
@@ -161,8 +160,9 @@ class FeatureStore:
             if newer:
                 self.close()
                 raise ConfigError(f"cannot read store {self.path}: {newer}")
-            # A store still being written has no digest yet, and its writer may hold it.
-            problem = metadata_problem(file) if complete else ""
+            # A store still being written has no digests yet: its attributes must still read
+            # (its writer sets them at the start and the end only).
+            problem = metadata_problem(file)
         if problem:
             self.close()
             raise CorruptStoreError(f"store {self.path} is damaged: {problem}; {FIX}")
