@@ -179,6 +179,10 @@ def test_arguments_that_would_make_a_bad_store_are_refused(resnet18, images, tmp
         featcache.extract(resnet18, images, ["layer1"], path, class_names="abc", progress=False)
     with pytest.raises(ConfigError, match=r"^model must be a torch.nn.Module, got str 'resnet18'"):
         featcache.extract("resnet18", images, ["layer1"], path, progress=False)
+    with pytest.raises(ConfigError, match=r"^rows must be a range of source positions, got list"):
+        featcache.extract(resnet18, images, ["layer1"], path, rows=[1, 2], progress=False)
+    with pytest.raises(ConfigError, match=r"^prefix_tokens must be a whole number >= 0, got '1'"):
+        featcache.extract(resnet18, images, ["layer1"], path, prefix_tokens="1", progress=False)
     assert not any(tmp_path.iterdir())
 
 

@@ -182,8 +182,10 @@ def token_layout(
     if prefix_tokens is None:
         declared = getattr(model, "num_prefix_tokens", None)
         prefix_tokens = declared if isinstance(declared, int) else None
-    if prefix_tokens is not None and prefix_tokens < 0:
-        raise ConfigError(f"prefix_tokens must be a whole number >= 0, got {prefix_tokens}")
+    if prefix_tokens is not None and (
+        not isinstance(prefix_tokens, int) or isinstance(prefix_tokens, bool) or prefix_tokens < 0
+    ):
+        raise ConfigError(f"prefix_tokens must be a whole number >= 0, got {prefix_tokens!r}")
     return ReduceContext(prefix_tokens=prefix_tokens, sequence_first=bool(sequence_first))
 
 
@@ -315,6 +317,8 @@ def _plan(
     if isinstance(class_names, str):
         raise ConfigError(f"class_names must be a list of names, got the string {class_names!r}")
     rows = range(num_rows) if rows is None else rows
+    if not isinstance(rows, range):
+        raise ConfigError(f"rows must be a range of source positions, got {type(rows).__name__}")
     if rows.step != 1 or not rows or rows.start < 0 or rows.stop > num_rows:
         raise ConfigError(f"rows must be a non-empty range within the {num_rows} source rows")
     if class_names is None:
