@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import functools
-import os
-import sys
-import traceback
-import unicodedata
-import warnings
-from collections.abc import Callable
+import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
-from featcache.errors import ConfigError, FeatcacheError, IncompleteStoreError, first_line
+from featcache.cli_output import friendly, say, state
+from featcache.errors import ConfigError
 
 app = typer.Typer(
     name="featcache",
@@ -23,7 +18,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-_state = {"debug": False}
 
 # The one option that lets a command rebuild what a store's recorded config names as code.
 TrustFactory = Annotated[
@@ -36,77 +30,17 @@ TrustFactory = Annotated[
 ]
 
 
-def terminal_safe(text: str) -> str:
-    """``text`` with control and format characters other than newline and tab written as
-    escapes (``\\x1b``, ``\\u202e``). Much of what the commands print comes from stores,
-    which are data: a name in one must not move the cursor, rewrite a line already
-    printed (a ``FAIL`` made to read ``ok``), retitle the terminal or reorder the text."""
-    if text.isprintable():
-        return text
-    return "".join(
-        ch if ch in "\n\t" or unicodedata.category(ch) not in ("Cc", "Cf") else ascii(ch)[1:-1]
-        for ch in text
-    )
-
-
-def _say(text: str, err: bool = False) -> None:
-    """Print a line (to stderr with ``err``), made :func:`terminal_safe`."""
-    typer.echo(terminal_safe(text), err=err)
-
-
 @app.callback()
 def _options(
     debug: Annotated[
         bool, typer.Option("--debug", help="Show the full traceback on errors.")
     ] = False,
 ) -> None:
-    _state["debug"] = debug
-
-
-def _friendly(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn errors into one line on stderr: exit 2 for usage/config, 1 for runtime."""
-
-    @functools.wraps(command)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", UserWarning)
-                try:
-                    return command(*args, **kwargs)
-                finally:
-                    for warning in caught:
-                        if issubclass(warning.category, UserWarning):
-                            _say(f"featcache: warning: {warning.message}", err=True)
-        except typer.Exit:
-            raise
-        except KeyboardInterrupt:
-            _say("featcache: interrupted", err=True)
-            raise typer.Exit(130) from None
-        except BrokenPipeError:  # the reader of stdout stopped (`| head`): stop quietly
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            raise typer.Exit(0) from None
-        except Exception as exc:
-            if _state["debug"]:
-                traceback.print_exc()
-            code = exc.exit_code if isinstance(exc, FeatcacheError) else 1
-            message = str(exc) if isinstance(exc, FeatcacheError) else _unexpected(exc)
-            if isinstance(exc, IncompleteStoreError):  # the fix a command line offers
-                message = (
-                    f"store {exc.path} is incomplete ({exc.rows} rows written); rerun its "
-                    f"extraction to resume it (`featcache info {exc.path}` prints the command)"
-                )
-            _say(f"featcache: error: {message}", err=True)
-            raise typer.Exit(code) from None
-
-    return wrapper
-
-
-def _unexpected(exc: Exception) -> str:
-    return f"{first_line(exc, with_type=True)} (rerun with --debug for the traceback)"
+    state["debug"] = debug
 
 
 @app.command()
-@_friendly
+@friendly
 def extract(
     config: Annotated[Path, typer.Argument(help="YAML config file.")],
     set_: Annotated[
@@ -126,21 +60,23 @@ def extract(
     if overwrite:
         overrides.append("output.overwrite=true")
     rank = current_rank()
+    started = time.time_ns()
     try:
         stores = extract_from_config(config, overrides)
     except KeyboardInterrupt:
         if rank is None or rank.is_main:
             again = resume_command(config, overrides, rank)
             message = f"featcache: interrupted; what was written is kept, and `{again}` resumes it"
-            _say(message, err=True)
+            say(message, err=True)
         raise typer.Exit(130) from None
     if rank is None or rank.is_main:
         for store in stores.values():
-            _say(store.describe().summary())
+            done_before = store.path.stat().st_mtime_ns < started  # a rerun found it complete
+            say(store.describe().summary() + ("; already complete" if done_before else ""))
 
 
 @app.command()
-@_friendly
+@friendly
 def layers(
     model_or_config: Annotated[
         str,
@@ -172,13 +108,13 @@ def layers(
     rows = [info for info in found if all_ or info.output != "-"]
     width = max(len(info.name) for info in rows)
     type_width = max(len(info.type) for info in rows)
-    _say(f"{'name':<{width}}  {'type':<{type_width}}  output (per sample, {shown})")
+    say(f"{'name':<{width}}  {'type':<{type_width}}  output (per sample, {shown})")
     for info in rows:
-        _say(f"{info.name:<{width}}  {info.type:<{type_width}}  {info.output}")
+        say(f"{info.name:<{width}}  {info.type:<{type_width}}  {info.output}")
 
 
 @app.command()
-@_friendly
+@friendly
 def info(
     store: Annotated[Path, typer.Argument(help="A store written by featcache (.h5).")],
     as_json: Annotated[bool, typer.Option("--json", help="Print all attributes as JSON.")] = False,
@@ -188,11 +124,11 @@ def info(
 
     with FeatureStore(store, allow_incomplete=True) as fs:
         description = fs.describe()
-    _say(description.to_json() if as_json else description.format())
+    say(description.to_json() if as_json else description.format())
 
 
 @app.command()
-@_friendly
+@friendly
 def verify(
     store: Annotated[Path, typer.Argument(help="A store made by `featcache extract`.")],
     samples: Annotated[
@@ -230,7 +166,7 @@ def verify(
     if trust_factory and config is None and not quick:
         code = recorded_code(store)
         if code is not None:
-            _say(f"--trust-factory: verify will {code}", err=True)
+            say(f"--trust-factory: verify will {code}", err=True)
     result = verify_store(
         store,
         samples,
@@ -241,16 +177,16 @@ def verify(
         trust_factory=trust_factory,
     )
     for check in result.checks:
-        _say(f"{'ok' if check.ok else 'FAIL':<5} {check.name:<10} {check.detail}")
+        say(f"{'ok' if check.ok else 'FAIL':<5} {check.name:<10} {check.detail}")
     failed = [check.name for check in result.checks if not check.ok]
     if failed:
-        _say(f"verify: FAIL ({', '.join(failed)}): {result.path}")
+        say(f"verify: FAIL ({', '.join(failed)}): {result.path}")
         raise typer.Exit(1)
-    _say(f"verify: PASS ({len(result.rows)} rows recomputed): {result.path}")
+    say(f"verify: PASS ({len(result.rows)} rows recomputed): {result.path}")
 
 
 @app.command()
-@_friendly
+@friendly
 def merge(
     store: Annotated[Path, typer.Argument(help="A store, typically one made by torchrun.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="The single file to write.")],
@@ -265,11 +201,11 @@ def merge(
     if compression not in COMPRESSIONS:
         raise ConfigError(f"--compression {compression!r}: choose lzf or gzip")
     merged = merge_store(store, output, compression)
-    _say(merged.describe().summary())
+    say(merged.describe().summary())
 
 
 @app.command()
-@_friendly
+@friendly
 def demo(
     output: Annotated[
         Path, typer.Option("--output", "-o", help="Folder for the demo stores.")
@@ -283,30 +219,30 @@ def demo(
 
     stores = run_demo(output)
     for store in stores.values():
-        _say(store.describe().summary())
-    _say("")
-    _say(stores["train"].describe().format())
+        say(store.describe().summary())
+    say("")
+    say(stores["train"].describe().format())
     results, json_path, png_path = run_demo_probe(stores, output)
-    _say("")
-    _say(
+    say("")
+    say(
         f"linear probes: lambda chosen on 20% of {stores['train'].path.name}, "
         f"top-1 on the held-out {stores['val'].path.name}"
     )
-    _say(format_table(results))
+    say(format_table(results))
     best = max(results, key=lambda result: result.top1)
     chance = best.test["chance_top1"] if best.test else best.val["chance_top1"]
-    _say(
+    say(
         f"best layer {best.layer}: {100 * best.top1:.1f}% top-1 against {100 * chance:.1f}% "
         f"for chance ({best.num_classes} classes)"
     )
     if png_path is None:
-        _say(f"wrote {json_path} (for the chart too: {PLOT_EXTRA})")
+        say(f"wrote {json_path} (for the chart too: {PLOT_EXTRA})")
     else:
-        _say(f"wrote {json_path} and {png_path}")
+        say(f"wrote {json_path} and {png_path}")
 
 
 @app.command()
-@_friendly
+@friendly
 def probe(
     train: Annotated[Path, typer.Argument(help="Store to fit the probes on (.h5).")],
     layer: Annotated[
@@ -393,15 +329,15 @@ def probe(
         seed=seed,
         progress=progress,
     )
-    _say(format_result(results[0]) if len(results) == 1 else format_table(results))
+    say(format_result(results[0]) if len(results) == 1 else format_table(results))
     path = save_results(results, output or default_output(train, [r.layer for r in results]))
-    _say(f"wrote {path}")
+    say(f"wrote {path}")
     if plot is not None or len(results) > 1:
-        _say(f"wrote {plot_layers(results, plot or path.with_suffix('.png'))}")
+        say(f"wrote {plot_layers(results, plot or path.with_suffix('.png'))}")
 
 
 @app.command()
-@_friendly
+@friendly
 def show(
     store: Annotated[Path, typer.Argument(help="A store written by featcache (.h5).")],
     layer: Annotated[str, typer.Option("--layer", "-l", help="A stored layer key.")],
@@ -421,11 +357,11 @@ def show(
     path = save_feature_grid(
         store, layer, row, output, max_channels=max_channels, nrow=nrow, scale=scale
     )
-    _say(f"wrote {path}")
+    say(f"wrote {path}")
 
 
 @app.command()
-@_friendly
+@friendly
 def cam(
     store: Annotated[Path, typer.Argument(help="A store with activations and gradients.")],
     layer: Annotated[
@@ -446,7 +382,7 @@ def cam(
     path = cam_overlay(
         store, layer, row, output, alpha=alpha, scale=scale, trust_factory=trust_factory
     )
-    _say(f"wrote {path}")
+    say(f"wrote {path}")
 
 
 def main() -> None:

@@ -69,11 +69,13 @@ def test_extract_then_info(config_file, tmp_path):
 
 
 def test_rerun_of_a_finished_config_is_a_no_op_and_changes_need_overwrite(config_file, tmp_path):
-    assert runner.invoke(app, ["extract", str(config_file)]).exit_code == 0
+    first = runner.invoke(app, ["extract", str(config_file)])
+    assert first.exit_code == 0 and "already complete" not in first.stdout
     path = tmp_path / "out" / "train.h5"
     before = path.stat().st_mtime_ns
     again = runner.invoke(app, ["extract", str(config_file)])  # resumes: nothing left to do
     assert again.exit_code == 0 and path.stat().st_mtime_ns == before
+    assert again.stdout.strip().endswith("images/s; already complete")
     changed = runner.invoke(app, ["extract", str(config_file), "--set", "store.dtype=float32"])
     assert changed.exit_code == 2
     assert "already exists" in _error_line(changed) and "--overwrite" in _error_line(changed)
@@ -174,7 +176,7 @@ def test_demo_via_python_m(tmp_path):
 def test_names_from_a_store_cannot_drive_the_terminal(config_file, tmp_path):
     import h5py
 
-    from featcache.cli import terminal_safe
+    from featcache.cli_output import terminal_safe
     from featcache.store import codec, seal
 
     assert runner.invoke(app, ["extract", str(config_file)]).exit_code == 0
