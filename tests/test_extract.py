@@ -72,7 +72,7 @@ def test_the_store_returned_is_not_checked_again(resnet18, images, tmp_path, mon
     checks = []
     original = reader_module.metadata_problem
     monkeypatch.setattr(
-        reader_module, "metadata_problem", lambda f: checks.append(f) or original(f)
+        reader_module, "metadata_problem", lambda f, **kw: checks.append(f) or original(f, **kw)
     )
     store = featcache.extract(resnet18, images, ["layer1"], tmp_path / "f.h5", progress=False)
     assert checks == [] and store.complete and len(store) == len(images)

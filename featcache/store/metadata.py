@@ -98,12 +98,15 @@ def is_sealed(file: h5py.File) -> bool:
     return DIGEST_ATTR in file.attrs
 
 
-def metadata_problem(file: h5py.File) -> str:
+def metadata_problem(file: h5py.File, sealed: bool = True) -> str:
     """Why the metadata of ``file`` cannot be trusted ("" when it can): a header or an
-    attribute that cannot be read, recorded JSON that no longer parses, or attributes
-    that differ from the digest recorded when the store was written."""
+    attribute that cannot be read, recorded JSON that no longer parses, or (for a
+    ``sealed``, complete store) attributes that differ from the digest recorded when the
+    store was written."""
     try:
         codec.read_attrs(file)  # the recorded JSON still parses
+        if not sealed:
+            return ""
         recorded = codec.attr(file, DIGEST_ATTR)
         if recorded is not None and recorded != attrs_digest(file):
             return "its attributes differ from the digest recorded when it was written"

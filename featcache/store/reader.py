@@ -152,6 +152,7 @@ class FeatureStore:
         try:
             is_store = "featcache_format" in file.attrs
             newer = newer_format(file) if is_store else ""
+            complete = is_store and not newer and self.complete
         except UNREADABLE_METADATA as exc:
             problem = f"its metadata cannot be read ({first_line(exc)})"
         else:
@@ -160,9 +161,9 @@ class FeatureStore:
             if newer:
                 self.close()
                 raise ConfigError(f"cannot read store {self.path}: {newer}")
-            # A store still being written has no digests yet: its attributes must still read
+            # A store still being written has no digests yet, but its attributes must read
             # (its writer sets them at the start and the end only).
-            problem = metadata_problem(file)
+            problem = metadata_problem(file, sealed=complete)
         if problem:
             self.close()
             raise CorruptStoreError(f"store {self.path} is damaged: {problem}; {FIX}")
