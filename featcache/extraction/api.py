@@ -277,6 +277,8 @@ def check_unique(ids: Sequence[str]) -> None:
     Raises:
         ConfigError: naming the first repeated id and the two rows that have it.
     """
+    if len(set(map(str, ids))) == len(ids):
+        return
     first_row: dict[str, int] = {}
     for row, sample_id in enumerate(ids):
         earlier = first_row.setdefault(str(sample_id), row)

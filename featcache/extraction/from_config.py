@@ -56,8 +56,10 @@ def check_same_classes(class_names: Mapping[str, Sequence[str] | None]) -> None:
         ConfigError: naming the first two splits that differ and the classes one lacks.
     """
     named = [(split, list(names)) for split, names in class_names.items() if names]
+    if not named:
+        return
+    first, first_names = named[0]
     for split, names in named[1:]:
-        first, first_names = named[0]
         if names != first_names:
             lacking = sorted(set(first_names) ^ set(names)) or first_names[:3]
             raise ConfigError(

@@ -42,37 +42,34 @@ def copy_store(
     :class:`~featcache.errors.CorruptStoreError`; the half-made copy is removed.
     """
     target = Path(target)
-    if compression is None:  # the copy's size is known: refuse before HDF5 hits a full disk
-        _check_space(source, target)
-    with (
-        building_beside(target, ".copying") as tmp,
-        h5py.File(source, "r") as src,
-        h5py.File(tmp, "w", libver=WHOLE_FILE_LIBVER) as dst,
-    ):
-        codec.copy_attrs(src, dst, skip={*drop, DIGEST_ATTR})
+    with h5py.File(source, "r") as src:
         objects = list(_walk(src))
         total = sum(o.size * o.dtype.itemsize for _, o in objects if isinstance(o, h5py.Dataset))
-        with tqdm(
-            total=total, unit="B", unit_scale=True, desc=target.name, disable=not progress
-        ) as bar:
+        if compression is None:  # the copy's size is known: refuse before HDF5 hits a full disk
+            _check_space(total, target)
+        with (
+            building_beside(target, ".copying") as tmp,
+            h5py.File(tmp, "w", libver=WHOLE_FILE_LIBVER) as dst,
+            tqdm(
+                total=total, unit="B", unit_scale=True, desc=target.name, disable=not progress
+            ) as bar,
+        ):
+            codec.copy_attrs(src, dst, skip={*drop, DIGEST_ATTR})
             for name, obj in objects:
                 if isinstance(obj, h5py.Group):
                     dst.create_group(name, track_order=name == "features")
                 else:
                     _copy_dataset(obj, dst, name, compression, bar)
-        codec.write_attrs(dst, attrs or {})
-        seal(dst)
+            codec.write_attrs(dst, attrs or {})
+            seal(dst)
     replace_durably(tmp, target)
 
 
-def _check_space(source: str | os.PathLike, target: Path) -> None:
-    """Refuse a copy of ``source`` (uncompressed) that the disk under ``target`` cannot
-    hold: HDF5 fails badly on a full disk (h5py can even crash while closing the file)."""
-    with h5py.File(source, "r") as src:
-        needed = sum(
-            o.size * o.dtype.itemsize for _, o in _walk(src) if isinstance(o, h5py.Dataset)
-        )
-    needed += needed // 50 + (1 << 20)  # chunk checksums, HDF5's own metadata
+def _check_space(values_bytes: int, target: Path) -> None:
+    """Refuse an uncompressed copy of ``values_bytes`` of values that the disk under
+    ``target`` cannot hold: HDF5 fails badly on a full disk (h5py can even crash while
+    closing the file)."""
+    needed = values_bytes + values_bytes // 50 + (1 << 20)  # checksums, HDF5's metadata
     free = shutil.disk_usage(target.parent if target.parent.exists() else ".").free
     if free < needed:
         raise FeatcacheError(
