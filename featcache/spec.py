@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
+from featcache.config_yaml import RepeatedKeyError, read_yaml
 from featcache.errors import ConfigError
 from featcache.validation import build, check, choices, option
 
@@ -198,6 +199,12 @@ class PreprocessSpec:
             value = getattr(self, name)
             if value is not None and len(value) != 3:
                 raise ConfigError(f"{at or 'preprocess'}.{name} must list 3 numbers (R, G, B)")
+        if self.resize is not None and self.crop is not None and self.crop > self.resize:
+            raise ConfigError(
+                f"{at or 'preprocess'}.crop {self.crop} is larger than resize {self.resize}, "
+                "so the centre crop would pad every image with black borders; make crop at "
+                "most resize"
+            )
         if self.std is not None and not all(self.std):
             raise ConfigError(
                 f"{at or 'preprocess'}.std {self.std} has a zero, and normalising divides by it; "
@@ -276,11 +283,13 @@ def load_config(
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}; pass the path of a YAML config")
         try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            raw = read_yaml(path.read_text(encoding="utf-8")) or {}
         except UnicodeDecodeError as exc:
             raise ConfigError(
                 f"config {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8"
             ) from exc
+        except RepeatedKeyError as exc:
+            raise ConfigError(f"config {path}: {exc}; keep one of them") from exc
         except yaml.YAMLError as exc:
             line = getattr(getattr(exc, "problem_mark", None), "line", None)
             where = f" (line {line + 1})" if line is not None else ""
@@ -308,7 +317,9 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     if not sep or not key.strip():
         raise ConfigError(f"override {item!r} is not of the form key.sub=value")
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = read_yaml(text) if text.strip() else None
+    except RepeatedKeyError as exc:
+        raise ConfigError(f"override {item!r}: {exc}; keep one of them") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"override {item!r}: the value is not valid YAML") from exc
     parts = key.strip().split(".")

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 import featcache
+from featcache.config_yaml import read_yaml
 from featcache.demo import demo_config_path
 from featcache.errors import ConfigError
 from featcache.provenance import config_fingerprint as fingerprint
@@ -65,6 +66,7 @@ def test_overrides_are_parsed_as_yaml():
         ("layers=[{name: a, wat: 1}]", "unknown config key layers[0].wat"),
         ("preprocess.mean=[1, 2]", "preprocess.mean must list 3 numbers"),
         ("preprocess.std=[0.2, 0, 0.2]", "preprocess.std [0.2, 0.0, 0.2] has a zero"),
+        ("preprocess={resize: 32, crop: 40}", "preprocess.crop 40 is larger than resize 32"),
         ("preprocess.std=[1e-6, 1, 1]", "got a string '1e-6' (YAML reads 1e-6 as text; write"),
         ("data.splits=[.]", "'.' is not a usable split name (it names the store file"),
         ("data.splits=[..]", "use a plain name, mapped to a folder: {all: '..'}"),
@@ -96,6 +98,28 @@ def test_yaml_file_errors(tmp_path):
     listy.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="must be a mapping"):
         load_config(listy)
+
+
+def test_a_key_given_twice_is_refused_not_resolved_silently(tmp_path):
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(
+        "model: {name: resnet18}\nlayers: [layer3]\ndata: {source: synthetic}\nlayers: [layer4]\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(twice)
+    assert "twice.yaml: the key 'layers' is given twice (lines 2 and 4); keep one" in str(err.value)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("model:\n  name: resnet18\n  weights: null\n  name: resnet50\n")
+    with pytest.raises(ConfigError, match=r"key 'name' is given twice \(lines 2 and 4\)"):
+        load_config(nested)
+    with pytest.raises(ConfigError, match=r"override 'model=\{name: a, name: b\}': the key 'name'"):
+        load_config({"layers": ["layer3"]}, ["model={name: a, name: b}"])
+
+
+def test_equal_keys_in_different_mappings_and_merge_keys_are_not_repeats():
+    assert read_yaml("a: {x: 1}\nb: {x: 1}\n") == {"a": {"x": 1}, "b": {"x": 1}}
+    merged = "base: &base {name: resnet18, weights: null}\nmodel:\n  <<: *base\n  name: resnet34\n"
+    assert read_yaml(merged)["model"] == {"name": "resnet34", "weights": None}
 
 
 def test_apply_override_refuses_to_descend_into_a_scalar():
