@@ -30,14 +30,8 @@ from featcache.shuffled_batches import ShuffledBatches
 from featcache.store import codec
 from featcache.store.chunks import chunk_cache_for, chunk_rows_of, row_bytes
 from featcache.store.raw_chunks import raw_chunks, reads_raw
-from featcache.store.reader import (
-    FeatureStore,
-    StoreFile,
-    read_rows,
-    read_token_rows,
-    row_numbers,
-)
-from featcache.store.rows import read_runs
+from featcache.store.reader import FeatureStore, StoreFile
+from featcache.store.rows import read_rows, read_runs, read_token_rows, row_numbers
 
 Features = torch.Tensor | dict[str, torch.Tensor]
 Batch = tuple[Features, torch.Tensor] | tuple[Features, torch.Tensor, torch.Tensor]

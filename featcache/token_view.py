@@ -19,7 +19,8 @@ import torch
 
 from featcache.dataset import FeatureDataset, Features, _take
 from featcache.errors import ConfigError
-from featcache.store.reader import FeatureStore, StoreFile, read_rows, row_numbers
+from featcache.store.reader import FeatureStore, StoreFile
+from featcache.store.rows import read_rows, row_numbers
 
 
 class TokenDataset(FeatureDataset):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 import time
 import warnings
@@ -15,18 +14,17 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-from tqdm.auto import tqdm
 
 from featcache.errors import ConfigError
 from featcache.extraction.batches import (
     Collate,
     SourceRows,
-    describe_value,
+    check_inputs,
     first_sample,
     num_workers,
     source_length,
-    split_sample,
     started,
+    token_lengths,
 )
 from featcache.extraction.bucketing import WINDOW_BATCHES, WindowReorder
 from featcache.extraction.grid import GridBatches, shard_starts
@@ -394,62 +392,3 @@ def _unit(value: Any) -> str:
     if isinstance(value, torch.Tensor) and value.dim() == 3:
         return "img"
     return "text" if isinstance(value, Mapping) and "input_ids" in value else "sample"
-
-
-def check_inputs(model: nn.Module, value: Any) -> None:
-    """Refuse a source item the run cannot feed to ``model``: neither a tensor nor a
-    mapping of tensors, or a mapping key that ``model.forward`` takes no argument for."""
-    if isinstance(value, torch.Tensor):
-        return
-    if not isinstance(value, Mapping) or not all(
-        isinstance(v, torch.Tensor) for v in value.values()
-    ):
-        raise ConfigError(
-            f"dataset items must be a tensor (an image [C, H, W], a clip [C, T, H, W], "
-            f"audio [L], ...) or a mapping of named tensors, got {describe_value(value)}; "
-            "give the dataset a transform that ends in a tensor (e.g. weights.transforms())"
-        )
-    try:
-        parameters = inspect.signature(model.forward).parameters.values()
-    except (TypeError, ValueError):
-        return
-    # Hugging Face models take **kwargs for options (output_attentions, ...) and ignore
-    # the rest silently, so only their named inputs count; other modules' **kwargs do.
-    hf_model = hasattr(model, "main_input_name")
-    if not hf_model and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return
-    accepted = [
-        p.name
-        for p in parameters
-        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    ]
-    for key in value:
-        if key not in accepted:
-            raise ConfigError(
-                f"input {key!r} of the dataset's items is not an argument of "
-                f"{type(model).__name__}.forward, which takes: {', '.join(accepted)}; "
-                "rename or drop that key"
-            )
-
-
-def token_lengths(dataset: Dataset) -> np.ndarray:
-    """``[N]`` int64 tokens per source row: the dataset's ``token_lengths`` attribute
-    (text sources have one), else one pass over its items counting each mapping's real
-    tokens (the ones of its ``attention_mask``, else the length of its first sequence)."""
-    declared = getattr(dataset, "token_lengths", None)
-    if declared is not None:
-        return np.asarray(declared, dtype=np.int64)
-    count = source_length(dataset)
-    lengths = np.zeros(count, dtype=np.int64)
-    for i in tqdm(range(count), desc="counting tokens", unit="row", disable=count < 10_000):
-        try:
-            item, _ = split_sample(dataset[i])
-        except Exception:
-            continue  # unreadable: the run reports it, and it stores no tokens
-        mask = item.get("attention_mask") if isinstance(item, Mapping) else None
-        if mask is not None:
-            lengths[i] = int((mask != 0).sum())
-        elif isinstance(item, Mapping):
-            sequences = [v for v in item.values() if isinstance(v, torch.Tensor) and v.dim()]
-            lengths[i] = len(sequences[0]) if sequences else 0
-    return lengths

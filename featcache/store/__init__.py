@@ -33,8 +33,9 @@ from featcache.store.integrity import BadChunk, has_checksums, scan_chunks
 from featcache.store.merge import combine_shards, copy_store, merge_store
 from featcache.store.metadata import seal
 from featcache.store.paths import check_output_path, partial_path, remove_partial, remove_store
-from featcache.store.reader import FeatureStore, read_rows
+from featcache.store.reader import FeatureStore
 from featcache.store.resume import ResumePoint, plan_resume, stored_resume_key
+from featcache.store.rows import read_rows
 from featcache.store.writer import StoreWriter
 
 __all__ = [

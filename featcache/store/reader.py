@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +28,7 @@ from featcache.store.paths import (
     skipped_log_path,
     store_path_of,
 )
-from featcache.store.rows import read_head, read_runs, read_text_head
+from featcache.store.rows import read_head, read_rows, read_text_head, read_token_rows, row_numbers
 from featcache.store.skipped import read_log, read_skipped
 
 if TYPE_CHECKING:
@@ -382,72 +381,3 @@ def _shards_note(path: Path) -> str:
         f"{len(shards)} shards ({first.name}, ...) and has not combined them yet: "
         f"`featcache info {first}` shows its writer and the command that resumes it"
     )
-
-
-def row_numbers(rows: Sequence[int] | np.ndarray, num_rows: int) -> np.ndarray:
-    """``rows`` as int64 row numbers in ``[0, num_rows)``; negative ones count from the end.
-
-    Raises :class:`IndexError` for a row outside the ``num_rows`` rows.
-    """
-    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-    rows = np.where(rows < 0, rows + num_rows, rows)
-    if len(rows) and (rows.min() < 0 or rows.max() >= num_rows):
-        raise IndexError(f"row index out of range for a dataset of {num_rows} rows")
-    return rows
-
-
-def read_rows(dataset: h5py.Dataset, rows: slice | np.ndarray) -> torch.Tensor:
-    """Rows of a features dataset as a tensor ``[n, *shape]`` of its store dtype.
-
-    ``rows`` is a slice (with a positive step) or int64 row numbers in range, in any order
-    and with repeats: those are read once each in increasing order, one slice per run of
-    consecutive rows, and put back in the order asked. bfloat16 rows come back as
-    ``torch.bfloat16`` (see :mod:`~featcache.store.codec`). A chunk that fails its
-    checksum raises :class:`~featcache.errors.CorruptStoreError` naming its rows.
-    """
-    if isinstance(rows, slice):
-        start, stop, step = rows.indices(len(dataset))
-        if step == 1:
-            array = np.empty((max(stop - start, 0), *dataset.shape[1:]), dtype=dataset.dtype)
-            read_runs(dataset, [(start, stop)] if stop > start else [], array)
-            return codec.decode(array, codec.attr(dataset, "dtype", ""))
-        read = functools.partial(dataset.__getitem__, rows)
-        array = np.ascontiguousarray(read_or_explain(dataset, range(start, stop, step), read))
-    else:
-        unique, inverse = np.unique(rows, return_inverse=True)
-        array = np.empty((len(unique), *dataset.shape[1:]), dtype=dataset.dtype)
-        read_runs(dataset, _runs(unique), array)
-        if not np.array_equal(unique, rows):
-            array = array[inverse.reshape(-1)]
-    return codec.decode(array, codec.attr(dataset, "dtype", ""))
-
-
-def read_token_rows(
-    dataset: h5py.Dataset, offsets: np.ndarray, rows: np.ndarray
-) -> tuple[torch.Tensor, np.ndarray]:
-    """The tokens of ``rows`` (int64 row numbers, any order) of a per-token dataset whose
-    row ``i`` is ``offsets[i]:offsets[i + 1]``: ``(values [sum T, ...], offsets [n + 1])``,
-    the rows in the order asked. The file is read once per run of consecutive rows."""
-    unique, inverse = np.unique(rows, return_inverse=True)
-    counts = offsets[unique + 1] - offsets[unique]
-    packed = np.empty((int(counts.sum()), *dataset.shape[1:]), dtype=dataset.dtype)
-    spans = [(int(offsets[a]), int(offsets[b])) for a, b in _runs(unique)]
-    read_runs(dataset, spans, packed)
-    starts = np.concatenate([[0], np.cumsum(counts)])
-    if not np.array_equal(unique, rows):  # put back in the order asked
-        order = inverse.reshape(-1)
-        pieces = [packed[starts[j] : starts[j + 1]] for j in order]
-        packed = np.concatenate(pieces) if pieces else packed[:0]
-        counts = counts[order]
-        starts = np.concatenate([[0], np.cumsum(counts)])
-    return codec.decode(packed, codec.attr(dataset, "dtype", "")), starts.astype(np.int64)
-
-
-def _runs(rows: np.ndarray) -> Iterable[tuple[int, int]]:
-    """``[start, stop)`` of each run of consecutive numbers in sorted unique ``rows``."""
-    if not len(rows):
-        return ()
-    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
-    starts = rows[np.r_[0, breaks]].tolist()
-    stops = (rows[np.r_[breaks - 1, len(rows) - 1]] + 1).tolist()
-    return zip(starts, stops, strict=True)
