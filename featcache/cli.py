@@ -17,6 +17,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain click output: a usage error is the usage line and one "Error: ..." line, not
+    # a drawn box, as every other featcache error is one line.
+    rich_markup_mode=None,
 )
 
 # The one option that lets a command rebuild what a store's recorded config names as code.

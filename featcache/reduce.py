@@ -74,7 +74,7 @@ def reduce_tensor(x: torch.Tensor, tap: Tap, context: ReduceContext = NO_CONTEXT
         return x.mean(dim=dims) if how == "avg" else x.amax(dim=dims)
     if how == "adaptive_avg":
         _need_dims(x, tap, minimum=4, maximum=4, shape="[B, C, H, W]")
-        return F.adaptive_avg_pool2d(x, tap.size)
+        return _adaptive_avg(x, tap)
     raise ConfigError(f"layer {tap.key!r}: unknown reduce {how!r}")
 
 
@@ -125,7 +125,7 @@ def _reduce_tokens(x: torch.Tensor, tap: Tap, context: ReduceContext) -> torch.T
     if how == "avg":
         return patches.mean(dim=1)
     grid = _patch_grid(patches, tap)  # patches, adaptive_avg
-    return grid if how == "patches" else F.adaptive_avg_pool2d(grid, tap.size)
+    return grid if how == "patches" else _adaptive_avg(grid, tap)
 
 
 def _reduce_masked(x: torch.Tensor, tap: Tap, mask: torch.Tensor) -> torch.Tensor:
@@ -163,6 +163,20 @@ def _reduce_masked(x: torch.Tensor, tap: Tap, mask: torch.Tensor) -> torch.Tenso
     counts = real.sum(dim=1).clamp(min=1)
     mean = x.masked_fill(~real, 0).sum(dim=1) / counts.to(x.dtype)
     return torch.cat([x[:, 0], mean], dim=1) if how == "cls+mean" else mean
+
+
+def _adaptive_avg(grid: torch.Tensor, tap: Tap) -> torch.Tensor:
+    """``[B, C, H, W]`` averaged over a ``size x size`` partition of its grid:
+    ``[B, C, size, size]``. A grid smaller than ``size`` is refused: pooling would repeat
+    its values, not average them, and store more numbers that say nothing more."""
+    height, width = grid.shape[-2:]
+    if tap.size is not None and tap.size > min(height, width):
+        raise ConfigError(
+            f"layer {tap.key!r}: adaptive_avg size {tap.size} is larger than its "
+            f"{height}x{width} grid, so pooling would repeat values instead of averaging "
+            f"them; use size {min(height, width)} or less, or reduce none"
+        )
+    return F.adaptive_avg_pool2d(grid, tap.size)
 
 
 def _patch_grid(patches: torch.Tensor, tap: Tap) -> torch.Tensor:

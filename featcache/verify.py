@@ -40,7 +40,7 @@ from featcache.spec import Spec, StoreSpec, load_config
 from featcache.store import FeatureStore, codec
 from featcache.store.integrity import has_checksums, scan_chunks, span_text
 from featcache.store.metadata import is_sealed
-from featcache.store.reader import read_rows
+from featcache.store.rows import read_rows
 from featcache.taps import TapSet
 
 # |stored - recomputed| <= TOLERANCE * max(|recomputed| over the row): a few units in the
@@ -91,7 +91,7 @@ def verify_store(
     rows, unique ids, every chunk's checksum and finiteness. ``quick=True`` stops there
     (it needs neither the weights nor the data). Otherwise the backbone and the source
     are rebuilt, their fingerprints compared, and ``samples`` random rows are recomputed
-    besides the first and last (``samples < 0``: every row) on ``device`` (default: the
+    besides the first and last (``samples=-1``: every row) on ``device`` (default: the
     config's).
 
     The rebuild follows the config recorded in the store, or ``config`` (a YAML path or
@@ -100,11 +100,15 @@ def verify_store(
     :func:`recorded_code`.
 
     Raises:
-        ConfigError: a store without a recorded config (and no ``config``), or one
-            naming code to run without ``trust_factory``.
+        ConfigError: a store without a recorded config (and no ``config``), one
+            naming code to run without ``trust_factory``, or ``samples`` below -1.
     """
     from featcache.extraction.from_config import build_backbone_for, build_source_for
 
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < -1:
+        raise ConfigError(
+            f"samples must be a number of rows (0 or more) or -1 for every row, got {samples!r}"
+        )
     try:
         opened = FeatureStore(path, allow_incomplete=True)
     except CorruptStoreError as exc:  # its metadata cannot be trusted: nothing else can be

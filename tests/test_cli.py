@@ -52,6 +52,14 @@ def test_help_for_every_command():
         assert "Usage" in result.output
 
 
+def test_usage_errors_are_one_plain_line():
+    result = runner.invoke(app, ["verify", "--bogus"])
+    assert result.exit_code == 2
+    errors = [line for line in result.output.splitlines() if "Error" in line]
+    assert errors == ["Error: No such option: --bogus"], result.output
+    assert not any(ch in result.output for ch in "\u256d\u2502\u2500"), result.output  # no box
+
+
 def test_extract_then_info(config_file, tmp_path):
     result = runner.invoke(app, ["extract", str(config_file), "--set", "store.dtype=float32"])
     assert result.exit_code == 0, result.output

@@ -102,6 +102,12 @@ def test_single_items_and_negative_indices(store_path):
     assert torch.equal(dataset[-1][0], dataset[19][0])
     with pytest.raises(IndexError):
         dataset[20]
+    # A row number that is not a whole number is refused, not truncated to row 1.
+    for bad in (1.5, True, "3"):
+        with pytest.raises(TypeError, match=f"row numbers must be integers, got {bad!r}"):
+            dataset[bad]
+    with pytest.raises(TypeError, match=r"got 1.0 \(float64\)"):
+        dataset.__getitems__([1, 2.0])
 
 
 def test_several_layers_give_a_dict_and_in_memory_matches(store_path):

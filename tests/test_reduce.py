@@ -36,6 +36,18 @@ def test_reduction_shape_errors_name_the_layer():
         reduce_tensor(torch.randn(2, 3), Tap("k", "m", reduce="avg"))
 
 
+def test_adaptive_avg_never_upsamples():
+    small = torch.randn(2, 4, 3, 5)
+    exact = reduce_tensor(small, Tap("k", "m", reduce="adaptive_avg", size=3))
+    torch.testing.assert_close(exact, F.adaptive_avg_pool2d(small, 3), rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="size 4 is larger than its 3x5 grid.*use size 3"):
+        reduce_tensor(small, Tap("k", "m", reduce="adaptive_avg", size=4))
+    tokens = torch.randn(2, 1 + 4, 8)  # a class token and a 2x2 grid of patches
+    context = ReduceContext(prefix_tokens=1)
+    with pytest.raises(ConfigError, match="larger than its 2x2 grid"):
+        reduce_tensor(tokens, Tap("k", "m", reduce="adaptive_avg", size=3), context)
+
+
 # Padded token batches: reductions read the real tokens only.
 
 MASK = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])

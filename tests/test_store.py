@@ -129,6 +129,8 @@ def test_read_takes_any_order_repeats_and_negative_rows(bf16):
     assert store.read("a", []).shape == (0, 8)
     with pytest.raises(IndexError, match="out of range"):
         store.read("a", [3, 50])
+    with pytest.raises(TypeError, match="row numbers must be integers, got 0.5"):
+        store.read("a", np.array([0.5]))
     with pytest.raises(ConfigError, match="layer 'b' is not in store .* it holds: a"):
         store.read("b")
 

@@ -64,6 +64,10 @@ def test_verify_always_checks_first_and_last_rows(tmp_path):
     result = verify_store(path, samples=2, seed=3)
     assert 0 in result.rows and 29 in result.rows and len(result.rows) == 4
     assert not result.passed
+    with pytest.raises(ConfigError, match="samples must be .* or -1 for every row, got -2"):
+        verify_store(path, samples=-2)
+    refused = runner.invoke(app, ["verify", str(path), "--samples", "-5"])
+    assert refused.exit_code == 2 and "got -5" in refused.output
 
 
 def test_checksums_catch_a_flipped_byte_without_the_model(tmp_path):

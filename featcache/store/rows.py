@@ -72,9 +72,16 @@ def read_text_head(dataset: h5py.Dataset, rows: int) -> list[str]:
 def row_numbers(rows: Sequence[int] | np.ndarray, num_rows: int) -> np.ndarray:
     """``rows`` as int64 row numbers in ``[0, num_rows)``; negative ones count from the end.
 
-    Raises :class:`IndexError` for a row outside the ``num_rows`` rows.
+    Raises :class:`IndexError` for a row outside the ``num_rows`` rows, and
+    :class:`TypeError` for one that is not a whole number (``1.5``, ``True``, ``"3"``).
     """
-    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    given = np.asarray(rows)
+    if given.size and given.dtype.kind not in "iu":
+        raise TypeError(
+            f"row numbers must be integers, got {given.reshape(-1)[0].item()!r} "
+            f"({given.dtype}); index with int rows"
+        )
+    rows = given.astype(np.int64).reshape(-1)
     rows = np.where(rows < 0, rows + num_rows, rows)
     if len(rows) and (rows.min() < 0 or rows.max() >= num_rows):
         raise IndexError(f"row index out of range for a dataset of {num_rows} rows")
