@@ -4,6 +4,7 @@ in-memory mode, chunk cache, labels."""
 from __future__ import annotations
 
 import pickle
+import shutil
 import threading
 import time
 
@@ -17,8 +18,8 @@ import featcache
 from featcache import FeatureDataset, FeatureStore
 from featcache import dataset as dataset_module
 from featcache.dataset import ShuffledBatches
-from featcache.errors import ConfigError, CorruptStoreError, FeatcacheError
-from featcache.store import StoreWriter, codec, seal
+from featcache.errors import ConfigError, CorruptStoreError, FeatcacheError, IncompleteStoreError
+from featcache.store import StoreWriter, codec, partial_path, seal
 from tests.stores import corrupt_row
 
 
@@ -378,6 +379,13 @@ def test_incomplete_store_is_refused_or_read_up_to_its_durable_rows(tmp_path):
     features, labels, rows = collect(dataset.batches(16, with_index=True))
     assert sorted(rows.tolist()) == list(range(40))
     assert torch.equal(features, torch.from_numpy(values)[rows])
+    # The same file copied to a store's name is still incomplete, and refused as such.
+    copied = tmp_path / "copied.h5"
+    shutil.copyfile(partial_path(path), copied)
+    for reader in (FeatureStore, lambda p: FeatureDataset(p, "a")):
+        with pytest.raises(IncompleteStoreError, match=r"copied.h5 is incomplete \(40 rows"):
+            reader(copied)
+    assert len(FeatureDataset(copied, "a", allow_incomplete=True)) == 40
 
 
 def test_getitems_reads_any_order_and_repeats(store_path):

@@ -122,9 +122,9 @@ class FeatureStore:
     Metadata (layers, shapes, labels, ids, provenance) is read when needed; the file is
     opened lazily and reopened in a new process, so instances can be sent to workers.
     A store that is still being written (or whose run was interrupted) lives at
-    ``<path>.partial``; opening it (by either name) raises
-    :class:`~featcache.errors.IncompleteStoreError` unless ``allow_incomplete=True``, and
-    then only its durable rows are visible.
+    ``<path>.partial``; opening it (by either name), or such a file copied or renamed to
+    another name, raises :class:`~featcache.errors.IncompleteStoreError` unless
+    ``allow_incomplete=True``, and then only its durable rows are visible.
     """
 
     def __init__(self, path: str | os.PathLike, *, allow_incomplete: bool = False):
@@ -166,6 +166,17 @@ class FeatureStore:
         if problem:
             self.close()
             raise CorruptStoreError(f"store {self.path} is damaged: {problem}; {FIX}")
+        if not complete and not allow_incomplete:
+            # An interrupted run's file, copied or renamed to a store's name.
+            rows = self.rows_written
+            self.close()
+            raise IncompleteStoreError(
+                f"store {self.path} is incomplete ({rows} rows written: the file of a run "
+                "that never finished, copied or renamed since); rerun the extraction that "
+                "made it, or pass allow_incomplete=True to read those rows",
+                str(self.path),
+                rows,
+            )
 
     @classmethod
     def just_sealed(cls, path: str | os.PathLike) -> FeatureStore:
