@@ -279,6 +279,28 @@ def test_results_are_replaced_whole_and_bad_names_fail_before_the_fit(
         assert result.exit_code == 2 and "does not end in" in result.output and not fitted
 
 
+def test_results_json_records_the_options_the_probe_ran_with(stores, tmp_path):
+    train = stores["train"]
+    out = tmp_path / "cli.json"
+    result = runner.invoke(
+        app,
+        [
+            "probe", str(getattr(train, "path", train)), "-l", "all", "--seed", "3",
+            "--val-fraction", "0.3", "--lambdas", "1,1e-2", "-o", str(out),
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    recorded = json.loads(out.read_text())["options"]
+    assert recorded["seed"] == 3 and recorded["val_fraction"] == 0.3
+    assert recorded["lambdas"] == [1e-2, 1.0]
+    streaming = probe_layers(train, "all", trainer="streaming", epochs=1, progress=False)
+    full = probe_layers(train, "all", trainer="full", progress=False)
+    document = json.loads(save_results(streaming + full, tmp_path / "api.json").read_text())
+    assert document["options"]["trainer"] == "streaming" and document["options"]["epochs"] == 1
+    assert "options" not in document["results"][0]  # the same as the document's
+    assert document["results"][-1]["options"]["trainer"] == "full"
+
+
 def test_results_json_holds_everything_needed_to_trace_a_number(stores, tmp_path):
     options = ProbeOptions(progress=False)
     results = probe_layers(stores["train"], "all", test=stores["test"], options=options)

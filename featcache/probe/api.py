@@ -106,4 +106,5 @@ def _probe_layer(splits: Splits, layer: str, options: ProbeOptions) -> ProbeResu
         stores=stores,
         notes=notes,
         model=fit.model,
+        options=options,
     )

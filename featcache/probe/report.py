@@ -29,10 +29,21 @@ def save_results(
     options: ProbeOptions | None = None,
 ) -> Path:
     """Write the results JSON: one entry per layer (each with the stores it used), the
-    options and the library versions. Returns the path."""
+    options and the library versions. Returns the path.
+
+    The options recorded are ``options`` when given, else those the results were fitted
+    with; a result fitted with other options carries its own in its entry.
+    """
     from featcache.provenance import library_versions
 
-    options = options or ProbeOptions()
+    fitted = [result.options for result in results if result.options is not None]
+    options = options or (fitted[0] if fitted else ProbeOptions())
+    entries = []
+    for result in results:
+        entry = result.to_dict()
+        if result.options is not None and result.options != options:
+            entry["options"] = dataclasses.asdict(result.options)
+        entries.append(entry)
     document = {
         "featcache_probe": PROBE_FORMAT,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -42,7 +53,7 @@ def save_results(
         ),
         "options": dataclasses.asdict(options),
         "versions": library_versions(),
-        "results": [result.to_dict() for result in results],
+        "results": entries,
     }
     path = output_file(path, (".json",), "results file")
     with building_beside(path, ".writing") as building:  # a failed write keeps the old file

@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from featcache.probe.options import ProbeOptions
+
 
 @dataclasses.dataclass
 class LinearProbe:
@@ -59,6 +61,8 @@ class ProbeResult:
     stores: dict[str, dict[str, Any]]
     notes: list[str]
     model: LinearProbe | None = dataclasses.field(default=None, repr=False)
+    # The options it was fitted with (resolved: lambdas sorted, max_memory in bytes).
+    options: ProbeOptions | None = dataclasses.field(default=None, repr=False)
 
     @property
     def top1(self) -> float:
@@ -69,7 +73,7 @@ class ProbeResult:
         out: dict[str, Any] = {"layer": self.layer, "shape": self.shape}
         out["dim"] = int(np.prod(self.shape))
         for f in dataclasses.fields(self)[2:]:
-            if f.name != "model":
+            if f.name not in ("model", "options"):
                 out["lambda" if f.name == "lam" else f.name] = getattr(self, f.name)
         return out
 
