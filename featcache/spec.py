@@ -205,6 +205,12 @@ class PreprocessSpec:
                 "so the centre crop would pad every image with black borders; make crop at "
                 "most resize"
             )
+        if self.interpolation != "bilinear" and self.resize is None:
+            raise ConfigError(
+                f"{at or 'preprocess'}.interpolation {self.interpolation} applies to the resize, "
+                "and resize is not set (so the weights' own transforms, or no resize, apply); "
+                "set resize (and crop) too, or drop interpolation"
+            )
         if self.std is not None and not all(self.std):
             raise ConfigError(
                 f"{at or 'preprocess'}.std {self.std} has a zero, and normalising divides by it; "

@@ -67,6 +67,7 @@ def test_overrides_are_parsed_as_yaml():
         ("preprocess.mean=[1, 2]", "preprocess.mean must list 3 numbers"),
         ("preprocess.std=[0.2, 0, 0.2]", "preprocess.std [0.2, 0.0, 0.2] has a zero"),
         ("preprocess={resize: 32, crop: 40}", "preprocess.crop 40 is larger than resize 32"),
+        ("preprocess.interpolation=nearest", "interpolation nearest applies to the resize, and"),
         ("preprocess.std=[1e-6, 1, 1]", "got a string '1e-6' (YAML reads 1e-6 as text; write"),
         ("data.splits=[.]", "'.' is not a usable split name (it names the store file"),
         ("data.splits=[..]", "use a plain name, mapped to a folder: {all: '..'}"),
