@@ -90,7 +90,11 @@ def layers(
     ],
     input_size: Annotated[
         int | None,
-        typer.Option("--input-size", help="Side of the square probe image (default: 224)."),
+        typer.Option(
+            "--input-size",
+            help="Side of the square probe image (default: the size the model's preprocessing "
+            "gives, else 224).",
+        ),
     ] = None,
     all_: Annotated[
         bool, typer.Option("--all", help="Also list modules that forward() never calls.")
