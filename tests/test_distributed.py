@@ -30,7 +30,7 @@ from featcache.distributed import (
     shard_path,
 )
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.store import FeatureStore, partial_path
+from featcache.store import FeatureStore, StoreWriter, merge_store, partial_path
 
 CONFIG = {
     "model": {"name": "resnet18"},
@@ -287,6 +287,24 @@ def test_a_one_process_run_refuses_the_shards_of_a_torchrun_run(tmp_path):
     assert not store.exists() and all(shard.exists() for shard in shards)
     featcache.extract_from_config(dict(config, output=dict(config["output"], overwrite=True)))
     assert len(FeatureStore(store)) == 12 and not any(shard.exists() for shard in shards)
+
+
+def test_combined_and_merged_stores_keep_the_capture_order_of_layers(tmp_path):
+    order = ["layer3", "layer10", "avgpool"]  # neither alphabetical nor its reverse
+    shards = []
+    for rank in range(2):
+        shard = shard_path(tmp_path / "t.h5", rank, 2)
+        writer = StoreWriter(shard, 6, ids_width=4, dtype="float32", chunk_rows=4)
+        index = np.arange(6 * rank, 6 * rank + 6)
+        values = {key: np.full((6, width), rank, np.float32) for width, key in enumerate(order, 1)}
+        writer.append(index, [f"r{i}" for i in index], index % 2, values)
+        writer.close(complete=True)
+        shards.append(shard)
+    assert FeatureStore(shards[0]).layers == order
+    combined = combine_shards(tmp_path / "t.h5", shards)
+    merged = merge_store(combined.path, tmp_path / "merged.h5", progress=False)
+    assert combined.layers == order and merged.layers == order
+    assert torch.equal(merged.read("layer10")[:, 0], torch.tensor([0.0] * 6 + [1.0] * 6))
 
 
 def test_missing_or_unshared_shards_are_named(tmp_path):

@@ -177,18 +177,13 @@ def _combine(
 ) -> None:
     """Every dataset of the shards (but ``/progress``) as one virtual dataset, and the
     shards' skip records as one ``/skipped`` group."""
-    names: list[str] = []
-    opened[0].visititems(
-        lambda name, obj: (
-            names.append(name)
-            if isinstance(obj, h5py.Dataset)
-            and name != "progress"
-            and not name.startswith("skipped")
-            else None
-        )
-    )
-    features = out.create_group("features", track_order=True)
-    del features  # created first so that layers keep their capture order
+    # In creation order where it is tracked, so that layers keep their capture order.
+    names = [
+        name
+        for name, obj in _walk(opened[0])
+        if isinstance(obj, h5py.Dataset) and name != "progress" and not name.startswith("skipped")
+    ]
+    out.create_group("features", track_order=True)
     for name in names:
         first = opened[0][name]
         if name == "offsets":  # per-token rows: each shard counts its tokens from 0
