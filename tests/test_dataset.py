@@ -388,6 +388,32 @@ def test_incomplete_store_is_refused_or_read_up_to_its_durable_rows(tmp_path):
     assert len(FeatureDataset(copied, "a", allow_incomplete=True)) == 40
 
 
+def test_a_partial_named_beside_an_older_complete_store_is_read_alone(tmp_path):
+    # An interrupted --overwrite: the old store stays complete, the new run's rows are in
+    # its .partial; each, named, must be read whole and alone.
+    path = tmp_path / "s.h5"
+    index = np.arange(40)
+    for values, complete in ((1.0, True), (-1.0, False)):
+        writer = StoreWriter(path, 40, ids_width=4, dtype="float32", chunk_rows=8)
+        rows = index if complete else index[:20]
+        features = np.full((len(rows), 3), values, np.float32)
+        writer.append(rows, [f"r{i}" for i in rows], (rows + complete) % 2, {"a": features})
+        writer.close(complete=complete)
+    partial = partial_path(path)
+    with pytest.raises(IncompleteStoreError, match="20 rows written, in s.h5.partial; the s.h5"):
+        FeatureStore(partial)
+    with pytest.raises(IncompleteStoreError):
+        FeatureDataset(partial, "a")
+    for in_memory in (False, True):
+        new = FeatureDataset(partial, "a", allow_incomplete=True, in_memory=in_memory)
+        features, labels, rows = collect(new.batches(8, shuffle=False, with_index=True))
+        assert len(new) == 20 and rows.tolist() == list(range(20))
+        assert torch.equal(features, torch.full((20, 3), -1.0))
+        assert labels.tolist() == [i % 2 for i in range(20)]
+    old = FeatureDataset(path, "a")
+    assert len(old) == 40 and torch.equal(old[5][0], torch.ones(3)) and old[5][1] == 0
+
+
 def test_getitems_reads_any_order_and_repeats(store_path):
     dataset = FeatureDataset(store_path, "layer2", dtype=None)
     rows = [10, 3, 9, 4, 4, 19, 0, 5, 6]

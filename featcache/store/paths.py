@@ -39,10 +39,14 @@ def skipped_log_path(path: str | os.PathLike) -> Path:
 
 
 def readable_path(path: str | os.PathLike) -> Path:
-    """The file to read the store at ``path`` from: the store, or its ``.partial`` while
-    it is not complete."""
+    """The file to read the store at ``path`` from: the file itself where it exists; else
+    a store's ``.partial`` while it is not complete, or a ``.partial``'s store once it is."""
     path = Path(path)
-    return path if path.is_file() else partial_path(path)
+    if path.is_file():
+        return path
+    if path.name.endswith(PARTIAL_SUFFIX):
+        return store_path_of(path)
+    return partial_path(path)
 
 
 def shard_path(path: str | os.PathLike, rank: int, world_size: int) -> Path:

@@ -129,16 +129,20 @@ class FeatureStore:
 
     def __init__(self, path: str | os.PathLike, *, allow_incomplete: bool = False):
         self.path = store_path_of(path)  # a store's .partial file is the store, incomplete
-        if not self.path.is_file():
-            partial = partial_path(self.path)
+        partial = partial_path(self.path)
+        # A .partial named outright is read even beside a complete store of the same name
+        # (an interrupted --overwrite keeps the old one); once renamed, it is that store.
+        named_partial = Path(path).name == partial.name and partial.is_file()
+        if named_partial or not self.path.is_file():
             if not partial.is_file():
                 raise ConfigError(f"store not found: {self.path}{_shards_note(self.path)}")
             if not allow_incomplete:
                 rows = _rows_in(partial)
+                beside = f"; the {self.path.name} beside it is an earlier run's"
                 raise IncompleteStoreError(
-                    f"store {self.path} is incomplete ({rows} rows written, in {partial.name}); "
-                    "rerun the extraction to resume it, or pass allow_incomplete=True to "
-                    "read those rows",
+                    f"store {self.path} is incomplete ({rows} rows written, in {partial.name}"
+                    f"{beside if self.path.is_file() else ''}); rerun the extraction to resume "
+                    "it, or pass allow_incomplete=True to read those rows",
                     str(self.path),
                     rows,
                 )
