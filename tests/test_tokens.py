@@ -18,7 +18,7 @@ import featcache
 from featcache import FeatureDataset, FeatureStore, TokenDataset
 from featcache.errors import ConfigError
 from featcache.sources.text import texts_source
-from featcache.store import partial_path
+from featcache.store import StoreWriter, partial_path
 from featcache.store.merge import combine_shards, merge_store
 from featcache.verify import verify_store
 from tests.test_resume import assert_same_store
@@ -448,3 +448,22 @@ def test_per_token_rows_skip_non_finite_rows_whole_and_compress(tmp_path):
     with torch.no_grad():
         expected = Embedder()(source[2][0]["input_ids"])
     torch.testing.assert_close(values[offsets[1] : offsets[2]], expected.bfloat16())
+
+
+def test_a_row_of_zero_tokens_reads_as_an_empty_row(tmp_path):
+    path = tmp_path / "z.h5"
+    lengths = np.array([3, 0, 3])  # the empty row starts inside a chunk of tokens
+    values = np.arange(6 * 4, dtype=np.float32).reshape(6, 4)
+    writer = StoreWriter(path, 3, ids_width=2, dtype="float32", chunk_rows=2, token_capacity=6)
+    index = np.arange(3)
+    writer.append(
+        index, ["a", "b", "c"], index, {"t": values}, lengths=lengths, ragged=frozenset({"t"})
+    )
+    writer.close(complete=True)
+    store = FeatureStore(path)
+    empty, offsets = store.read_tokens("t", [1])
+    assert empty.shape == (0, 4) and offsets.tolist() == [0, 0]
+    both, offsets = store.read_tokens("t", [1, 2])
+    assert torch.equal(both, torch.from_numpy(values[3:])) and offsets.tolist() == [0, 0, 3]
+    features, _ = FeatureDataset(path, "t", dtype=None)[1]
+    assert features.shape == (0, 4)

@@ -32,6 +32,8 @@ def read_runs(
     raw = raw_chunks(dataset)
     for start, stop in runs:
         rows = stop - start
+        if rows <= 0:  # a row of zero tokens
+            continue
         try:
             if raw is not None:
                 raw.read(dataset, start, stop, out[at : at + rows])
