@@ -77,8 +77,8 @@ def describe_layers(
         probe = "text" if example is not None else f"batch of {input_size}px images"
         fix = "" if example is not None else "; give an input size the model takes (--input-size)"
         raise ConfigError(
-            f"the probe {probe} does not run through the model ({type(exc).__name__}: "
-            f"{first_line(exc).rstrip('.')}){fix}"
+            f"the probe {probe} does not run through the model "
+            f"({first_line(exc, with_type=True).rstrip('.')}){fix}"
         ) from exc
     finally:
         for handle in handles:

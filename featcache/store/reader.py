@@ -137,15 +137,9 @@ class FeatureStore:
             if not partial.is_file():
                 raise ConfigError(f"store not found: {self.path}{_shards_note(self.path)}")
             if not allow_incomplete:
-                rows = _rows_in(partial)
                 beside = f"; the {self.path.name} beside it is an earlier run's"
-                raise IncompleteStoreError(
-                    f"store {self.path} is incomplete ({rows} rows written, in {partial.name}"
-                    f"{beside if self.path.is_file() else ''}); rerun the extraction to resume "
-                    "it, or pass allow_incomplete=True to read those rows",
-                    str(self.path),
-                    rows,
-                )
+                where = f", in {partial.name}{beside if self.path.is_file() else ''}"
+                raise _incomplete(self.path, _rows_in(partial), where, "to resume it")
             self.path = partial
         self._handle = StoreFile(self.path)
         try:
@@ -174,13 +168,8 @@ class FeatureStore:
             # An interrupted run's file, copied or renamed to a store's name.
             rows = self.rows_written
             self.close()
-            raise IncompleteStoreError(
-                f"store {self.path} is incomplete ({rows} rows written: the file of a run "
-                "that never finished, copied or renamed since); rerun the extraction that "
-                "made it, or pass allow_incomplete=True to read those rows",
-                str(self.path),
-                rows,
-            )
+            where = ": the file of a run that never finished, copied or renamed since"
+            raise _incomplete(self.path, rows, where, "that made it")
 
     @classmethod
     def just_sealed(cls, path: str | os.PathLike) -> FeatureStore:
@@ -369,6 +358,18 @@ class FeatureStore:
         from featcache.store.describe import describe
 
         return describe(self)
+
+
+def _incomplete(store: Path, rows: int, where: str, rerun: str) -> IncompleteStoreError:
+    """The refusal of an incomplete ``store`` holding ``rows`` durable rows (``where``
+    says in which file), with the fixes: rerun the extraction (``rerun``: to what end),
+    or read those rows with ``allow_incomplete=True``."""
+    return IncompleteStoreError(
+        f"store {store} is incomplete ({rows} rows written{where}); rerun the extraction "
+        f"{rerun}, or pass allow_incomplete=True to read those rows",
+        str(store),
+        rows,
+    )
 
 
 def _rows_in(file: Path) -> int:
