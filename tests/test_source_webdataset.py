@@ -65,6 +65,10 @@ def test_brace_expansion():
     assert brace_expand("{x,y}/{8..10}") == ["x/8", "x/9", "x/10", "y/8", "y/9", "y/10"]
     assert brace_expand("plain.tar") == ["plain.tar"]
     assert brace_expand("odd{}.tar") == ["odd{}.tar"]
+    # As in bash: only bounds written with leading zeros pad.
+    assert brace_expand("s-{0..10}.tar")[:2] == ["s-0.tar", "s-1.tar"]
+    assert brace_expand("s-{00..10}.tar")[:2] == ["s-00.tar", "s-01.tar"]
+    assert brace_expand("s-{9..010}.tar")[0] == "s-009.tar"
 
 
 def test_same_features_labels_and_order_as_imagefolder(cifar, tmp_path):

@@ -161,7 +161,8 @@ _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 def brace_expand(pattern: str) -> list[str]:
     """``a-{000..002}.tar`` -> ``a-000.tar a-001.tar a-002.tar``; ``{x,y}`` -> each.
 
-    Ranges keep the zero padding of their wider bound; patterns expand left to right.
+    As in bash, a range whose bounds are written with leading zeros (``{00..10}``) is
+    zero-padded to the wider bound; ``{0..10}`` is not. Patterns expand left to right.
     """
     match = _BRACE.search(pattern)
     if match is None:
@@ -170,7 +171,7 @@ def brace_expand(pattern: str) -> list[str]:
     numbers = _RANGE.match(body)
     if numbers:
         first, last = numbers.groups()
-        width = max(len(first), len(last)) if first[0] == "0" or last[0] == "0" else 0
+        width = max(len(first), len(last)) if _zero_padded(first) or _zero_padded(last) else 0
         lo, hi = int(first), int(last)
         step = 1 if hi >= lo else -1
         choices = [str(n).zfill(width) for n in range(lo, hi + step, step)]
@@ -179,6 +180,12 @@ def brace_expand(pattern: str) -> list[str]:
     else:  # not a pattern: keep the braces literally
         return [head + "{" + body + "}" + p for p in brace_expand(tail)]
     return [head + choice + rest for choice in choices for rest in brace_expand(tail)]
+
+
+def _zero_padded(bound: str) -> bool:
+    """Whether a range bound is written with a leading zero (``"007"``; not ``"0"``)."""
+    digits = bound.lstrip("-")
+    return len(digits) > 1 and digits[0] == "0"
 
 
 def split_files(data: DataSpec, split: str, value: Any, what: str) -> list[Path]:
