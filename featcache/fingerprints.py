@@ -28,6 +28,16 @@ def lines_sha256(lines: Iterable[str]) -> str:
     return digest.hexdigest()
 
 
+def file_line(name: str, path: str | os.PathLike, content: bool) -> str:
+    """``name``, the file's size (-1 when it is gone) and, with ``content``, its sha256,
+    tab-separated: one line of a fingerprint over files."""
+    size = os.path.getsize(path) if os.path.exists(path) else -1
+    line = f"{name}\t{size}"
+    if content and size >= 0:
+        line += "\t" + file_sha256(path)
+    return line
+
+
 def ids_fingerprint(ids: Sequence[str]) -> str:
     """sha256 over the sorted sample ids: the same samples give the same fingerprint."""
     return lines_sha256(sorted(str(i) for i in ids))

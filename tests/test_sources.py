@@ -296,6 +296,29 @@ def test_manifest_csv_string_labels(images, transform):
     assert [ds[i][1] for i in range(2)] == [1, 0]
 
 
+def test_manifest_fingerprint_covers_row_order_and_labels(images, transform):
+    def fingerprint(text: str) -> str:
+        return _manifest(images, "m.csv", text, transform).fingerprint(content=True)
+
+    rows = ["imgs/0.png,cat", "imgs/1.png,dog", "imgs/2.png,cat"]
+    first = fingerprint("path,label\n" + "\n".join(rows) + "\n")
+    assert fingerprint("path,label\n" + "\n".join(rows) + "\n") == first
+    # The same files in another order, or with other labels, are other rows.
+    assert fingerprint("path,label\n" + "\n".join(rows[::-1]) + "\n") != first
+    swapped = ["imgs/0.png,dog", "imgs/1.png,cat", "imgs/2.png,dog"]
+    assert fingerprint("path,label\n" + "\n".join(swapped) + "\n") != first
+    unlabeled = fingerprint("path\nimgs/0.png\nimgs/1.png\nimgs/2.png\n")
+    assert unlabeled != first
+    assert fingerprint("path\nimgs/2.png\nimgs/1.png\nimgs/0.png\n") != unlabeled
+
+
+def test_imagefolder_fingerprint_follows_the_files(tree):
+    spec = DataSpec(source="imagefolder", root=str(tree), splits={"train": "train"})
+    before = build_source(spec, "train", None).fingerprint()
+    Image.fromarray(_noise(size=(9, 9))).save(tree / "train/birds/i.bmp")  # another size
+    assert build_source(spec, "train", None).fingerprint() != before
+
+
 @pytest.mark.parametrize(
     ("name", "text"),
     [
@@ -392,6 +415,35 @@ class TensorImages(torch.utils.data.Dataset):
         if i == 1:
             return np.full((6, 5, 3), (1, 2, 3), np.uint8), np.int64(1)
         return torch.full((3, 6, 5), 9, dtype=torch.uint8), torch.tensor(2)
+
+
+def test_torchvision_image_folder_fingerprint_and_splits(tmp_path):
+    for split, colour in (("train", 40), ("val", 200)):
+        for label in ("cat", "dog"):
+            (tmp_path / split / label).mkdir(parents=True)
+            Image.new("RGB", (8, 8), (colour,) * 3).save(tmp_path / split / label / "a.png")
+    # ImageFolder takes no split argument: one folder per split, or the splits would
+    # all hold every image, labelled by split.
+    named = DataSpec(source="torchvision", dataset="ImageFolder", root=str(tmp_path),
+                     splits={"train": "train", "val": "val"})  # fmt: skip
+    with pytest.raises(ConfigError, match="ImageFolder takes no split or train argument"):
+        build_source(named, "train", None)
+    spec = DataSpec(
+        source="torchvision",
+        dataset="ImageFolder",
+        splits={"train": {"root": str(tmp_path / "train")}, "val": {"root": str(tmp_path / "val")}},
+    )
+    train, val = build_source(spec, "train", None), build_source(spec, "val", None)
+    assert [train[i][0].getpixel((0, 0)) for i in range(2)] == [(40,) * 3] * 2
+    assert val[0][0].getpixel((0, 0)) == (200,) * 3
+    # The fingerprint follows the files, not only their number.
+    before, before_content = train.fingerprint(), train.fingerprint(content=True)
+    Image.new("RGB", (8, 8), (41,) * 3).save(tmp_path / "train" / "dog" / "a.png")
+    again = build_source(spec, "train", None)
+    assert again.fingerprint() == before  # same size: only the bytes tell
+    assert again.fingerprint(content=True) != before_content
+    (tmp_path / "train" / "dog" / "a.png").rename(tmp_path / "train" / "dog" / "b.png")
+    assert build_source(spec, "train", None).fingerprint() != before
 
 
 def test_torchvision_converts_arrays_and_tensors(monkeypatch):

@@ -11,7 +11,7 @@ from typing import Any
 from PIL import Image
 
 from featcache.errors import ConfigError
-from featcache.fingerprints import file_sha256, lines_sha256
+from featcache.fingerprints import file_line, lines_sha256
 from featcache.sources.base import (
     IMAGE_EXTENSIONS,
     SourceDataset,
@@ -25,7 +25,11 @@ from featcache.spec import DataSpec
 
 
 class FileSource(SourceDataset):
-    """Image files with optional labels: the imagefolder and manifest sources."""
+    """Image files with optional labels: the imagefolder and manifest sources.
+
+    ``listed`` when a manifest decides the row order and the labels; in a class folder
+    both follow from the file names (the ids).
+    """
 
     def __init__(
         self,
@@ -34,10 +38,12 @@ class FileSource(SourceDataset):
         ids: list[str],
         class_names: list[str] | None,
         transform: Transform | None,
+        listed: bool = False,
     ) -> None:
         super().__init__(ids, class_names, labels is not None, transform)
         self.paths = paths
         self.labels = labels
+        self.listed = listed
         self.decode_size: int | None = None  # see build_source
 
     def _load(self, i: int) -> tuple[Image.Image, int]:
@@ -45,13 +51,15 @@ class FileSource(SourceDataset):
         return load_rgb(self.paths[i], self.decode_size), label
 
     def fingerprint(self, content: bool = False) -> str:
-        entries = []
-        for sample_id, path in sorted(zip(self.ids, self.paths, strict=True)):
-            size = os.path.getsize(path) if os.path.exists(path) else -1
-            entry = f"{sample_id}\t{size}"
-            if content and size >= 0:
-                entry += "\t" + file_sha256(path)
-            entries.append(entry)
+        """sha256 over each file's id and size (and bytes with ``content``), in id order;
+        for a manifest also its rows in order with their labels and the class names, so
+        that rows reordered or relabelled between a run and its resume are seen."""
+        files = sorted(zip(self.ids, self.paths, strict=True))
+        entries = [file_line(sample_id, path, content) for sample_id, path in files]
+        if self.listed:
+            labels = self.labels or [None] * len(self.ids)
+            rows = (f"{i}\t{label}" for i, label in zip(self.ids, labels, strict=True))
+            entries.append(f"rows\t{lines_sha256(rows)}\tclasses\t{self.class_names}")
         return lines_sha256(entries)
 
 
@@ -152,7 +160,7 @@ def manifest_source(
 
     labelled = [(line, label) for line, _, label in rows if label is not None]
     if not labelled:
-        return FileSource(paths, None, ids, None, transform)
+        return FileSource(paths, None, ids, None, transform, listed=True)
     if len(labelled) < len(rows):
         line = next(line for line, _, label in rows if label is None)
         raise ConfigError(
@@ -162,7 +170,7 @@ def manifest_source(
     labels, class_names = label_indices(
         [(f"line {line}", label) for line, label in labelled], f"manifest {file}"
     )
-    return FileSource(paths, labels, ids, class_names, transform)
+    return FileSource(paths, labels, ids, class_names, transform, listed=True)
 
 
 _Row = tuple[int, str, "int | str | None"]  # (line number, path as written, label)

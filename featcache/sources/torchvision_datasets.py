@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -14,6 +15,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from featcache.errors import ConfigError, FeatcacheError, first_line
+from featcache.fingerprints import file_line, lines_sha256
 from featcache.sources.base import SourceDataset, Transform
 from featcache.sources.decode import _array_to_rgb
 from featcache.spec import DataSpec
@@ -43,6 +45,31 @@ class _TorchvisionSource(SourceDataset):
             ) from exc
         return _array_to_rgb(image, where), label
 
+    def fingerprint(self, content: bool = False) -> str:
+        """For a dataset over listed files (``ImageFolder`` and other ``DatasetFolder``
+        classes keep ``samples``: ``(path, class index)`` pairs), sha256 over each row's
+        file, size (and bytes with ``content``) and label in row order; otherwise over the
+        ids, which say only how many rows there are."""
+        samples = getattr(self.dataset, "samples", None)
+        if not (isinstance(samples, list) and all(_file_sample(s) for s in samples)):
+            return super().fingerprint(content)
+        root = str(getattr(self.dataset, "root", "") or "")
+        lines = [f"{self.name}\t{len(samples)} files"]
+        for path, target in samples:
+            name = os.path.relpath(path, root) if root else path
+            lines.append(f"{file_line(name, path, content)}\t{target}")
+        return lines_sha256(lines)
+
+
+def _file_sample(sample: Any) -> bool:
+    """Whether ``sample`` is a ``(path, class index)`` pair, as in ``DatasetFolder.samples``."""
+    return (
+        isinstance(sample, tuple)
+        and len(sample) == 2
+        and isinstance(sample[0], (str, os.PathLike))
+        and isinstance(sample[1], int)
+    )
+
 
 def torchvision_source(
     data: DataSpec, split: str, value: Any, transform: Transform | None
@@ -66,11 +93,14 @@ def torchvision_source(
     args: dict[str, Any] = {}
     if root is not None and "root" in params:
         args["root"] = root
-    elif "root" in params and params["root"].default is inspect.Parameter.empty:
-        raise ConfigError(f"torchvision dataset {name} needs data.root: the folder it is in")
     if "download" in params:
         args["download"] = False
-    for key, val in {**data.kwargs, **_split_args(params, split, value)}.items():
+    split_args = _split_args(params, split, value, name, several=len(data.splits) > 1)
+    given = {**data.kwargs, **split_args}
+    needs_root = "root" in params and params["root"].default is inspect.Parameter.empty
+    if needs_root and root is None and "root" not in given:
+        raise ConfigError(f"torchvision dataset {name} needs data.root: the folder it is in")
+    for key, val in given.items():
         if key == "download" and val:
             raise ConfigError(
                 "data.kwargs.download: featcache never downloads; fetch the dataset first "
@@ -93,14 +123,17 @@ def torchvision_source(
     except Exception as exc:  # "Dataset not found" (RuntimeError), missing files, bad archives
         reason = re.sub(r"\s*You can use download=True to download it\.?", "", first_line(exc))
         raise ConfigError(
-            f"cannot open torchvision dataset {name} at {root}: {reason}; "
+            f"cannot open torchvision dataset {name} at {args.get('root')}: {reason}; "
             "it must already be on disk (featcache never downloads)"
         ) from exc
     return _TorchvisionSource(dataset, name, transform)
 
 
-def _split_args(params: Mapping[str, inspect.Parameter], split: str, value: Any) -> dict:
-    """Constructor arguments that select one split of a torchvision dataset."""
+def _split_args(
+    params: Mapping[str, inspect.Parameter], split: str, value: Any, name: str, several: bool
+) -> dict:
+    """Constructor arguments that select one split of torchvision dataset class ``name``;
+    ``several`` when the config names more than one split."""
     if value is None:
         return {}
     if isinstance(value, Mapping):
@@ -116,6 +149,12 @@ def _split_args(params: Mapping[str, inspect.Parameter], split: str, value: Any)
                     "dataset's arguments instead, e.g. {train: false}"
                 )
             return {"train": value == "train"}
+        if several:  # each split would hold the same rows
+            raise ConfigError(
+                f"data.splits.{split}: torchvision dataset {name} takes no split or train "
+                "argument, so every split named would hold the same rows; give each split "
+                f"its own arguments instead, e.g. {{{split}: {{root: <folder of {split}>}}}}"
+            )
         return {}  # a dataset with a single split (FakeData)
     raise ConfigError(
         f"data.splits.{split} must be a mapping of dataset arguments, e.g. {{train: false}}"
