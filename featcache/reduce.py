@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from featcache.errors import ConfigError
 
@@ -23,17 +25,54 @@ class ReduceContext:
     (class, distillation, register tokens) of its ``[B, T, D]`` token outputs (None: the
     model declares no token layout, and token reductions treat token 0 as the class
     token and average every token); ``sequence_first`` says its token outputs are
-    ``[T, B, D]``. The batch: ``batch_size`` (None: not checked) and ``attention_mask``
-    ``[B, T]`` (1 for real tokens) for token inputs, else None.
+    ``[T, B, D]``. ``sequence_first_modules`` names the modules of a model that does not
+    declare ``sequence_first`` but runs attention sequence-first (see
+    :func:`sequence_first_modules`). The batch: ``batch_size`` (None: not checked),
+    ``attention_mask`` ``[B, T]`` (1 for real tokens) for token inputs, else None, and
+    ``image_size``, the ``(H, W)`` of an image batch, which the patch grid of its token
+    outputs follows (None: not known, and a patch grid is square).
     """
 
     attention_mask: torch.Tensor | None = None
     prefix_tokens: int | None = None
     sequence_first: bool = False
     batch_size: int | None = None
+    sequence_first_modules: tuple[str, ...] = ()
+    image_size: tuple[int, int] | None = None
 
 
 NO_CONTEXT = ReduceContext()
+
+
+def token_layout(
+    model: nn.Module, prefix_tokens: int | None, sequence_first: bool
+) -> ReduceContext:
+    """The token layout the reductions use: ``prefix_tokens`` (default: the model's
+    ``num_prefix_tokens`` attribute, if any) and ``sequence_first`` (and, when that is
+    False, the model's attention modules that run sequence-first all the same)."""
+    if prefix_tokens is None:
+        declared = getattr(model, "num_prefix_tokens", None)
+        prefix_tokens = declared if isinstance(declared, int) else None
+    if prefix_tokens is not None and (
+        not isinstance(prefix_tokens, int) or isinstance(prefix_tokens, bool) or prefix_tokens < 0
+    ):
+        raise ConfigError(f"prefix_tokens must be a whole number >= 0, got {prefix_tokens!r}")
+    return ReduceContext(
+        prefix_tokens=prefix_tokens,
+        sequence_first=bool(sequence_first),
+        sequence_first_modules=() if sequence_first else sequence_first_modules(model),
+    )
+
+
+def sequence_first_modules(model: nn.Module) -> tuple[str, ...]:
+    """The names of ``model``'s attention modules that take and give ``[T, B, D]``
+    (``nn.MultiheadAttention``, also inside ``nn.Transformer*`` layers, with
+    ``batch_first=False``, PyTorch's default)."""
+    return tuple(
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.MultiheadAttention) and not module.batch_first
+    )
 
 
 def reduce_tensor(x: torch.Tensor, tap: Tap, context: ReduceContext = NO_CONTEXT) -> torch.Tensor:
@@ -78,28 +117,45 @@ def reduce_tensor(x: torch.Tensor, tap: Tap, context: ReduceContext = NO_CONTEXT
     raise ConfigError(f"layer {tap.key!r}: unknown reduce {how!r}")
 
 
-def layer_prefix(tokens: int, prefix: int | None) -> int | None:
+def layer_prefix(
+    tokens: int, prefix: int | None, image_size: tuple[int, int] | None = None
+) -> int | None:
     """The prefix tokens in a token output of ``tokens`` tokens of a model whose token
     outputs carry ``prefix`` of them (None: the model declares no layout).
 
     A layer that runs before the model adds its prefix tokens (a ViT's patch embedding)
-    holds the patch tokens alone. It is told apart by its count: ``tokens`` makes a square
-    grid and ``tokens - prefix`` does not. A grid that is not square cannot tell, and is
-    taken to carry the prefix.
+    holds the patch tokens alone. It is told apart by its count: ``tokens`` lays out as
+    the patch grid of an ``image_size`` input (see :func:`patch_grid`) and
+    ``tokens - prefix`` does not. When both do, or neither, it is taken to carry the prefix.
     """
-    if prefix and _is_square(tokens) and not _is_square(tokens - prefix):
+    if prefix and patch_grid(tokens, image_size) and not patch_grid(tokens - prefix, image_size):
         return 0
     return prefix
 
 
-def _is_square(n: int) -> bool:
-    return n > 0 and math.isqrt(n) ** 2 == n
+@functools.lru_cache(maxsize=256)
+def patch_grid(tokens: int, image_size: tuple[int, int] | None = None) -> tuple[int, int] | None:
+    """The ``(h, w)`` grid that ``tokens`` patch tokens of an ``(H, W)`` input make:
+    ``h = H // p`` and ``w = W // p`` (or rounded up, for a model that pads its input)
+    for some patch side ``p``, so a square input gives a square grid; a square grid when
+    the input size is not known. None when there is no such grid."""
+    if tokens <= 0:
+        return None
+    if image_size is None or image_size[0] == image_size[1]:
+        side = math.isqrt(tokens)
+        return (side, side) if side * side == tokens else None
+    height, width = image_size
+    for patch in range(1, min(height, width) + 1):
+        for h, w in ((height // patch, width // patch), (-(-height // patch), -(-width // patch))):
+            if h * w == tokens:
+                return h, w
+    return None
 
 
 def _reduce_tokens(x: torch.Tensor, tap: Tap, context: ReduceContext) -> torch.Tensor:
     _need_dims(x, tap, minimum=3, maximum=3, shape="[B, T, D] tokens")
     how = tap.reduce
-    prefix = layer_prefix(x.shape[1], context.prefix_tokens)
+    prefix = layer_prefix(x.shape[1], context.prefix_tokens, context.image_size)
     if how in ("cls", "cls+mean") and prefix == 0:
         why = (
             "this model's token outputs have none"
@@ -124,7 +180,7 @@ def _reduce_tokens(x: torch.Tensor, tap: Tap, context: ReduceContext) -> torch.T
         return patches.amax(dim=1)
     if how == "avg":
         return patches.mean(dim=1)
-    grid = _patch_grid(patches, tap)  # patches, adaptive_avg
+    grid = _patch_grid(patches, tap, context.image_size)  # patches, adaptive_avg
     return grid if how == "patches" else _adaptive_avg(grid, tap)
 
 
@@ -179,27 +235,50 @@ def _adaptive_avg(grid: torch.Tensor, tap: Tap) -> torch.Tensor:
     return F.adaptive_avg_pool2d(grid, tap.size)
 
 
-def _patch_grid(patches: torch.Tensor, tap: Tap) -> torch.Tensor:
-    """``[B, N, D]`` patch tokens -> ``[B, D, h, w]`` with ``h = w = sqrt(N)``."""
+def _patch_grid(
+    patches: torch.Tensor, tap: Tap, image_size: tuple[int, int] | None
+) -> torch.Tensor:
+    """``[B, N, D]`` patch tokens (in row-major order) -> ``[B, D, h, w]``, the grid
+    :func:`patch_grid` finds for them."""
     n = patches.shape[1]
-    side = math.isqrt(n)
-    if side * side != n or n == 0:
+    grid = patch_grid(n, image_size)
+    if grid is None:
+        grid_of = (
+            "a square grid"
+            if image_size is None
+            else f"the patch grid of a {image_size[0]}x{image_size[1]} input"
+        )
         raise ConfigError(
-            f"layer {tap.key!r}: its {n} patch tokens do not form a square grid; "
+            f"layer {tap.key!r}: its {n} patch tokens do not form {grid_of}; "
             "use reduce mean, cls or none"
         )
-    return patches.transpose(1, 2).reshape(len(patches), -1, side, side)
+    return patches.transpose(1, 2).reshape(len(patches), -1, *grid)
 
 
 def _batch_first(x: torch.Tensor, tap: Tap, context: ReduceContext) -> torch.Tensor:
-    """``x`` with the batch axis first: a sequence-first ``[T, B, ...]`` is transposed."""
+    """``x`` with the batch axis first: a sequence-first ``[T, B, ...]`` is transposed.
+
+    With the batch size on both of the first two axes, a model that declares
+    ``sequence_first`` has its token outputs (3-D) transposed and every other output kept
+    as it is (``[B, C, H, W]`` with ``C == B``); a model that does not declare it but runs
+    attention sequence-first has such a token output refused, as its batch axis cannot
+    be told.
+    """
     b = context.batch_size
     if b is None or x.dim() < 2:
         return x
     first, second = x.shape[0] == b, x.shape[1] == b
-    if context.sequence_first and second:
+    if context.sequence_first and second and (x.dim() == 3 or not first):
         return x.transpose(0, 1)
     if first:
+        if second and x.dim() == 3 and context.sequence_first_modules:
+            raise ConfigError(
+                f"layer {tap.key!r}: its {tap.capture} of shape {list(x.shape)} has the batch "
+                f"size {b} on axes 0 and 1, and the model runs attention sequence-first "
+                f"({context.sequence_first_modules[0]} has batch_first=False), so its batch "
+                "axis cannot be told; pass sequence_first=True to featcache.extract if its "
+                f"token outputs are [T, B, D], or use a batch size other than {b}"
+            )
         return x
     if second:
         # Transposing here would read a batch whose size equals T the other way round.

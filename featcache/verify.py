@@ -33,7 +33,7 @@ from featcache.extraction.loop import forward
 from featcache.extraction.writer_thread import CapturedBatch
 from featcache.memory import freed_memory_kept
 from featcache.provenance import config_fingerprint as fingerprint
-from featcache.reduce import ReduceContext
+from featcache.reduce import ReduceContext, token_layout
 from featcache.runtime import Layout, choose_layout
 from featcache.selectors import resolve_taps
 from featcache.spec import Spec, StoreSpec, load_config
@@ -171,9 +171,7 @@ def verify_store(
             return result
         runtime = dataclasses.replace(spec.runtime, device=device or spec.runtime.device)
         layout = choose_layout(backbone.model, runtime)
-        tokens = ReduceContext(
-            prefix_tokens=backbone.prefix_tokens, sequence_first=backbone.sequence_first
-        )
+        tokens = token_layout(backbone.model, backbone.prefix_tokens, backbone.sequence_first)
         _recompute(
             result, store, spec, backbone.model, source, index, labels, samples, seed, layout,
             tokens,

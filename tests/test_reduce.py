@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from featcache.errors import ConfigError
-from featcache.reduce import ReduceContext, layer_prefix, reduce_tensor
+from featcache.reduce import (
+    ReduceContext,
+    layer_prefix,
+    patch_grid,
+    reduce_tensor,
+    token_layout,
+)
 from featcache.taps import Tap
 
 
@@ -130,6 +138,24 @@ def test_a_layer_before_the_prefix_tokens_are_added_is_all_patches(reduce):
     assert layer_prefix(21, 5) == 5 and layer_prefix(7, 1) == 1 and layer_prefix(9, None) is None
 
 
+def test_the_patch_grid_follows_the_input_shape():
+    assert patch_grid(16) == (4, 4) and patch_grid(15) is None and patch_grid(0) is None
+    assert patch_grid(24, (64, 96)) == (4, 6) and patch_grid(25, (64, 96)) is None
+    assert patch_grid(30, (70, 100)) == (5, 6)  # rounded up: a model that pads its input
+    assert patch_grid(16, (64, 64)) == (4, 4) and patch_grid(24, (64, 64)) is None
+    # 25 tokens of a 64x96 input are 24 patches and a class token; 24 are patches alone.
+    assert layer_prefix(25, 1, (64, 96)) == 1 and layer_prefix(24, 1, (64, 96)) == 0
+    tokens = torch.randn(2, 25, 3)
+    context = ReduceContext(prefix_tokens=1, batch_size=2, image_size=(64, 96))
+    grid = reduce_tensor(tokens, Tap("k", "m", reduce="patches"), context)
+    assert torch.equal(grid, tokens[:, 1:].transpose(1, 2).reshape(2, 3, 4, 6))
+    assert torch.equal(
+        reduce_tensor(tokens, Tap("k", "m", reduce="mean"), context), tokens[:, 1:].mean(1)
+    )
+    with pytest.raises(ConfigError, match="21 patch tokens do not form the patch grid of a 64x96"):
+        reduce_tensor(torch.randn(2, 22, 3), Tap("k", "m", reduce="patches"), context)
+
+
 def test_patch_grid_pools_like_a_feature_map():
     grid = TOKENS[:, 1:].transpose(1, 2).reshape(2, 3, 2, 2)
     pooled = reduce_tensor(TOKENS, Tap("k", "m", reduce="adaptive_avg", size=1), VIT)
@@ -145,6 +171,32 @@ def test_sequence_first_outputs_are_transposed():
         assert torch.equal(reduce_tensor(sequence_first, tap, context), expected)
     square = torch.randn(2, 2, 3)  # T == B: the declared layout decides
     assert torch.equal(reduce_tensor(square, Tap("k", "m"), context), square.transpose(0, 1))
+
+
+def test_a_sequence_first_model_keeps_its_batch_first_outputs():
+    """Only token outputs are sequence-first: a conv map or a head whose second axis
+    happens to equal the batch size is batch-first all the same."""
+    context = ReduceContext(sequence_first=True, batch_size=2)
+    conv, head = torch.randn(2, 2, 3, 3), torch.randn(2, 2)  # C == B, classes == B
+    assert torch.equal(reduce_tensor(conv, Tap("k", "m", reduce="avg"), context), conv.mean((2, 3)))
+    assert torch.equal(reduce_tensor(head, Tap("k", "m"), context), head)
+    per_token = torch.randn(5, 2)  # [T, B] with the batch on axis 1 only
+    assert torch.equal(reduce_tensor(per_token, Tap("k", "m"), context), per_token.T)
+
+
+def test_an_undeclared_sequence_first_model_is_refused_when_the_axes_cannot_be_told():
+    encoder = torch.nn.TransformerEncoderLayer(4, 2, 8)  # batch_first=False by default
+    context = token_layout(encoder, None, sequence_first=False)
+    assert context.sequence_first_modules == ("self_attn",)
+    ambiguous = dataclasses.replace(context, batch_size=3)
+    with pytest.raises(ConfigError, match="batch size 3 on axes 0 and 1.*self_attn"):
+        reduce_tensor(torch.randn(3, 3, 4), Tap("k", "m", reduce="mean"), ambiguous)
+    conv = torch.randn(3, 3, 2, 2)  # not a token output: batch-first
+    assert torch.equal(reduce_tensor(conv, Tap("k", "m"), ambiguous), conv)
+    # A batch-first model, or one that declares its layout, is read as it says.
+    batch_first = torch.nn.TransformerEncoderLayer(4, 2, 8, batch_first=True)
+    assert token_layout(batch_first, None, sequence_first=False).sequence_first_modules == ()
+    assert token_layout(encoder, None, sequence_first=True).sequence_first_modules == ()
 
 
 @pytest.mark.parametrize(

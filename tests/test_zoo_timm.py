@@ -264,6 +264,29 @@ def test_the_patch_embedding_holds_no_class_token(tmp_path):
     )
 
 
+def test_a_rectangular_input_keeps_its_class_token_and_patch_grid(tmp_path):
+    """32x48 images make a 4x6 grid: 24 patches and a class token, 25 tokens, which a
+    square-grid rule would read as 5x5 patches and no class token."""
+    backbone = _backbone(kwargs={**TINY_VIT, "img_size": (32, 48)})
+    x = torch.randn(3, 3, 32, 48)
+    layers = [
+        {"name": "blocks[0]", "reduce": "mean"},
+        {"name": "blocks[0]", "reduce": "patches", "key": "grid"},
+        {"name": "patch_embed", "reduce": "patches", "key": "embedded"},
+    ]
+    store = featcache.extract(
+        backbone.model, torch.utils.data.TensorDataset(x), layers, tmp_path / "s.h5",
+        dtype="float32", progress=False,
+    )  # fmt: skip
+    with torch.no_grad():
+        patches = backbone.model.patch_embed(x)  # [3, 24, 32]
+        tokens = backbone.model.blocks[0](backbone.model._pos_embed(patches))  # [3, 25, 32]
+    torch.testing.assert_close(store.read("blocks.0"), tokens[:, 1:].mean(1))
+    grid = tokens[:, 1:].transpose(1, 2).reshape(3, 32, 4, 6)
+    torch.testing.assert_close(store.read("grid"), grid)
+    torch.testing.assert_close(store.read("embedded"), patches.transpose(1, 2).reshape(3, 32, 4, 6))
+
+
 @pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
 def test_a_local_weights_file_is_loaded_through_timm(tmp_path, suffix):
     source = _backbone(seed=7)

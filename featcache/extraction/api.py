@@ -32,7 +32,7 @@ from featcache.extraction.loop import run_loop
 from featcache.extraction.writer_thread import WriterThread
 from featcache.fingerprints import ids_fingerprint, module_fingerprint
 from featcache.provenance import StoreKey, store_attributes
-from featcache.reduce import ReduceContext
+from featcache.reduce import ReduceContext, token_layout
 from featcache.runtime import Layout, choose_layout
 from featcache.selectors import Tap, resolve_taps
 from featcache.spec import LayerSpec, LoaderSpec, RuntimeSpec, StoreSpec
@@ -170,21 +170,6 @@ def extract(
             rows, tokens,
         )  # fmt: skip
         return _extract(model, dataset, path, run, plan)
-
-
-def token_layout(
-    model: nn.Module, prefix_tokens: int | None, sequence_first: bool
-) -> ReduceContext:
-    """The token layout the reductions use: ``prefix_tokens`` (default: the model's
-    ``num_prefix_tokens`` attribute, if any) and ``sequence_first``."""
-    if prefix_tokens is None:
-        declared = getattr(model, "num_prefix_tokens", None)
-        prefix_tokens = declared if isinstance(declared, int) else None
-    if prefix_tokens is not None and (
-        not isinstance(prefix_tokens, int) or isinstance(prefix_tokens, bool) or prefix_tokens < 0
-    ):
-        raise ConfigError(f"prefix_tokens must be a whole number >= 0, got {prefix_tokens!r}")
-    return ReduceContext(prefix_tokens=prefix_tokens, sequence_first=bool(sequence_first))
 
 
 def _extract(

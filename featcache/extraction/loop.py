@@ -149,8 +149,15 @@ def forward(
     """
     device, amp = layout.device, layout.amp
     on_device = batch.to(device, non_blocking=pin, memory_format=layout.memory_format)
+    images = on_device.inputs
+    image_size = None
+    if isinstance(images, torch.Tensor) and images.dim() == 4:  # [B, C, H, W]
+        image_size = (int(images.shape[2]), int(images.shape[3]))
     context = dataclasses.replace(
-        tokens, attention_mask=on_device.attention_mask, batch_size=len(batch.rows)
+        tokens,
+        attention_mask=on_device.attention_mask,
+        batch_size=len(batch.rows),
+        image_size=image_size,
     )
     autocast = torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()
     # Gradient taps need autograd; everything else runs in inference mode.

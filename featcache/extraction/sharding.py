@@ -11,10 +11,11 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from featcache.distributed import Rank, block, check_other_world_sizes, combine_shards, shard_path
-from featcache.extraction.api import RunOptions, _plan, extract, token_layout
+from featcache.extraction.api import RunOptions, _plan, extract
 from featcache.extraction.batches import source_length
 from featcache.extraction.grid import shard_starts
 from featcache.provenance import StoreKey
+from featcache.reduce import token_layout
 from featcache.spec import LayerSpec
 from featcache.store import FeatureStore, remove_store, stored_resume_key
 

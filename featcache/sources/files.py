@@ -57,7 +57,7 @@ class FileSource(SourceDataset):
         files = sorted(zip(self.ids, self.paths, strict=True))
         entries = [file_line(sample_id, path, content) for sample_id, path in files]
         if self.listed:
-            labels = self.labels or [None] * len(self.ids)
+            labels: list[int | None] = [*self.labels] if self.labels else [None] * len(self.ids)
             rows = (f"{i}\t{label}" for i, label in zip(self.ids, labels, strict=True))
             entries.append(f"rows\t{lines_sha256(rows)}\tclasses\t{self.class_names}")
         return lines_sha256(entries)
