@@ -145,15 +145,32 @@ def _match_indexed(
             return None
         picked = []
         for parent in current:
-            children = [
-                f"{parent}.{child}" if parent else child
-                for child, _ in (modules[parent] if parent else model).named_children()
-            ]
+            # Every entry, a module used twice included, so that indices count as the
+            # container does (named_children() lists a module once).
+            entries = (modules[parent] if parent else model)._modules.items()
+            children = [f"{parent}.{c}" if parent else c for c, m in entries if m is not None]
             picked += _subscript(selector, parent or "the model", children, subscript)
         if not picked:
             raise ConfigError(f"layer {selector!r}: [{subscript}] selects no module")
         current = picked
+    for name in current:
+        if name not in modules:
+            _refuse_second_use(selector, name, model, modules)
     return current
+
+
+def _refuse_second_use(
+    selector: str, name: str, model: nn.Module, modules: dict[str, nn.Module]
+) -> None:
+    """Refuse entry ``name`` of a container that holds a module it already holds under
+    another name: a hook on it would capture that module's first call, not this use."""
+    module = model.get_submodule(name)
+    first = next(n for n, m in modules.items() if m is module)
+    raise ConfigError(
+        f"layer {selector!r}: {name} is the module {first} used again, and a module is "
+        f"captured at its first call; capture {first}, or give the model a module of its "
+        "own for this use"
+    )
 
 
 def _subscript(selector: str, parent: str, children: list[str], subscript: str) -> list[str]:

@@ -50,6 +50,18 @@ def test_bad_steps_are_errors_never_dropped(model, selector, message):
         resolve_taps(model, [selector])
 
 
+def test_indices_count_a_module_used_twice_and_refuse_its_second_use():
+    shared = nn.Linear(2, 2)
+    net = nn.Module()
+    net.blocks = nn.Sequential(shared, nn.ReLU(), shared, nn.Tanh())  # 4 entries
+    assert [tap.key for tap in resolve_taps(net, ["blocks[3]"])] == ["blocks.3"]
+    assert [tap.key for tap in resolve_taps(net, ["blocks[-3]"])] == ["blocks.1"]
+    assert [tap.key for tap in resolve_taps(net, ["blocks[0]"])] == ["blocks.0"]
+    for selector in ("blocks[2]", "blocks[-2]", "blocks[1:3]"):
+        with pytest.raises(ConfigError, match="blocks.2 is the module blocks.0 used again"):
+            resolve_taps(net, [selector])
+
+
 def test_brackets_on_no_module_stay_a_glob(resnet18):
     assert [tap.key for tap in resolve_taps(resnet18, ["layer[12]"])] == ["layer1", "layer2"]
     assert [tap.key for tap in resolve_taps(resnet18, ["layer4[-1].conv1"])] == ["layer4.1.conv1"]
