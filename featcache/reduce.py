@@ -217,7 +217,11 @@ def _reduce_masked(x: torch.Tensor, tap: Tap, mask: torch.Tensor) -> torch.Tenso
     if how == "max":
         return x.masked_fill(~real, float("-inf")).amax(dim=1)
     counts = real.sum(dim=1).clamp(min=1)
-    mean = x.masked_fill(~real, 0).sum(dim=1) / counts.to(x.dtype)
+    # Summed in float32 at least, as x.mean() accumulates: a float16 sum of a few dozen
+    # tokens of a residual stream overflows, and bfloat16 cannot hold a count over 256.
+    wide = torch.promote_types(x.dtype, torch.float32)
+    total = x.masked_fill(~real, 0).sum(dim=1, dtype=wide)
+    mean = (total / counts.to(wide)).to(x.dtype)
     return torch.cat([x[:, 0], mean], dim=1) if how == "cls+mean" else mean
 
 

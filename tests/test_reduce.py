@@ -86,6 +86,20 @@ def test_masked_reductions_read_real_tokens_only(reduce, expected):
     torch.testing.assert_close(out, torch.stack(expected))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_masked_mean_of_half_values_sums_in_float32(dtype):
+    """40 real tokens of 2000 sum to 80,000, past float16's 65,504; bfloat16 holds 8 bits
+    of mantissa, so neither a count of 301 nor the sum of 301 values of 1 and 2 fits it."""
+    for tokens, value in ((40, 2000.0), (301, 1.0)):
+        x = torch.full((2, tokens + 3, 4), value, dtype=dtype)
+        x[:, 1::2] *= 2
+        mask = torch.ones(2, tokens + 3, dtype=torch.long)
+        mask[:, tokens:] = 0
+        mean = reduce_tensor(x, Tap("k", "m", reduce="mean"), ReduceContext(attention_mask=mask))
+        assert mean.dtype == dtype
+        torch.testing.assert_close(mean, x[:, :tokens].float().mean(1).to(dtype), rtol=0, atol=0)
+
+
 def test_last_finds_the_last_real_token_under_left_padding():
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     context = ReduceContext(attention_mask=mask, batch_size=2)
