@@ -521,3 +521,36 @@ def test_skipped_rows_and_compression_together(tmp_path):
         )  # fmt: skip
     assert len(store) == 9 and store.file["features/1"].compression == "gzip"
     assert 4 not in store.index.tolist()
+
+
+class Labelled(torch.utils.data.Dataset):
+    """Four small images with the labels given."""
+
+    def __init__(self, labels):
+        self.labels = labels
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return torch.full((3, 8, 8), float(i)), self.labels[i]
+
+
+def test_labels_are_class_indices_or_one_clear_error(tmp_path):
+    model = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+    options = dict(progress=False, overwrite=True, on_error="skip", batch_size=2)
+    kinds = [1, np.int64(2), torch.tensor(0), 3.0, None]
+    store = featcache.extract(model, Labelled(kinds), ["1"], tmp_path / "s.h5", **options)
+    assert store.labels.tolist() == [1, 2, 0, 3, -1]
+    bad = [
+        (["cat", "dog"], "label at row 0 is 'cat', not a class index.*class_names"),
+        ([0, 1.7], "label at row 1 is 1.7, not a class index.*whole number"),
+        ([torch.tensor([1, 0]), 0], r"row 0 is a tensor of shape \[2\], not a class index"),
+        ([None, 1, 2], "row 1 of the dataset has the label 1, but its first row has none"),
+    ]
+    for labels, message in bad:  # never taken for unreadable samples and skipped
+        with pytest.raises(ConfigError, match=message):
+            featcache.extract(model, Labelled(labels), ["1"], tmp_path / "s.h5", **options)
+    floats = torch.utils.data.TensorDataset(torch.zeros(2, 3, 8, 8), torch.tensor([0.0, 1.5]))
+    with pytest.raises(ConfigError, match="label at row 1 is 1.5, not a class index"):
+        featcache.extract(model, floats, ["1"], tmp_path / "t.h5", progress=False)

@@ -196,7 +196,7 @@ def _extract(
     todo = range(resume.position if resume else plan.rows.start, plan.rows.stop)
     device = plan.layout.device
     pin = device.type == "cuda" if run.loader.pin_memory == "auto" else bool(run.loader.pin_memory)
-    source_rows = SourceRows(dataset, todo)
+    source_rows = SourceRows(dataset, todo, has_labels=plan.has_labels)
     lengths = None  # sorts each window by length when bucketing
     if plan.bucket_window is not None:
         assert plan.row_tokens is not None  # counted whenever bucketing is on

@@ -103,21 +103,60 @@ def describe_value(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
+class DatasetProblem(str):
+    """The ``error`` of a :class:`SourceRows` item that is the dataset's fault, not one
+    unreadable sample's (a label that is no class index): :class:`Collate` makes it the
+    batch's :attr:`Batch.error`, which fails the run whatever ``loader.on_error`` says."""
+
+
+def class_index(label: Any) -> int:
+    """A source item's label as a class index: an int, a numpy or one-element torch
+    integer, or a float that is a whole number.
+
+    Raises:
+        ValueError: anything else (a class name, a float such as 1.7, several values).
+    """
+    if isinstance(label, torch.Tensor) and label.numel() == 1:
+        label = label.item()
+    if isinstance(label, np.generic):
+        label = label.item()
+    if isinstance(label, float) and label.is_integer():
+        label = int(label)
+    if isinstance(label, int) and not isinstance(label, bool):
+        return label
+    shown = describe_value(label) if isinstance(label, torch.Tensor) else repr(label)
+    fix = (
+        "map class names to indices and give the names as class_names"
+        if isinstance(label, str)
+        else "give one whole number per row"
+    )
+    raise ValueError(
+        f"is {shown}, not a class index; featcache stores one int class index per row "
+        f"(-1 or None for a row without one): {fix}"
+    )
+
+
 class SourceRows(Dataset):
     """The source rows in ``rows``, as ``(input or None, label, row, error)``.
 
     A sample that cannot be read comes back with input None and the reason in ``error``
     instead of raising in a worker process, so the policy is applied in one place (the
-    run loop) and the message stays one line. ``label`` is -1 when there is none.
+    run loop) and the message stays one line; a label that is no class index (see
+    :func:`class_index`) comes back as a :class:`DatasetProblem`, as does one in a row of
+    a dataset that ``has_labels=False`` (None: not checked). ``label`` is -1 when there
+    is none.
     """
 
-    def __init__(self, dataset: Dataset, rows: range):
+    def __init__(self, dataset: Dataset, rows: range, has_labels: bool | None = None):
         self.dataset = dataset
         self.rows = rows
+        self.has_labels = has_labels
         # A TensorDataset of images [N, C, H, W] (and labels [N]) is read in blocks.
         tensors = dataset.tensors if isinstance(dataset, TensorDataset) else ()
         whole = 0 < len(tensors) <= 2 and tensors[0].dim() == 4
         self._blocks = tensors if whole and (len(tensors) == 1 or tensors[1].dim() == 1) else ()
+        if len(self._blocks) == 2:
+            _check_label_tensor(self._blocks[1])
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -144,10 +183,42 @@ class SourceRows(Dataset):
         i = self.rows[j]
         try:
             value, label = split_sample(self.dataset[i])
-            return value, -1 if label is None else int(label), i, ""
         except Exception as exc:
             reason = str(exc) if isinstance(exc, FeatcacheError) else ""
             return None, -1, i, reason or first_line(exc, with_type=True)
+        if label is None:
+            return value, -1, i, ""
+        try:
+            index = class_index(label)
+        except ValueError as exc:
+            return None, -1, i, DatasetProblem(f"the dataset's label at row {i} {exc}")
+        if self.has_labels is False and index != -1:
+            return (
+                None,
+                -1,
+                i,
+                DatasetProblem(
+                    f"row {i} of the dataset has the label {index}, but its first row has none, "
+                    "so the store keeps no labels; give every row a label (-1 for a row without "
+                    "one) or none"
+                ),
+            )
+        return value, index, i, ""
+
+
+def _check_label_tensor(labels: torch.Tensor) -> None:
+    """Refuse a TensorDataset's labels ``[N]`` that are not class indices."""
+    if labels.is_floating_point() and not bool((labels == labels.round()).all()):
+        bad = int((labels != labels.round()).nonzero()[0, 0])
+        raise ConfigError(
+            f"the dataset's label at row {bad} is {float(labels[bad])!r}, not a class index; "
+            "featcache stores one int class index per row: give integer labels"
+        )
+    if not (labels.is_floating_point() or labels.dtype in _INTEGER_DTYPES):
+        raise ConfigError(f"the dataset's labels are {labels.dtype}; give integer class indices")
+
+
+_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 class Collate:
@@ -171,6 +242,10 @@ class Collate:
     def __call__(self, samples: list[tuple[Any, int, int, str]] | Batch) -> Batch:
         if isinstance(samples, Batch):
             return samples
+        bad_dataset = next((s[3] for s in samples if isinstance(s[3], DatasetProblem)), None)
+        if bad_dataset is not None:
+            nothing = torch.empty(0, dtype=torch.long)
+            return Batch(None, nothing, nothing, [], error=str(bad_dataset))
         good = [s for s in samples if not s[3]]
         failed = [(s[2], s[3]) for s in samples if s[3]]
         rows = torch.tensor([s[2] for s in good], dtype=torch.long)
