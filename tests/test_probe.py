@@ -249,6 +249,28 @@ def test_features_with_inf_are_refused_with_the_fix(tmp_path, trainer):
     path = write_store(tmp_path / "inf.h5", {"x": features}, labels, on_nonfinite="keep")
     with pytest.raises(ConfigError, match=r"^the features hold NaN or Inf values .*on_nonfinite"):
         probe_layers(path, "x", options=ProbeOptions(progress=False, trainer=trainer))
+    # In the test store too, where no statistics are taken: NaN rows were scored as class 0.
+    clean = write_store(tmp_path / "clean.h5", {"x": _clusters(60, 4, 2, 1, 2.0)[0]}, labels)
+    features[3, 1] = np.nan
+    test = write_store(tmp_path / "nan.h5", {"x": features}, labels, on_nonfinite="keep")
+    options = ProbeOptions(progress=False, trainer=trainer)
+    with pytest.raises(ConfigError, match=r"^the test store's features of layer x hold NaN or"):
+        probe_layers(clean, "x", test=test, options=options)
+
+
+def test_standardising_is_scale_free_and_leaves_constant_features_alone(tmp_path):
+    x = torch.randn(500, 3, dtype=torch.float64) * 1e-7  # small, not constant: gradients
+    x[:, 1] = 5.0  # constant
+    x[:, 2] = 0.0  # constant
+    mean, std = Moments(3).update(x[:200]).merge(Moments(3).update(x[200:])).standardizer("cpu")
+    torch.testing.assert_close(std[0], x[:, 0].std(unbiased=False).float())
+    assert std[1:].tolist() == [1.0, 1.0]
+    features, labels = _clusters(300, 12, 3, 0, spread=2.0)
+    top1 = []
+    for scale in (1.0, 1e-7):
+        path = write_store(tmp_path / f"{scale}.h5", {"x": features * scale}, labels)
+        top1.append(probe(path, "x", progress=False).val["top1"])
+    assert top1[0] > 0.9 and top1[1] == top1[0]
 
 
 def test_results_are_replaced_whole_and_bad_names_fail_before_the_fit(
@@ -389,6 +411,9 @@ def bad_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ),
         "unlabelled": write_store(tmp_path / "unlabelled.h5", {"easy": x}, None),
         "one_class": write_store(tmp_path / "one.h5", {"easy": x}, np.zeros(60, dtype=np.int64)),
+        "minus_one": write_store(
+            tmp_path / "minus.h5", {"easy": x}, np.where(np.isin(np.arange(60), [5, 9, 40]), -1, y)
+        ),
         "renamed": write_store(
             tmp_path / "renamed.h5",
             {"easy": x, "hard": x[:, :8]},
@@ -414,6 +439,11 @@ def bad_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ),
         ("shape", {"layer": "easy", "test": "wide"}, "shape [12] in the train store but [24]"),
         ("unlabelled", {"layer": "easy", "test": "unlabelled"}, "has no labels"),
+        (
+            "minus_one",
+            {"layer": "easy", "test": "minus_one"},
+            "has 3 of its 60 rows labelled -1 (no label), row 5 first; a probe needs every",
+        ),
         ("one_class", {"train": "one_class", "layer": "easy"}, "only one class (0)"),
         ("names", {"layer": "easy", "val": "renamed"}, "different class names"),
         ("fraction", {"layer": "easy", "val_fraction": 1.0}, "between 0 and 1"),

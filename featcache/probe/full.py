@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from featcache.probe.metrics import Moments, rank, topk_metrics
+from featcache.probe.metrics import Moments, rank, require_finite, topk_metrics
 from featcache.probe.options import ProbeOptions
 from featcache.probe.results import Fit, LinearProbe, Timings
 from featcache.probe.splits import Splits
@@ -108,6 +108,7 @@ def run_full(
     if "test" in splits.stores:
         with timings.phase("test"):
             x_test, digests["test"] = read_layer(splits.stores["test"], layer)
+            require_finite(x_test, f"the test store's features of layer {layer}")
             y_test = torch.from_numpy(splits.labels["test"])
             test = topk_metrics(rank(model.logits(x_test)), y_test, splits.class_names)
     return Fit(lam, sweep, val, test, timings.seconds, digests, model)

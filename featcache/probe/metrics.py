@@ -86,11 +86,27 @@ class Moments:
                 ``store.on_nonfinite: keep``), which no probe can fit.
         """
         if not (torch.isfinite(self.mean).all() and torch.isfinite(self.m2).all()):
-            raise ConfigError(
-                "the features hold NaN or Inf values (the store was written with "
-                "store.on_nonfinite: keep); re-extract with on_nonfinite: skip, or in float32 "
-                "if float16 overflowed"
-            )
-        std = (self.m2 / max(self.n, 1)).sqrt()
-        std = torch.where(std > 1e-6, std, torch.ones_like(std))
+            raise nonfinite_features("the features")
+        n = max(self.n, 1)
+        variance = self.m2 / n
+        # A variance within float64 rounding of zero, for n rows of this mean, is a
+        # constant feature; a threshold on the std alone would also flatten features that
+        # are merely small (gradients, say), and leave the probe at chance.
+        eps = torch.finfo(torch.float64).eps
+        constant = variance <= n * eps * variance + (n * eps * self.mean) ** 2
+        std = torch.where(constant, torch.ones_like(variance), variance.sqrt())
         return self.mean.float().to(device), std.float().to(device)
+
+
+def nonfinite_features(where: str) -> ConfigError:
+    """The error for features that hold NaN or Inf; ``where`` leads it ("the features")."""
+    return ConfigError(
+        f"{where} hold NaN or Inf values (the store was written with store.on_nonfinite: "
+        "keep); re-extract with on_nonfinite: skip, or in float32 if float16 overflowed"
+    )
+
+
+def require_finite(x: torch.Tensor, where: str) -> None:
+    """Refuse rows ``x`` that hold NaN or Inf (see :func:`nonfinite_features`)."""
+    if not bool(torch.isfinite(x).all()):
+        raise nonfinite_features(where)

@@ -42,8 +42,8 @@ class Splits:
 
         Raises:
             ConfigError: a val store and a val fraction both, one file in two roles, a
-                store without labels, different class names, a single class, or a
-                fraction that holds out no rows.
+                store without labels or with rows labelled -1 (none), different class
+                names, a single class, or a fraction that holds out no rows.
         """
         if val is not None and val_fraction is not None:
             raise ConfigError("give either a val store or a val fraction, not both")
@@ -68,6 +68,18 @@ class Splits:
                 raise ConfigError(
                     f"the {role} store {store.path} has no labels; a probe needs labelled "
                     "stores (extract from a source with labels)"
+                )
+            unlabelled = np.flatnonzero(values < 0)
+            if len(unlabelled):
+                which = (
+                    "every row labelled -1 (no label)"
+                    if len(unlabelled) == len(values)
+                    else f"{len(unlabelled)} of its {len(values)} rows labelled -1 (no label), "
+                    f"row {unlabelled[0]} first"
+                )
+                raise ConfigError(
+                    f"the {role} store {store.path} has {which}; a probe needs every row "
+                    "labelled: extract the labelled rows alone, or give another store"
                 )
             labels[role] = values
         names = stores["train"].class_names

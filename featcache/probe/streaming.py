@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from featcache.dataset import Batch, FeatureDataset, ShuffledBatches
-from featcache.probe.metrics import Moments, rank, topk_metrics
+from featcache.probe.metrics import Moments, rank, require_finite, topk_metrics
 from featcache.probe.options import ProbeOptions
 from featcache.probe.results import Fit, LinearProbe, Timings
 from featcache.probe.splits import Splits
@@ -107,7 +107,14 @@ def run_streaming(
         if "test" in datasets:
             with timings.phase("test"):
                 ranked, labels, digests["test"] = _predict(
-                    [_Part(datasets["test"])], mean, std, weights, biases, options, device
+                    [_Part(datasets["test"])],
+                    mean,
+                    std,
+                    weights,
+                    biases,
+                    options,
+                    device,
+                    check=f"the test store's features of layer {layer}",
                 )
                 test = topk_metrics(ranked[0], labels, splits.class_names)
     finally:
@@ -290,12 +297,16 @@ def _predict(
     bias: torch.Tensor,
     options: ProbeOptions,
     device: torch.device,
+    check: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, str]:
     """Ranked predictions of K models over the kept rows, in store order: int64
     ``[K, N, min(5, C)]``, their labels int64 ``[N]``, and the sha256 of every row read
-    (as float32; the store's hash when the parts are whole stores)."""
+    (as float32; the store's hash when the parts are whole stores). With ``check`` (what
+    the rows are, for the error), rows that hold NaN or Inf are refused."""
     ranked, labels, digest = [], [], hashlib.sha256()
     for x, y, raw in _in_order(parts, options.batch_size):
+        if check is not None:
+            require_finite(x, check)
         digest.update(raw.reshape(len(raw), -1).numpy().data)
         z = (x.to(device, non_blocking=True) - mean) / std
         ranked.append(rank(_many_logits(z, weight, bias)).cpu())
