@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from importlib import resources
 from pathlib import Path
@@ -19,7 +20,10 @@ def demo_config_path() -> Path:
 
 
 def demo_spec(output: str | os.PathLike = "featcache_demo") -> Spec:
-    return load_config(demo_config_path(), [f"output.dir={Path(output)}", "output.overwrite=true"])
+    """The demo config, writing into ``output`` (taken as it is: quoted, so that YAML
+    reads no comment, number or null into a folder name such as ``out #1`` or ``123``)."""
+    folder = json.dumps(str(Path(output)))
+    return load_config(demo_config_path(), [f"output.dir={folder}", "output.overwrite=true"])
 
 
 def run_demo(output: str | os.PathLike = "featcache_demo") -> dict[str, FeatureStore]:

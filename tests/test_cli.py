@@ -213,3 +213,11 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0 and result.stderr == "", result.stderr
+
+
+@pytest.mark.parametrize("name", ["out #1", "123", "null", "caf\u00e9 [x]"])
+def test_demo_output_folder_is_taken_as_written(name):
+    from featcache.demo import demo_spec
+
+    assert demo_spec(name).output.dir == name  # never YAML: no comment, number or null
+    assert demo_spec(f"runs/{name}").output.dir == f"runs/{name}"
