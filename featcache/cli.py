@@ -113,6 +113,12 @@ def layers(
 
     found, shown = backbone_layers(model_or_config, input_size=input_size, text=text)
     rows = [info for info in found if all_ or info.output != "-"]
+    if not rows:
+        unused = " (--all lists the ones it holds)" if found and not all_ else ""
+        raise ConfigError(
+            f"{model_or_config}: no submodule runs in the model's forward(){unused}, so the "
+            "only layer to capture is the model itself: name it as layers: ['.']"
+        )
     width = max(len(info.name) for info in rows)
     type_width = max(len(info.type) for info in rows)
     say(f"{'name':<{width}}  {'type':<{type_width}}  output (per sample, {shown})")
@@ -306,14 +312,18 @@ def probe(
         format_table,
         plot_layers,
         probe_layers,
+        requested_layers,
         save_results,
     )
     from featcache.store.paths import output_file
 
-    if output is not None:  # before the fit: a bad name fails now, not after minutes
-        output_file(output, (".json",), "results file")
+    # The output names are checked before the fit: a bad one fails now, not after minutes.
+    names = requested_layers(train, layer)
+    output = output_file(output or default_output(train, names), (".json",), "results file")
+    if plot is None and len(names) > 1:  # a layer curve is drawn beside the results
+        plot = output.with_suffix(".png")
     if plot is not None:
-        output_file(plot, (".png",), "plot")
+        plot = output_file(plot, (".png",), "plot")
     grid = None
     if lambdas is not None:
         try:
@@ -337,10 +347,9 @@ def probe(
         progress=progress,
     )
     say(format_result(results[0]) if len(results) == 1 else format_table(results))
-    path = save_results(results, output or default_output(train, [r.layer for r in results]))
-    say(f"wrote {path}")
-    if plot is not None or len(results) > 1:
-        say(f"wrote {plot_layers(results, plot or path.with_suffix('.png'))}")
+    say(f"wrote {save_results(results, output)}")
+    if plot is not None:
+        say(f"wrote {plot_layers(results, plot)}")
 
 
 @app.command()

@@ -84,12 +84,16 @@ def feature_grid(
     """
     if max_channels < 1 or scale < 1:
         raise ConfigError("max_channels and scale must be whole numbers >= 1")
+    if nrow is not None and nrow < 1:
+        raise ConfigError(
+            f"nrow must be a whole number >= 1 (or None for about a square), got {nrow}"
+        )
     fs = _open(store)
     x = _spatial(fs, layer, row)[:max_channels]
     x = normalize_channels(x)
     if scale > 1:
         x = F.interpolate(x[None], scale_factor=scale, mode="nearest")[0]
-    nrow = nrow or math.ceil(math.sqrt(len(x)))
+    nrow = nrow if nrow is not None else math.ceil(math.sqrt(len(x)))
     return make_grid(x[:, None], nrow=nrow, padding=padding, pad_value=1.0)
 
 

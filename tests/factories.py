@@ -29,3 +29,19 @@ def touching_net(marker: str) -> nn.Module:
     """A tiny net whose construction creates the file ``marker``: a visible side effect."""
     Path(marker).touch()
     return SlowNet(delay=0.0)
+
+
+def identity() -> nn.Module:
+    """A model without submodules: nothing to list but the model itself."""
+    return nn.Identity()
+
+
+class Unused(nn.Module):
+    """A model whose one submodule forward() never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2

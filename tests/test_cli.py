@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -221,3 +222,24 @@ def test_demo_output_folder_is_taken_as_written(name):
 
     assert demo_spec(name).output.dir == name  # never YAML: no comment, number or null
     assert demo_spec(f"runs/{name}").output.dir == f"runs/{name}"
+
+
+@pytest.mark.parametrize(
+    ("factory", "flags", "message"),
+    [
+        ("identity", [], r"no submodule runs in the model's forward\(\), so the only layer"),
+        ("Unused", [], r"forward\(\) \(--all lists the ones it holds\)"),
+        ("identity", ["--all"], r"no submodule runs in the model's forward\(\), so"),
+    ],
+)
+def test_layers_of_a_model_with_nothing_to_list_is_one_line(tmp_path, factory, flags, message):
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        f"model: {{factory: 'tests.factories:{factory}', weights: null}}\nlayers: [fc]\n"
+        "data: {source: synthetic, kwargs: {image_size: 16}, splits: {train: {size: 4}}}\n"
+    )
+    result = runner.invoke(app, ["layers", str(config), *flags])
+    assert result.exit_code == 2, result.output
+    assert re.search(message, result.stderr) and len(result.stderr.strip().splitlines()) == 1
+    listed = runner.invoke(app, ["layers", str(config), "--all"]) if factory == "Unused" else None
+    assert listed is None or re.search(r"^fc +Linear +-", listed.stdout, re.M)

@@ -299,6 +299,14 @@ def test_results_are_replaced_whole_and_bad_names_fail_before_the_fit(
             ["probe", str(getattr(train, "path", train)), "-l", "all", flag, str(tmp_path / name)],
         )
         assert result.exit_code == 2 and "does not end in" in result.output and not fitted
+    # The default names beside the train store are checked before the fit too.
+    copy = tmp_path / "beside" / "train.h5"
+    copy.parent.mkdir()
+    copy.write_bytes(Path(train).read_bytes())
+    for layer, taken in (("easy", "probe-easy.json"), ("all", "probe-layers.png")):
+        (copy.parent / taken).mkdir()
+        result = runner.invoke(app, ["probe", str(copy), "-l", layer])
+        assert result.exit_code == 2 and f"{taken} is a folder" in result.output and not fitted
 
 
 def test_results_json_records_the_options_the_probe_ran_with(stores, tmp_path):

@@ -127,6 +127,14 @@ def test_errors(store_path, tmp_path):
     assert result.exit_code == 2 and "no stored gradients" in result.output
     with pytest.raises(ConfigError, match="out of range"):
         feature_grid(store_path, "layer2", 9)
+    for nrow in (0, -3):
+        with pytest.raises(ConfigError, match=f"nrow must be a whole number >= 1 .*got {nrow}"):
+            feature_grid(store_path, "layer2", 0, nrow=nrow)
+    result = runner.invoke(
+        app,
+        ["show", str(store_path), "-l", "layer2", "-o", str(tmp_path / "z.png"), "--nrow", "-3"],
+    )
+    assert result.exit_code == 2 and "nrow must be a whole number >= 1" in result.output
 
 
 def _config_of(path):

@@ -37,7 +37,7 @@ from featcache.probe.report import (
     save_results,
 )
 from featcache.probe.results import LinearProbe, ProbeResult
-from featcache.probe.splits import Source, stratified_split
+from featcache.probe.splits import Source, requested_layers, stratified_split
 from featcache.probe.sweep import DEFAULT_LAMBDAS, STREAMING_LAMBDAS, choose, refine_lambdas
 from featcache.units import parse_bytes
 
@@ -62,6 +62,7 @@ __all__ = [
     "probe_layers",
     "refine_lambdas",
     "save_results",
+    "requested_layers",
     "stratified_split",
     "topk_metrics",
 ]

@@ -153,13 +153,10 @@ class Splits:
                 missing from a store, or shapes that differ between stores.
         """
         stores = self.stores
-        if isinstance(layers, str):
-            layers = [part.strip() for part in layers.split(",") if part.strip()]
-        names = list(layers)
+        names = requested_layers(stores["train"], layers)
         if not names:
             raise ConfigError("no layer given; name one, a comma-separated list, or all")
-        if names == ["all"]:
-            names = stores["train"].layers
+        if _listed(layers) == ["all"]:
             for role, store in stores.items():
                 if set(store.layers) != set(names):
                     raise ConfigError(
@@ -183,6 +180,19 @@ class Splits:
                         "stores come from different models or reductions"
                     )
         return names
+
+
+def requested_layers(train: Source, layers: str | Sequence[str]) -> list[str]:
+    """The layer names ``layers`` means, unchecked: ``"all"`` (the train store's layers),
+    a name, a comma-separated list or a sequence of names."""
+    names = _listed(layers)
+    return open_store(train).layers if names == ["all"] else names
+
+
+def _listed(layers: str | Sequence[str]) -> list[str]:
+    if isinstance(layers, str):
+        return [part.strip() for part in layers.split(",") if part.strip()]
+    return list(layers)
 
 
 def open_store(source: Source) -> FeatureStore:
