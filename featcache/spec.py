@@ -286,6 +286,8 @@ def load_config(
         raw: Any = json.loads(json.dumps(config))  # deep copy into plain data
     else:
         path = Path(config)
+        if path.is_dir():
+            raise ConfigError(f"{path} is a folder, not a config; pass the path of a YAML config")
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}; pass the path of a YAML config")
         try:

@@ -536,12 +536,18 @@ def test_synthetic_options_and_balance(transform):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [({"colour": 1}, "unknown synthetic option 'colour'"), ({"size": 0}, "size must be")],
+    ("kwargs", "split", "match"),
+    [
+        ({"colour": 1}, None, "unknown synthetic option data.kwargs.colour; known options"),
+        ({}, {"colour": 1}, "unknown synthetic option data.splits.train.colour"),
+        ({"size": 0}, None, "data.kwargs.size must be"),
+        ({}, {"size": 0}, "data.splits.train.size must be"),  # named where it was given
+    ],
 )
-def test_synthetic_bad_options(kwargs, match):
+def test_synthetic_bad_options(kwargs, split, match):
+    spec = DataSpec(source="synthetic", kwargs=kwargs, splits={"train": split})
     with pytest.raises(ConfigError, match=match):
-        build_source(DataSpec(source="synthetic", kwargs=kwargs), "train", None)
+        build_source(spec, "train", None)
 
 
 def test_synthetic_classes_are_separable():

@@ -87,6 +87,8 @@ def test_config_errors_name_the_key(override, message):
 def test_yaml_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="is a folder, not a config"):
+        load_config(tmp_path)
     latin = tmp_path / "latin.yaml"
     latin.write_bytes("model: {name: r\xe9snet}\n".encode("latin-1"))
     with pytest.raises(ConfigError, match=r"latin.yaml is not UTF-8 text \(byte 15\); save it"):

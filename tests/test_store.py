@@ -149,6 +149,8 @@ def test_read_rows_reads_long_runs_straight_and_short_ones_by_slice(tmp_path):
 def test_store_reader_errors(tmp_path):
     with pytest.raises(ConfigError, match="store not found"):
         FeatureStore(tmp_path / "nope.h5")
+    with pytest.raises(ConfigError, match=r"is a folder, not a store; give the path of a store"):
+        FeatureStore(tmp_path)
     junk = tmp_path / "junk.h5"
     junk.write_text("not hdf5")
     with pytest.raises(ConfigError, match="not a readable HDF5 store"):

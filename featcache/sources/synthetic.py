@@ -74,14 +74,10 @@ class SyntheticOptions:
 def synthetic_source(
     data: DataSpec, split: str, value: Any, transform: Transform | None
 ) -> _SyntheticSource:
-    given = {**data.kwargs, **(value if isinstance(value, Mapping) else {})}
-    options = build(
-        SyntheticOptions,
-        given,
-        "data.kwargs",
-        unknown=(
-            f"unknown synthetic option {{key!r}} (data.kwargs or data.splits.{split}); "
-            "known options: {known}"
-        ),
-    )
+    per_split = dict(value) if isinstance(value, Mapping) else {}
+    unknown = "unknown synthetic option {where}; known options: {known}"
+    # Each part is checked on its own, so that an error names the key that was given.
+    build(SyntheticOptions, data.kwargs, "data.kwargs", unknown=unknown)
+    build(SyntheticOptions, per_split, f"data.splits.{split}", unknown=unknown)
+    options = build(SyntheticOptions, {**data.kwargs, **per_split}, "data")
     return _SyntheticSource(split, transform=transform, **dataclasses.asdict(options))

@@ -135,6 +135,11 @@ class FeatureStore:
         named_partial = Path(path).name == partial.name and partial.is_file()
         if named_partial or not self.path.is_file():
             if not partial.is_file():
+                if self.path.is_dir():
+                    raise ConfigError(
+                        f"{self.path} is a folder, not a store; give the path of a store file "
+                        "(.h5) in it"
+                    )
                 raise ConfigError(f"store not found: {self.path}{_shards_note(self.path)}")
             if not allow_incomplete:
                 beside = f"; the {self.path.name} beside it is an earlier run's"
