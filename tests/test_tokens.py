@@ -365,6 +365,19 @@ def test_bucketed_batches_store_the_same_rows_in_source_order(tmp_path):
     assert bucketed.attrs["resume_key"]["bucket_window"] == 4 * 16
 
 
+def test_unreadable_first_rows_are_skipped_like_any_other(tmp_path):
+    """The dataset's kind (token mappings) is read off its first readable row, not row 0."""
+    texts = ["", " ", "a b c", "d e", "f"]  # empty or blank texts fail when read
+    layers = ["encoder.layer.0", {"name": "encoder.layer.0", "reduce": "mean", "key": "m"}]
+    for bucket in (False, True):
+        with pytest.warns(UserWarning, match="2 of 5 samples skipped"):
+            store = run(
+                tiny_bert(), text_rows(texts), layers, tmp_path / f"{bucket}.h5",
+                on_error="skip", bucket_by_length=bucket, batch_size=2,
+            )  # fmt: skip
+        assert store.ids == ["t2", "t3", "t4"] and [s["index"] for s in store.skipped] == [0, 1]
+
+
 def test_a_bucketed_run_resumes_on_its_window_grid(tmp_path):
     texts = [" ".join(["w"] * (i % 23 + 1)) for i in range(300)]
     source = text_rows(texts)

@@ -309,7 +309,7 @@ def _plan(
     if class_names is None:
         class_names = getattr(dataset, "class_names", None) or getattr(dataset, "classes", None)
     has_labels = getattr(dataset, "has_labels", None)
-    first = first_sample(dataset)
+    first = first_sample(dataset, rows)
     row_tokens = bucket_window = None
     tokenised = first is not None and isinstance(first[0], Mapping)
     if first is not None:

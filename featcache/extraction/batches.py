@@ -82,12 +82,19 @@ def split_sample(sample: Any) -> tuple[Any, Any]:
     return sample, None
 
 
-def first_sample(dataset: Dataset) -> tuple[Any, Any] | None:
-    """The first item, to check its type; None when it cannot be read (the run reports it)."""
-    try:
-        return split_sample(dataset[0])
-    except Exception:
-        return None
+FIRST_SAMPLE_TRIES = 32  # rows read to find one whose type tells what the dataset gives
+
+
+def first_sample(dataset: Dataset, rows: range) -> tuple[Any, Any] | None:
+    """The first item of ``rows`` that can be read (of the first
+    :data:`FIRST_SAMPLE_TRIES`), as ``(input, label)``, to check what the dataset gives;
+    None when none of them can (the run reports them, row by row)."""
+    for i in rows[:FIRST_SAMPLE_TRIES]:
+        try:
+            return split_sample(dataset[i])
+        except Exception:
+            continue
+    return None
 
 
 def source_length(dataset: Dataset) -> int:
