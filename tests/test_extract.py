@@ -554,3 +554,11 @@ def test_labels_are_class_indices_or_one_clear_error(tmp_path):
     floats = torch.utils.data.TensorDataset(torch.zeros(2, 3, 8, 8), torch.tensor([0.0, 1.5]))
     with pytest.raises(ConfigError, match="label at row 1 is 1.5, not a class index"):
         featcache.extract(model, floats, ["1"], tmp_path / "t.h5", progress=False)
+
+
+def test_an_empty_dataset_is_named_as_such(tmp_path):
+    model = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+    empty = torch.utils.data.TensorDataset(torch.zeros(0, 3, 8, 8))
+    with pytest.raises(ConfigError, match=r"^the dataset \(TensorDataset\) has no rows"):
+        featcache.extract(model, empty, ["1"], tmp_path / "s.h5", progress=False)
+    assert not list(tmp_path.iterdir())

@@ -182,6 +182,9 @@ def test_load_rgb_scales_16_and_32_bit(tmp_path):
         image = load_rgb(tmp_path / name)
         assert image.mode == "RGB"
         assert np.asarray(image)[0, :, 0].tolist() == [0, 10, 128, 255]
+    Image.fromarray(np.array([[0.0, 0.5, 1.0]], np.float32)).save(tmp_path / "float.tif")
+    with pytest.raises(FeatcacheError, match=r"float.tif: a 32-bit float image \(mode F\)"):
+        load_rgb(tmp_path / "float.tif")  # PIL alone makes it black
 
 
 @pytest.mark.parametrize(

@@ -292,6 +292,11 @@ def _plan(
         )
     taps = resolve_taps(model, layers)  # type: ignore[arg-type]
     num_rows = source_length(dataset)
+    if num_rows == 0:
+        raise ConfigError(
+            f"the dataset ({type(dataset).__name__}) has no rows, so there is nothing to "
+            "extract; check its files or arguments"
+        )
     if ids is None:
         ids = getattr(dataset, "ids", None)
     if ids is None:

@@ -52,6 +52,11 @@ def _draft_size(size: tuple[int, int], min_side: int) -> tuple[int, int]:
 def _to_rgb(image: Image.Image) -> Image.Image:
     if image.mode == "RGB":
         return image.copy()
+    if image.mode == "F":  # PIL would clip to 0..255: an image of values in 0..1 goes black
+        raise ValueError(
+            "a 32-bit float image (mode F) has no set value range; convert it to an 8- or "
+            "16-bit image"
+        )
     if image.mode.startswith("I"):  # "I", "I;16", "I;16B", ...: 16-bit range -> 8 bits
         values = np.asarray(image.convert("I"), dtype=np.float32)
         grey = np.clip(np.rint(values / 257.0), 0, 255).astype(np.uint8)
