@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 
@@ -135,6 +135,19 @@ def _split_map(value: Any, at: str) -> Any:
     return value
 
 
+# The data keys that only some sources read (splits and content_hash go to every one); a
+# key set for another source would be ignored, so it is refused.
+_READ_BY: dict[str, tuple[str, ...]] = {
+    "root": tuple(s for s in get_args(SourceKind) if s != "synthetic"),
+    "dataset": ("torchvision", "hf"),
+    "kwargs": ("torchvision", "synthetic"),
+    "image_column": ("hf", "parquet", "webdataset"),
+    "text_column": ("text", "hf", "parquet", "webdataset"),
+    "label_column": ("text", "hf", "parquet", "webdataset"),
+    "id_column": ("text", "hf", "parquet", "webdataset"),
+}
+
+
 @dataclass
 class DataSpec:
     """Where the images come from; one store is written per split."""
@@ -179,6 +192,23 @@ class DataSpec:
             )
         if self.source in ("imagefolder", "manifest") and not self.root:
             raise ConfigError(f"{at}.root is required for data.source={self.source}")
+        self.refuse_unused(at)
+
+    def refuse_unused(self, at: str = "data") -> None:
+        """Refuse a key that this source would ignore (a ``label_column`` for a manifest,
+        ``kwargs`` for hf, ``max_length`` for images ...)."""
+        for key, sources in _READ_BY.items():
+            if getattr(self, key) and self.source not in sources:
+                given = f" ({', '.join(map(str, self.kwargs))})" if key == "kwargs" else ""
+                raise ConfigError(
+                    f"{at}.{key}{given} is not used by data.source={self.source} (only by "
+                    f"{', '.join(sources)}); remove it"
+                )
+        if self.max_length is not None and self.inputs != "text":
+            raise ConfigError(
+                f"{at}.max_length is not used by image data (it caps the tokens of texts: "
+                "data.source text, or a text_column); remove it"
+            )
 
 
 @dataclass

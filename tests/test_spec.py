@@ -74,6 +74,15 @@ def test_overrides_are_parsed_as_yaml():
         ("data.source=lmdb", "data.source is 'lmdb'; choose one of"),
         ("data.source=hf", "data.dataset must name a Hugging Face dataset"),
         ("data.source=imagefolder", "data.root is required"),
+        # Keys the chosen source would ignore (the base config is synthetic).
+        ("data.label_column=class", "data.label_column is not used by data.source=synthetic"),
+        ("data.root=/data", "data.root is not used by data.source=synthetic (only by"),
+        ("data.max_length=16", "data.max_length is not used by image data"),
+        ("data={source: hf, dataset: x, kwargs: {streaming: true}}", "data.kwargs (streaming)"),
+        (
+            "data={source: manifest, root: r, splits: {t: m.csv}, image_column: img}",
+            "data.image_column is not used by data.source=manifest (only by hf, parquet, ",
+        ),
         ("nokey", "not of the form key.sub=value"),
     ],
 )

@@ -70,6 +70,7 @@ def build_source(
         raise ConfigError(f"unknown split {split!r}; data.splits has: {known}")
     if data.source not in BUILDERS:
         raise ConfigError(f"data.source is {data.source!r}; choose one of: {', '.join(SOURCES)}")
+    data.refuse_unused()
     module, _, name = BUILDERS[data.source].partition(":")
     builder = getattr(importlib.import_module(module), name)
     if data.source in ("text", "hf", "webdataset", "parquet"):

@@ -13,7 +13,6 @@ from torch.utils.data import Dataset
 
 from featcache.errors import ConfigError
 from featcache.fingerprints import lines_sha256
-from featcache.spec import DataSpec
 
 IMAGE_EXTENSIONS: tuple[str, ...] = (
     ".jpg",
@@ -95,15 +94,6 @@ class SourceDataset(Dataset):
     def __repr__(self) -> str:
         classes = "unlabeled" if not self.has_labels else f"classes={len(self.class_names or [])}"
         return f"{type(self).__name__}(rows={len(self)}, {classes})"
-
-
-def refuse_kwargs(data: DataSpec) -> None:
-    """Refuse ``data.kwargs`` for a source kind that takes none."""
-    if data.kwargs:
-        keys = ", ".join(map(str, data.kwargs))
-        raise ConfigError(
-            f"data.kwargs ({keys}) is not used by data.source={data.source}; remove it"
-        )
 
 
 def jsonl_objects(file: Path, what: str, example: str) -> Iterator[tuple[int, dict[str, Any]]]:

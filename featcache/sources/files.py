@@ -18,7 +18,6 @@ from featcache.sources.base import (
     Transform,
     jsonl_objects,
     label_indices,
-    refuse_kwargs,
 )
 from featcache.sources.decode import load_rgb
 from featcache.spec import DataSpec
@@ -66,7 +65,6 @@ class FileSource(SourceDataset):
 def imagefolder_source(
     data: DataSpec, split: str, value: Any, transform: Transform | None
 ) -> FileSource:
-    refuse_kwargs(data)
     folder = _under_root(data, split, value, "a subfolder of data.root")
     if not folder.is_dir():
         raise ConfigError(_not_found(folder))
@@ -132,7 +130,6 @@ def _leads_up(folder: str, here: str) -> bool:
 def manifest_source(
     data: DataSpec, split: str, value: Any, transform: Transform | None
 ) -> FileSource:
-    refuse_kwargs(data)
     file = _under_root(data, split, value, "a .csv or .jsonl manifest under data.root")
     if not file.is_file():
         raise ConfigError(

@@ -27,7 +27,7 @@ from PIL import Image
 from featcache.errors import ConfigError, FeatcacheError, first_line
 from featcache.extras import require
 from featcache.fingerprints import file_sha256, lines_sha256
-from featcache.sources.base import SourceDataset, Transform, refuse_kwargs
+from featcache.sources.base import SourceDataset, Transform
 from featcache.sources.tabular import (
     EncodedImageSource,
     check_columns,
@@ -156,7 +156,6 @@ def parquet_source(
     """
     pa, pq = _arrow()
     check_columns(data)
-    refuse_kwargs(data)
     paths = split_files(data, split, value, "Parquet files")
     names = [display_name(p, data) for p in paths]
     metas = []

@@ -37,7 +37,7 @@ from PIL import Image
 
 from featcache.errors import ConfigError, FeatcacheError, first_line
 from featcache.fingerprints import file_sha256, lines_sha256
-from featcache.sources.base import IMAGE_EXTENSIONS, SourceDataset, Transform, refuse_kwargs
+from featcache.sources.base import IMAGE_EXTENSIONS, SourceDataset, Transform
 from featcache.sources.tabular import (
     EncodedImageSource,
     check_columns,
@@ -175,7 +175,6 @@ def webdataset_source(
             two shards (or twice in one), a sample without an image, a bad label.
     """
     check_columns(data)
-    refuse_kwargs(data)
     if data.id_column:
         raise ConfigError(
             "data.id_column does not apply to data.source=webdataset: ids are the sample "
