@@ -60,7 +60,9 @@ def token_layout(
     return ReduceContext(
         prefix_tokens=prefix_tokens,
         sequence_first=bool(sequence_first),
-        sequence_first_modules=() if sequence_first else sequence_first_modules(model),
+        sequence_first_modules=sequence_first_modules(model)
+        if isinstance(model, nn.Module) and not sequence_first
+        else (),
     )
 
 

@@ -77,4 +77,6 @@ def test_keys_added_later_leave_older_fingerprints_alone():
     before = "46da3231fe426448512a98c32e85c683c2b492b11245f28dd9526b58d9ab6bbf"
     assert config_fingerprint(load_config(demo)) == before
     assert config_fingerprint(load_config(demo, ["loader.bucket_by_length=true"])) != before
-    assert config_fingerprint(load_config(demo, ["data.max_length=32"])) != before
+    texts = "data={source: text, root: r, splits: {train: t.csv}%s}"
+    plain = config_fingerprint(load_config(demo, [texts % ""]))
+    assert config_fingerprint(load_config(demo, [texts % ", max_length: 32"])) != plain
