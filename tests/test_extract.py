@@ -524,7 +524,7 @@ def test_skipped_rows_and_compression_together(tmp_path):
 
 
 class Labelled(torch.utils.data.Dataset):
-    """Four small images with the labels given."""
+    """One small image per label given, with that label."""
 
     def __init__(self, labels):
         self.labels = labels

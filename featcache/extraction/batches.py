@@ -200,17 +200,16 @@ class SourceRows(Dataset):
         except ValueError as exc:
             return None, -1, i, DatasetProblem(f"the dataset's label at row {i} {exc}")
         if self.has_labels is False and index != -1:
-            return (
-                None,
-                -1,
-                i,
-                DatasetProblem(
-                    f"row {i} of the dataset has the label {index}, but its first row has none, "
-                    "so the store keeps no labels; give every row a label (-1 for a row without "
-                    "one) or none"
-                ),
+            problem = (
+                f"row {i} of the dataset has the label {index}, but its first row has none, "
+                "so the store keeps no labels; give every row a label (-1 for a row without "
+                "one) or none"
             )
+            return None, -1, i, DatasetProblem(problem)
         return value, index, i, ""
+
+
+_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def _check_label_tensor(labels: torch.Tensor) -> None:
@@ -223,9 +222,6 @@ def _check_label_tensor(labels: torch.Tensor) -> None:
         )
     if not (labels.is_floating_point() or labels.dtype in _INTEGER_DTYPES):
         raise ConfigError(f"the dataset's labels are {labels.dtype}; give integer class indices")
-
-
-_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 class Collate:

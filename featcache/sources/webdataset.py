@@ -36,7 +36,7 @@ import numpy as np
 from PIL import Image
 
 from featcache.errors import ConfigError, FeatcacheError, first_line
-from featcache.fingerprints import file_sha256, lines_sha256
+from featcache.fingerprints import file_line, lines_sha256
 from featcache.sources.base import IMAGE_EXTENSIONS, SourceDataset, Transform
 from featcache.sources.tabular import (
     EncodedImageSource,
@@ -137,10 +137,7 @@ class WebDatasetSource(EncodedImageSource):
     def fingerprint(self, content: bool = False) -> str:
         lines = [f"webdataset\t{len(self)} samples"]
         for path, name in zip(self.shards, self.names, strict=True):
-            line = f"{name}\t{os.path.getsize(path) if os.path.exists(path) else -1}"
-            if content and os.path.exists(path):
-                line += "\t" + file_sha256(path)
-            lines.append(line)
+            lines.append(file_line(name, path, content))
         return lines_sha256(lines)
 
 
