@@ -419,6 +419,7 @@ def bad_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ),
         "unlabelled": write_store(tmp_path / "unlabelled.h5", {"easy": x}, None),
         "one_class": write_store(tmp_path / "one.h5", {"easy": x}, np.zeros(60, dtype=np.int64)),
+        "sparse": write_store(tmp_path / "sparse.h5", {"easy": x}, np.where(y == 5, 10**6, y)),
         "minus_one": write_store(
             tmp_path / "minus.h5", {"easy": x}, np.where(np.isin(np.arange(60), [5, 9, 40]), -1, y)
         ),
@@ -447,6 +448,11 @@ def bad_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ),
         ("shape", {"layer": "easy", "test": "wide"}, "shape [12] in the train store but [24]"),
         ("unlabelled", {"layer": "easy", "test": "unlabelled"}, "has no labels"),
+        (
+            "sparse",
+            {"train": "sparse", "layer": "easy"},
+            "labels run up to 1000000 over 6 classes, so the probe would fit 1000001 outputs",
+        ),
         (
             "minus_one",
             {"layer": "easy", "test": "minus_one"},

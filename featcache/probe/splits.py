@@ -103,6 +103,13 @@ class Splits:
         )
         if names:
             num_classes = max(num_classes, len(names))
+        fitted = np.unique(np.concatenate([labels[r] for r in ("train", "val") if r in labels]))
+        if num_classes > SPARSE_CLASSES and num_classes > 10 * len(fitted):
+            raise ConfigError(
+                f"the labels run up to {num_classes - 1} over {len(fitted)} classes, so the "
+                f"probe would fit {num_classes} outputs, most of them for classes with no "
+                "row; number the classes 0 .. C-1 when extracting"
+            )
         val_rows: np.ndarray | None
         if val is None:
             fraction = 0.2 if val_fraction is None else val_fraction
@@ -180,6 +187,10 @@ class Splits:
                         "stores come from different models or reductions"
                     )
         return names
+
+
+# Beyond this many outputs, labels must use a tenth of their range at least.
+SPARSE_CLASSES = 10_000
 
 
 def requested_layers(train: Source, layers: str | Sequence[str]) -> list[str]:
