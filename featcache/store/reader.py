@@ -13,6 +13,7 @@ import torch
 
 from featcache.errors import ConfigError, CorruptStoreError, IncompleteStoreError, first_line
 from featcache.store import codec
+from featcache.store.containment import foreign_data_problem
 from featcache.store.integrity import FIX, read_or_explain
 from featcache.store.metadata import (
     CHUNKS_ATTR,
@@ -165,7 +166,7 @@ class FeatureStore:
                 raise ConfigError(f"cannot read store {self.path}: {newer}")
             # A store still being written has no digests yet, but its attributes must read
             # (its writer sets them at the start and the end only).
-            problem = metadata_problem(file, sealed=complete)
+            problem = metadata_problem(file, sealed=complete) or foreign_data_problem(file)
         if problem:
             self.close()
             raise CorruptStoreError(f"store {self.path} is damaged: {problem}; {FIX}")

@@ -1,0 +1,82 @@
+"""A store reads only its own bytes: what it may name outside itself, and nothing else.
+
+HDF5 lets a file take a dataset's values from elsewhere: a link into another HDF5 file
+(an external link), raw bytes kept in any file (external storage), or the datasets of
+other HDF5 files (a virtual dataset). A store shared or downloaded could use them to
+make its readers return, copy or train on any file the reader can open. featcache
+writes none of them, except the virtual datasets of a torchrun store over its own shard
+files, which lie beside it and are listed in its ``shards`` attribute; anything else is
+refused before a value is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from featcache.store import codec
+
+
+def foreign_data_problem(file: h5py.File) -> str:
+    """Why ``file`` would take values from outside itself ("" when it would not): a link
+    that is not a plain one, a dataset kept in external storage, or a virtual dataset
+    over anything but the shard files the store lists, named plainly, beside it (whose
+    own datasets are checked the same way, and may be virtual over nothing)."""
+    shards = codec.attr(file, "shards")
+    if isinstance(shards, np.ndarray):  # written as an array of names rather than JSON
+        shards = [s.decode() if isinstance(s, bytes) else str(s) for s in shards.ravel()]
+    shards = [] if shards is None else shards
+    if not isinstance(shards, list) or not all(_plain_name(s) for s in shards):
+        return f"its shard list {shards!r:.80} names files that are not beside it"
+    problem = _problem(file, shards)
+    folder = Path(file.filename).parent
+    for shard in shards if not problem else ():
+        if (folder / shard).is_file():
+            with h5py.File(folder / shard, "r") as f:
+                problem = _problem(f, [])
+            if problem:
+                return f"its shard {shard} is not self-contained: {problem}"
+    return problem
+
+
+def _problem(file: h5py.File, shards: Sequence[str]) -> str:
+    for name, link, obj in _entries(file):
+        if link is not None:
+            target = getattr(link, "filename", None) or getattr(link, "path", "")
+            return f"{name} is a link to {target}, not a dataset or group of the store"
+        if not isinstance(obj, h5py.Dataset):
+            continue
+        if obj.id.get_create_plist().get_external_count():
+            return f"{name} keeps its values in another file (HDF5 external storage)"
+        if obj.is_virtual:
+            for source in obj.virtual_sources():
+                if source.file_name != "." and source.file_name not in shards:
+                    return (
+                        f"{name} is a virtual dataset over {source.file_name}, which is not "
+                        "one of the store's shards"
+                    )
+    return ""
+
+
+def _entries(group: h5py.Group, prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
+    """``(name, link, None)`` for each link that is not a plain (hard) one, else
+    ``(name, None, object)``, everywhere below ``group``."""
+    for key in group:
+        name = f"{prefix}{key}"
+        link = group.get(key, getlink=True)
+        if not isinstance(link, h5py.HardLink):
+            yield name, link, None
+            continue
+        obj = group[key]
+        yield name, None, obj
+        if isinstance(obj, h5py.Group):
+            yield from _entries(obj, f"{name}/")
+
+
+def _plain_name(name: Any) -> bool:
+    """Whether ``name`` is a file name alone (no folder, not ``.`` or ``..``)."""
+    return isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name
