@@ -520,6 +520,8 @@ def test_info_on_a_partial_store_shows_no_planted_command(tmp_path):
         ("--set model.factory=os:system", ["model.factory"]),
         ("--set 'model.trust_remote_code=true'", ["model.trust_remote_code"]),
         ("--set 'model={factory: os:system, kwargs: {}}'", ["model.factory"]),
+        ("--set=model.factory=os:system", ["model.factory"]),  # click takes --set=VALUE too
+        ("'--set=model={trust_remote_code: true}'", ["model.trust_remote_code"]),
         ("--set model.trust_remote_code=false --set loader.batch_size=8", []),
         ("--set loader.batch_size=8", []),
     ],

@@ -256,9 +256,9 @@ def code_overrides(command: str | None) -> list[str]:
     records its command as text, so a store made elsewhere may plant one."""
     words = shlex.split(command) if command else []
     found: list[str] = []
-    for flag, item in zip(words, words[1:], strict=False):
-        if flag != "--set":
-            continue
+    items = [b for a, b in zip(words, words[1:], strict=False) if a == "--set"]
+    items += [w.removeprefix("--set=") for w in words if w.startswith("--set=")]
+    for item in items:
         key, _, text = item.partition("=")
         key = key.strip()
         try:
