@@ -105,6 +105,11 @@ def test_shards_must_lie_beside_the_store_and_hold_their_own_values(tmp_path):
         seal(f)
     with pytest.raises(CorruptStoreError, match="its shard list .* names files that are not"):
         FeatureStore(renamed)
+    aside = shards[1].with_suffix(".aside")
+    shards[1].rename(aside)  # its rows would read as zeros
+    with pytest.raises(CorruptStoreError, match=f"its shard {shards[1].name} is missing"):
+        FeatureStore(combined)
+    aside.rename(shards[1])
     (tmp_path / "secret.txt").write_bytes(SECRET)
     with h5py.File(shards[1], "a") as f:  # a shard planted with external storage
         shape, dtype = f["features/a"].shape, f["features/a"].dtype

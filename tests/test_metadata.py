@@ -14,7 +14,15 @@ from typer.testing import CliRunner
 from featcache.cli import app
 from featcache.dataset import FeatureDataset
 from featcache.errors import CorruptStoreError
-from featcache.store import FeatureStore, StoreWriter, codec, combine_shards, copy_store, seal
+from featcache.store import (
+    FeatureStore,
+    StoreWriter,
+    codec,
+    combine_shards,
+    copy_store,
+    scan_chunks,
+    seal,
+)
 from featcache.store.metadata import (
     CHUNKS_ATTR,
     DIGEST_ATTR,
@@ -359,3 +367,20 @@ def test_a_compressed_stores_chunk_indexes_fail_loudly_when_damaged(tmp_path):
                     # test fails, for no error was raised).
                     assert all(torch.equal(got[k], v) for k, v in want.items())
                     assert all(np.array_equal(a, b) for a, b in zip(rows, want_rows, strict=True))
+
+
+def test_a_damaged_chunk_key_of_a_shard_fails_verify_of_the_combined_store(tmp_path):
+    """The combined store reads its shards through HDF5 (virtual datasets), which a
+    damaged key misleads into zeros: the scan of verify --quick reads each shard's chunks
+    as a plain store's, and names the combined store's rows."""
+    shards = [written_store(shard_path(tmp_path / "t.h5", r, 2), seed=r) for r in range(2)]
+    combined = combine_shards(tmp_path / "t.h5", shards).path
+    assert scan_chunks(combined) == []
+    raw = bytearray(shards[1].read_bytes())
+    with h5py.File(shards[1], "r") as f:  # chunk 2 of shard 1: rows 28-31 of the store
+        raw[_key_extent_byte(bytes(raw), f["features/a"], chunk=2) + 3] ^= 0xFF
+    shards[1].write_bytes(bytes(raw))
+    assert not FeatureStore(combined).read("a")[28:32].any()  # HDF5 is misled
+    (bad,) = scan_chunks(combined)  # what verify --quick reports
+    assert (bad.key, bad.start, bad.stop) == ("features/a", 28, 32)
+    assert "HDF5 finds no chunk by its position" in bad.message

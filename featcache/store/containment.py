@@ -6,7 +6,9 @@ other HDF5 files (a virtual dataset). A store shared or downloaded could use the
 make its readers return, copy or train on any file the reader can open. featcache
 writes none of them, except the virtual datasets of a torchrun store over its own shard
 files, which lie beside it and are listed in its ``shards`` attribute; anything else is
-refused before a value is read.
+refused before a value is read. A torchrun store's shards must be there, complete and
+undamaged (their digests checked as the store's own are), or their rows would read as
+zeros or through a damaged chunk index.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import h5py
 import numpy as np
 
 from featcache.store import codec
+from featcache.store.metadata import metadata_problem
 
 
 def foreign_data_problem(file: h5py.File) -> str:
     """Why ``file`` would take values from outside itself ("" when it would not): a link
     that is not a plain one, a dataset kept in external storage, or a virtual dataset
-    over anything but the shard files the store lists, named plainly, beside it (whose
-    own datasets are checked the same way, and may be virtual over nothing)."""
+    over anything but the shard files the store lists, named plainly, beside it; or a
+    shard that is missing, incomplete, damaged or not self-contained itself."""
     shards = codec.attr(file, "shards")
     if isinstance(shards, np.ndarray):  # written as an array of names rather than JSON
         shards = [s.decode() if isinstance(s, bytes) else str(s) for s in shards.ravel()]
@@ -35,11 +38,15 @@ def foreign_data_problem(file: h5py.File) -> str:
     problem = _problem(file, shards)
     folder = Path(file.filename).parent
     for shard in shards if not problem else ():
-        if (folder / shard).is_file():
-            with h5py.File(folder / shard, "r") as f:
-                problem = _problem(f, [])
-            if problem:
-                return f"its shard {shard} is not self-contained: {problem}"
+        if not (folder / shard).is_file():
+            return f"its shard {shard} is missing (the store reads its rows from it)"
+        with h5py.File(folder / shard, "r") as f:
+            own = _problem(f, [])
+            if own:
+                return f"its shard {shard} is not self-contained: {own}"
+            damage = metadata_problem(f) or ("" if f.attrs.get("complete") else "incomplete")
+            if damage:
+                return f"its shard {shard} is damaged: {damage}"
     return problem
 
 

@@ -165,22 +165,61 @@ def _scan(file: h5py.File) -> list[BadChunk]:
     )
     bad: list[BadChunk] = []
     for dataset in datasets:
-        spans = chunk_spans(dataset)
-        longest = max((stop - start for start, stop in spans), default=0)
-        buffer = np.empty((longest, *dataset.shape[1:]), dtype=dataset.dtype)
-        summed = not dataset.is_virtual and checksum_only(dataset)
-        plain = plain_chunk_addresses(dataset) if summed else None
-        for start, stop in spans:
-            if plain is not None and plain[start // dataset.chunks[0]] != NOT_PLAIN:
-                check = functools.partial(_check_stored_chunk, dataset, start)
-            else:  # HDF5 reads it, through its filters
-                rows, into = np.s_[start:stop], np.s_[: stop - start]
-                check = functools.partial(dataset.read_direct, buffer, rows, into)
-            try:
-                checked_twice(check)
-            except OSError as exc:
-                bad.append(BadChunk(dataset.name.lstrip("/"), start, stop, first_line(exc)))
+        key = dataset.name.lstrip("/")
+        sources = _whole_sources(dataset) if dataset.is_virtual else None
+        if sources is None:
+            bad += _scan_dataset(dataset, key)
+            continue
+        # A store combined from shards: each shard's chunks are read as a plain store's
+        # are, where a chunk that HDF5's lookup misses is found (a read through the
+        # virtual dataset would give zeros), and named by this dataset's rows.
+        folder = Path(dataset.file.filename).parent
+        for file_name, name, first in sources:
+            if file_name == ".":
+                bad += _scan_dataset(dataset.file[name], key, first)
+                continue
+            with h5py.File(folder / file_name, "r", rdcc_nbytes=0) as f:
+                bad += _scan_dataset(f[name], key, first)
     return bad
+
+
+def _scan_dataset(dataset: h5py.Dataset, key: str, first: int = 0) -> list[BadChunk]:
+    """The chunks of ``dataset`` that fail, as rows of ``key`` from row ``first`` on."""
+    spans = chunk_spans(dataset)
+    longest = max((stop - start for start, stop in spans), default=0)
+    buffer = np.empty((longest, *dataset.shape[1:]), dtype=dataset.dtype)
+    summed = not dataset.is_virtual and checksum_only(dataset)
+    plain = plain_chunk_addresses(dataset) if summed else None
+    bad: list[BadChunk] = []
+    for start, stop in spans:
+        if plain is not None and plain[start // dataset.chunks[0]] != NOT_PLAIN:
+            check = functools.partial(_check_stored_chunk, dataset, start)
+        else:  # HDF5 reads it, through its filters
+            rows, into = np.s_[start:stop], np.s_[: stop - start]
+            check = functools.partial(dataset.read_direct, buffer, rows, into)
+        try:
+            checked_twice(check)
+        except OSError as exc:
+            bad.append(BadChunk(key, first + start, first + stop, first_line(exc)))
+    return bad
+
+
+def _whole_sources(dataset: h5py.Dataset) -> list[tuple[str, str, int]] | None:
+    """``(file name, dataset name, first row)`` of each source of a virtual dataset, when
+    each is a whole dataset mapped to one block of rows (a combined store's); else None."""
+    folder = Path(dataset.file.filename).parent
+    sources = []
+    for source in dataset.virtual_sources():
+        (first, *_), (last, *_) = source.vspace.get_select_bounds()
+        if source.file_name == ".":
+            rows = len(dataset.file[source.dset_name])
+        else:
+            with h5py.File(folder / source.file_name, "r") as f:
+                rows = len(f[source.dset_name])
+        if rows != last + 1 - first:
+            return None
+        sources.append((source.file_name, source.dset_name, int(first)))
+    return sources
 
 
 def checked_twice(check: Callable[[], object]) -> None:
