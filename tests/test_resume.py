@@ -171,6 +171,39 @@ def test_resume_after_failure_equals_uninterrupted(resnet18, tmp_path):
     assert_same_store(path, reference.path)
 
 
+class Skipping(Flaky):
+    """Flaky's images, with rows 3 and 17 unreadable (skipped with on_error=skip)."""
+
+    def __getitem__(self, i):
+        if i in (3, 17):
+            raise OSError("unreadable on purpose")
+        return super().__getitem__(i)
+
+
+def test_a_run_stopped_while_moving_its_store_into_place_resumes(resnet18, tmp_path, monkeypatch):
+    """The store is complete and sealed in its .partial file when the last rename fails
+    (a kill in the durable rename, a full disk): the rerun completes it, skip records and
+    all, instead of failing on the /skipped group the first run wrote."""
+    options = {**OPTIONS, "on_error": "skip"}
+    with pytest.warns(UserWarning, match="2 of 40 samples skipped"):
+        reference = featcache.extract(resnet18, Skipping(), LAYERS, tmp_path / "ref.h5", **options)
+    import featcache.store.writer as writer_module
+
+    def stopped(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+
+    path = tmp_path / "s.h5"
+    monkeypatch.setattr(writer_module, "replace_durably", stopped)
+    with pytest.raises(OSError, match="Input/output error"):
+        featcache.extract(resnet18, Skipping(), LAYERS, path, **options)
+    assert not path.exists() and partial_path(path).exists()
+    monkeypatch.undo()
+    with pytest.warns(UserWarning, match="2 of 40 samples skipped"):
+        featcache.extract(resnet18, Skipping(), LAYERS, path, **options)
+    assert_same_store(path, reference.path)
+    assert FeatureStore(path).skipped == FeatureStore(reference.path).skipped
+
+
 def test_resume_refuses_a_partial_store_made_differently(resnet18, tmp_path):
     path = tmp_path / "s.h5"
     with pytest.raises(FeatcacheError):

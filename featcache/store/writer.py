@@ -363,6 +363,9 @@ class StoreWriter:
             size = self.tokens_appended if staged.per_token else rows + staged.lead
             if len(f[name]) != size:  # samples were skipped, or fewer tokens than sized for
                 f[name].resize(size, axis=0)
+        for name in [*row_columns, "skipped"]:
+            if name in f:  # written by a run that stopped while it moved the store into place
+                del f[name]
         if row_columns:
             index = f["index"][:rows]
             for name, column in row_columns.items():
