@@ -181,6 +181,9 @@ def test_torchrun_shards_combine_into_the_one_process_store(tmp_path):
         merged.read_tokens("encoder.layer.1")[0], whole.read_tokens("encoder.layer.1")[0]
     )
     assert verify_store(tmp_path / "merged.h5", quick=True).passed
+    # The row edges are checksummed in every form of the store, as in the one-process one.
+    for store in (whole, combined, merged):
+        assert store.file["offsets"].fletcher32, store.path
 
 
 def test_info_and_quick_verify_describe_per_token_stores(tmp_path):

@@ -187,7 +187,11 @@ def _combine(
     for name in names:
         first = opened[0][name]
         if name == "offsets":  # per-token rows: each shard counts its tokens from 0
-            out.create_dataset(name, data=combined_offsets([f[name][:] for f in opened]))
+            offsets = combined_offsets([f[name][:] for f in opened])
+            # Checksummed as the shards' own are: a changed offset would move row edges.
+            out.create_dataset(
+                name, data=offsets, chunks=True, fletcher32=dataset_has_checksum(first)
+            )
             continue
         total = sum(len(f[name]) for f in opened)
         layout = h5py.VirtualLayout(shape=(total, *first.shape[1:]), dtype=first.dtype)
