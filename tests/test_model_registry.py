@@ -287,3 +287,21 @@ def test_build_preprocessing_matches_build_backbone_without_building(fake_get_mo
     backbone = build_backbone(weights, PreprocessSpec())
     assert backbone.decode_size == own.decode_size
     assert repr(backbone.transform) == repr(own.transform)
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("timm:resnet18", "checkpoint_path"),
+        ("timm:resnet18", "pretrained_cfg_overlay"),
+        ("open_clip:ViT-B-32", "load_weights"),
+        ("open_clip:ViT-B-32", "pretrained_image_path"),
+        ("hf:some/repo", "ignore_mismatched_sizes"),
+        ("lraspp_mobilenet_v3_large", "weights_backbone"),
+    ],
+)
+def test_kwargs_that_choose_weights_behind_the_identity_are_refused(name, key):
+    """Weights read (or skipped) through model.kwargs would leave the recorded weights
+    identity saying something else: random, or a file whose values were not all used."""
+    with pytest.raises(ConfigError, match=f"model.kwargs.{key} is refused for .*identity"):
+        kind_for(ModelSpec(name=name, kwargs={key: "x"}))

@@ -72,7 +72,9 @@ class HFKind(ModelKind):
     name = "hf"
     refused_kwargs = {
         "trust_remote_code": "set model.trust_remote_code: true instead (verify and cam "
-        "never take it from a store without --trust-factory)"
+        "never take it from a store without --trust-factory)",
+        "ignore_mismatched_sizes": "it leaves the weights that do not fit at random, which "
+        "the recorded weights identity would not show; give weights that fit the model",
     }
 
     def preprocessing(

@@ -66,7 +66,20 @@ class OpenClipKind(ModelKind):
     name = "open_clip"
     refused_kwargs = {
         "weights_only": "featcache reads weight files with torch.load(weights_only=True) "
-        "only (tensors, never pickled objects); convert the checkpoint to a state dict"
+        "only (tensors, never pickled objects); convert the checkpoint to a state dict",
+        **dict.fromkeys(
+            (
+                "load_weights",
+                "pretrained",
+                "pretrained_image",
+                "pretrained_text",
+                "pretrained_image_path",
+                "pretrained_text_path",
+                "require_pretrained",
+            ),
+            "it loads or skips weights that the recorded weights identity would not show; "
+            "give them as the name's tag or model.weights",
+        ),
     }
 
     def preprocessing(

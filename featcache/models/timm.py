@@ -45,6 +45,11 @@ class TimmKind(ModelKind):
     """``timm.create_model("<name>[.<tag>]", pretrained=..., **model.kwargs)``."""
 
     name = "timm"
+    refused_kwargs = dict.fromkeys(
+        ("checkpoint_path", "pretrained", "pretrained_cfg", "pretrained_cfg_overlay"),
+        "it chooses weights the recorded weights identity would not show; give them as "
+        "model.weights (pretrained, or a local file)",
+    )
 
     def preprocessing(
         self, ref: str, model: ModelSpec, preprocess: PreprocessSpec

@@ -28,6 +28,10 @@ class TorchvisionKind(ModelKind):
     """``torchvision.models.get_model(ref, weights=<enum of model.weights>, **model.kwargs)``."""
 
     name = "torchvision"
+    refused_kwargs = {
+        "weights_backbone": "it loads backbone weights that the recorded weights identity "
+        "would not show; give the model's own weights as model.weights",
+    }
 
     def preprocessing(
         self, ref: str, model: ModelSpec, preprocess: PreprocessSpec
