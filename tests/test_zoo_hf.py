@@ -111,6 +111,27 @@ def test_pretrained_folder_loads_exactly_the_saved_weights(tmp_path):
     assert next(backbone.model.parameters()).dtype == torch.float32
 
 
+def test_weights_the_files_lack_are_seeded_and_named_and_misfits_refused(tmp_path):
+    """A config with a third layer the saved weights lack: that layer starts at random,
+    the same for the same seed, and the weights identity names its keys."""
+    save(tmp_path / "vit")
+    config = json.loads((tmp_path / "vit" / "config.json").read_text())
+    (tmp_path / "vit" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    first, again = build(tmp_path / "vit", "pretrained"), build(tmp_path / "vit", "pretrained")
+    random = first.weights["random"]
+    assert random["seed"] == 0 and random["keys"]
+    assert all("layer" in key and ".2." in key for key in random["keys"])  # the third layer
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            first.model.state_dict().values(), again.model.state_dict().values(), strict=True
+        )
+    )
+    (tmp_path / "vit" / "config.json").write_text(json.dumps({**config, "hidden_size": 48}))
+    with pytest.raises(ConfigError, match="its weights do not fit its config"):
+        build(tmp_path / "vit", "pretrained")
+
+
 def test_relative_folder_and_sharded_weights(tmp_path, monkeypatch):
     torch.manual_seed(0)
     saved = transformers.AutoModel.from_config(tiny_config("vit"))

@@ -111,11 +111,15 @@ class HFKind(ModelKind):
             weights = random_weights(seed)
             weights["config_sha256"] = file_sha256(folder / "config.json")
         else:
-            module = _call(
+            # Weights the files lack (a pooler the checkpoint never had, say) start at
+            # random: seeded, so that a rerun gives the same values.
+            torch.manual_seed(seed)
+            module, loading = _call(
                 transformers.AutoModel.from_pretrained,
                 source,
                 model,
                 source.location,
+                output_loading_info=True,
                 **remote_kwargs(source, model),
                 **kwargs,
             )
@@ -129,6 +133,9 @@ class HFKind(ModelKind):
                     for path in weight_files(folder, model.kwargs)
                 },
             }
+            missing = sorted(loading.get("missing_keys") or [])
+            if missing:  # recorded, so that the identity says which weights are not the files'
+                weights["random"] = {"seed": seed, "keys": missing}
         if inputs == "text":
             from featcache.models.text import hf_text_model  # it builds on this module
 
@@ -249,6 +256,11 @@ def _call(load: Callable[..., Any], source: Source, model: ModelSpec, *args: Any
         ) from exc
     except OSError as exc:  # not cached, offline, or no network
         raise not_cached(source, exc) from exc
+    except RuntimeError as exc:  # weights whose shapes do not fit the config
+        raise ConfigError(
+            f"model.name 'hf:{source.ref}': its weights do not fit its config "
+            f"({first_line(exc)}); give a folder whose config.json and weights belong together"
+        ) from exc
     except ValueError as exc:  # e.g. custom code without trust_remote_code
         if "trust_remote_code" in str(exc) or "custom code" in str(exc):
             raise ConfigError(
