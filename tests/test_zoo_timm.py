@@ -315,6 +315,26 @@ def test_a_local_weights_file_is_loaded_through_timm(tmp_path, suffix):
     assert _backbone(weights=str(path)).weights["files"] != loaded.weights["files"]
 
 
+def test_a_local_file_loads_whole_or_names_what_it_lacks(tmp_path):
+    """timm loads a file leniently when num_classes differs from its tag's: the file's
+    own classifier, a missing block or another model's weights must not pass silently."""
+    tuned = _backbone(kwargs={**TINY_VIT, "num_classes": 10}, seed=7)  # a fine-tuned head
+    path = tmp_path / "tuned.pth"
+    torch.save(_state(tuned.model), path)
+    loaded = _backbone(kwargs={**TINY_VIT, "num_classes": 10}, weights=str(path))
+    assert _same_state(_state(loaded.model), _state(tuned.model)) and "random" not in loaded.weights
+    fresh = _backbone(kwargs={**TINY_VIT, "num_classes": 5}, weights=str(path), seed=3)
+    assert fresh.weights["random"] == {"seed": 3, "keys": ["head.bias", "head.weight"]}
+    body = {k: v for k, v in _state(tuned.model).items() if not k.startswith("blocks.1.")}
+    torch.save(body, tmp_path / "part.pth")
+    with pytest.raises(ConfigError, match=r"holds no values for 12 weights of .*blocks\.1\."):
+        _backbone(kwargs={**TINY_VIT, "num_classes": 10}, weights=str(tmp_path / "part.pth"))
+    deeper = _backbone(kwargs={**TINY_VIT, "depth": 3, "num_classes": 10})
+    torch.save(_state(deeper.model), tmp_path / "deeper.pth")
+    with pytest.raises(ConfigError, match=r"weights that timm:.* does not have .*another model"):
+        _backbone(kwargs={**TINY_VIT, "num_classes": 10}, weights=str(tmp_path / "deeper.pth"))
+
+
 def test_a_local_file_that_does_not_fit_is_one_config_error(tmp_path):
     path = tmp_path / "other.pth"
     torch.save(_state(_backbone("timm:resnet10t", {}).model), path)

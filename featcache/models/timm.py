@@ -87,6 +87,10 @@ class TimmKind(ModelKind):
             "tag": getattr(cfg, "tag", None) or tag or None,
             "files": {path.name: file_sha256(path)},
         }
+        if weights != PRETRAINED and not custom:
+            random = _not_in_file(timm, module, path, cfg, ref)
+            if random:  # a new classifier, as timm makes for another num_classes
+                identity["random"] = {"seed": seed, "keys": random}
         return _built(module, identity)
 
 
@@ -287,11 +291,59 @@ def _create(
             raise
         # A state dict that does not fit the model (missing keys, other shapes).
         error = ConfigError if local else FeatcacheError
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        # torch's load_state_dict leads with "Error(s) in loading state_dict for X:".
+        reason = lines[1] if len(lines) > 1 and lines[0].endswith(":") else first_line(exc)
         raise error(
             f"timm could not load {overlay['file']} into timm:{ref}"
-            f"{f' with kwargs {kwargs}' if kwargs else ''}: {first_line(exc)}"
+            f"{f' with kwargs {kwargs}' if kwargs else ''}: {reason}"
         ) from exc
     return module
+
+
+def _not_in_file(timm: ModuleType, module: nn.Module, path: Path, cfg: Any, ref: str) -> list[str]:
+    """The weights of ``module`` that the local file ``path`` does not hold: a classifier
+    of another size, which stays at random (seeded). timm loads a file leniently when
+    ``num_classes`` differs from its tag's, dropping the file's classifier even where it
+    fits: one that fits is loaded here. Any other weight missing from the file is one
+    ConfigError naming some, rather than a model left partly random. A file whose keys
+    timm converts on loading (none match the model's) is left as timm loaded it."""
+    try:
+        stored = timm.models.load_state_dict(str(path), weights_only=True)
+    except Exception:  # timm has read it already; a form it converts is not compared
+        return []
+    own = module.state_dict()
+    if not any(key in own for key in stored):
+        return []
+    heads = getattr(cfg, "classifier", None) or ()
+    heads = (heads,) if isinstance(heads, str) else tuple(heads)
+
+    def is_head(key: str) -> bool:
+        return any(key == h or key.startswith(f"{h}.") for h in heads)
+
+    fitting = {
+        k: v for k, v in stored.items() if is_head(k) and k in own and own[k].shape == v.shape
+    }
+    module.load_state_dict(fitting, strict=False)
+    missing = sorted(k for k in own if k not in stored or (is_head(k) and k not in fitting))
+    foreign = [key for key in stored if key not in own and not is_head(key)]
+    if foreign:
+        raise ConfigError(
+            f"model.weights {path} holds {len(foreign)} weights that timm:{ref} does not have "
+            f"({_some(foreign)}): it is another model's; give the weights file of this model"
+        )
+    body = [key for key in missing if not is_head(key)]
+    if body:
+        raise ConfigError(
+            f"model.weights {path} holds no values for {len(body)} weights of timm:{ref} "
+            f"({_some(body)}), which would stay random; give the weights file of this model"
+        )
+    return missing
+
+
+def _some(keys: list[str]) -> str:
+    """The first three of ``keys``, and how many more."""
+    return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
 
 
 def _kwargs_error(ref: str, kwargs: dict[str, Any], exc: Exception) -> ConfigError:
