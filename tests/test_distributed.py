@@ -269,7 +269,7 @@ def test_shards_of_another_world_size_are_refused(tmp_path):
     assert not partial_path(stale).exists()
 
 
-def test_a_one_process_run_refuses_the_shards_of_a_torchrun_run(tmp_path):
+def test_a_one_process_run_refuses_the_shards_of_a_torchrun_run(tmp_path, monkeypatch):
     # Rows of a 2-process run that was stopped: a plain run must not start over beside
     # them (and leave them behind), but say how to resume them.
     config = dict(
@@ -285,7 +285,18 @@ def test_a_one_process_run_refuses_the_shards_of_a_torchrun_run(tmp_path):
     with pytest.raises(ConfigError, match="shards of a run with 2 processes.*--overwrite"):
         featcache.extract_from_config(config)
     assert not store.exists() and all(shard.exists() for shard in shards)
-    featcache.extract_from_config(dict(config, output=dict(config["output"], overwrite=True)))
+    overwrite = dict(config, output=dict(config["output"], overwrite=True))
+    import featcache.extraction.from_config as from_config
+
+    def failing(*args, **kwargs):
+        raise FeatcacheError("the run failed")
+
+    with monkeypatch.context() as patched:  # a run that fails keeps what the shards hold
+        patched.setattr(from_config, "extract", failing)
+        with pytest.raises(FeatcacheError, match="the run failed"):
+            featcache.extract_from_config(overwrite)
+    assert all(shard.exists() for shard in shards)
+    featcache.extract_from_config(overwrite)
     assert len(FeatureStore(store)) == 12 and not any(shard.exists() for shard in shards)
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import os
 import shlex
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from featcache.distributed import Rank, check_other_world_sizes, current_rank, launch_words
@@ -116,10 +117,13 @@ def preprocessing_record(backbone: Backbone, max_length: int | None) -> str:
 
 
 def _extract_splits(spec: Spec, rank: Rank | None, command: str | None) -> dict[str, FeatureStore]:
+    stale: dict[str, list[Path]] = {}
     for split in spec.data.splits:  # fail before any work on a store made differently
         path = spec.store_path(split)
         if rank is None:  # a one-process run does not resume a torchrun run's shards
-            check_other_world_sizes(path, 1, spec.output.overwrite)
+            # Under --overwrite they go once the new store has replaced the one they make
+            # up: a run that fails keeps that store whole.
+            stale[split] = check_other_world_sizes(path, 1, spec.output.overwrite, delete=False)
         key = stored_resume_key(path) if path.exists() else None
         if key is None or key.get("config_fingerprint") != config_fingerprint(spec):
             check_output_path(path, spec.output.overwrite)
@@ -158,6 +162,8 @@ def _extract_splits(spec: Spec, rank: Rank | None, command: str | None) -> dict[
         path = spec.store_path(split)
         if rank is None:
             stores[split] = extract(backbone.model, source, spec.layers, path, **arguments)
+            for shard in stale[split]:
+                shard.unlink(missing_ok=True)
         else:
             stores[split] = extract_shard(
                 backbone.model, source, spec.layers, path, rank, arguments

@@ -115,15 +115,19 @@ def shards_of(path: str | os.PathLike) -> dict[Path, int]:
     return found
 
 
-def check_other_world_sizes(path: str | os.PathLike, world_size: int, overwrite: bool) -> None:
-    """Refuse shards left by a run with another number of processes (or delete them)."""
+def check_other_world_sizes(
+    path: str | os.PathLike, world_size: int, overwrite: bool, delete: bool = True
+) -> list[Path]:
+    """Refuse shards left by a run with another number of processes; with ``overwrite``,
+    delete them (or, without ``delete``, leave that to the caller) and return them."""
     path = Path(path)
     # shard file -> the world size it was written for
     stale = {shard: size for shard, size in shards_of(path).items() if size != world_size}
     if stale and overwrite:
-        for candidate in stale:
+        for candidate in stale if delete else ():
             candidate.unlink(missing_ok=True)
-    elif stale:
+        return list(stale)
+    if stale:
         sizes = sorted(set(stale.values()))
         first = next(iter(stale))
         raise ConfigError(
@@ -131,6 +135,7 @@ def check_other_world_sizes(path: str | os.PathLike, world_size: int, overwrite:
             f"({first.name}, ...); rerun with that many processes to resume it "
             f"(`featcache info {first}` prints the command), or pass {OVERWRITE} to start over"
         )
+    return []
 
 
 def remove_store(path: str | os.PathLike) -> None:
