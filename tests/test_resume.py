@@ -204,6 +204,25 @@ def test_a_run_stopped_while_moving_its_store_into_place_resumes(resnet18, tmp_p
     assert FeatureStore(path).skipped == FeatureStore(reference.path).skipped
 
 
+def test_an_interrupted_overwrite_resumes_when_its_command_is_rerun(resnet18, tmp_path):
+    """A .partial beside a complete store is an --overwrite that stopped: the plain rerun
+    (the command featcache info prints) finishes it and then replaces the old store; a
+    run of other settings still finds the store in place."""
+    path = tmp_path / "s.h5"
+    old = featcache.extract(resnet18, Flaky(), LAYERS[:1], path, **OPTIONS)
+    old_rows = old.read("layer2")
+    old.close()
+    with pytest.raises(FeatcacheError, match="simulated crash"):
+        featcache.extract(resnet18, Flaky(fail_at=27), LAYERS, path, overwrite=True, **OPTIONS)
+    assert torch.equal(FeatureStore(path).read("layer2"), old_rows)  # the old store stays
+    reference = featcache.extract(resnet18, Flaky(), LAYERS, tmp_path / "ref.h5", **OPTIONS)
+    with pytest.raises(ConfigError, match="store already exists"):  # other settings
+        featcache.extract(resnet18, Flaky(), LAYERS[1:], path, **OPTIONS)
+    featcache.extract(resnet18, Flaky(), LAYERS, path, **OPTIONS)
+    assert_same_store(path, reference.path)
+    assert not partial_path(path).exists()
+
+
 def test_resume_refuses_a_partial_store_made_differently(resnet18, tmp_path):
     path = tmp_path / "s.h5"
     with pytest.raises(FeatcacheError):

@@ -40,6 +40,7 @@ from featcache.store import (
     FeatureStore,
     StoreWriter,
     check_output_path,
+    interrupted_overwrite,
     partial_path,
     plan_resume,
     remove_partial,
@@ -180,7 +181,8 @@ def _extract(
         remove_partial(path)  # a complete store stays until the new one replaces it
     elif path.exists() and plan.key().matches(stored_resume_key(path)):
         return FeatureStore(path)  # a rerun after this store completed: nothing left to do
-    check_output_path(path, run.overwrite)  # before any work starts
+    resumed_overwrite = interrupted_overwrite(path, plan.key().to_json())
+    check_output_path(path, run.overwrite or resumed_overwrite)  # before any work starts
     resume = None
     batch_size = run.loader.batch_size
     step = plan.bucket_window or batch_size  # the grid's unit: a batch, or a bucketed window

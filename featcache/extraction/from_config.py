@@ -18,6 +18,7 @@ from featcache.provenance import config_fingerprint
 from featcache.spec import Spec, load_config, override_list, to_dict
 from featcache.store import FeatureStore, check_output_path, stored_resume_key
 from featcache.store.lock import writer_lock
+from featcache.store.resume import interrupted_overwrite
 
 if TYPE_CHECKING:
     from featcache.models import Backbone
@@ -125,8 +126,10 @@ def _extract_splits(spec: Spec, rank: Rank | None, command: str | None) -> dict[
             # up: a run that fails keeps that store whole.
             stale[split] = check_other_world_sizes(path, 1, spec.output.overwrite, delete=False)
         key = stored_resume_key(path) if path.exists() else None
-        if key is None or key.get("config_fingerprint") != config_fingerprint(spec):
-            check_output_path(path, spec.output.overwrite)
+        fingerprint = config_fingerprint(spec)
+        if key is None or key.get("config_fingerprint") != fingerprint:
+            resumes = interrupted_overwrite(path, {"config_fingerprint": fingerprint})
+            check_output_path(path, spec.output.overwrite or resumes)
     text = spec.data.inputs == "text"
     backbone = build_backbone_for(spec)
     sources = {split: build_source_for(spec, split, backbone) for split in spec.data.splits}

@@ -34,7 +34,12 @@ from featcache.store.merge import combine_shards, copy_store, merge_store
 from featcache.store.metadata import seal
 from featcache.store.paths import check_output_path, partial_path, remove_partial, remove_store
 from featcache.store.reader import FeatureStore
-from featcache.store.resume import ResumePoint, plan_resume, stored_resume_key
+from featcache.store.resume import (
+    ResumePoint,
+    interrupted_overwrite,
+    plan_resume,
+    stored_resume_key,
+)
 from featcache.store.rows import read_rows
 from featcache.store.writer import StoreWriter
 
@@ -52,6 +57,7 @@ __all__ = [
     "has_checksums",
     "merge_store",
     "partial_path",
+    "interrupted_overwrite",
     "plan_resume",
     "read_rows",
     "remove_partial",

@@ -6,6 +6,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import h5py
@@ -26,6 +27,18 @@ def stored_resume_key(path: str | os.PathLike) -> dict[str, Any] | None:
             return codec.attr(f, "resume_key")
     except (OSError, KeyError, ValueError):
         return None
+
+
+def interrupted_overwrite(path: str | os.PathLike, key: Mapping[str, Any]) -> bool:
+    """Whether the ``.partial`` file beside a complete store at ``path`` was made under a
+    store key that agrees with ``key`` on every entry ``key`` gives: an ``--overwrite``
+    that was stopped, which rerunning the same command resumes, replacing the old store
+    once it completes (as the stopped run would have)."""
+    partial = partial_path(path)
+    if not (Path(path).is_file() and partial.is_file()):
+        return False
+    stored = stored_resume_key(partial)
+    return stored is not None and all(stored.get(k) == v for k, v in key.items())
 
 
 @dataclass
