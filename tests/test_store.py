@@ -29,6 +29,7 @@ from featcache.store import (
     plan_resume,
     read_rows,
     remove_store,
+    seal,
 )
 from featcache.store import merge as store_merge
 from featcache.store import writer as store_writer
@@ -409,6 +410,7 @@ def test_shards_combine_into_a_virtual_store_and_merge_into_one_file(tmp_path):
     for shard, seconds, rows in zip(shards, (2.0, 1.5), (10, 6), strict=True):
         with h5py.File(shard, "r+") as f:
             f.attrs["seconds"], f.attrs["images_per_second"] = seconds, rows / seconds
+            seal(f)  # as a resumed run's shard is
     combined = combine_shards(tmp_path / "t.h5", shards)
     assert combined.attrs["world_size"] == 2 and len(combined) == 41
     assert combined.attrs["seconds"] == 2.0 and combined.attrs["images_per_second"] == 8.0
