@@ -109,7 +109,11 @@ def test_shards_must_lie_beside_the_store_and_hold_their_own_values(tmp_path):
     shards[1].rename(aside)  # its rows would read as zeros
     with pytest.raises(CorruptStoreError, match=f"its shard {shards[1].name} is missing"):
         FeatureStore(combined)
+    aside.write_bytes(b"not HDF5")  # a shard that is no HDF5 file at all
     aside.rename(shards[1])
+    with pytest.raises(CorruptStoreError, match=f"its shard {shards[1].name} is damaged: it can"):
+        FeatureStore(combined)
+    shards[1] = written_store(shards[1], seed=1)
     (tmp_path / "secret.txt").write_bytes(SECRET)
     with h5py.File(shards[1], "a") as f:  # a shard planted with external storage
         shape, dtype = f["features/a"].shape, f["features/a"].dtype

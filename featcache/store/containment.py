@@ -20,6 +20,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from featcache.errors import first_line
 from featcache.store import codec
 from featcache.store.metadata import metadata_problem
 
@@ -40,13 +41,17 @@ def foreign_data_problem(file: h5py.File) -> str:
     for shard in shards if not problem else ():
         if not (folder / shard).is_file():
             return f"its shard {shard} is missing (the store reads its rows from it)"
-        with h5py.File(folder / shard, "r") as f:
-            own = _problem(f, [])
-            if own:
-                return f"its shard {shard} is not self-contained: {own}"
-            damage = metadata_problem(f) or ("" if f.attrs.get("complete") else "incomplete")
-            if damage:
-                return f"its shard {shard} is damaged: {damage}"
+        try:
+            with h5py.File(folder / shard, "r") as f:
+                own = _problem(f, [])
+                if own:
+                    return f"its shard {shard} is not self-contained: {own}"
+                done = f.attrs.get("complete")
+                damage = metadata_problem(f) or ("" if done else "it is incomplete")
+        except OSError as exc:
+            damage = f"it cannot be read ({first_line(exc)})"
+        if damage:
+            return f"its shard {shard} is damaged: {damage}"
     return problem
 
 
