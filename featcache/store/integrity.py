@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -76,17 +77,22 @@ def dataset_has_checksum(dataset: h5py.Dataset) -> bool:
     if not dataset.is_virtual:
         return bool(dataset.fletcher32)
     sources = dataset.virtual_sources()
-    folder = Path(dataset.file.filename).parent
     for source in sources:
-        if source.file_name == ".":  # a source in the same file
-            if not dataset.file[source.dset_name].fletcher32:
-                return False
-            continue
-        # HDF5 looks for a relative source file beside the file that names it.
-        with h5py.File(folder / source.file_name, "r") as f:
-            if not f[source.dset_name].fletcher32:
+        with _source(dataset, source.file_name, source.dset_name) as found:
+            if not found.fletcher32:
                 return False
     return bool(sources)
+
+
+@contextlib.contextmanager
+def _source(dataset: h5py.Dataset, file_name: str, name: str) -> Iterator[h5py.Dataset]:
+    """Source ``name`` of virtual ``dataset``, in file ``file_name`` (``"."``: the same
+    file; else, as HDF5 looks for it, beside the file that names it), open for the block."""
+    if file_name == ".":
+        yield dataset.file[name]
+        return
+    with h5py.File(Path(dataset.file.filename).parent / file_name, "r", rdcc_nbytes=0) as f:
+        yield f[name]
 
 
 def read_or_explain(dataset: h5py.Dataset, rows: range, read: Callable[[], T]) -> T:
@@ -173,13 +179,9 @@ def _scan(file: h5py.File) -> list[BadChunk]:
         # A store combined from shards: each shard's chunks are read as a plain store's
         # are, where a chunk that HDF5's lookup misses is found (a read through the
         # virtual dataset would give zeros), and named by this dataset's rows.
-        folder = Path(dataset.file.filename).parent
-        for file_name, name, first in sources:
-            if file_name == ".":
-                bad += _scan_dataset(dataset.file[name], key, first)
-                continue
-            with h5py.File(folder / file_name, "r", rdcc_nbytes=0) as f:
-                bad += _scan_dataset(f[name], key, first)
+        for source in sources:
+            with _source(dataset, source.file_name, source.name) as found:
+                bad += _scan_dataset(found, key, source.first)
     return bad
 
 
@@ -204,21 +206,30 @@ def _scan_dataset(dataset: h5py.Dataset, key: str, first: int = 0) -> list[BadCh
     return bad
 
 
-def _whole_sources(dataset: h5py.Dataset) -> list[tuple[str, str, int]] | None:
-    """``(file name, dataset name, first row)`` of each source of a virtual dataset, when
-    each is a whole dataset mapped to one block of rows (a combined store's); else None."""
-    folder = Path(dataset.file.filename).parent
+@dataclass(frozen=True)
+class _WholeSource:
+    """A source of a virtual dataset mapped whole to its rows ``[first, stop)``."""
+
+    file_name: str
+    name: str
+    first: int
+    stop: int
+    chunk_rows: int
+
+
+def _whole_sources(dataset: h5py.Dataset) -> list[_WholeSource] | None:
+    """The sources of a virtual dataset, when each is a whole dataset mapped to one block
+    of rows (a combined store's); else None."""
     sources = []
     for source in dataset.virtual_sources():
         (first, *_), (last, *_) = source.vspace.get_select_bounds()
-        if source.file_name == ".":
-            rows = len(dataset.file[source.dset_name])
-        else:
-            with h5py.File(folder / source.file_name, "r") as f:
-                rows = len(f[source.dset_name])
+        with _source(dataset, source.file_name, source.dset_name) as found:
+            rows, step = len(found), chunk_rows_of(found)
         if rows != last + 1 - first:
             return None
-        sources.append((source.file_name, source.dset_name, int(first)))
+        sources.append(
+            _WholeSource(source.file_name, source.dset_name, int(first), int(last) + 1, step)
+        )
     return sources
 
 
@@ -271,18 +282,12 @@ def chunk_spans(dataset: h5py.Dataset) -> list[tuple[int, int]]:
 
 
 def _virtual_spans(dataset: h5py.Dataset) -> list[tuple[int, int]]:
-    folder = Path(dataset.file.filename).parent
+    sources = _whole_sources(dataset)
+    if sources is None:
+        raise ValueError("a source is not mapped whole")
     spans: list[tuple[int, int]] = []
-    for source in dataset.virtual_sources():
-        (first, *_), (last, *_) = source.vspace.get_select_bounds()
-        if source.file_name == ".":
-            rows, step = _rows_and_chunk_rows(dataset.file[source.dset_name])
-        else:
-            with h5py.File(folder / source.file_name, "r") as f:
-                rows, step = _rows_and_chunk_rows(f[source.dset_name])
-        if rows != last + 1 - first:
-            raise ValueError("a source is not mapped whole")
-        edges = [*range(first, last + 1, step), last + 1]
+    for source in sources:
+        edges = [*range(source.first, source.stop, source.chunk_rows), source.stop]
         spans.extend(zip(edges[:-1], edges[1:], strict=True))
     spans.sort()
     starts = [start for start, _ in spans]
@@ -290,10 +295,6 @@ def _virtual_spans(dataset: h5py.Dataset) -> list[tuple[int, int]]:
     if starts != stops or not spans or spans[-1][1] != len(dataset):
         raise ValueError("the sources do not tile the virtual dataset")
     return spans
-
-
-def _rows_and_chunk_rows(dataset: h5py.Dataset) -> tuple[int, int]:
-    return len(dataset), chunk_rows_of(dataset)
 
 
 def _first_bad_chunk(dataset: h5py.Dataset, rows: range) -> BadChunk | None:
