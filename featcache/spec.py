@@ -144,6 +144,7 @@ _READ_BY: dict[str, tuple[str, ...]] = {
     "image_column": ("hf", "parquet", "webdataset"),
     "text_column": ("text", "hf", "parquet", "webdataset"),
     "label_column": ("text", "hf", "parquet", "webdataset"),
+    # webdataset refuses id_column itself, saying why: its ids are the sample keys.
     "id_column": ("text", "hf", "parquet", "webdataset"),
 }
 
