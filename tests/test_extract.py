@@ -81,6 +81,28 @@ def test_the_store_returned_is_not_checked_again(resnet18, images, tmp_path, mon
     assert store.ids == again.ids and repr(store) == repr(again)
 
 
+def test_the_weights_are_hashed_on_the_writer_thread(resnet18, images, tmp_path, monkeypatch):
+    """A model given from Python is identified by a hash of its weights, which takes a
+    while on big models: it runs beside the first batches, not before them, on a new
+    store and on an overwrite alike. Only a partial store beside a complete one must be
+    compared with the run's key first."""
+    import threading
+
+    import featcache.extraction.api as api_module
+
+    threads = []
+    original = api_module.module_fingerprint
+    monkeypatch.setattr(
+        api_module,
+        "module_fingerprint",
+        lambda m: threads.append(threading.current_thread().name) or original(m),
+    )
+    path = tmp_path / "w.h5"
+    featcache.extract(resnet18, images, ["layer1"], path, progress=False)
+    featcache.extract(resnet18, images, ["layer1"], path, progress=False, overwrite=True)
+    assert threads == ["featcache-writer", "featcache-writer"]
+
+
 @pytest.mark.parametrize(
     "dtype, torch_dtype", [("float16", torch.float16), ("bfloat16", torch.bfloat16)]
 )

@@ -181,7 +181,11 @@ def _extract(
         remove_partial(path)  # a complete store stays until the new one replaces it
     elif path.exists() and plan.key().matches(stored_resume_key(path)):
         return FeatureStore(path)  # a rerun after this store completed: nothing left to do
-    resumed_overwrite = interrupted_overwrite(path, plan.key().to_json())
+    # Only a partial store beside a complete one needs the key now; otherwise the weights
+    # are hashed on the writer thread, overlapping the first batches.
+    resumed_overwrite = partial_path(path).is_file() and interrupted_overwrite(
+        path, plan.key().to_json()
+    )
     check_output_path(path, run.overwrite or resumed_overwrite)  # before any work starts
     resume = None
     batch_size = run.loader.batch_size
