@@ -22,6 +22,7 @@ import featcache
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.store import FeatureStore, partial_path
 from featcache.store import staged as store_staged
+from tests.stores import tear_chunk
 
 KILL_CONFIG = {
     "model": {"name": "resnet18"},
@@ -329,3 +330,22 @@ def test_a_refused_resume_names_the_config_keys_that_differ(tmp_path):
         )
     with pytest.raises(ConfigError, match=r"at preprocess.resize \(32 vs 40\); pass --overwrite"):
         featcache.extract_from_config(config, ["preprocess.resize=40"])
+
+
+def test_a_chunk_torn_after_the_last_mark_resumes(resnet18, tmp_path):
+    """A run that died while rewriting the chunk that holds its last durable rows leaves
+    the chunk's later entries and checksum torn: the rerun rewrites the chunk whole from
+    its durable entries, instead of failing every time on HDF5's checksum."""
+    options = {**OPTIONS, "chunk_rows": 5}  # four batches of 6: 24 rows, inside a chunk
+    reference = featcache.extract(resnet18, Flaky(), LAYERS, tmp_path / "ref.h5", **options)
+    path = tmp_path / "s.h5"
+    with pytest.raises(FeatcacheError, match="simulated crash"):
+        featcache.extract(resnet18, Flaky(fail_at=27), LAYERS, path, **options)
+    partial = partial_path(path)
+    assert _progress(partial) == 24
+    for name in ("features/layer2", "features/layer4", "labels", "index"):
+        tear_chunk(partial, name, 24)
+    with h5py.File(partial, "r") as f, pytest.raises(OSError):
+        f["features/layer2"][20:25]  # HDF5 itself refuses the torn chunk
+    featcache.extract(resnet18, Flaky(), LAYERS, path, **options)
+    assert_same_store(path, reference.path)

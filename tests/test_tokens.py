@@ -483,3 +483,39 @@ def test_a_row_of_zero_tokens_reads_as_an_empty_row(tmp_path):
     assert torch.equal(both, torch.from_numpy(values[3:])) and offsets.tolist() == [0, 0, 3]
     features, _ = FeatureDataset(path, "t", dtype=None)[1]
     assert features.shape == (0, 4)
+
+
+def test_per_token_chunks_torn_after_the_last_mark_resume(tmp_path):
+    """The offsets, token ids and per-token rows of a run that died while rewriting the
+    chunks holding its last durable entries: the rerun rewrites them whole."""
+    from tests.stores import tear_chunk
+
+    texts = [" ".join(["w"] * (i % 7 + 1)) for i in range(40)]
+    source = text_rows(texts)
+    layers = ["encoder.layer.0"]
+    options = {"batch_size": 3, "chunk_rows": 7}
+    reference = run(tiny_bert(), source, layers, tmp_path / "ref.h5", **options)
+    model = tiny_bert()
+    calls = {"n": 0}
+
+    def fail_late(module, args):
+        calls["n"] += 1
+        if calls["n"] == 9:
+            raise RuntimeError("stopped on purpose")
+
+    handle = model.encoder.layer[0].register_forward_pre_hook(fail_late)
+    path = tmp_path / "resumed.h5"
+    with pytest.raises(Exception, match="stopped on purpose"):
+        run(model, source, layers, path, **options)
+    handle.remove()
+    partial = partial_path(path)
+    with h5py.File(partial, "r") as f:
+        durable = int(f["progress"][0])
+        tokens = int(f["offsets"][durable])
+    assert durable == 24 and durable % 7 and (durable + 1) % 7 and tokens % 7
+    tear_chunk(partial, "offsets", durable + 1)
+    tear_chunk(partial, "index", durable)
+    tear_chunk(partial, "token_ids", tokens)
+    tear_chunk(partial, "features/encoder.layer.0", tokens)
+    run(model, source, layers, path, **options)
+    assert_same_store(path, reference.path)

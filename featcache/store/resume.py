@@ -18,6 +18,7 @@ from featcache.store import codec
 from featcache.store.metadata import UNREADABLE_METADATA
 from featcache.store.paths import OVERWRITE, partial_path, skipped_log_path
 from featcache.store.skipped import read_log
+from featcache.store.staged import read_durable
 
 
 def stored_resume_key(path: str | os.PathLike) -> dict[str, Any] | None:
@@ -88,7 +89,7 @@ def plan_resume(
             stored_key = codec.attr(f, "resume_key")
             stored_config = codec.attr(f, "config")
             durable = int(f["progress"][0])
-            index = f["index"][:durable]
+            index = read_durable(f["index"], 0, durable)
     except UNREADABLE_METADATA as exc:
         raise ConfigError(
             f"cannot resume from {partial}: it is not readable ({first_line(exc)}); "

@@ -1,4 +1,5 @@
-"""One dataset's staging buffer: rows gathered into whole chunks, written as stored."""
+"""One dataset's staging buffer (rows gathered into whole chunks, written as stored), and
+reading back the durable entries of a dataset a stopped run was writing."""
 
 from __future__ import annotations
 
@@ -9,16 +10,21 @@ from featcache.store.fletcher import CHECKSUM_BYTES, checksum_bytes, checksum_on
 
 
 class Staged:
-    """One dataset plus a one-chunk staging buffer; writes whole chunks (the first write
-    after a resume may complete a chunk that was partly written).
+    """One dataset plus a one-chunk staging buffer; a checksummed dataset is written a
+    whole chunk at a time, a resume that starts inside a chunk included.
 
     ``start`` is the first row (or token, for a ``per_token`` dataset) to write. A dataset
     indexed by row may hold ``lead`` entries before row 0 (``/offsets``: its leading 0).
 
-    A checksummed dataset stages its rows in front of four spare bytes: a whole chunk gets
-    its Fletcher-32 checksum there (:mod:`~featcache.store.fletcher`, bit-exact with
-    HDF5's filter and a few times faster) and is written as it is stored, with one
-    ``write_direct_chunk``. Partial chunks go through HDF5's filter.
+    A checksummed dataset stages its rows in front of four spare bytes: each chunk gets its
+    Fletcher-32 checksum there (:mod:`~featcache.store.fletcher`, bit-exact with HDF5's
+    filter and a few times faster) and is written whole, as it is stored, with one
+    ``write_direct_chunk``, its entries not yet staged zeroed (as in a new store). Such a
+    dataset is never read back through HDF5's filter while it is written: a resume that
+    starts inside a chunk stages the chunk's entries before ``start`` again from its stored
+    bytes. Those entries were durable before the run stopped and every later write of the
+    chunk wrote them unchanged, so they are intact even when the run died while rewriting
+    the chunk, which leaves its later entries and its checksum torn.
 
     :meth:`write_staged` writes the rows of a chunk still filling (for a progress mark)
     and keeps them staged: the chunk is written again, whole, once it fills.
@@ -42,6 +48,16 @@ class Staged:
         self.filled = 0  # entries in the buffer
         self.flushed = start + lead  # entries written to the file and out of the buffer
         self.written = self.flushed  # entries written to the file, staged ones included
+        if self.direct and self.flushed % self.chunk_rows:
+            self._stage_again()
+
+    def _stage_again(self) -> None:
+        """Stage the entries of the chunk that ``flushed`` falls inside, from the chunk's
+        stored bytes (not checked: see the class docstring)."""
+        first = self.flushed - self.flushed % self.chunk_rows
+        count = self.flushed - first
+        self.buffer[:count] = stored_entries(self.dataset, first, self.flushed)
+        self.flushed, self.filled = first, count
 
     def push(self, rows: np.ndarray) -> None:
         start = 0
@@ -55,9 +71,14 @@ class Staged:
                 self.flush()
 
     def flush(self) -> None:
+        """Write the staged entries; those of a checksummed chunk that is not full yet stay
+        staged, so that the chunk is written whole again as it fills."""
         if not self.filled:
             return
-        if self.direct and self.filled == self.chunk_rows:  # a whole chunk, aligned
+        if self.direct and self.filled < self.chunk_rows:
+            self.write_staged()
+            return
+        if self.direct:
             self._write_chunk()
         else:
             self.dataset[self.flushed : self.flushed + self.filled] = self.buffer[: self.filled]
@@ -68,22 +89,23 @@ class Staged:
     def write_staged(self) -> None:
         """Write the entries staged so far to the file, keeping them in the buffer.
 
-        A chunk that starts at the buffer's first entry is written whole and as stored,
-        its entries not yet staged zeroed (as in a new store), so no filter reads it back;
-        other staged entries go through HDF5's filter.
+        A checksummed dataset writes the chunk whole (see :meth:`_write_chunk`); others
+        write the staged entries through HDF5.
         """
         end = self.flushed + self.filled
         if end == self.written:
             return
-        if self.direct and self.flushed % self.chunk_rows == 0:
-            self.stored[self.filled * self.entry_bytes : self.chunk_bytes] = 0  # bytes, not values
+        if self.direct:
             self._write_chunk()
         else:
             self.dataset[self.flushed : end] = self.buffer[: self.filled]
         self.written = end
 
     def _write_chunk(self) -> None:
-        """Write the buffer as the whole chunk at ``flushed``, checksum appended."""
+        """Write the buffer as the whole chunk at ``flushed`` (a chunk's first entry),
+        entries not staged zeroed, checksum appended."""
+        assert self.flushed % self.chunk_rows == 0, "staged entries start a chunk"
+        self.stored[self.filled * self.entry_bytes : self.chunk_bytes] = 0  # bytes, not values
         checksum = checksum_bytes(self.stored[: self.chunk_bytes])
         self.stored[self.chunk_bytes :] = np.frombuffer(checksum, dtype=np.uint8)
         write_chunk(self.dataset, self.flushed, self.stored)
@@ -92,3 +114,29 @@ class Staged:
 def write_chunk(dataset: h5py.Dataset, row: int, stored: np.ndarray) -> None:
     """Write the chunk that starts at ``row`` of ``dataset`` as stored (filters applied)."""
     dataset.id.write_direct_chunk((row, *(0 for _ in dataset.shape[1:])), stored)
+
+
+def read_durable(dataset: h5py.Dataset, start: int, stop: int) -> np.ndarray:
+    """Entries ``[start, stop)`` of a dataset that a run was writing, all durable.
+
+    A checksummed chunk that holds durable entries and was still filling may have been
+    torn by a run that died while rewriting it: its later entries and its checksum, not
+    the durable ones (see :class:`Staged`). So the chunk that ``stop`` falls inside is
+    read from its stored bytes, unchecked; whole chunks before it through HDF5, checked.
+    """
+    chunk_rows = dataset.chunks[0] if dataset.chunks else 0
+    if not chunk_rows or stop % chunk_rows == 0 or not checksum_only(dataset):
+        return dataset[start:stop]
+    first = stop - stop % chunk_rows
+    head = dataset[start:first] if start < first else dataset[0:0]
+    return np.concatenate([head, stored_entries(dataset, first, stop)[max(start - first, 0) :]])
+
+
+def stored_entries(dataset: h5py.Dataset, first: int, stop: int) -> np.ndarray:
+    """Entries ``[first, stop)`` of the chunk that starts at entry ``first`` of a dataset
+    stored as plain bytes and checksum, read from its stored bytes without the check."""
+    origin = (first, *(0 for _ in dataset.shape[1:]))
+    _, stored = dataset.id.read_direct_chunk(origin)
+    shape = (stop - first, *dataset.shape[1:])
+    count = int(np.prod(shape, dtype=np.int64))
+    return np.frombuffer(stored, dtype=dataset.dtype, count=count).reshape(shape)

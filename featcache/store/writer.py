@@ -23,7 +23,7 @@ from featcache.store.paths import partial_path, replace_durably, skipped_log_pat
 from featcache.store.resume import ResumePoint
 from featcache.store.skipped import rewrite_log, write_skipped
 from featcache.store.sparse import created_sparse
-from featcache.store.staged import Staged
+from featcache.store.staged import Staged, read_durable
 
 MARK_SECONDS = 0.5  # how often durable progress is recorded while writing
 
@@ -180,7 +180,8 @@ class StoreWriter:
     def _open_partial(self) -> None:
         self.file = h5py.File(self.partial, "r+", rdcc_nbytes=0)
         if "offsets" in self.file:
-            self.tokens_appended = int(self.file["offsets"][self.start_row])
+            offsets = self.file["offsets"]
+            self.tokens_appended = int(read_durable(offsets, self.start_row, self.start_row + 1)[0])
         self._stage()
 
     def _stage(self) -> None:
