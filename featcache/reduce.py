@@ -30,7 +30,8 @@ class ReduceContext:
     :func:`sequence_first_modules`). The batch: ``batch_size`` (None: not checked),
     ``attention_mask`` ``[B, T]`` (1 for real tokens) for token inputs, else None, and
     ``image_size``, the ``(H, W)`` of an image batch, which the patch grid of its token
-    outputs follows (None: not known, and a patch grid is square).
+    outputs follows (None: not known, and a patch grid is square), and ``input_tokens``,
+    the ``T`` of a batch of token ids (``input_ids`` ``[B, T]``; None for other inputs).
     """
 
     attention_mask: torch.Tensor | None = None
@@ -39,6 +40,7 @@ class ReduceContext:
     batch_size: int | None = None
     sequence_first_modules: tuple[str, ...] = ()
     image_size: tuple[int, int] | None = None
+    input_tokens: int | None = None
 
 
 NO_CONTEXT = ReduceContext()
@@ -85,7 +87,10 @@ def reduce_tensor(x: torch.Tensor, tap: Tap, context: ReduceContext = NO_CONTEXT
     ``flatten`` gives ``[B, prod(...)]``.
 
     Token outputs ``[B, T, D]`` of a model with a token layout (``context.prefix_tokens``
-    set): ``cls`` is token 0 (``[B, D]``); ``mean`` averages the patch tokens, prefix
+    set), and 3-D outputs whose axis 1 is the ``T`` of a batch of token ids that needed
+    no padding (``context.input_tokens``), are reduced over their tokens, as a padded
+    batch's would be (never over the feature axis, as ``[B, C, L]`` maps are): ``cls`` is
+    token 0 (``[B, D]``); ``mean`` averages the patch tokens, prefix
     tokens excluded (``[B, D]``); ``cls+mean`` is the two concatenated (``[B, 2D]``);
     ``last`` is the last token;
     ``patches`` lays the patch tokens out as their square grid ``[B, D, h, w]``, and
@@ -106,7 +111,9 @@ def reduce_tensor(x: torch.Tensor, tap: Tap, context: ReduceContext = NO_CONTEXT
         return _reduce_masked(x, tap, context.attention_mask)
     if how == "flatten":
         return x.flatten(1)
-    tokens = context.prefix_tokens is not None and x.dim() == 3
+    tokens = x.dim() == 3 and (
+        context.prefix_tokens is not None or x.shape[1] == context.input_tokens
+    )
     if how in ("cls", "mean", "cls+mean", "patches", "last") or tokens:
         return _reduce_tokens(x, tap, context)
     if how in ("avg", "max"):

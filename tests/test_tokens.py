@@ -16,7 +16,7 @@ import torch
 
 import featcache
 from featcache import FeatureDataset, FeatureStore, TokenDataset
-from featcache.errors import ConfigError
+from featcache.errors import ConfigError, FeatcacheError
 from featcache.sources.text import texts_source
 from featcache.store import StoreWriter, partial_path
 from featcache.store.merge import combine_shards, merge_store
@@ -381,28 +381,35 @@ def test_unreadable_first_rows_are_skipped_like_any_other(tmp_path):
         assert store.ids == ["t2", "t3", "t4"] and [s["index"] for s in store.skipped] == [0, 1]
 
 
+def stopped_run(source, layers, path, stop_at, **options):
+    """Run a tiny BERT over ``source`` until the ``stop_at``-th call of its first block
+    raises, as a crash would; returns the model, no longer failing, to rerun with."""
+    model = tiny_bert()
+    calls = {"n": 0}
+
+    def fail_late(module, args):
+        calls["n"] += 1
+        if calls["n"] == stop_at:
+            raise RuntimeError("stopped on purpose")
+
+    handle = model.encoder.layer[0].register_forward_pre_hook(fail_late)
+    with pytest.raises(Exception, match="stopped on purpose"):
+        run(model, source, layers, path, **options)
+    handle.remove()
+    return model
+
+
 def test_a_bucketed_run_resumes_on_its_window_grid(tmp_path):
     texts = [" ".join(["w"] * (i % 23 + 1)) for i in range(300)]
     source = text_rows(texts)
     layers = ["encoder.layer.0"]
     options = {"batch_size": 2, "bucket_by_length": True, "chunk_rows": 10}
     reference = run(tiny_bert(), source, layers, tmp_path / "ref.h5", **options)
-    model = tiny_bert()
-    calls = {"n": 0}
-
-    def fail_late(module, args):
-        calls["n"] += 1
-        if calls["n"] == 100:
-            raise RuntimeError("stopped on purpose")
-
-    handle = model.encoder.layer[0].register_forward_pre_hook(fail_late)
     path = tmp_path / "resumed.h5"
-    with pytest.raises(Exception, match="stopped on purpose"):
-        run(model, source, layers, path, **options)
+    model = stopped_run(source, layers, path, 100, **options)
     with h5py.File(partial_path(path), "r") as f:
         durable = int(f["progress"][0])
     assert 0 < durable < 300
-    handle.remove()
     run(model, source, layers, path, **options)
     assert_same_store(path, reference.path)
 
@@ -495,19 +502,8 @@ def test_per_token_chunks_torn_after_the_last_mark_resume(tmp_path):
     layers = ["encoder.layer.0"]
     options = {"batch_size": 3, "chunk_rows": 7}
     reference = run(tiny_bert(), source, layers, tmp_path / "ref.h5", **options)
-    model = tiny_bert()
-    calls = {"n": 0}
-
-    def fail_late(module, args):
-        calls["n"] += 1
-        if calls["n"] == 9:
-            raise RuntimeError("stopped on purpose")
-
-    handle = model.encoder.layer[0].register_forward_pre_hook(fail_late)
     path = tmp_path / "resumed.h5"
-    with pytest.raises(Exception, match="stopped on purpose"):
-        run(model, source, layers, path, **options)
-    handle.remove()
+    model = stopped_run(source, layers, path, 9, **options)
     partial = partial_path(path)
     with h5py.File(partial, "r") as f:
         durable = int(f["progress"][0])
@@ -519,3 +515,75 @@ def test_per_token_chunks_torn_after_the_last_mark_resume(tmp_path):
     tear_chunk(partial, "features/encoder.layer.0", tokens)
     run(model, source, layers, path, **options)
     assert_same_store(path, reference.path)
+
+
+class TokenIds(torch.utils.data.Dataset):
+    """Items ``{"input_ids": [T]}`` with no attention mask, of the given lengths."""
+
+    def __init__(self, lengths, mask=False):
+        self.lengths, self.mask = lengths, mask
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        item = {"input_ids": torch.randint(1, 100, (self.lengths[i],), generator=g)}
+        if self.mask:
+            item["attention_mask"] = torch.ones(self.lengths[i], dtype=torch.long)
+        return item, i % 2
+
+
+def test_token_batches_that_need_no_padding_are_pooled_over_their_tokens(tmp_path):
+    """avg and max of a token output pool its tokens whether or not a batch was padded:
+    a batch of equal lengths, with no mask, used to pool the feature axis."""
+    model = tiny_bert()
+    layers = [{"name": "encoder.layer.0", "reduce": r, "key": r} for r in ("avg", "max")]
+    equal = run(model, TokenIds([8] * 8), layers, tmp_path / "equal.h5")
+    ids = torch.stack([TokenIds([8] * 8)[i][0]["input_ids"] for i in range(8)])
+    with torch.no_grad():
+        hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[1]
+    assert equal.shape("avg") == (32,) and equal.shape("max") == (32,)
+    torch.testing.assert_close(equal.read("avg"), hidden.mean(dim=1))
+    torch.testing.assert_close(equal.read("max"), hidden.amax(dim=1))
+    # Mixed lengths: the padded batch reads its real tokens, the other all of its tokens,
+    # as with a mask given by the dataset.
+    lengths = [8, 8, 8, 8, 5, 8, 3, 8]
+    mixed = run(model, TokenIds(lengths), layers, tmp_path / "mixed.h5")
+    masked = run(model, TokenIds(lengths, mask=True), layers, tmp_path / "masked.h5")
+    for key in ("avg", "max"):
+        torch.testing.assert_close(mixed.read(key), masked.read(key))
+
+
+def test_a_conv_map_of_token_ids_is_pooled_over_its_length(tmp_path):
+    """A [B, C, L] map of a model that takes token ids (C not the token count) keeps
+    being pooled over L, as any conv map is."""
+
+    class TextCNN(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(100, 12)
+            self.conv = torch.nn.Conv1d(12, 16, 3, padding=1)
+
+        def forward(self, input_ids):
+            return self.conv(self.embed(input_ids).transpose(1, 2))
+
+    torch.manual_seed(0)
+    model = TextCNN().eval()
+    store = run(model, TokenIds([8] * 4), [{"name": "conv", "reduce": "avg"}], tmp_path / "s.h5")
+    ids = torch.stack([TokenIds([8] * 4)[i][0]["input_ids"] for i in range(4)])
+    with torch.no_grad():
+        expected = model(ids).mean(dim=2)
+    torch.testing.assert_close(store.read("conv"), expected)
+
+
+def test_per_token_rows_of_padded_and_unpadded_batches_name_the_fix(tmp_path):
+    """reduce none stores per-token rows of padded batches only, unless the items carry
+    their own mask: a dataset that mixes the two is refused with that fix."""
+    lengths = [8, 8, 8, 8, 5, 8, 8, 8]
+    with pytest.raises(FeatcacheError, match="give the dataset's items an attention_mask"):
+        run(tiny_bert(), TokenIds(lengths), ["encoder.layer.0"], tmp_path / "s.h5")
+    masked = TokenIds(lengths, mask=True)
+    store = run(tiny_bert(), masked, ["encoder.layer.0"], tmp_path / "masked.h5")
+    assert store.is_per_token("encoder.layer.0")
+    assert np.diff(store.offsets).tolist() == lengths

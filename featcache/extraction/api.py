@@ -132,7 +132,9 @@ def extract(
     keyword arguments. Tensors of a mapping that differ in length are padded per batch
     (with the dataset's ``pad_values``, else 0) and an ``attention_mask`` is added if the
     items have none; token reductions (``mean``, ``max``, ``cls``, ``last``) then read
-    the real tokens only, and ``reduce: none`` on a token output stores per-token rows
+    the real tokens only (``avg`` and ``max`` pool the tokens of an ``input_ids`` batch's
+    ``[B, T, D]`` outputs, padded or not), and ``reduce: none`` on a token output of a
+    padded batch stores per-token rows
     (see :class:`~featcache.store.StoreWriter`), sized from the dataset's
     ``token_lengths`` attribute when it has one (else one pass over its items).
 

@@ -153,11 +153,17 @@ def forward(
     image_size = None
     if isinstance(images, torch.Tensor) and images.dim() == 4:  # [B, C, H, W]
         image_size = (int(images.shape[2]), int(images.shape[3]))
+    token_ids = images.get("input_ids") if isinstance(images, dict) else None
     context = dataclasses.replace(
         tokens,
         attention_mask=on_device.attention_mask,
         batch_size=len(batch.rows),
         image_size=image_size,
+        input_tokens=(
+            int(token_ids.shape[1])
+            if isinstance(token_ids, torch.Tensor) and token_ids.dim() == 2
+            else None
+        ),
     )
     autocast = torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()
     # Gradient taps need autograd; everything else runs in inference mode.

@@ -268,7 +268,14 @@ class StoreWriter:
         """Refuse a batch whose layers differ from the store's (per-token or not, shape)."""
         for key, array in features.items():
             staged = self._staging[f"features/{key}"]
-            if staged.per_token != (key in ragged) or staged.item_shape != array.shape[1:]:
+            if staged.per_token != (key in ragged):
+                raise FeatcacheError(
+                    f"layer {key!r} gives per-token rows for padded batches and one row of "
+                    "all its tokens for batches that needed no padding; give the dataset's "
+                    "items an attention_mask (every batch then stores per-token rows) or "
+                    "reduce the tokens (mean, max, cls, last)"
+                )
+            if staged.item_shape != array.shape[1:]:
                 got = "per-token rows" if key in ragged else "one row per sample"
                 raise FeatcacheError(
                     f"layer {key!r} changed shape between batches (now {got} of shape "
