@@ -67,15 +67,15 @@ def written_store(path, rows=20, *, checksum=True, seed=0):
 
 def tear_chunk(path: Path, name: str, entry: int) -> None:
     """Overwrite dataset ``name`` of a partial store from ``entry`` to the end of that
-    entry's chunk, and the chunk's checksum, as a rewrite of the chunk cut off by a
-    power failure can leave it: the chunk no longer passes its Fletcher-32 check."""
+    entry's chunk, keeping the chunk's checksum, as a rewrite of the chunk cut off before
+    its last bytes leaves it: the chunk no longer passes its Fletcher-32 check."""
     with h5py.File(path, "r") as f:
         dataset = f[name]
         origin = (entry - entry % dataset.chunks[0], *(0 for _ in dataset.shape[1:]))
         info = dataset.id.get_chunk_info_by_coord(origin)
         size = dataset.dtype.itemsize * int(np.prod(dataset.shape[1:], dtype=np.int64))
         start = info.byte_offset + (entry - origin[0]) * size
-        stop = info.byte_offset + info.size  # the checksum's four bytes included
+        stop = info.byte_offset + info.size - 4  # the checksum's four bytes kept
     with open(path, "r+b") as raw:
         raw.seek(start)
         raw.write(b"\xa5" * (stop - start))

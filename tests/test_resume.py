@@ -349,3 +349,28 @@ def test_a_chunk_torn_after_the_last_mark_resumes(resnet18, tmp_path):
         f["features/layer2"][20:25]  # HDF5 itself refuses the torn chunk
     featcache.extract(resnet18, Flaky(), LAYERS, path, **options)
     assert_same_store(path, reference.path)
+
+
+@pytest.mark.parametrize("name", ["features/layer2", "index"])
+def test_damaged_durable_rows_at_the_resume_point_are_refused(resnet18, tmp_path, name):
+    """A changed byte among the durable rows of the chunk a resume continues is no torn
+    write: the chunk matches neither its checksum nor the one its durable rows would
+    give, and the resume is refused in one line, naming the rows, before any row is
+    written; --overwrite starts over."""
+    options = {**OPTIONS, "chunk_rows": 5}
+    path = tmp_path / "s.h5"
+    with pytest.raises(FeatcacheError, match="simulated crash"):
+        featcache.extract(resnet18, Flaky(fail_at=27), LAYERS, path, **options)
+    partial = partial_path(path)
+    with h5py.File(partial, "r") as f:
+        info = f[name].id.get_chunk_info_by_coord((20, *(0 for _ in f[name].shape[1:])))
+    raw = bytearray(partial.read_bytes())
+    raw[info.byte_offset + 3] ^= 0x10  # inside row 20, durable
+    partial.write_bytes(raw)
+    before = partial.read_bytes()
+    with pytest.raises(FeatcacheError, match=r"corrupted: .* rows 20-24 .*--overwrite"):
+        featcache.extract(resnet18, Flaky(), LAYERS, path, **options)
+    assert partial.read_bytes() == before
+    reference = featcache.extract(resnet18, Flaky(), LAYERS, tmp_path / "ref.h5", **options)
+    featcache.extract(resnet18, Flaky(), LAYERS, path, overwrite=True, **options)
+    assert_same_store(path, reference.path)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import h5py
 import numpy as np
 
-from featcache.store.fletcher import CHECKSUM_BYTES, checksum_bytes, checksum_only
+from featcache.store.fletcher import CHECKSUM_BYTES, checksum_bytes, checksum_only, fletcher32
+from featcache.store.integrity import BadChunk, corrupt_store_error
 
 
 class Staged:
@@ -22,16 +23,21 @@ class Staged:
     ``write_direct_chunk``, its entries not yet staged zeroed (as in a new store). Such a
     dataset is never read back through HDF5's filter while it is written: a resume that
     starts inside a chunk stages the chunk's entries before ``start`` again from its stored
-    bytes. Those entries were durable before the run stopped and every later write of the
-    chunk wrote them unchanged, so they are intact even when the run died while rewriting
-    the chunk, which leaves its later entries and its checksum torn.
+    bytes (see :func:`stored_entries`, which checks them). ``durable`` counts the entries
+    the last progress mark made durable (default ``start``).
 
     :meth:`write_staged` writes the rows of a chunk still filling (for a progress mark)
     and keeps them staged: the chunk is written again, whole, once it fills.
     """
 
     def __init__(
-        self, dataset: h5py.Dataset, start: int, *, lead: int = 0, per_token: bool = False
+        self,
+        dataset: h5py.Dataset,
+        start: int,
+        *,
+        lead: int = 0,
+        per_token: bool = False,
+        durable: int | None = None,
     ):
         self.dataset = dataset
         self.lead = lead
@@ -49,14 +55,14 @@ class Staged:
         self.flushed = start + lead  # entries written to the file and out of the buffer
         self.written = self.flushed  # entries written to the file, staged ones included
         if self.direct and self.flushed % self.chunk_rows:
-            self._stage_again()
+            self._stage_again((start if durable is None else durable) + lead)
 
-    def _stage_again(self) -> None:
+    def _stage_again(self, durable: int) -> None:
         """Stage the entries of the chunk that ``flushed`` falls inside, from the chunk's
-        stored bytes (not checked: see the class docstring)."""
+        stored bytes, of which the first ``durable`` entries of the dataset were durable."""
         first = self.flushed - self.flushed % self.chunk_rows
         count = self.flushed - first
-        self.buffer[:count] = stored_entries(self.dataset, first, self.flushed)
+        self.buffer[:count] = stored_entries(self.dataset, first, self.flushed, durable)
         self.flushed, self.filled = first, count
 
     def push(self, rows: np.ndarray) -> None:
@@ -116,27 +122,54 @@ def write_chunk(dataset: h5py.Dataset, row: int, stored: np.ndarray) -> None:
     dataset.id.write_direct_chunk((row, *(0 for _ in dataset.shape[1:])), stored)
 
 
-def read_durable(dataset: h5py.Dataset, start: int, stop: int) -> np.ndarray:
-    """Entries ``[start, stop)`` of a dataset that a run was writing, all durable.
+def read_durable(
+    dataset: h5py.Dataset, start: int, stop: int, durable: int | None = None
+) -> np.ndarray:
+    """Entries ``[start, stop)`` of a dataset that a stopped run was writing, of which the
+    first ``durable`` entries (default ``stop``, at least ``stop``) were durable.
 
-    A checksummed chunk that holds durable entries and was still filling may have been
-    torn by a run that died while rewriting it: its later entries and its checksum, not
-    the durable ones (see :class:`Staged`). So the chunk that ``stop`` falls inside is
-    read from its stored bytes, unchecked; whole chunks before it through HDF5, checked.
+    The chunk that the durable mark falls inside is read from its stored bytes (see
+    :func:`stored_entries`); chunks before it through HDF5, which checks them.
     """
+    durable = stop if durable is None else durable
     chunk_rows = dataset.chunks[0] if dataset.chunks else 0
-    if not chunk_rows or stop % chunk_rows == 0 or not checksum_only(dataset):
+    if not chunk_rows or durable % chunk_rows == 0 or not checksum_only(dataset):
         return dataset[start:stop]
-    first = stop - stop % chunk_rows
+    first = durable - durable % chunk_rows  # the chunk holding the mark
+    if stop <= first:
+        return dataset[start:stop]
     head = dataset[start:first] if start < first else dataset[0:0]
-    return np.concatenate([head, stored_entries(dataset, first, stop)[max(start - first, 0) :]])
+    tail = stored_entries(dataset, first, stop, durable)[max(start - first, 0) :]
+    return np.concatenate([head, tail])
 
 
-def stored_entries(dataset: h5py.Dataset, first: int, stop: int) -> np.ndarray:
-    """Entries ``[first, stop)`` of the chunk that starts at entry ``first`` of a dataset
-    stored as plain bytes and checksum, read from its stored bytes without the check."""
+def stored_entries(dataset: h5py.Dataset, first: int, stop: int, durable: int) -> np.ndarray:
+    """Entries ``[first, stop)`` of the checksummed chunk that starts at entry ``first``,
+    read from its stored bytes, where the dataset's first ``durable`` entries were durable.
+
+    The chunk passes its checksum, or it holds the durable mark and a run died while
+    rewriting it: each write of a chunk still filling writes its entries so far, unchanged,
+    then zero bytes, so such a write cut off leaves the durable entries intact and tears
+    only later entries and the checksum. Then the chunk as the mark wrote it (its durable
+    entries, then zero bytes) must give the stored checksum, which a tear that kept the
+    old checksum does. A chunk that passes neither check is refused as corrupted
+    (:class:`~featcache.errors.CorruptStoreError`).
+    """
     origin = (first, *(0 for _ in dataset.shape[1:]))
     _, stored = dataset.id.read_direct_chunk(origin)
+    raw = np.frombuffer(stored, dtype=np.uint8)
+    data, expected = raw[:-CHECKSUM_BYTES], int.from_bytes(raw[-CHECKSUM_BYTES:], "little")
+    if fletcher32(data) != expected:
+        entry_bytes = len(data) // dataset.chunks[0]
+        kept = min(max(durable - first, 0), dataset.chunks[0]) * entry_bytes
+        as_marked = np.zeros_like(data)
+        as_marked[:kept] = data[:kept]
+        if kept == len(data) or fletcher32(as_marked) != expected:
+            stop_row = min(first + dataset.chunks[0], len(dataset))
+            reason = "fails its checksum, and its durable entries do not match it either"
+            raise corrupt_store_error(
+                dataset, BadChunk(dataset.name.lstrip("/"), first, stop_row, reason)
+            )
     shape = (stop - first, *dataset.shape[1:])
     count = int(np.prod(shape, dtype=np.int64))
-    return np.frombuffer(stored, dtype=dataset.dtype, count=count).reshape(shape)
+    return data.view(dataset.dtype)[:count].reshape(shape)

@@ -86,6 +86,8 @@ class StoreWriter:
         self.attrs = dict(attrs or {})
         self.mark_seconds = mark_seconds
         self.start_row = resume.row if resume else 0
+        # rows durable at the stopped run's last mark: their chunks' stored bytes are checked
+        self.durable_before = self.start_row if resume is None else resume.durable or resume.row
         self.rows_appended = self.start_row
         self.skipped: list[dict[str, Any]] = list(resume.skipped) if resume else []
         self.token_capacity = token_capacity
@@ -179,25 +181,42 @@ class StoreWriter:
 
     def _open_partial(self) -> None:
         self.file = h5py.File(self.partial, "r+", rdcc_nbytes=0)
-        if "offsets" in self.file:
-            offsets = self.file["offsets"]
-            self.tokens_appended = int(read_durable(offsets, self.start_row, self.start_row + 1)[0])
-        self._stage()
+        try:
+            if "offsets" in self.file:
+                self.tokens_appended = self._durable_offset(self.start_row)
+            self._stage()
+        except BaseException:  # e.g. damaged rows at the resume point: left as found
+            self.file.close()
+            self.file = None
+            raise
+
+    def _durable_offset(self, row: int) -> int:
+        """``/offsets[row]`` of the partial file, for a row at most the durable ones."""
+        assert self.file is not None
+        offsets = self.file["offsets"]
+        return int(read_durable(offsets, row, row + 1, self.durable_before + 1)[0])
 
     def _stage(self) -> None:
         f = self.file
         assert f is not None
-        staging = {name: Staged(f[name], self.start_row) for name in self._meta_dtypes()}
-        tokens = self.tokens_appended
+        rows, durable = self.start_row, self.durable_before
+        staging = {name: Staged(f[name], rows, durable=durable) for name in self._meta_dtypes()}
+        tokens = durable_tokens = self.tokens_appended
         if "offsets" in f:
-            staging["offsets"] = Staged(f["offsets"], self.start_row, lead=1)
+            staging["offsets"] = Staged(f["offsets"], rows, lead=1, durable=durable)
+            if durable > rows:
+                durable_tokens = self._durable_offset(durable)
             if "token_ids" in f:
-                staging["token_ids"] = Staged(f["token_ids"], tokens, per_token=True)
+                staging["token_ids"] = Staged(
+                    f["token_ids"], tokens, per_token=True, durable=durable_tokens
+                )
         for key, dataset in f["features"].items():
             if codec.attr(dataset, "layout") == "tokens":
-                staging[f"features/{key}"] = Staged(dataset, tokens, per_token=True)
+                staging[f"features/{key}"] = Staged(
+                    dataset, tokens, per_token=True, durable=durable_tokens
+                )
             else:
-                staging[f"features/{key}"] = Staged(dataset, self.start_row)
+                staging[f"features/{key}"] = Staged(dataset, rows, durable=durable)
         self._staging = staging
         self._token_staging = [staged for staged in staging.values() if staged.per_token]
 
