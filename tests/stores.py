@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -79,3 +80,21 @@ def tear_chunk(path: Path, name: str, entry: int) -> None:
     with open(path, "r+b") as raw:
         raw.seek(start)
         raw.write(b"\xa5" * (stop - start))
+
+
+def break_chunk_key(path: Path, name: str, row: int) -> None:
+    """Change one byte of the B-tree key of the chunk at ``row`` of dataset ``name``: the
+    last part of its position (the byte offset within an element, always 0), which HDF5
+    ignores when it looks the chunk up to read it but not when it writes it, so that a
+    write of that chunk adds a second copy. Its listing is unchanged."""
+    with h5py.File(path, "r") as f:
+        dataset = f[name]
+        dims = dataset.ndim
+        info = dataset.id.get_chunk_info_by_coord((row, *(0 for _ in dataset.shape[1:])))
+    raw = bytearray(path.read_bytes())
+    # A key: the chunk's stored size, its filter mask, its position, then that offset.
+    key = struct.pack("<IIQ", info.size, info.filter_mask, row) + bytes(8 * dims)
+    found = raw.find(key)
+    assert found >= 0 and raw.find(key, found + 1) < 0, "the chunk's key is not unique"
+    raw[found + 8 + 8 * dims + 2] ^= 0x10  # the offset within an element
+    path.write_bytes(raw)

@@ -26,9 +26,10 @@ from featcache.store import (
     scan_chunks,
 )
 from featcache.store.integrity import read_or_explain
+from featcache.store.metadata import seal
 from featcache.store.paths import shard_path
 from featcache.store.resume import ResumePoint
-from tests.stores import corrupt_row, synthetic_store, written_store
+from tests.stores import break_chunk_key, corrupt_row, synthetic_store, written_store
 
 CHUNKED = ("features/layer2", "features/layer4", "labels", "index", "ids")
 FIX = "re-extract it (featcache extract <config> --overwrite) or restore it from a copy"
@@ -253,3 +254,33 @@ def test_a_read_that_fails_twice_while_its_chunks_read_says_so_in_one_line(store
         "read data (addr overflow, addr = 1, size = 2)), though each chunk holding them "
         f"reads on its own; check the store with featcache verify --quick {clean}"
     )
+
+
+def test_a_chunk_the_index_lists_twice_is_refused_by_readers_and_verify(tmp_path):
+    """A store whose chunk index lists a chunk twice (what a write through a damaged index
+    key leaves, sealed as it was): readers that take either copy would disagree, so
+    featcache's readers refuse those rows and verify --quick's scan names them."""
+    path = written_store(tmp_path / "s.h5", rows=20)  # layer a, chunks of 4 rows
+    with h5py.File(path, "r") as f:
+        size = f["features/a"].id.get_chunk_info_by_coord((8, 0)).size
+    break_chunk_key(path, "features/a", 8)
+    with h5py.File(path, "r+") as f:
+        f["features/a"].id.write_direct_chunk((8, 0), bytes(size))  # a zero copy, listed too
+        seal(f)
+    listed = []
+    with h5py.File(path, "r") as f:
+        f["features/a"].id.chunk_iter(lambda info: listed.append(info.chunk_offset[0]))
+    assert sorted(listed) == [0, 4, 8, 8, 12, 16]
+    message = (
+        f"store {path} is corrupted: layer a rows 8-11 are in a chunk the chunk index lists "
+        f"twice (a damaged index); {FIX}"
+    )
+    store = FeatureStore(path)
+    for rows in (slice(None), [9], slice(4, 12)):
+        with pytest.raises(CorruptStoreError) as caught:
+            store.read("a", rows)
+        assert str(caught.value) == message
+    assert torch.equal(store.read("a", slice(0, 8)), FeatureStore(path).read("a", [*range(8)]))
+    with pytest.raises(CorruptStoreError, match="rows 8-11 are in a chunk the chunk index"):
+        list(FeatureDataset(path, "a").batches(5, shuffle=False))
+    assert [(b.key, b.start, b.stop) for b in scan_chunks(path)] == [("features/a", 8, 12)]

@@ -19,10 +19,10 @@ import torch
 import yaml
 
 import featcache
-from featcache.errors import ConfigError, FeatcacheError
+from featcache.errors import ConfigError, CorruptStoreError, FeatcacheError
 from featcache.store import FeatureStore, partial_path
 from featcache.store import staged as store_staged
-from tests.stores import tear_chunk
+from tests.stores import break_chunk_key, tear_chunk
 
 KILL_CONFIG = {
     "model": {"name": "resnet18"},
@@ -373,4 +373,52 @@ def test_damaged_durable_rows_at_the_resume_point_are_refused(resnet18, tmp_path
     assert partial.read_bytes() == before
     reference = featcache.extract(resnet18, Flaky(), LAYERS, tmp_path / "ref.h5", **options)
     featcache.extract(resnet18, Flaky(), LAYERS, path, overwrite=True, **options)
+    assert_same_store(path, reference.path)
+
+
+def _crashed_at_24(resnet18, path: Path) -> Path:
+    """The partial store of a run over Flaky, in chunks of 5 rows, stopped after 24."""
+    with pytest.raises(FeatcacheError, match="simulated crash"):
+        featcache.extract(resnet18, Flaky(fail_at=27), LAYERS, path, **OPTIONS_5)
+    return partial_path(path)
+
+
+OPTIONS_5 = {**OPTIONS, "chunk_rows": 5}
+
+
+def test_a_resume_refuses_a_partial_whose_chunk_index_changed(resnet18, tmp_path):
+    """A new store records the digest of its chunk index, which the run never changes: a
+    resume of a partial store whose index changed since (a chunk moved, here rewritten at
+    another size) is refused in one line, touching nothing."""
+    path = tmp_path / "s.h5"
+    partial = _crashed_at_24(resnet18, path)
+    with h5py.File(partial, "r+") as f:
+        dataset = f["features/layer2"]
+        _, stored = dataset.id.read_direct_chunk((35, 0, 0, 0))
+        dataset.id.write_direct_chunk((35, 0, 0, 0), stored + bytes(8))
+    before = partial.read_bytes()
+    with pytest.raises(
+        ConfigError,
+        match=r"cannot resume from .*partial: the chunk index of features/layer2 differs "
+        r"from the one recorded .*--overwrite",
+    ):
+        featcache.extract(resnet18, Flaky(), LAYERS, path, **OPTIONS_5)
+    assert partial.read_bytes() == before
+
+
+def test_a_resume_that_would_write_a_second_copy_of_a_chunk_fails(resnet18, tmp_path):
+    """A changed byte in the index key of a chunk the resume still has to write: HDF5
+    finds the chunk to read it, but writes it as a second copy, which featcache's readers
+    and plain HDF5 would not agree on. The resumed run fails instead of completing that
+    store, naming the index; --overwrite starts over."""
+    reference = featcache.extract(resnet18, Flaky(), LAYERS, tmp_path / "ref.h5", **OPTIONS_5)
+    path = tmp_path / "s.h5"
+    partial = _crashed_at_24(resnet18, path)
+    break_chunk_key(partial, "features/layer2", 35)
+    with pytest.raises(
+        CorruptStoreError, match=r"corrupted: the chunk index of features/layer2 .*--overwrite"
+    ):
+        featcache.extract(resnet18, Flaky(), LAYERS, path, **OPTIONS_5)
+    assert not path.exists()
+    featcache.extract(resnet18, Flaky(), LAYERS, path, overwrite=True, **OPTIONS_5)
     assert_same_store(path, reference.path)

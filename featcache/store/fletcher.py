@@ -115,24 +115,36 @@ def plain_chunk_address(dataset: h5py.Dataset, start: int, checksum: bool = True
 
 
 NOT_PLAIN = -1  # in plain_chunk_addresses: a chunk HDF5 must read
+# In plain_chunk_addresses: a chunk the index lists twice. Only a damaged index does (a
+# write after a lookup missed the chunk added a second one): which copy HDF5 reads
+# depends on how it is looked up, so neither can be trusted.
+LISTED_TWICE = -3
 
 
 def plain_chunk_addresses(dataset: h5py.Dataset, checksum: bool = True) -> np.ndarray:
     """:func:`plain_chunk_address` of each row block of chunks of ``dataset``, in row
-    order (:data:`NOT_PLAIN` for None): ``int64``, one per chunk along the first axis.
-    Listed in one pass over HDF5's chunk index, or looked up chunk by chunk where HDF5
-    cannot list them (before 1.12.3)."""
+    order (:data:`NOT_PLAIN` for None, :data:`LISTED_TWICE` for a chunk listed twice):
+    ``int64``, one per chunk along the first axis. Listed in one pass over HDF5's chunk
+    index, or looked up chunk by chunk where HDF5 cannot list them (before 1.12.3)."""
     assert dataset.chunks is not None
     chunk_rows = dataset.chunks[0]
     addresses = np.full(-(-len(dataset) // chunk_rows), NOT_PLAIN, dtype=np.int64)
+    listed = np.zeros(len(addresses), dtype=bool)
     stored = stored_chunk_bytes(dataset, checksum)
 
     def note(info: h5py.h5d.StoreInfo) -> None:
         if any(info.chunk_offset[1:]):  # the chunks at row offset 0 on the other axes
             return
+        chunk = info.chunk_offset[0] // chunk_rows
+        if chunk >= len(addresses):  # beyond the rows (a dataset shrunk at completion)
+            return
+        if listed[chunk]:
+            addresses[chunk] = LISTED_TWICE
+            return
+        listed[chunk] = True
         address = _plain_address(info, stored)
         if address is not None:
-            addresses[info.chunk_offset[0] // chunk_rows] = address
+            addresses[chunk] = address
 
     if not _list_chunks(dataset, note):
         for chunk in range(len(addresses)):

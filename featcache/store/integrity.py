@@ -19,11 +19,13 @@ from featcache.store import codec
 from featcache.store.chunks import chunk_rows_of
 from featcache.store.fletcher import (
     CHECKSUM_BYTES,
+    LISTED_TWICE,
     NOT_PLAIN,
     checksum_bytes,
     checksum_only,
     plain_chunk_addresses,
 )
+from featcache.store.metadata import changed_chunk_index, chunked_datasets
 from featcache.store.paths import readable_path
 
 if TYPE_CHECKING:
@@ -34,6 +36,8 @@ FIX = "re-extract it (featcache extract <config> --overwrite) or restore it from
 # still being written rewrites the chunk of its last rows at every progress mark, and a
 # read during that write sees part of each.
 RETRY_SECONDS = 0.01
+# Why a chunk listed twice by its dataset's chunk index (fletcher.LISTED_TWICE) is refused.
+LISTED_TWICE_REASON = "in a chunk the chunk index lists twice (a damaged index)"
 
 T = TypeVar("T")
 
@@ -129,7 +133,9 @@ def corrupt_store_error(dataset: h5py.Dataset, bad: BadChunk) -> CorruptStoreErr
     what = _named(bad.key)
     one = bad.stop - bad.start == 1
     rows = span_text(dataset, bad.start, bad.stop)
-    if dataset_has_checksum(dataset):
+    if bad.message == LISTED_TWICE_REASON:
+        fails = f"{'is' if one else 'are'} {LISTED_TWICE_REASON}"
+    elif dataset_has_checksum(dataset):
         fails = "fails its checksum" if one else "fail their checksum"
     else:  # e.g. a compressed chunk that no longer decompresses
         fails = f"cannot be read ({bad.message})"
@@ -194,6 +200,9 @@ def _scan_dataset(dataset: h5py.Dataset, key: str, first: int = 0) -> list[BadCh
     plain = plain_chunk_addresses(dataset) if summed else None
     bad: list[BadChunk] = []
     for start, stop in spans:
+        if plain is not None and plain[start // dataset.chunks[0]] == LISTED_TWICE:
+            bad.append(BadChunk(key, first + start, first + stop, LISTED_TWICE_REASON))
+            continue
         if plain is not None and plain[start // dataset.chunks[0]] != NOT_PLAIN:
             check = functools.partial(_check_stored_chunk, dataset, start)
         else:  # HDF5 reads it, through its filters
@@ -231,6 +240,43 @@ def _whole_sources(dataset: h5py.Dataset) -> list[_WholeSource] | None:
             _WholeSource(source.file_name, source.dset_name, int(first), int(last) + 1, step)
         )
     return sources
+
+
+def damaged_index(file: h5py.File) -> str:
+    """Why the chunk index of a dataset of ``file`` cannot be trusted, as "the chunk index
+    of <name> ..." ("" when every one can): it differs from the digest recorded for it
+    (see :func:`~featcache.store.metadata.record_chunk_indexes`), or it lists a chunk
+    twice, or a lookup by position misses a chunk it lists (HDF5 then writes that chunk
+    as a second copy and reads zeros for it). Where HDF5 cannot list chunks (before
+    1.12.3) only the digest is compared."""
+    changed = changed_chunk_index(file)
+    if changed:
+        return changed
+    for dataset in chunked_datasets(file):
+        problem = _index_problem(dataset)
+        if problem:
+            return f"the chunk index of {dataset.name.lstrip('/')} {problem}"
+    return ""
+
+
+def _index_problem(dataset: h5py.Dataset) -> str:
+    records: list[tuple[tuple[int, ...], int | None]] = []
+    try:
+        dataset.id.chunk_iter(lambda info: records.append((info.chunk_offset, info.byte_offset)))
+    except (AttributeError, NotImplementedError):
+        return ""
+    seen: set[tuple[int, ...]] = set()
+    for offset, address in records:
+        if offset in seen:
+            return f"lists the chunk at row {offset[0]} twice"
+        seen.add(offset)
+        try:
+            found = dataset.id.get_chunk_info_by_coord(offset).byte_offset
+        except (RuntimeError, KeyError):
+            found = None
+        if found != address:
+            return f"misses the chunk at row {offset[0]} in a lookup by position"
+    return ""
 
 
 def checked_twice(check: Callable[[], object]) -> None:

@@ -14,7 +14,8 @@ attribute over 64 KiB (the class names of a large label set) is stored outside a
 checksum. So :func:`seal` gives each chunked dataset :data:`CHUNKS_ATTR`, a SHA-256 of
 its chunk index, and the file :data:`DIGEST_ATTR`, a SHA-256 over every attribute of
 every object (those included), and :func:`metadata_problem` checks both whenever a
-complete store is opened.
+complete store is opened. A new store records its chunk index digests as well
+(:func:`record_chunk_indexes`), so that a resume can check its partial file's.
 """
 
 from __future__ import annotations
@@ -87,9 +88,31 @@ def chunk_index_digest(dataset: h5py.Dataset) -> str:
 def seal(file: h5py.File) -> None:
     """Record the digests of the chunk indexes and of the attributes as they are now:
     call it after the last write."""
+    record_chunk_indexes(file)
+    codec.set_attr(file, DIGEST_ATTR, attrs_digest(file))
+
+
+def record_chunk_indexes(file: h5py.File) -> None:
+    """Give each chunked dataset of ``file`` :data:`CHUNKS_ATTR`, the digest of its chunk
+    index as it is now: at completion (:func:`seal`), and when a store is created, whose
+    index the run then never changes (its chunks are allocated whole, and rewritten in
+    place), so that a resume can tell that the index of its partial file is intact."""
     for dataset in chunked_datasets(file):
         codec.set_attr(dataset, CHUNKS_ATTR, chunk_index_digest(dataset))
-    codec.set_attr(file, DIGEST_ATTR, attrs_digest(file))
+
+
+def changed_chunk_index(file: h5py.File) -> str:
+    """The first chunked dataset of ``file`` whose chunk index differs from the digest
+    recorded for it (:func:`record_chunk_indexes`), as "the chunk index of <name>
+    differs ..."; "" when none does (datasets without a digest are not compared)."""
+    for dataset in chunked_datasets(file):
+        index = codec.attr(dataset, CHUNKS_ATTR)
+        if index is not None and index != chunk_index_digest(dataset):
+            return (
+                f"the chunk index of {dataset.name.lstrip('/')} differs from the one "
+                "recorded when it was written"
+            )
+    return ""
 
 
 def is_sealed(file: h5py.File) -> bool:
@@ -110,13 +133,7 @@ def metadata_problem(file: h5py.File, sealed: bool = True) -> str:
         recorded = codec.attr(file, DIGEST_ATTR)
         if recorded is not None and recorded != attrs_digest(file):
             return "its attributes differ from the digest recorded when it was written"
-        for dataset in chunked_datasets(file):
-            index = codec.attr(dataset, CHUNKS_ATTR)
-            if index is not None and index != chunk_index_digest(dataset):
-                return (
-                    f"the chunk index of {dataset.name.lstrip('/')} differs from the one "
-                    "recorded when it was written"
-                )
+        return changed_chunk_index(file)
     except UNREADABLE_METADATA as exc:
         return f"its metadata cannot be read ({first_line(exc)})"
     return ""

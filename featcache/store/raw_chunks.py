@@ -32,14 +32,19 @@ import numpy as np
 from featcache.store.chunks import row_bytes
 from featcache.store.fletcher import (
     CHECKSUM_BYTES,
+    LISTED_TWICE,
     NOT_PLAIN,
     checksum_only,
     fletcher32,
-    plain_chunk_address,
     plain_chunk_addresses,
     stored_chunk_bytes,
 )
-from featcache.store.integrity import BadChunk, checked_twice, corrupt_store_error
+from featcache.store.integrity import (
+    LISTED_TWICE_REASON,
+    BadChunk,
+    checked_twice,
+    corrupt_store_error,
+)
 
 UNLOCATED = -2  # address of a chunk not looked up yet
 BY_HDF5 = NOT_PLAIN  # a chunk HDF5 reads itself (not stored as its plain bytes)
@@ -70,15 +75,15 @@ class RawChunks:
             dataset.read_direct(out, np.s_[start:stop])
             return
         chunks = range(start // self.chunk_rows, -(-stop // self.chunk_rows))
-        if len(chunks) > 1 and (self.addresses[chunks.start : chunks.stop] == UNLOCATED).any():
-            self._locate_all(dataset)  # one pass over the index, not a lookup per chunk
+        if (self.addresses[chunks.start : chunks.stop] == UNLOCATED).any():
+            self._locate_all(dataset)
         for chunk in chunks:
             first = max(start, chunk * self.chunk_rows)
             last = min(stop, (chunk + 1) * self.chunk_rows)
             target = out[first - start : last - start]
             address = int(self.addresses[chunk])
-            if address == UNLOCATED:
-                address = self._locate(dataset, chunk)
+            if address == LISTED_TWICE:
+                self._refuse_listed_twice(dataset, chunk)
             if address == BY_HDF5 or not target.flags.c_contiguous:
                 dataset.read_direct(target, np.s_[first:last])
             elif self.checksum and not self.checked[chunk]:
@@ -99,7 +104,7 @@ class RawChunks:
         addresses = self.addresses[start // self.chunk_rows : -(-stop // self.chunk_rows)]
         if (addresses == UNLOCATED).any():  # an epoch reads every chunk: locate them all
             self._locate_all(dataset)
-        for address in addresses[addresses != BY_HDF5].tolist():
+        for address in addresses[addresses >= 0].tolist():
             try:
                 os.posix_fadvise(self.fd, address, self.stored_bytes, os.POSIX_FADV_WILLNEED)
             except OSError:
@@ -107,14 +112,15 @@ class RawChunks:
 
     def _locate_all(self, dataset: h5py.Dataset) -> None:
         """Look up where every chunk lies, listing HDF5's chunk index once (a lookup by
-        position costs a walk of the index per chunk)."""
+        position costs a walk of the index per chunk, and would not see a chunk that the
+        index lists twice)."""
         self.addresses[:] = plain_chunk_addresses(dataset, self.checksum)
 
-    def _locate(self, dataset: h5py.Dataset, chunk: int) -> int:
-        """Look up where chunk ``chunk`` lies in the file (or :data:`BY_HDF5`), and keep it."""
-        found = plain_chunk_address(dataset, chunk * self.chunk_rows, self.checksum)
-        address = self.addresses[chunk] = BY_HDF5 if found is None else found
-        return int(address)
+    def _refuse_listed_twice(self, dataset: h5py.Dataset, chunk: int) -> None:
+        start = chunk * self.chunk_rows
+        stop = min(start + self.chunk_rows, len(dataset))
+        key = dataset.name.lstrip("/")
+        raise corrupt_store_error(dataset, BadChunk(key, start, stop, LISTED_TWICE_REASON))
 
     def _checked_read(
         self,

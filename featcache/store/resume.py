@@ -15,6 +15,7 @@ import numpy as np
 from featcache.errors import ConfigError, first_line
 from featcache.provenance import config_differences
 from featcache.store import codec
+from featcache.store.integrity import damaged_index
 from featcache.store.metadata import UNREADABLE_METADATA
 from featcache.store.paths import OVERWRITE, partial_path, skipped_log_path
 from featcache.store.skipped import read_log
@@ -92,11 +93,16 @@ def plan_resume(
             stored_config = codec.attr(f, "config")
             durable = int(f["progress"][0])
             index = read_durable(f["index"], 0, durable)
+            damaged = damaged_index(f)
     except UNREADABLE_METADATA as exc:
         raise ConfigError(
             f"cannot resume from {partial}: it is not readable ({first_line(exc)}); "
             f"pass {OVERWRITE} to start over"
         ) from exc
+    if damaged:
+        raise ConfigError(
+            f"cannot resume from {partial}: {damaged}; pass {OVERWRITE} to start over"
+        )
     for key in sorted(set(stored_key) | set(resume_key)):
         if stored_key.get(key) != resume_key.get(key):
             differs = _difference(key, stored_key, resume_key, stored_config, config)

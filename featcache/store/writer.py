@@ -13,13 +13,14 @@ from typing import Any, TextIO
 import h5py
 import numpy as np
 
-from featcache.errors import FeatcacheError
+from featcache.errors import CorruptStoreError, FeatcacheError
 from featcache.provenance import FORMAT_VERSION
 from featcache.store import codec
 from featcache.store.chunks import MAX_META_CHUNK_ROWS, chunk_rows_for
+from featcache.store.integrity import damaged_index
 from featcache.store.merge import copy_store
-from featcache.store.metadata import seal
-from featcache.store.paths import partial_path, replace_durably, skipped_log_path
+from featcache.store.metadata import record_chunk_indexes, seal
+from featcache.store.paths import OVERWRITE, partial_path, replace_durably, skipped_log_path
 from featcache.store.resume import ResumePoint
 from featcache.store.skipped import rewrite_log, write_skipped
 from featcache.store.sparse import created_sparse
@@ -85,6 +86,7 @@ class StoreWriter:
         self.has_labels = has_labels
         self.attrs = dict(attrs or {})
         self.mark_seconds = mark_seconds
+        self.resumed = resume is not None
         self.start_row = resume.row if resume else 0
         # rows durable at the stopped run's last mark: their chunks' stored bytes are checked
         self.durable_before = self.start_row if resume is None else resume.durable or resume.row
@@ -172,6 +174,7 @@ class StoreWriter:
             )
             layout = {"layout": "tokens"} if key in ragged else {}
             codec.write_attrs(dataset, dict(feature_attrs.get(key, {}), dtype=self.dtype, **layout))
+        record_chunk_indexes(f)  # the run never changes them: a resume checks them against it
 
     def _meta_dtypes(self) -> dict[str, Any]:
         dtypes = {"index": np.int64, "ids": h5py.string_dtype("utf-8", self.ids_width)}
@@ -384,6 +387,8 @@ class StoreWriter:
         for staged in self._staging.values():
             staged.flush()
         self.mark()
+        if self.resumed:  # a file that sat on disk: its chunk index may have been damaged
+            self._check_indexes()
         f = self.file
         rows = self.rows_appended
         for name, staged in self._staging.items():
@@ -413,6 +418,17 @@ class StoreWriter:
         else:
             replace_durably(self.partial, self.path)
         skipped_log_path(self.path).unlink(missing_ok=True)
+
+    def _check_indexes(self) -> None:
+        """Refuse to complete a resumed store whose chunk index has gone wrong: a damaged
+        index can make HDF5 write a chunk as a second copy beside the one it lists, so
+        that readers of the store would disagree on its rows."""
+        assert self.file is not None
+        problem = damaged_index(self.file)
+        if problem:
+            raise CorruptStoreError(
+                f"store {self.partial} is corrupted: {problem}; pass {OVERWRITE} to start over"
+            )
 
     def __enter__(self) -> StoreWriter:
         return self
