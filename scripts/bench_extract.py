@@ -365,8 +365,8 @@ def jpeg_pipeline(repeats: int, batch: int) -> None:
     from featcache.spec import DataSpec, PreprocessSpec
 
     folder = scratch("featcache-jpeg-")
-    with tarfile.open(archive) as tar:
-        tar.extractall(folder, filter="data")
+    with tarfile.open(archive) as tar:  # the data filter where this Python has it (3.12)
+        tar.extractall(folder, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     root = folder / "photos" / "all"  # train and val photos together, by class
     for photo in sorted((folder / "hymenoptera_data").glob("*/*/*")):
         (root / photo.parent.name).mkdir(parents=True, exist_ok=True)

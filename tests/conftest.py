@@ -21,13 +21,28 @@ def shared_file(name: str) -> Path:
     return path
 
 
+def unpack(archive: Path, target: Path) -> None:
+    """Extract the tar file ``archive`` into ``target``, refusing any member that would
+    land outside it or is no plain file or folder: with tarfile's ``data`` filter where
+    this Python has it (3.12, and 3.10.12 or 3.11.4 on), else checked here first."""
+    with tarfile.open(archive) as tar:
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(target, filter="data")
+            return
+        root = target.resolve()
+        for member in tar.getmembers():
+            if not (member.isfile() or member.isdir()):
+                raise ValueError(f"{archive}: member {member.name!r} is no file or folder")
+            if not (root / member.name).resolve().is_relative_to(root):
+                raise ValueError(f"{archive}: member {member.name!r} lands outside {target}")
+        tar.extractall(target)  # every member checked above
+
+
 @pytest.fixture(scope="session")
 def hymenoptera_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """../shared/data/hymenoptera.tar extracted once per session; the hymenoptera_data folder."""
-    archive = shared_file("hymenoptera.tar")
     target = tmp_path_factory.mktemp("hymenoptera")
-    with tarfile.open(archive) as tar:
-        tar.extractall(target, filter="data")
+    unpack(shared_file("hymenoptera.tar"), target)
     return target / "hymenoptera_data"
 
 

@@ -7,7 +7,6 @@ featcache itself; about a minute on 2 CPU cores.
 from __future__ import annotations
 
 import gzip
-import tarfile
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from torch.utils.data import TensorDataset
 import featcache
 from featcache.probe import probe
 from tests.cifar_resnet import resnet20
-from tests.conftest import shared_file
+from tests.conftest import shared_file, unpack
 
 WEIGHTS = "weights/resnet20-12fca82f.th"
 MEAN = [0.485, 0.456, 0.406]
@@ -33,8 +32,7 @@ def cifar_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     archive = shared_file("cifar10-jpeg.tar")
     weights = shared_file(WEIGHTS)
     root = tmp_path_factory.mktemp("cifar")
-    with tarfile.open(archive) as tar:
-        tar.extractall(root, filter="data")
+    unpack(archive, root)
     config = {
         "model": {
             "factory": "tests.cifar_resnet:resnet20",

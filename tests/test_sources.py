@@ -4,7 +4,6 @@ import io
 import json
 import os
 import pickle
-import tarfile
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -23,8 +22,6 @@ from torchvision import transforms
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.sources import IMAGE_EXTENSIONS, SourceDataset, build_source, load_rgb
 from featcache.spec import DataSpec
-
-HYMENOPTERA = Path(__file__).resolve().parents[1].parent / "shared/data/hymenoptera.tar"
 
 
 @pytest.fixture
@@ -599,17 +596,8 @@ def test_dataloader_workers_match_direct_access(transform):
 # --- real photos -----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def hymenoptera(tmp_path_factory) -> Path:
-    if not HYMENOPTERA.is_file():
-        pytest.skip(f"real photos not available: {HYMENOPTERA} is absent")
-    out = tmp_path_factory.mktemp("hymenoptera")
-    with tarfile.open(HYMENOPTERA) as tar:
-        tar.extractall(out, filter="data")
-    return out / "hymenoptera_data"
-
-
-def test_hymenoptera(hymenoptera, transform):
+def test_hymenoptera(hymenoptera_root, transform):
+    hymenoptera = hymenoptera_root
     spec = DataSpec(root=str(hymenoptera), splits={"train": "train", "val": "val"})
     for split in ("train", "val"):
         ds = build_source(spec, split, transform)
