@@ -75,7 +75,10 @@ class RawChunks:
             dataset.read_direct(out, np.s_[start:stop])
             return
         chunks = range(start // self.chunk_rows, -(-stop // self.chunk_rows))
-        if (self.addresses[chunks.start : chunks.stop] == UNLOCATED).any():
+        if len(chunks) == 1:  # most reads of single rows: no array operation per read
+            if self.addresses[chunks.start] == UNLOCATED:
+                self._locate_all(dataset)
+        elif (self.addresses[chunks.start : chunks.stop] == UNLOCATED).any():
             self._locate_all(dataset)
         for chunk in chunks:
             first = max(start, chunk * self.chunk_rows)
