@@ -174,7 +174,7 @@ class StoreWriter:
             )
             layout = {"layout": "tokens"} if key in ragged else {}
             codec.write_attrs(dataset, dict(feature_attrs.get(key, {}), dtype=self.dtype, **layout))
-        record_chunk_indexes(f)  # the run never changes them: a resume checks them against it
+        record_chunk_indexes(f)  # never changed by the run: a resume compares its file to these
 
     def _meta_dtypes(self) -> dict[str, Any]:
         dtypes = {"index": np.int64, "ids": h5py.string_dtype("utf-8", self.ids_width)}
