@@ -144,6 +144,14 @@ def corrupt_store_error(dataset: h5py.Dataset, bad: BadChunk) -> CorruptStoreErr
     )
 
 
+def chunk_error(dataset: h5py.Dataset, start: int, message: str) -> CorruptStoreError:
+    """:func:`corrupt_store_error` for the chunk of ``dataset`` that starts at row (or
+    entry) ``start``, with ``message`` saying why it fails."""
+    assert dataset.chunks is not None
+    stop = min(start + dataset.chunks[0], len(dataset))
+    return corrupt_store_error(dataset, BadChunk(dataset.name.lstrip("/"), start, stop, message))
+
+
 def _named(key: str) -> str:
     """A dataset of a store in words: ``layer <name>`` for a feature layer."""
     return f"layer {key[len('features/') :]}" if key.startswith("features/") else f"dataset {key}"

@@ -39,12 +39,7 @@ from featcache.store.fletcher import (
     plain_chunk_addresses,
     stored_chunk_bytes,
 )
-from featcache.store.integrity import (
-    LISTED_TWICE_REASON,
-    BadChunk,
-    checked_twice,
-    corrupt_store_error,
-)
+from featcache.store.integrity import LISTED_TWICE_REASON, checked_twice, chunk_error
 
 UNLOCATED = -2  # address of a chunk not looked up yet
 BY_HDF5 = NOT_PLAIN  # a chunk HDF5 reads itself (not stored as its plain bytes)
@@ -86,7 +81,7 @@ class RawChunks:
             target = out[first - start : last - start]
             address = int(self.addresses[chunk])
             if address == LISTED_TWICE:
-                self._refuse_listed_twice(dataset, chunk)
+                raise chunk_error(dataset, chunk * self.chunk_rows, LISTED_TWICE_REASON)
             if address == BY_HDF5 or not target.flags.c_contiguous:
                 dataset.read_direct(target, np.s_[first:last])
             elif self.checksum and not self.checked[chunk]:
@@ -119,12 +114,6 @@ class RawChunks:
         index lists twice)."""
         self.addresses[:] = plain_chunk_addresses(dataset, self.checksum)
 
-    def _refuse_listed_twice(self, dataset: h5py.Dataset, chunk: int) -> None:
-        start = chunk * self.chunk_rows
-        stop = min(start + self.chunk_rows, len(dataset))
-        key = dataset.name.lstrip("/")
-        raise corrupt_store_error(dataset, BadChunk(key, start, stop, LISTED_TWICE_REASON))
-
     def _checked_read(
         self,
         dataset: h5py.Dataset,
@@ -154,9 +143,7 @@ class RawChunks:
         try:
             checked_twice(read_and_check)
         except OSError as exc:
-            stop = min(start + self.chunk_rows, len(dataset))
-            bad = BadChunk(dataset.name.lstrip("/"), start, stop, str(exc))
-            raise corrupt_store_error(dataset, bad) from exc
+            raise chunk_error(dataset, start, str(exc)) from exc
         if not whole:
             rows = data.view(dataset.dtype).reshape(self.chunk_rows, *dataset.shape[1:])
             target[...] = rows[first - start : last - start]

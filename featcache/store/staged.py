@@ -7,7 +7,7 @@ import h5py
 import numpy as np
 
 from featcache.store.fletcher import CHECKSUM_BYTES, checksum_bytes, checksum_only, fletcher32
-from featcache.store.integrity import BadChunk, corrupt_store_error
+from featcache.store.integrity import chunk_error
 
 
 class Staged:
@@ -165,11 +165,8 @@ def stored_entries(dataset: h5py.Dataset, first: int, stop: int, durable: int) -
         as_marked = np.zeros_like(data)
         as_marked[:kept] = data[:kept]
         if kept == len(data) or fletcher32(as_marked) != expected:
-            stop_row = min(first + dataset.chunks[0], len(dataset))
             reason = "fails its checksum, and its durable entries do not match it either"
-            raise corrupt_store_error(
-                dataset, BadChunk(dataset.name.lstrip("/"), first, stop_row, reason)
-            )
+            raise chunk_error(dataset, first, reason)
     shape = (stop - first, *dataset.shape[1:])
     count = int(np.prod(shape, dtype=np.int64))
     return data.view(dataset.dtype)[:count].reshape(shape)
