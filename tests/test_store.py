@@ -70,6 +70,18 @@ def test_codec_round_trip_keeps_every_bit(dtype):
     assert torch.equal(decoded, x.to(codec.torch_dtype(dtype)))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32", "bfloat16"])
+def test_codec_encodes_a_channels_last_batch_in_one_cast_and_reorder(dtype):
+    # Every float32 bit pattern (NaN payloads, subnormals, infinities) in an NHWC batch
+    # encodes to the bytes of one cast into the default layout, as on an accelerator.
+    bits = torch.randint(-(2**31), 2**31, (4, 6, 5, 3), generator=torch.Generator().manual_seed(0))
+    nhwc = bits.to(torch.int32).view(torch.float32).contiguous(memory_format=torch.channels_last)
+    encoded = codec.encode(nhwc, dtype)
+    one_pass = nhwc.to(dtype=codec.torch_dtype(dtype), memory_format=torch.contiguous_format)
+    assert encoded.is_contiguous() and encoded.shape == nhwc.shape
+    assert encoded.numpy().tobytes() == one_pass.view(encoded.dtype).numpy().tobytes()
+
+
 def test_codec_array_views_share_memory_for_any_dtype():
     for dtype in (torch.bfloat16, torch.float16, torch.float64):
         tensor = torch.arange(6, dtype=dtype).reshape(3, 2)
