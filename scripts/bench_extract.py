@@ -23,7 +23,10 @@ bare eager forward, ``vs best`` against the fastest bare loop at the same depth:
   disk space it takes before any row is written); and featcache's own work in such a run
   without the forward (hashing the weights, encoding the layer's values to float16,
   writing them with checksums), timed alone, with the ratio to the best bare forward
-  that featcache would reach if none of that work overlapped it;
+  that featcache would reach if none of that work overlapped it. Below the table,
+  ``featcache.extract`` over the best bare loop at its depth (the one with the best
+  median) round by round: the median and the range of the per-round ratios, which shows
+  how far the machine's drift moves one run (the table's ratios are of medians);
 * throughput of a timm ViT by featcache reference (``--models timm:vit_small_patch16_224``,
   random weights, ``img_size`` the ``--size``): the bare forward, the bare forward cut after
   a middle and the last block, and ``featcache.extract`` storing those blocks' patch-token
@@ -197,7 +200,8 @@ def own_work(model: nn.Module, cut: nn.Module, data: torch.Tensor, batch: int, l
     return run
 
 
-def timed(cases: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+def timed_rounds(cases: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each case in each round; a round runs every case once, in order."""
     seconds: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(repeats):
         for name, run in cases.items():
@@ -205,7 +209,12 @@ def timed(cases: dict[str, Callable[[], None]], repeats: int) -> dict[str, float
             start = time.perf_counter()
             run()
             seconds[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in seconds.items()}
+    return seconds
+
+
+def timed(cases: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Each case's median seconds over ``repeats`` rounds."""
+    return {name: statistics.median(v) for name, v in timed_rounds(cases, repeats).items()}
 
 
 def throughput(
@@ -244,7 +253,8 @@ def throughput(
         work = own_work(model, truncated(model, layer), data, batch, layer)
         cases[f"({layer}) own work"] = lambda w=work: w(folder / "own.h5")
     timed(cases, 1)  # warm-up: every case once
-    medians = timed(cases, repeats)
+    rounds = timed_rounds(cases, repeats)
+    medians = {name: statistics.median(seconds) for name, seconds in rounds.items()}
     own = {layer: medians.pop(f"({layer}) own work") for layer in ("avgpool", "layer2")}
     base = medians["bare eager forward, default layout"]
     print(
@@ -258,6 +268,16 @@ def throughput(
         best = min(v for k, v in medians.items() if k.startswith(f"{depth}bare"))
         print(
             f"{name:<44} {images / seconds:>9.1f} {base / seconds:>7.2f}x {best / seconds:>7.2f}x"
+        )
+    print("featcache.extract over the best bare loop at its depth, round by round:")
+    for layer in ("avgpool", "layer2"):
+        bare_names = [k for k in medians if k.startswith(f"[{layer}] bare")]
+        best_name = min(bare_names, key=medians.__getitem__)
+        ours = rounds[f"[{layer}] featcache.extract"]
+        paired = sorted(best / s for best, s in zip(rounds[best_name], ours, strict=True))
+        print(
+            f"  {layer:<8} median {statistics.median(paired):.2f}x, {paired[0]:.2f}x to "
+            f"{paired[-1]:.2f}x over {repeats} rounds (against {best_name[len(layer) + 3 :]})"
         )
     print(
         "featcache's own work, without the forward (weights hash, float16 encoding, "
