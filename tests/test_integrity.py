@@ -157,11 +157,11 @@ def test_scan_chunks_reads_a_failing_chunk_once_more_before_it_counts(stores, mo
     clean, _ = stores
     original, failed = integrity._check_stored_chunk, []
 
-    def torn_once(dataset, start):
+    def torn_once(dataset, start, *durable):
         if not failed:
             failed.append((dataset.name, start))
             raise OSError("Fletcher-32 checksum mismatch (the chunk's bytes changed)")
-        original(dataset, start)
+        original(dataset, start, *durable)
 
     monkeypatch.setattr(integrity, "_check_stored_chunk", torn_once)
     assert scan_chunks(clean) == [] and len(failed) == 1

@@ -376,6 +376,52 @@ def test_damaged_durable_rows_at_the_resume_point_are_refused(resnet18, tmp_path
     assert_same_store(path, reference.path)
 
 
+def test_a_partial_store_torn_after_its_last_mark_reads_durable_rows(resnet18, tmp_path):
+    """Before the rerun, a partial store whose chunk holding the last mark is torn after
+    the durable rows still reads: info, verify --quick and the readers give the 24
+    durable rows as an uninterrupted run wrote them. A changed durable byte in that chunk
+    is no tear, and each names the rows."""
+    from typer.testing import CliRunner
+
+    from featcache.cli import app
+
+    reference = featcache.extract(resnet18, Flaky(), LAYERS, tmp_path / "ref.h5", **OPTIONS_5)
+    partial = _crashed_at_24(resnet18, tmp_path / "s.h5")
+    for name in ("features/layer2", "features/layer4", "labels", "index", "ids"):
+        tear_chunk(partial, name, 24)
+    info = CliRunner().invoke(app, ["info", str(partial)])
+    assert info.exit_code == 0 and "INCOMPLETE (24 rows durable)" in info.stdout
+    quick = CliRunner().invoke(app, ["verify", "--quick", str(partial)])
+    assert "ok    checksums  the durable rows match their chunks' checksums" in quick.stdout
+    assert "FAIL  complete" in quick.stdout and quick.exit_code == 1
+    with (
+        FeatureStore(reference.path) as expected,
+        FeatureStore(partial, allow_incomplete=True) as store,
+    ):
+        assert torch.equal(store.read("layer2"), expected.read("layer2", slice(0, 24)))
+        assert store.ids == expected.ids[:24]
+        assert np.array_equal(store.labels, expected.labels[:24])
+        layer4 = expected.read("layer4", slice(0, 24))
+    dataset = featcache.FeatureDataset(partial, ["layer4"], allow_incomplete=True)
+    batches = list(dataset.batches(7, shuffle=False, with_index=True))
+    dataset.close()
+    assert torch.equal(torch.cat([b[2] for b in batches]), torch.arange(24))
+    assert torch.equal(torch.cat([b[0]["layer4"] for b in batches]).half(), layer4)
+
+    with h5py.File(partial, "r") as f:
+        info_20 = f["features/layer4"].id.get_chunk_info_by_coord((20, 0))
+    raw = bytearray(partial.read_bytes())
+    raw[info_20.byte_offset + 1] ^= 0x10  # inside row 20, durable
+    partial.write_bytes(raw)
+    quick = CliRunner().invoke(app, ["verify", "--quick", str(partial)])
+    assert "FAIL  checksums  corrupted chunks: features/layer4 rows 20-24" in quick.stdout
+    with (
+        FeatureStore(partial, allow_incomplete=True) as store,
+        pytest.raises(CorruptStoreError, match="layer4 rows 20-24"),
+    ):
+        store.read("layer4", [21])
+
+
 def _crashed_at_24(resnet18, path: Path) -> Path:
     """The partial store of a run over Flaky, in chunks of 5 rows, stopped after 24."""
     with pytest.raises(FeatcacheError, match="simulated crash"):
@@ -404,6 +450,12 @@ def test_a_resume_refuses_a_partial_whose_chunk_index_changed(resnet18, tmp_path
     ):
         featcache.extract(resnet18, Flaky(), LAYERS, path, **OPTIONS_5)
     assert partial.read_bytes() == before
+    # Its readers refuse it too: a changed index can hand back zeros or another chunk.
+    damaged = r"damaged: the chunk index of features/layer2 differs from the one recorded"
+    with pytest.raises(CorruptStoreError, match=damaged):
+        FeatureStore(partial, allow_incomplete=True)
+    with pytest.raises(CorruptStoreError, match=damaged):
+        featcache.FeatureDataset(partial, "layer4", allow_incomplete=True)
 
 
 def test_a_resume_that_would_write_a_second_copy_of_a_chunk_fails(resnet18, tmp_path):

@@ -517,6 +517,42 @@ def test_per_token_chunks_torn_after_the_last_mark_resume(tmp_path):
     assert_same_store(path, reference.path)
 
 
+def test_per_token_chunks_torn_after_the_last_mark_read_before_the_rerun(tmp_path):
+    """The same torn partial store, read as it is: the durable rows' tokens, token ids
+    and offsets come back as an uninterrupted run wrote them, and verify --quick finds
+    its durable rows sound (and the store incomplete)."""
+    from tests.stores import tear_chunk
+
+    texts = [" ".join(["w"] * (i % 7 + 1)) for i in range(40)]
+    source = text_rows(texts)
+    layers = ["encoder.layer.0"]
+    options = {"batch_size": 3, "chunk_rows": 7}
+    reference = run(tiny_bert(), source, layers, tmp_path / "ref.h5", **options)
+    path = tmp_path / "torn.h5"
+    stopped_run(source, layers, path, 9, **options)
+    partial = partial_path(path)
+    with h5py.File(partial, "r") as f:
+        durable = int(f["progress"][0])
+        tokens = int(f["offsets"][durable])
+    tear_chunk(partial, "offsets", durable + 1)
+    tear_chunk(partial, "index", durable)
+    tear_chunk(partial, "token_ids", tokens)
+    tear_chunk(partial, "features/encoder.layer.0", tokens)
+    rows = list(range(durable))
+    with (
+        FeatureStore(reference.path) as expected,
+        FeatureStore(partial, allow_incomplete=True) as store,
+    ):
+        assert np.array_equal(store.offsets, expected.offsets[: durable + 1])
+        assert np.array_equal(store.token_ids, expected.token_ids[:tokens])
+        values, offsets = store.read_tokens("encoder.layer.0", rows)
+        wanted, wanted_offsets = expected.read_tokens("encoder.layer.0", rows)
+        assert torch.equal(values, wanted) and np.array_equal(offsets, wanted_offsets)
+    result = verify_store(partial, quick=True)
+    checks = {check.name: check.ok for check in result.checks}
+    assert checks["checksums"] and not checks["complete"]
+
+
 class TokenIds(torch.utils.data.Dataset):
     """Items ``{"input_ids": [T]}`` with no attention mask, of the given lengths."""
 

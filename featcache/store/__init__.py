@@ -23,8 +23,9 @@ Modules: :mod:`.codec` (dtypes, bfloat16, attribute JSON), :mod:`.paths` (file n
 :mod:`.skipped`, :mod:`.reader` (:class:`FeatureStore`, row reads), :mod:`.rows` (row
 ranges read through :mod:`.raw_chunks`), :mod:`.merge` (shards and copies),
 :mod:`.describe` (what ``featcache info`` shows), :mod:`.integrity` (chunk checksums:
-:func:`scan_chunks`, :func:`has_checksums`), :mod:`.metadata` (header checksums,
-attribute and chunk index digests: :func:`seal`).
+:func:`scan_chunks`, :func:`has_checksums`), :mod:`.durable` (what an incomplete
+store's last progress mark made durable), :mod:`.metadata` (header checksums, attribute
+and chunk index digests: :func:`seal`).
 """
 
 from featcache.store import codec

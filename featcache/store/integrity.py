@@ -17,6 +17,7 @@ import numpy as np
 from featcache.errors import CorruptStoreError, FeatcacheError, first_line
 from featcache.store import codec
 from featcache.store.chunks import chunk_rows_of
+from featcache.store.durable import as_marked, durable_entries
 from featcache.store.fletcher import (
     CHECKSUM_BYTES,
     LISTED_TWICE,
@@ -200,8 +201,15 @@ def _scan(file: h5py.File) -> list[BadChunk]:
 
 
 def _scan_dataset(dataset: h5py.Dataset, key: str, first: int = 0) -> list[BadChunk]:
-    """The chunks of ``dataset`` that fail, as rows of ``key`` from row ``first`` on."""
+    """The chunks of ``dataset`` that fail, as rows of ``key`` from row ``first`` on.
+
+    In an incomplete store only the chunks holding durable entries are read (a resume
+    writes the others again), and the chunk its last mark falls inside passes when it is
+    as marked (:mod:`~featcache.store.durable`)."""
+    durable = durable_entries(dataset)
     spans = chunk_spans(dataset)
+    if durable is not None:
+        spans = [(start, stop) for start, stop in spans if start < durable]
     longest = max((stop - start for start, stop in spans), default=0)
     buffer = np.empty((longest, *dataset.shape[1:]), dtype=dataset.dtype)
     summed = not dataset.is_virtual and checksum_only(dataset)
@@ -212,7 +220,7 @@ def _scan_dataset(dataset: h5py.Dataset, key: str, first: int = 0) -> list[BadCh
             bad.append(BadChunk(key, first + start, first + stop, LISTED_TWICE_REASON))
             continue
         if plain is not None and plain[start // dataset.chunks[0]] != NOT_PLAIN:
-            check = functools.partial(_check_stored_chunk, dataset, start)
+            check = functools.partial(_check_stored_chunk, dataset, start, durable)
         else:  # HDF5 reads it, through its filters
             rows, into = np.s_[start:stop], np.s_[: stop - start]
             check = functools.partial(dataset.read_direct, buffer, rows, into)
@@ -297,9 +305,10 @@ def checked_twice(check: Callable[[], object]) -> None:
         check()
 
 
-def _check_stored_chunk(dataset: h5py.Dataset, start: int) -> None:
+def _check_stored_chunk(dataset: h5py.Dataset, start: int, durable: int | None = None) -> None:
     """Check the chunk at row ``start`` with featcache's Fletcher-32 (a few times faster
-    than HDF5's filter); raises OSError when it does not match."""
+    than HDF5's filter); raises OSError when it does not match, unless the dataset's
+    first ``durable`` entries were durable and the chunk is as marked."""
     try:
         _, stored = dataset.id.read_direct_chunk((start, *(0 for _ in dataset.shape[1:])))
     except (RuntimeError, KeyError) as exc:  # the listing has it; a lookup does not find it
@@ -309,8 +318,14 @@ def _check_stored_chunk(dataset: h5py.Dataset, start: int) -> None:
         ) from exc
     view = memoryview(stored)  # slices of bytes would copy them
     data, expected = view[:-CHECKSUM_BYTES], view[-CHECKSUM_BYTES:]
-    if checksum_bytes(data) != expected:
-        raise OSError("Fletcher-32 checksum mismatch (the chunk's bytes changed)")
+    if checksum_bytes(data) == expected:
+        return
+    if durable is not None:
+        entry_bytes = len(data) // dataset.chunks[0]
+        raw = np.frombuffer(data, dtype=np.uint8)
+        if as_marked(raw, int.from_bytes(expected, "little"), (durable - start) * entry_bytes):
+            return
+    raise OSError("Fletcher-32 checksum mismatch (the chunk's bytes changed)")
 
 
 def _has_checksums(file: h5py.File) -> bool:

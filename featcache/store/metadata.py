@@ -15,7 +15,8 @@ checksum. So :func:`seal` gives each chunked dataset :data:`CHUNKS_ATTR`, a SHA-
 its chunk index, and the file :data:`DIGEST_ATTR`, a SHA-256 over every attribute of
 every object (those included), and :func:`metadata_problem` checks both whenever a
 complete store is opened. A new store records its chunk index digests as well
-(:func:`record_chunk_indexes`), so that a resume can check its partial file's.
+(:func:`record_chunk_indexes`), which its run never changes: a resume, and a reader of
+the incomplete store, check its partial file's.
 """
 
 from __future__ import annotations
@@ -123,14 +124,13 @@ def is_sealed(file: h5py.File) -> bool:
 
 def metadata_problem(file: h5py.File, sealed: bool = True) -> str:
     """Why the metadata of ``file`` cannot be trusted ("" when it can): a header or an
-    attribute that cannot be read, recorded JSON that no longer parses, or (for a
+    attribute that cannot be read, recorded JSON that no longer parses, (for a
     ``sealed``, complete store) attributes that differ from the digest recorded when the
-    store was written."""
+    store was written, or a chunk index that differs from the digest recorded for it (a
+    store still being written records them when it is created)."""
     try:
         codec.read_attrs(file)  # the recorded JSON still parses
-        if not sealed:
-            return ""
-        recorded = codec.attr(file, DIGEST_ATTR)
+        recorded = codec.attr(file, DIGEST_ATTR) if sealed else None
         if recorded is not None and recorded != attrs_digest(file):
             return "its attributes differ from the digest recorded when it was written"
         return changed_chunk_index(file)

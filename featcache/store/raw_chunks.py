@@ -30,6 +30,7 @@ import h5py
 import numpy as np
 
 from featcache.store.chunks import row_bytes
+from featcache.store.durable import as_marked, durable_entries
 from featcache.store.fletcher import (
     CHECKSUM_BYTES,
     LISTED_TWICE,
@@ -85,8 +86,9 @@ class RawChunks:
             if address == BY_HDF5 or not target.flags.c_contiguous:
                 dataset.read_direct(target, np.s_[first:last])
             elif self.checksum and not self.checked[chunk]:
-                self._checked_read(dataset, chunk, address, first, last, target)
-                self.checked[chunk] = True
+                self.checked[chunk] = self._checked_read(
+                    dataset, chunk, address, first, last, target
+                )
             else:
                 skip = (first - chunk * self.chunk_rows) * self.row_bytes
                 _pread_into(self.fd, target, address + skip)
@@ -122,23 +124,34 @@ class RawChunks:
         first: int,
         last: int,
         target: np.ndarray,
-    ) -> None:
+    ) -> bool:
         """Read chunk ``chunk`` whole from ``address`` with its checksum, check it, and
-        copy its rows ``[first, last)`` into ``target``."""
+        copy its rows ``[first, last)`` into ``target``. Returns whether the whole chunk
+        passed: in an incomplete store, the chunk its last mark falls inside may instead
+        be as marked (:mod:`~featcache.store.durable`) when only durable rows are asked."""
         start = chunk * self.chunk_rows
         whole = last - first == self.chunk_rows  # the rows asked for fill the chunk
         data = target if whole else np.empty(self.chunk_bytes, dtype=np.uint8)
         checksum = np.empty(CHECKSUM_BYTES, dtype=np.uint8)
+        passed = True
 
         def read_and_check() -> None:
+            nonlocal passed
             _pread_into(self.fd, [data, checksum], address)
             expected = int.from_bytes(checksum.tobytes(), "little")
             found = fletcher32(data)
-            if found != expected:
-                raise OSError(
-                    f"Fletcher-32 of the chunk at byte {address} of "
-                    f"{dataset.file.filename} is {found:#010x}, stored {expected:#010x}"
-                )
+            if found == expected:
+                return
+            durable = durable_entries(dataset)
+            if durable is not None and last <= durable:
+                raw = data.reshape(-1).view(np.uint8)
+                if as_marked(raw, expected, (durable - start) * self.row_bytes):
+                    passed = False
+                    return
+            raise OSError(
+                f"Fletcher-32 of the chunk at byte {address} of "
+                f"{dataset.file.filename} is {found:#010x}, stored {expected:#010x}"
+            )
 
         try:
             checked_twice(read_and_check)
@@ -147,6 +160,7 @@ class RawChunks:
         if not whole:
             rows = data.view(dataset.dtype).reshape(self.chunk_rows, *dataset.shape[1:])
             target[...] = rows[first - start : last - start]
+        return passed
 
 
 MAX_TRACKED = 64  # datasets whose chunk addresses are remembered, most recent first

@@ -14,7 +14,7 @@ import torch
 from featcache.errors import ConfigError, CorruptStoreError, IncompleteStoreError, first_line
 from featcache.store import codec
 from featcache.store.containment import foreign_data_problem
-from featcache.store.integrity import FIX, read_or_explain
+from featcache.store.integrity import FIX
 from featcache.store.metadata import (
     CHUNKS_ATTR,
     UNREADABLE_METADATA,
@@ -29,7 +29,14 @@ from featcache.store.paths import (
     skipped_log_path,
     store_path_of,
 )
-from featcache.store.rows import read_head, read_rows, read_text_head, read_token_rows, row_numbers
+from featcache.store.rows import (
+    read_head,
+    read_rows,
+    read_runs,
+    read_text_head,
+    read_token_rows,
+    row_numbers,
+)
 from featcache.store.skipped import read_log, read_skipped
 
 if TYPE_CHECKING:
@@ -164,8 +171,9 @@ class FeatureStore:
             if newer:
                 self.close()
                 raise ConfigError(f"cannot read store {self.path}: {newer}")
-            # A store still being written has no digests yet, but its attributes must read
-            # (its writer sets them at the start and the end only).
+            # A store still being written has no attribute digest yet, but its attributes
+            # must read (its writer sets them at the start and the end only), and its chunk
+            # indexes must match the digests recorded when it was created.
             problem = metadata_problem(file, sealed=complete) or foreign_data_problem(file)
         if problem:
             self.close()
@@ -284,8 +292,8 @@ class FeatureStore:
         # Only the offsets of the rows asked for are read: a row at a time stays cheap.
         first = int(picked.min()) if len(picked) else 0
         last = int(picked.max()) + 1 if len(picked) else 0
-        offsets = self.file["offsets"]
-        window = read_or_explain(offsets, range(first, last + 1), lambda: offsets[first : last + 1])
+        window = np.empty(last + 1 - first, dtype=np.int64)
+        read_runs(self.file["offsets"], [(first, last + 1)], window)
         return read_token_rows(features, window, picked - first)
 
     def dtype(self, layer: str) -> torch.dtype:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import h5py
 import numpy as np
 
-from featcache.store.fletcher import CHECKSUM_BYTES, checksum_bytes, checksum_only, fletcher32
+from featcache.store.durable import marked_chunk
+from featcache.store.fletcher import CHECKSUM_BYTES, checksum_bytes, checksum_only
 from featcache.store.integrity import chunk_error
 
 
@@ -148,25 +149,12 @@ def stored_entries(dataset: h5py.Dataset, first: int, stop: int, durable: int) -
     read from its stored bytes, where the dataset's first ``durable`` entries were durable.
 
     The chunk passes its checksum, or it holds the durable mark and a run died while
-    rewriting it: each write of a chunk still filling writes its entries so far, unchanged,
-    then zero bytes, so such a write cut off leaves the durable entries intact and tears
-    only later entries and the checksum. Then the chunk as the mark wrote it (its durable
-    entries, then zero bytes) must give the stored checksum, which a tear that kept the
-    old checksum does. A chunk that passes neither check is refused as corrupted
+    rewriting it, and it is as the mark wrote it (:mod:`~featcache.store.durable`). A
+    chunk that is neither is refused as corrupted
     (:class:`~featcache.errors.CorruptStoreError`).
     """
-    origin = (first, *(0 for _ in dataset.shape[1:]))
-    _, stored = dataset.id.read_direct_chunk(origin)
-    raw = np.frombuffer(stored, dtype=np.uint8)
-    data, expected = raw[:-CHECKSUM_BYTES], int.from_bytes(raw[-CHECKSUM_BYTES:], "little")
-    if fletcher32(data) != expected:
-        entry_bytes = len(data) // dataset.chunks[0]
-        kept = min(max(durable - first, 0), dataset.chunks[0]) * entry_bytes
-        as_marked = np.zeros_like(data)
-        as_marked[:kept] = data[:kept]
-        if kept == len(data) or fletcher32(as_marked) != expected:
-            reason = "fails its checksum, and its durable entries do not match it either"
-            raise chunk_error(dataset, first, reason)
-    shape = (stop - first, *dataset.shape[1:])
-    count = int(np.prod(shape, dtype=np.int64))
-    return data.view(dataset.dtype)[:count].reshape(shape)
+    entries = marked_chunk(dataset, first, durable)
+    if entries is None:
+        reason = "fails its checksum, and its durable entries do not match it either"
+        raise chunk_error(dataset, first, reason)
+    return entries[: stop - first]
