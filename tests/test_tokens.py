@@ -492,9 +492,12 @@ def test_a_row_of_zero_tokens_reads_as_an_empty_row(tmp_path):
     assert features.shape == (0, 4)
 
 
-def test_per_token_chunks_torn_after_the_last_mark_resume(tmp_path):
+def test_per_token_chunks_torn_after_the_last_mark_read_and_resume(tmp_path):
     """The offsets, token ids and per-token rows of a run that died while rewriting the
-    chunks holding its last durable entries: the rerun rewrites them whole."""
+    chunks holding its last durable entries. Read as it is, the partial store gives the
+    durable rows' tokens, token ids and offsets as an uninterrupted run wrote them, and
+    verify --quick finds its durable rows sound (and the store incomplete); the rerun
+    rewrites the torn chunks whole."""
     from tests.stores import tear_chunk
 
     texts = [" ".join(["w"] * (i % 7 + 1)) for i in range(40)]
@@ -513,31 +516,6 @@ def test_per_token_chunks_torn_after_the_last_mark_resume(tmp_path):
     tear_chunk(partial, "index", durable)
     tear_chunk(partial, "token_ids", tokens)
     tear_chunk(partial, "features/encoder.layer.0", tokens)
-    run(model, source, layers, path, **options)
-    assert_same_store(path, reference.path)
-
-
-def test_per_token_chunks_torn_after_the_last_mark_read_before_the_rerun(tmp_path):
-    """The same torn partial store, read as it is: the durable rows' tokens, token ids
-    and offsets come back as an uninterrupted run wrote them, and verify --quick finds
-    its durable rows sound (and the store incomplete)."""
-    from tests.stores import tear_chunk
-
-    texts = [" ".join(["w"] * (i % 7 + 1)) for i in range(40)]
-    source = text_rows(texts)
-    layers = ["encoder.layer.0"]
-    options = {"batch_size": 3, "chunk_rows": 7}
-    reference = run(tiny_bert(), source, layers, tmp_path / "ref.h5", **options)
-    path = tmp_path / "torn.h5"
-    stopped_run(source, layers, path, 9, **options)
-    partial = partial_path(path)
-    with h5py.File(partial, "r") as f:
-        durable = int(f["progress"][0])
-        tokens = int(f["offsets"][durable])
-    tear_chunk(partial, "offsets", durable + 1)
-    tear_chunk(partial, "index", durable)
-    tear_chunk(partial, "token_ids", tokens)
-    tear_chunk(partial, "features/encoder.layer.0", tokens)
     rows = list(range(durable))
     with (
         FeatureStore(reference.path) as expected,
@@ -548,9 +526,10 @@ def test_per_token_chunks_torn_after_the_last_mark_read_before_the_rerun(tmp_pat
         values, offsets = store.read_tokens("encoder.layer.0", rows)
         wanted, wanted_offsets = expected.read_tokens("encoder.layer.0", rows)
         assert torch.equal(values, wanted) and np.array_equal(offsets, wanted_offsets)
-    result = verify_store(partial, quick=True)
-    checks = {check.name: check.ok for check in result.checks}
+    checks = {check.name: check.ok for check in verify_store(partial, quick=True).checks}
     assert checks["checksums"] and not checks["complete"]
+    run(model, source, layers, path, **options)
+    assert_same_store(path, reference.path)
 
 
 class TokenIds(torch.utils.data.Dataset):
