@@ -422,6 +422,28 @@ def test_a_partial_store_torn_after_its_last_mark_reads_durable_rows(resnet18, t
         store.read("layer4", [21])
 
 
+def test_a_partial_store_whose_mark_counts_rows_never_written_is_refused(resnet18, tmp_path):
+    """A progress mark that counts rows never written (a damaged /progress) would show
+    them as rows of zeros with empty ids: readers refuse the store in one line, and a
+    rerun still ends with the store an uninterrupted run writes."""
+    from typer.testing import CliRunner
+
+    from featcache.cli import app
+
+    reference = featcache.extract(resnet18, Flaky(), LAYERS, tmp_path / "ref.h5", **OPTIONS_5)
+    path = tmp_path / "s.h5"
+    partial = _crashed_at_24(resnet18, path)
+    with h5py.File(partial, "r+") as f:
+        f["progress"][0] = 26
+    never = r"damaged: its progress mark counts 26 rows, but row 25 was never written"
+    with pytest.raises(CorruptStoreError, match=never):
+        FeatureStore(partial, allow_incomplete=True)
+    info = CliRunner().invoke(app, ["info", str(partial)])
+    assert info.exit_code == 1 and "row 25 was never written" in info.output
+    featcache.extract(resnet18, Flaky(), LAYERS, path, **OPTIONS_5)
+    assert_same_store(path, reference.path)
+
+
 def _crashed_at_24(resnet18, path: Path) -> Path:
     """The partial store of a run over Flaky, in chunks of 5 rows, stopped after 24."""
     with pytest.raises(FeatcacheError, match="simulated crash"):

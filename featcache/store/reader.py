@@ -11,7 +11,13 @@ import h5py
 import numpy as np
 import torch
 
-from featcache.errors import ConfigError, CorruptStoreError, IncompleteStoreError, first_line
+from featcache.errors import (
+    ConfigError,
+    CorruptStoreError,
+    FeatcacheError,
+    IncompleteStoreError,
+    first_line,
+)
 from featcache.store import codec
 from featcache.store.containment import foreign_data_problem
 from featcache.store.integrity import FIX
@@ -38,6 +44,7 @@ from featcache.store.rows import (
     row_numbers,
 )
 from featcache.store.skipped import read_log, read_skipped
+from featcache.store.staged import read_durable
 
 if TYPE_CHECKING:
     from featcache.store.describe import StoreDescription
@@ -175,6 +182,8 @@ class FeatureStore:
             # must read (its writer sets them at the start and the end only), and its chunk
             # indexes must match the digests recorded when it was created.
             problem = metadata_problem(file, sealed=complete) or foreign_data_problem(file)
+            if not complete and not problem:
+                problem = _progress_problem(file)
         if problem:
             self.close()
             raise CorruptStoreError(f"store {self.path} is damaged: {problem}; {FIX}")
@@ -383,6 +392,27 @@ def _incomplete(store: Path, rows: int, where: str, rerun: str) -> IncompleteSto
         f"{rerun}, or pass allow_incomplete=True to read those rows",
         str(store),
         rows,
+    )
+
+
+def _progress_problem(file: h5py.File) -> str:
+    """Why an incomplete store's progress mark cannot be right ("" when it can be): it
+    counts more rows than the store holds, or than were written. The durable rows'
+    source positions (``/index``) increase, and a row never written reads as position 0."""
+    rows, held = int(file["progress"][0]), len(file["index"])
+    if not 0 <= rows <= held:
+        return f"its progress mark counts {rows} rows, but it holds {held}"
+    if rows < 2:
+        return ""
+    try:
+        before, last = read_durable(file["index"], rows - 2, rows)
+    except (OSError, FeatcacheError):  # a chunk being rewritten, or bad: its reads say which
+        return ""
+    if last > before:
+        return ""
+    return (
+        f"its progress mark counts {rows} rows, but row {rows - 1} was never written (source "
+        f"position {last}, not after row {rows - 2}'s {before})"
     )
 
 
