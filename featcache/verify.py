@@ -215,7 +215,10 @@ def _check_file(result: VerifyResult, store: FeatureStore) -> None:
     result.add(
         "complete",
         store.complete,
-        f"{len(store)} rows" if store.complete else f"only {store.rows_written} rows written",
+        f"{len(store)} rows"
+        if store.complete
+        else f"only {store.rows_written} rows written; featcache info {store.path} shows the "
+        "command that resumes the run",
     )
     if store.complete:
         result.add(
