@@ -46,13 +46,11 @@ def interrupted_overwrite(path: str | os.PathLike, key: Mapping[str, Any]) -> bo
 @dataclass
 class ResumePoint:
     """Where an interrupted extraction continues: rows ``[0, row)`` are kept and the
-    source is read again from ``position`` (a multiple of the batch size). ``durable``
-    rows (at least ``row``; None: ``row``) were durable at the stopped run's last mark."""
+    source is read again from ``position`` (a multiple of the batch size)."""
 
     row: int
     position: int
     skipped: list[dict[str, Any]]  # skip records of source positions before ``position``
-    durable: int | None = None
 
 
 def grid_start(position: int, first: int, step: int, boundaries: Sequence[int] = ()) -> int:
@@ -113,8 +111,7 @@ def plan_resume(
     # change the last bits of a result.
     position = grid_start(next_position, first, batch_size, boundaries)
     row = int(np.searchsorted(index, position))
-    skipped = read_log(skipped_log_path(path), before=position)
-    return ResumePoint(row, position, skipped, durable)
+    return ResumePoint(row, position, read_log(skipped_log_path(path), before=position))
 
 
 def _difference(

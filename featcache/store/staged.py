@@ -6,7 +6,7 @@ from __future__ import annotations
 import h5py
 import numpy as np
 
-from featcache.store.durable import marked_chunk
+from featcache.store.durable import durable_entries, marked_chunk
 from featcache.store.fletcher import CHECKSUM_BYTES, checksum_bytes, checksum_only
 from featcache.store.integrity import chunk_error
 
@@ -24,8 +24,8 @@ class Staged:
     ``write_direct_chunk``, its entries not yet staged zeroed (as in a new store). Such a
     dataset is never read back through HDF5's filter while it is written: a resume that
     starts inside a chunk stages the chunk's entries before ``start`` again from its stored
-    bytes (see :func:`stored_entries`, which checks them). ``durable`` counts the entries
-    the last progress mark made durable (default ``start``).
+    bytes (see :func:`stored_entries`, which checks them against the entries the stopped
+    run's last progress mark made durable, :func:`~featcache.store.durable.durable_entries`).
 
     :meth:`write_staged` writes the rows of a chunk still filling (for a progress mark)
     and keeps them staged: the chunk is written again, whole, once it fills.
@@ -38,7 +38,6 @@ class Staged:
         *,
         lead: int = 0,
         per_token: bool = False,
-        durable: int | None = None,
     ):
         self.dataset = dataset
         self.lead = lead
@@ -56,13 +55,16 @@ class Staged:
         self.flushed = start + lead  # entries written to the file and out of the buffer
         self.written = self.flushed  # entries written to the file, staged ones included
         if self.direct and self.flushed % self.chunk_rows:
-            self._stage_again((start if durable is None else durable) + lead)
+            self._stage_again()
 
-    def _stage_again(self, durable: int) -> None:
+    def _stage_again(self) -> None:
         """Stage the entries of the chunk that ``flushed`` falls inside, from the chunk's
-        stored bytes, of which the first ``durable`` entries of the dataset were durable."""
+        stored bytes (of which the entries the last progress mark made durable are
+        checked; all of those before ``flushed`` when that mark cannot be read)."""
         first = self.flushed - self.flushed % self.chunk_rows
         count = self.flushed - first
+        durable = durable_entries(self.dataset)
+        durable = self.flushed if durable is None else durable
         self.buffer[:count] = stored_entries(self.dataset, first, self.flushed, durable)
         self.flushed, self.filled = first, count
 

@@ -17,6 +17,7 @@ from featcache.errors import CorruptStoreError, FeatcacheError
 from featcache.provenance import FORMAT_VERSION
 from featcache.store import codec
 from featcache.store.chunks import MAX_META_CHUNK_ROWS, chunk_rows_for
+from featcache.store.durable import durable_entries
 from featcache.store.integrity import damaged_index
 from featcache.store.merge import copy_store
 from featcache.store.metadata import record_chunk_indexes, seal
@@ -88,8 +89,6 @@ class StoreWriter:
         self.mark_seconds = mark_seconds
         self.resumed = resume is not None
         self.start_row = resume.row if resume else 0
-        # rows durable at the stopped run's last mark: their chunks' stored bytes are checked
-        self.durable_before = self.start_row if resume is None else resume.durable or resume.row
         self.rows_appended = self.start_row
         self.skipped: list[dict[str, Any]] = list(resume.skipped) if resume else []
         self.token_capacity = token_capacity
@@ -197,29 +196,22 @@ class StoreWriter:
         """``/offsets[row]`` of the partial file, for a row at most the durable ones."""
         assert self.file is not None
         offsets = self.file["offsets"]
-        return int(read_durable(offsets, row, row + 1, self.durable_before + 1)[0])
+        return int(read_durable(offsets, row, row + 1, durable_entries(offsets))[0])
 
     def _stage(self) -> None:
         f = self.file
         assert f is not None
-        rows, durable = self.start_row, self.durable_before
-        staging = {name: Staged(f[name], rows, durable=durable) for name in self._meta_dtypes()}
-        tokens = durable_tokens = self.tokens_appended
+        rows, tokens = self.start_row, self.tokens_appended
+        staging = {name: Staged(f[name], rows) for name in self._meta_dtypes()}
         if "offsets" in f:
-            staging["offsets"] = Staged(f["offsets"], rows, lead=1, durable=durable)
-            if durable > rows:
-                durable_tokens = self._durable_offset(durable)
+            staging["offsets"] = Staged(f["offsets"], rows, lead=1)
             if "token_ids" in f:
-                staging["token_ids"] = Staged(
-                    f["token_ids"], tokens, per_token=True, durable=durable_tokens
-                )
+                staging["token_ids"] = Staged(f["token_ids"], tokens, per_token=True)
         for key, dataset in f["features"].items():
             if codec.attr(dataset, "layout") == "tokens":
-                staging[f"features/{key}"] = Staged(
-                    dataset, tokens, per_token=True, durable=durable_tokens
-                )
+                staging[f"features/{key}"] = Staged(dataset, tokens, per_token=True)
             else:
-                staging[f"features/{key}"] = Staged(dataset, rows, durable=durable)
+                staging[f"features/{key}"] = Staged(dataset, rows)
         self._staging = staging
         self._token_staging = [staged for staged in staging.values() if staged.per_token]
 
