@@ -23,7 +23,10 @@ bare eager forward, ``vs best`` against the fastest bare loop at the same depth:
   disk space it takes before any row is written); and featcache's own work in such a run
   without the forward (hashing the weights, encoding the layer's values to float16,
   writing them with checksums), timed alone, with the ratio to the best bare forward
-  that featcache would reach if none of that work overlapped it. Below the table,
+  that featcache would reach if none of that work overlapped it; when torch's threads
+  take every core, also that work's CPU time spread over the cores, the ratio featcache
+  would reach if the forward kept every core busy (then the work cannot hide: each CPU
+  second it takes is one the forward's threads lose). Below the table,
   ``featcache.extract`` over the best bare loop at its depth (the one with the best
   median) round by round: the median and the range of the per-round ratios, which shows
   how far the machine's drift moves one run (the table's ratios are of medians);
@@ -200,6 +203,20 @@ def own_work(model: nn.Module, cut: nn.Module, data: torch.Tensor, batch: int, l
     return run
 
 
+def cpu_timed(run: Callable[[], None], seconds: list[float]) -> None:
+    """Run ``run`` and append the process CPU time it took (every thread's) to ``seconds``."""
+    start = time.process_time()
+    run()
+    seconds.append(time.process_time() - start)
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def timed_rounds(cases: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
     """Seconds of each case in each round; a round runs every case once, in order."""
     seconds: dict[str, list[float]] = {name: [] for name in cases}
@@ -249,10 +266,15 @@ def throughput(
             cases[off] = lambda layer=layer: featcache_run(
                 model, dataset, layer, folder / "fc.h5", batch, checksum=False
             )
+    own_cpu: dict[str, list[float]] = {"avgpool": [], "layer2": []}  # process CPU seconds
     for layer in ("avgpool", "layer2"):
         work = own_work(model, truncated(model, layer), data, batch, layer)
-        cases[f"({layer}) own work"] = lambda w=work: w(folder / "own.h5")
+        cases[f"({layer}) own work"] = lambda w=work, c=own_cpu[layer]: cpu_timed(
+            lambda: w(folder / "own.h5"), c
+        )
     timed(cases, 1)  # warm-up: every case once
+    for seconds in own_cpu.values():
+        seconds.clear()
     rounds = timed_rounds(cases, repeats)
     medians = {name: statistics.median(seconds) for name, seconds in rounds.items()}
     own = {layer: medians.pop(f"({layer}) own work") for layer in ("avgpool", "layer2")}
@@ -283,12 +305,23 @@ def throughput(
         "featcache's own work, without the forward (weights hash, float16 encoding, "
         "checksummed writes), run alone:"
     )
+    cores = usable_cores()
     for layer, seconds in own.items():
         best = min(v for k, v in medians.items() if k.startswith(f"[{layer}] bare"))
         print(
             f"  {layer:<8} {seconds:6.3f} s, {100 * seconds / best:4.1f}% of the best bare "
             f"forward: {best / (best + seconds):.3f}x if none of it overlapped the forward"
         )
+    threads = torch.get_num_threads()
+    if threads >= cores:
+        print(
+            f"the same work in CPU time, against the best bare forward keeping all {cores} "
+            f"cores busy ({threads} torch threads): featcache at about this ratio at best"
+        )
+        for layer in own:
+            best = min(v for k, v in medians.items() if k.startswith(f"[{layer}] bare"))
+            cpu = statistics.median(own_cpu[layer])
+            print(f"  {layer:<8} {cpu:6.3f} s of CPU time: {best / (best + cpu / cores):.3f}x")
     if checksum_cost:
         ratios = []
         for layer in ("avgpool", "layer2"):
