@@ -18,6 +18,9 @@ disk. Cases:
   uncompressed layer) and with a 4 MiB one; one whole epoch, or ``--sampled`` rows of it.
 * ``FeatureDataset.batches``: chunk-aware shuffling from the file, and from memory
   (``in_memory=True``).
+* the same ``DataLoader`` and ``batches`` cases over the same number of rows in a store
+  combined from two torchrun shards (HDF5 virtual datasets over the shard files, as
+  ``featcache extract`` under torchrun writes it).
 * ``ShuffledBatches`` under ``DataLoader(batch_size=None, num_workers=--workers,
   persistent_workers=True)``; skipped with ``--workers 0``.
 
@@ -85,7 +88,8 @@ from torch.utils.data import DataLoader
 
 import featcache  # noqa: F401  (before torchvision, which this script does not need)
 from featcache.dataset import FeatureDataset, ShuffledBatches
-from featcache.store import FeatureStore, StoreWriter
+from featcache.store import FeatureStore, StoreWriter, combine_shards
+from featcache.store.paths import shard_path
 from featcache.token_view import TokenDataset
 
 BASELINE = "in-memory tensor x[idx]"
@@ -334,6 +338,11 @@ def bench(args: argparse.Namespace, path: Path) -> None:
     batch = args.batch
     shuffled_rows = np.random.default_rng(1).permutation(args.rows)[: args.per_row].tolist()
 
+    combined = path.with_name("combined.h5")
+    shards = [shard_path(combined, rank, 2) for rank in range(2)]
+    write_store(shards[0], args.rows // 2, args.dim, args.dtype, chunk_rows=args.chunk_rows)
+    write_store(shards[1], args.rows - args.rows // 2, args.dim, args.dtype, True, args.chunk_rows)
+    combine_shards(combined, shards).close()
     file_dataset = FeatureDataset(path, "x", dtype=dtype)
     with FeatureStore(path) as store:
         memory = store.read("x")
@@ -392,6 +401,10 @@ def bench(args: argparse.Namespace, path: Path) -> None:
         "FeatureDataset.batches, shuffled": chunk_aware(file_dataset),
         "  same, in_memory=True": chunk_aware(
             FeatureDataset(path, "x", dtype=dtype, in_memory=True)
+        ),
+        "2 torchrun shards, DataLoader shuffle=True": sampled(None, combined),
+        "2 torchrun shards, FeatureDataset.batches": chunk_aware(
+            FeatureDataset(combined, "x", dtype=dtype)
         ),
     }
     if args.workers:

@@ -370,17 +370,22 @@ def test_a_compressed_stores_chunk_indexes_fail_loudly_when_damaged(tmp_path):
 
 
 def test_a_damaged_chunk_key_of_a_shard_fails_verify_of_the_combined_store(tmp_path):
-    """The combined store reads its shards through HDF5 (virtual datasets), which a
-    damaged key misleads into zeros: the scan of verify --quick reads each shard's chunks
-    as a plain store's, and names the combined store's rows."""
+    """HDF5's reads of the combined store (virtual datasets) are misled into zeros by a
+    damaged key of a shard; featcache's own reads find each shard's chunks through the
+    listing of its chunk index, as a single file's, and the scan of verify --quick names
+    the combined store's rows."""
     shards = [written_store(shard_path(tmp_path / "t.h5", r, 2), seed=r) for r in range(2)]
-    combined = combine_shards(tmp_path / "t.h5", shards).path
+    store = combine_shards(tmp_path / "t.h5", shards)
+    combined, before = store.path, store.read("a")
+    store.close()
     assert scan_chunks(combined) == []
     raw = bytearray(shards[1].read_bytes())
     with h5py.File(shards[1], "r") as f:  # chunk 2 of shard 1: rows 28-31 of the store
         raw[_key_extent_byte(bytes(raw), f["features/a"], chunk=2) + 3] ^= 0xFF
     shards[1].write_bytes(bytes(raw))
-    assert not FeatureStore(combined).read("a")[28:32].any()  # HDF5 is misled
+    with h5py.File(combined, "r") as f:
+        assert not f["features/a"][28:32].any()  # HDF5 is misled
+    assert before[28:32].any() and torch.equal(FeatureStore(combined).read("a"), before)
     (bad,) = scan_chunks(combined)  # what verify --quick reports
     assert (bad.key, bad.start, bad.stop) == ("features/a", 28, 32)
     assert "HDF5 finds no chunk by its position" in bad.message

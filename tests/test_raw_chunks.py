@@ -4,6 +4,10 @@ return."""
 
 from __future__ import annotations
 
+import gc
+import os
+import weakref
+
 import h5py
 import numpy as np
 import pytest
@@ -11,15 +15,17 @@ import torch
 
 from featcache.dataset import FeatureDataset
 from featcache.errors import CorruptStoreError
-from featcache.store import FeatureStore, StoreWriter, codec, fletcher, read_rows
+from featcache.store import FeatureStore, StoreWriter, codec, combine_shards, fletcher, read_rows
 from featcache.store import raw_chunks as raw_module
-from featcache.store.raw_chunks import raw_chunks
+from featcache.store.paths import shard_path
+from featcache.store.raw_chunks import SourcedChunks, raw_chunks
 from featcache.store.rows import read_runs
+from tests.stores import corrupt_row
 
 
-def _store(path, rows=23, dtype="float16", checksum=True, compression=None):
+def _store(path, rows=23, dtype="float16", checksum=True, compression=None, seed=2):
     """Rows of seeded normal values in layer ``a`` ([3, 5]), 4 rows per chunk."""
-    values = torch.from_numpy(np.random.default_rng(2).standard_normal((rows, 3, 5)))
+    values = torch.from_numpy(np.random.default_rng(seed).standard_normal((rows, 3, 5)))
     writer = StoreWriter(
         path, rows, ids_width=2, chunk_rows=4, dtype=dtype, checksum=checksum,
         compression=compression,
@@ -233,3 +239,73 @@ def test_advice_looks_chunks_up_one_by_one_where_hdf5_cannot_list_them(tmp_path,
         raw_chunks(dataset).advise(dataset, 3, 23)
         np.testing.assert_array_equal(codec.as_array(read_rows(dataset, slice(None))), encoded)
     assert [offset for offset, *_ in asked] == [offset for offset, _ in chunks]
+
+
+def _combined(tmp_path):
+    """A store combined from two shards of 23 and 10 rows, and its rows as written."""
+    shards, encoded = [], []
+    for rank, rows in enumerate((23, 10)):
+        path, values = _store(shard_path(tmp_path / "t.h5", rank, 2), rows, seed=rank)
+        shards.append(path)
+        encoded.append(values)
+    return combine_shards(tmp_path / "t.h5", shards).path, np.concatenate(encoded)
+
+
+def test_a_combined_store_is_read_straight_from_its_shards(tmp_path, monkeypatch):
+    path, encoded = _combined(tmp_path)
+    sums = []
+    original = raw_module.fletcher32
+    monkeypatch.setattr(raw_module, "fletcher32", lambda data: sums.append(1) or original(data))
+
+    def no_hdf5_read(*args, **kwargs):
+        raise AssertionError("a plain chunk of a shard was read through HDF5")
+
+    with h5py.File(path, "r") as f:
+        dataset = f["features/a"]
+        assert dataset.is_virtual and isinstance(raw_chunks(dataset), SourcedChunks)
+        monkeypatch.setattr(h5py.Dataset, "read_direct", no_hdf5_read)
+        for rows in ([32, 0, 23, 22, 5], list(range(33)), [24, 25]):
+            got = codec.as_array(read_rows(dataset, np.array(rows)))
+            np.testing.assert_array_equal(got, encoded[rows])
+        out = np.zeros((12, 3, 5), dtype=dataset.dtype)
+        read_runs(dataset, [(20, 27), (28, 33)], out)  # runs across the two shards
+        np.testing.assert_array_equal(out, encoded[np.r_[20:27, 28:33]])
+        assert len(sums) == 6 + 3  # each chunk of each shard checked once
+    monkeypatch.undo()
+    dataset = FeatureDataset(path, "a", dtype=None)
+    rows = [32, 3, 24, 23, 22]
+    got = torch.stack([value for value, _ in dataset.__getitems__(rows)])
+    np.testing.assert_array_equal(codec.as_array(got), encoded[rows])
+    batches = list(dataset.batches(5, seed=0, with_index=True))
+    features = codec.as_array(torch.cat([b[0] for b in batches]))
+    order = torch.cat([b[2] for b in batches]).numpy()
+    assert sorted(order.tolist()) == list(range(33))
+    np.testing.assert_array_equal(features, encoded[order])
+
+
+def test_a_bad_chunk_of_a_shard_is_named_by_the_combined_rows(tmp_path):
+    path, _ = _combined(tmp_path)
+    corrupt_row(shard_path(tmp_path / "t.h5", 1, 2), "features/a", 5)  # store rows 27
+    with pytest.raises(CorruptStoreError, match=r"layer a rows 27-30 fail their checksum"):
+        FeatureStore(path).read("a", [28])
+    dataset = FeatureDataset(path, "a", dtype=None)
+    assert dataset[26][0].shape == (3, 5)  # the other chunks still read
+    with pytest.raises(CorruptStoreError, match=r"layer a rows 27-30 fail their checksum"):
+        list(dataset.batches(8, seed=0))
+
+
+def test_a_closed_combined_store_lets_go_of_its_shards(tmp_path):
+    path, _ = _combined(tmp_path)
+    with h5py.File(path, "r") as f:
+        reads = raw_chunks(f["features/a"])
+        assert isinstance(reads, SourcedChunks)
+        shard_fds = [part.chunks.fd for part in reads.parts]
+        shard = shard_path(tmp_path / "t.h5", 1, 2)
+        assert os.fstat(shard_fds[1]).st_ino == os.stat(shard).st_ino
+        forgotten = weakref.ref(reads)
+        del reads
+    other, _ = _store(tmp_path / "other.h5")
+    with h5py.File(other, "r") as f:
+        raw_chunks(f["features/a"])  # a new entry: those of closed files are dropped
+    gc.collect()
+    assert forgotten() is None  # and its own descriptors on the shards closed with it

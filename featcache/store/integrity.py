@@ -187,7 +187,7 @@ def _scan(file: h5py.File) -> list[BadChunk]:
     bad: list[BadChunk] = []
     for dataset in datasets:
         key = dataset.name.lstrip("/")
-        sources = _whole_sources(dataset) if dataset.is_virtual else None
+        sources = whole_sources(dataset) if dataset.is_virtual else None
         if sources is None:
             bad += _scan_dataset(dataset, key)
             continue
@@ -232,7 +232,7 @@ def _scan_dataset(dataset: h5py.Dataset, key: str, first: int = 0) -> list[BadCh
 
 
 @dataclass(frozen=True)
-class _WholeSource:
+class WholeSource:
     """A source of a virtual dataset mapped whole to its rows ``[first, stop)``."""
 
     file_name: str
@@ -242,7 +242,7 @@ class _WholeSource:
     chunk_rows: int
 
 
-def _whole_sources(dataset: h5py.Dataset) -> list[_WholeSource] | None:
+def whole_sources(dataset: h5py.Dataset) -> list[WholeSource] | None:
     """The sources of a virtual dataset, when each is a whole dataset mapped to one block
     of rows (a combined store's); else None."""
     sources = []
@@ -253,7 +253,7 @@ def _whole_sources(dataset: h5py.Dataset) -> list[_WholeSource] | None:
         if rows != last + 1 - first:
             return None
         sources.append(
-            _WholeSource(source.file_name, source.dset_name, int(first), int(last) + 1, step)
+            WholeSource(source.file_name, source.dset_name, int(first), int(last) + 1, step)
         )
     return sources
 
@@ -351,7 +351,7 @@ def chunk_spans(dataset: h5py.Dataset) -> list[tuple[int, int]]:
 
 
 def _virtual_spans(dataset: h5py.Dataset) -> list[tuple[int, int]]:
-    sources = _whole_sources(dataset)
+    sources = whole_sources(dataset)
     if sources is None:
         raise ValueError("a source is not mapped whole")
     spans: list[tuple[int, int]] = []
