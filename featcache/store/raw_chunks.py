@@ -326,7 +326,7 @@ def raw_chunks(dataset: h5py.Dataset) -> RawChunks | SourcedChunks | None:
 
 def _forget_closed_files() -> None:
     """Drop the entries of files no longer open: their serial numbers are never seen
-    again, and a combined store's entry holds its shard files open."""
+    again, and a combined store's entry holds descriptors of its shard files."""
     open_files = {
         tuple(file_id.fileno)
         for file_id in h5py.h5f.get_obj_ids(h5py.h5f.OBJ_ALL, h5py.h5f.OBJ_FILE)
