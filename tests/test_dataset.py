@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pickle
 import shutil
+import subprocess
+import sys
 import threading
 import time
 
@@ -445,6 +447,35 @@ def test_bad_arguments_are_refused_in_one_line(rows_path, arguments, message):
     arguments = {"path": rows_path, **arguments}
     with pytest.raises(ConfigError, match=message):
         FeatureDataset(arguments.pop("path"), **arguments)
+
+
+SPAWNED_EPOCH = """
+import sys
+from torch.utils.data import DataLoader
+from featcache import FeatureDataset
+
+if __name__ == "__main__":
+    dataset = FeatureDataset(sys.argv[1], "a", dtype=None)
+    loader = DataLoader(dataset, batch_size=40, num_workers=1, multiprocessing_context="spawn")
+    print("rows", sum(len(features) for features, _ in loader))
+"""
+
+
+def test_an_epoch_in_a_spawned_worker_over_a_torchrun_store_ends_cleanly(tmp_path):
+    """A spawned DataLoader worker exiting with a combined store open crashed (SIGSEGV)
+    in HDF5's shutdown until featcache closed its handles at exit."""
+    from featcache.distributed import combine_shards
+
+    shards = [write_store(tmp_path / f"s{i}.h5", 50 + 7 * i) for i in range(2)]
+    combine_shards(tmp_path / "all.h5", shards).close()
+    script = tmp_path / "epoch.py"
+    script.write_text(SPAWNED_EPOCH)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "all.h5")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["rows", "107"]
 
 
 def test_virtual_store_over_shards_reads_like_one_file(tmp_path):

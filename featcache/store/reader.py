@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -66,6 +68,19 @@ def open_for_reading(path: str | os.PathLike) -> h5py.File:
     return h5py.File(path, "r", rdcc_nbytes=READ_CACHE_BYTES)
 
 
+_OPENED: weakref.WeakSet[StoreFile] = weakref.WeakSet()  # handles this process opened
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close the store handles still open when the interpreter exits, before HDF5 shuts
+    itself down: a DataLoader worker started with ``spawn`` that exited with a torchrun
+    store (virtual datasets over shard files) still open crashed with SIGSEGV there, and
+    the epoch it had served in full then failed."""
+    for handle in list(_OPENED):
+        handle.close()
+
+
 class StoreFile:
     """A store's HDF5 file, read-only, opened on first use in each process.
 
@@ -98,6 +113,7 @@ class StoreFile:
             file = self._file = open_for_reading(readable_path(self.path))
             self._pid = os.getpid()
             self._datasets = {}
+            _OPENED.add(self)
         return file
 
     def dataset(self, name: str, chunk_cache: tuple[int, int] | None = None) -> h5py.Dataset:
