@@ -33,6 +33,14 @@ def as_marked(data: np.ndarray, expected: int, kept: int) -> bool:
     return fletcher32(marked) == expected
 
 
+def chunk_as_marked(data: np.ndarray, expected: int, first: int, durable: int, rows: int) -> bool:
+    """:func:`as_marked` for the chunk of ``rows`` entries from entry ``first``, stored as
+    ``data`` with the checksum ``expected``, of a dataset whose first ``durable`` entries
+    were durable."""
+    kept = min(max(durable - first, 0), rows)
+    return as_marked(data, expected, kept * (len(data) // rows))
+
+
 def marked_chunk(dataset: h5py.Dataset, first: int, durable: int) -> np.ndarray | None:
     """The entries of the checksummed chunk of ``dataset`` that starts at entry ``first``,
     read from its stored bytes (``[chunk_rows, *shape]`` of the dataset's dtype), where
@@ -42,10 +50,10 @@ def marked_chunk(dataset: h5py.Dataset, first: int, durable: int) -> np.ndarray 
     raw = np.frombuffer(stored, dtype=np.uint8)
     data, expected = raw[:-CHECKSUM_BYTES], int.from_bytes(raw[-CHECKSUM_BYTES:], "little")
     chunk_rows = dataset.chunks[0]
-    if fletcher32(data) != expected:
-        kept = min(max(durable - first, 0), chunk_rows) * (len(data) // chunk_rows)
-        if not as_marked(data, expected, kept):
-            return None
+    if fletcher32(data) != expected and not chunk_as_marked(
+        data, expected, first, durable, chunk_rows
+    ):
+        return None
     return data.view(dataset.dtype).reshape(chunk_rows, *dataset.shape[1:])
 
 

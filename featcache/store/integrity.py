@@ -17,7 +17,7 @@ import numpy as np
 from featcache.errors import CorruptStoreError, FeatcacheError, first_line
 from featcache.store import codec
 from featcache.store.chunks import chunk_rows_of
-from featcache.store.durable import as_marked, durable_entries
+from featcache.store.durable import chunk_as_marked, durable_entries
 from featcache.store.fletcher import (
     CHECKSUM_BYTES,
     LISTED_TWICE,
@@ -321,9 +321,8 @@ def _check_stored_chunk(dataset: h5py.Dataset, start: int, durable: int | None =
     if checksum_bytes(data) == expected:
         return
     if durable is not None:
-        entry_bytes = len(data) // dataset.chunks[0]
-        raw = np.frombuffer(data, dtype=np.uint8)
-        if as_marked(raw, int.from_bytes(expected, "little"), (durable - start) * entry_bytes):
+        raw, stored_sum = np.frombuffer(data, dtype=np.uint8), int.from_bytes(expected, "little")
+        if chunk_as_marked(raw, stored_sum, start, durable, dataset.chunks[0]):
             return
     raise OSError("Fletcher-32 checksum mismatch (the chunk's bytes changed)")
 

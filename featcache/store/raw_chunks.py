@@ -37,7 +37,7 @@ import numpy as np
 
 from featcache.errors import CorruptStoreError
 from featcache.store.chunks import row_bytes
-from featcache.store.durable import as_marked, durable_entries
+from featcache.store.durable import chunk_as_marked, durable_entries
 from featcache.store.fletcher import (
     CHECKSUM_BYTES,
     LISTED_TWICE,
@@ -183,7 +183,7 @@ class RawChunks:
             durable = durable_entries(dataset)  # None for a virtual dataset
             if durable is not None and last <= durable:
                 raw = data.reshape(-1).view(np.uint8)
-                if as_marked(raw, expected, (durable - start) * self.row_bytes):
+                if chunk_as_marked(raw, expected, start, durable, self.chunk_rows):
                     passed = False
                     return
             raise OSError(
