@@ -27,6 +27,8 @@ from featcache.extraction.batches import (
     token_lengths,
 )
 from featcache.extraction.bucketing import WINDOW_BATCHES, WindowReorder
+from featcache.extraction.continuity import check_continues
+from featcache.extraction.dataset_info import dataset_classes, dataset_ids
 from featcache.extraction.grid import GridBatches, shard_starts
 from featcache.extraction.loop import run_loop
 from featcache.extraction.writer_thread import WriterThread
@@ -34,7 +36,7 @@ from featcache.fingerprints import ids_fingerprint, module_fingerprint
 from featcache.provenance import StoreKey, store_attributes
 from featcache.reduce import ReduceContext, token_layout
 from featcache.runtime import Layout, choose_layout
-from featcache.selectors import Tap, resolve_taps
+from featcache.selectors import Tap, resolve_taps, tap_record
 from featcache.spec import LayerSpec, LoaderSpec, RuntimeSpec, StoreSpec
 from featcache.store import (
     FeatureStore,
@@ -138,10 +140,14 @@ def extract(
     (see :class:`~featcache.store.StoreWriter`), sized from the dataset's
     ``token_lengths`` attribute when it has one (else one pass over its items).
 
-    ``ids`` (default: the dataset's ``ids`` attribute, else ``"<DatasetClass>:<index>"``)
-    and ``class_names`` go into the store; ``dataset_fingerprint`` defaults to a hash of
-    the sorted ids. ``rows`` (a range of source positions, default all) limits the store
-    to a contiguous block: one shard of a distributed run. ``options`` are the config keys
+    ``ids`` and ``class_names`` go into the store. By default they are the dataset's own
+    (see :mod:`featcache.extraction.dataset_info`): its ``ids`` and ``class_names`` (or
+    ``classes``) attributes, or for torchvision's ``ImageFolder`` and ``DatasetFolder``,
+    also inside ``Subset`` and ``ConcatDataset``, the files' paths relative to the folder
+    and its classes; else the ids are ``"<DatasetClass>:<index>"``.
+    ``dataset_fingerprint`` defaults to a hash of the sorted ids. ``rows`` (a range of
+    source positions, default all) limits the store to a contiguous block: one shard of
+    a distributed run. ``options`` are the config keys
     of the loader, store and runtime sections (``batch_size``, ``num_workers``,
     ``on_error``, ``bucket_by_length``, ``dtype``, ``compression``,
     ``chunk_rows``, ``on_nonfinite``, ``checksum``, ``device``, ``amp``,
@@ -155,9 +161,13 @@ def extract(
     The store is written to ``<path>.partial`` and moved to ``path`` when complete. If an
     earlier run with the same settings, data and model was interrupted, this one resumes
     it and the result is the same as an uninterrupted run; a partial store made
-    differently is refused with the difference named. The model is put in eval mode and
-    moved to the device (its train/eval flag is restored afterwards). Returns the
-    complete store, opened for reading.
+    differently is refused with the difference named. A complete store at ``path`` made
+    the same way is returned as it is. Either way, the rows of two of its batches are
+    recomputed first and must equal the stored ones (within the store dtype's rounding:
+    :mod:`featcache.extraction.continuity`), since a fingerprint cannot see everything
+    (a Python dataset's transform, another folder of the same file names). The model is
+    put in eval mode and moved to the device (its train/eval flag is restored
+    afterwards). Returns the complete store, opened for reading.
 
     One process writes a store at a time: the run holds ``<path>.lock`` (see
     :mod:`featcache.store.lock`) from before it touches anything of the store until the
@@ -182,7 +192,10 @@ def _extract(
     if run.overwrite:
         remove_partial(path)  # a complete store stays until the new one replaces it
     elif path.exists() and plan.key().matches(stored_resume_key(path)):
-        return FeatureStore(path)  # a rerun after this store completed: nothing left to do
+        # A rerun after this store completed: nothing left to do, once a few of its rows
+        # recomputed now prove that it holds this computation's result.
+        check_continues(path, model, dataset, plan, run)
+        return FeatureStore(path)
     # Only a partial store beside a complete one needs the key now; otherwise the weights
     # are hashed on the writer thread, overlapping the first batches.
     resumed_overwrite = partial_path(path).is_file() and interrupted_overwrite(
@@ -201,6 +214,8 @@ def _extract(
             plan.shard_starts,
             config=plan.provenance.get("config"),
         )
+        if resume is not None and resume.row > 0:  # rows kept: they must be this run's
+            check_continues(partial_path(path), model, dataset, plan, run, resume.position)
     todo = range(resume.position if resume else plan.rows.start, plan.rows.stop)
     device = plan.layout.device
     pin = device.type == "cuda" if run.loader.pin_memory == "auto" else bool(run.loader.pin_memory)
@@ -306,7 +321,7 @@ def _plan(
             "extract; check its files or arguments"
         )
     if ids is None:
-        ids = getattr(dataset, "ids", None)
+        ids = dataset_ids(dataset)
     if ids is None:
         ids = [f"{type(dataset).__name__}:{i}" for i in range(num_rows)]
     if len(ids) != num_rows:
@@ -320,7 +335,7 @@ def _plan(
     if rows.step != 1 or not rows or rows.start < 0 or rows.stop > num_rows:
         raise ConfigError(f"rows must be a non-empty range within the {num_rows} source rows")
     if class_names is None:
-        class_names = getattr(dataset, "class_names", None) or getattr(dataset, "classes", None)
+        class_names = dataset_classes(dataset)
     has_labels = getattr(dataset, "has_labels", None)
     first = first_sample(dataset, rows)
     row_tokens = bucket_window = None
@@ -345,7 +360,7 @@ def _plan(
         dataset_fingerprint=dataset_fingerprint or ids_fingerprint(ids),
         source_rows=num_rows,
         rows=(rows.start, rows.stop),
-        taps=tuple(dataclasses.asdict(tap) for tap in taps),
+        taps=tuple(tap_record(tap) for tap in taps),
         store_dtype=run.store.dtype,
         chunk_rows=run.store.chunk_rows,
         compression=run.store.compression,
