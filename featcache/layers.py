@@ -10,10 +10,14 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from featcache.channels import AMBIGUOUS, channel_layout, declared_layouts
 from featcache.errors import ConfigError, first_line
 from featcache.reduce import layer_prefix
 
 PROBE_BATCH = 2  # samples in the probe batch
+# How a 4-d output's channel layout is shown (see featcache.channels): channels first,
+# PyTorch's convention, goes without a note.
+LAYOUT_NOTES = {"nhwc": " channels last", AMBIGUOUS: " channels first or last (set layout)"}
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,9 @@ def describe_layers(
     reported per sample (without the batch dimension), as of the module's first call; a
     tuple/list output reads ``"([C, H, W], [D])"``, a dict ``"{key: [D]}"``, anything else
     its type name. For a model with a token layout (``prefix_tokens`` set), token outputs
-    read ``"[T, D] tokens (1 prefix)"``, sequence-first ones transposed to that form.
+    read ``"[T, D] tokens (1 prefix)"``, sequence-first ones transposed to that form; a
+    4-d output that keeps its channels last reads ``"[14, 14, 384] channels last"``, one
+    whose layout cannot be told (:mod:`featcache.channels`) says so.
     Modules are listed in ``named_modules()`` order, the root excluded. The model's
     train/eval flag is restored afterwards and all hooks are removed.
 
@@ -56,9 +62,17 @@ def describe_layers(
     tokens = None if example is None else int(example["input_ids"].shape[1])
     handles: list[RemovableHandle] = []
 
+    image = None if example is not None else (input_size, input_size)
+    declared = declared_layouts(model)
+
     def recorder(name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            shapes.setdefault(name, _describe(output, prefix_tokens, sequence_first, tokens))
+            if name in shapes:
+                return
+            shapes[name] = _describe(output, prefix_tokens, sequence_first, tokens)
+            if isinstance(output, torch.Tensor) and output.dim() == 4:
+                layout = channel_layout(tuple(output.shape[1:]), declared.get(name), image)
+                shapes[name] += LAYOUT_NOTES.get(layout, "")
 
         return hook
 

@@ -39,9 +39,10 @@ CONTENT_FREE_KEYS: dict[str, tuple[str, ...] | None] = {
 }
 
 
-# Keys added after stores were first written, counted only when set to something other
-# than their default: the fingerprint of a config that leaves them alone stays what it
-# was, so older stores still resume and verify.
+# Keys added after stores were first written, each with the value that reproduces what
+# the stores written before it hold, and counted only when set to something else: the
+# fingerprint of an older store's config stays what it was, so older stores still resume
+# and verify (their recorded configs read with these values: :func:`recorded_config`).
 LATER_KEYS: dict[str, dict[str, Any]] = {
     "data": {
         "image_column": None,
@@ -50,8 +51,10 @@ LATER_KEYS: dict[str, dict[str, Any]] = {
         "id_column": None,
         "max_length": None,
     },
-    "loader": {"bucket_by_length": False},
+    # Older stores decoded JPEGs at reduced scale whenever the preprocessing resized them.
+    "loader": {"bucket_by_length": False, "decode": "fast"},
 }
+LATER_LAYER_KEYS: dict[str, Any] = {"layout": None}  # the same, for each entry of layers
 
 
 def config_fingerprint(spec: Spec) -> str:
@@ -73,6 +76,21 @@ def content_config(config: Mapping[str, Any]) -> dict[str, Any]:
         for key, default in defaults.items():
             if data.get(section, {}).get(key, default) == default:
                 data.get(section, {}).pop(key, None)
+    for layer in data.get("layers", []):
+        for key, default in LATER_LAYER_KEYS.items():
+            if isinstance(layer, dict) and layer.get(key, default) == default:
+                layer.pop(key, None)
+    return data
+
+
+def recorded_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A config as a store recorded it, with the keys it predates (:data:`LATER_KEYS`,
+    :data:`LATER_LAYER_KEYS`) set to the values it was made under."""
+    data = json.loads(json.dumps(config))
+    for section, later in LATER_KEYS.items():
+        if isinstance(data.get(section), dict):
+            for key, value in later.items():
+                data[section].setdefault(key, value)
     return data
 
 

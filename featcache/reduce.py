@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -11,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from featcache.channels import channels_last, declared_layouts
 from featcache.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -32,6 +35,8 @@ class ReduceContext:
     ``image_size``, the ``(H, W)`` of an image batch, which the patch grid of its token
     outputs follows (None: not known, and a patch grid is square), and ``input_tokens``,
     the ``T`` of a batch of token ids (``input_ids`` ``[B, T]``; None for other inputs).
+    ``channel_layouts`` maps module names to the layout (``"nchw"``, ``"nhwc"``) the
+    model declares for their 4-d outputs (see :mod:`featcache.channels`).
     """
 
     attention_mask: torch.Tensor | None = None
@@ -41,6 +46,11 @@ class ReduceContext:
     sequence_first_modules: tuple[str, ...] = ()
     image_size: tuple[int, int] | None = None
     input_tokens: int | None = None
+    channel_layouts: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def declared_layout(self, tap: Tap) -> str | None:
+        """The channel layout of ``tap``'s 4-d outputs as its layer or the model says it."""
+        return tap.layout or self.channel_layouts.get(tap.module_name)
 
 
 NO_CONTEXT = ReduceContext()
@@ -49,9 +59,10 @@ NO_CONTEXT = ReduceContext()
 def token_layout(
     model: nn.Module, prefix_tokens: int | None, sequence_first: bool
 ) -> ReduceContext:
-    """The token layout the reductions use: ``prefix_tokens`` (default: the model's
+    """The layout the reductions use: ``prefix_tokens`` (default: the model's
     ``num_prefix_tokens`` attribute, if any) and ``sequence_first`` (and, when that is
-    False, the model's attention modules that run sequence-first all the same)."""
+    False, the model's attention modules that run sequence-first all the same), and the
+    channel layouts the model declares for its 4-d outputs."""
     if prefix_tokens is None:
         declared = getattr(model, "num_prefix_tokens", None)
         prefix_tokens = declared if isinstance(declared, int) else None
@@ -59,12 +70,14 @@ def token_layout(
         not isinstance(prefix_tokens, int) or isinstance(prefix_tokens, bool) or prefix_tokens < 0
     ):
         raise ConfigError(f"prefix_tokens must be a whole number >= 0, got {prefix_tokens!r}")
+    module = isinstance(model, nn.Module)
     return ReduceContext(
         prefix_tokens=prefix_tokens,
         sequence_first=bool(sequence_first),
         sequence_first_modules=sequence_first_modules(model)
-        if isinstance(model, nn.Module) and not sequence_first
+        if module and not sequence_first
         else (),
+        channel_layouts=declared_layouts(model) if module else {},
     )
 
 
@@ -84,7 +97,9 @@ def reduce_tensor(x: torch.Tensor, tap: Tap, context: ReduceContext = NO_CONTEXT
 
     ``avg``/``max`` pool over every dimension after the channel dimension (``[B, C, ...]``
     -> ``[B, C]``); ``adaptive_avg`` pools ``[B, C, H, W]`` to ``[B, C, k, k]``;
-    ``flatten`` gives ``[B, prod(...)]``.
+    ``flatten`` gives ``[B, prod(...)]``. A 4-d output that holds its channels last
+    (``[B, H, W, C]``, see :mod:`featcache.channels`) is pooled over ``H`` and ``W`` all
+    the same, to ``[B, C]`` and ``[B, C, k, k]``.
 
     Token outputs ``[B, T, D]`` of a model with a token layout (``context.prefix_tokens``
     set), and 3-D outputs whose axis 1 is the ``T`` of a batch of token ids that needed
@@ -118,12 +133,22 @@ def reduce_tensor(x: torch.Tensor, tap: Tap, context: ReduceContext = NO_CONTEXT
         return _reduce_tokens(x, tap, context)
     if how in ("avg", "max"):
         _need_dims(x, tap, minimum=3, shape="[B, C, ...spatial]")
+        if x.dim() == 4:
+            x = channels_first(x, tap, context, f"reduce={how}")
         dims = tuple(range(2, x.dim()))
         return x.mean(dim=dims) if how == "avg" else x.amax(dim=dims)
     if how == "adaptive_avg":
         _need_dims(x, tap, minimum=4, maximum=4, shape="[B, C, H, W]")
-        return _adaptive_avg(x, tap)
+        return _adaptive_avg(channels_first(x, tap, context, "reduce=adaptive_avg"), tap)
     raise ConfigError(f"layer {tap.key!r}: unknown reduce {how!r}")
+
+
+def channels_first(x: torch.Tensor, tap: Tap, context: ReduceContext, need: str) -> torch.Tensor:
+    """A 4-d batch as ``[B, C, H, W]``: as it is, or ``[B, H, W, C]`` permuted (a view)."""
+    shape = tuple(x.shape[1:])
+    if channels_last(shape, tap.key, context.declared_layout(tap), context.image_size, need):
+        return x.permute(0, 3, 1, 2)
+    return x
 
 
 def layer_prefix(

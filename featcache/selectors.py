@@ -6,10 +6,12 @@ A selector is an exact module name, a name with index or slice steps over contai
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -28,6 +30,16 @@ class Tap:
     size: int | None = None
     select: int | str | None = None
     target: str | int | None = None  # capture="grad" only: see LayerSpec.target
+    layout: str | None = None  # "nchw" or "nhwc": where a 4-d output keeps its channels
+
+
+def tap_record(tap: Tap) -> dict[str, Any]:
+    """``tap`` as the JSON-able record a store key holds (``layout`` only when set, so
+    that the keys of stores written before the option existed stay the same)."""
+    record = dataclasses.asdict(tap)
+    if record["layout"] is None:
+        del record["layout"]
+    return record
 
 
 def resolve_taps(model: nn.Module, layers: Iterable[LayerSpec | str | dict]) -> list[Tap]:
@@ -56,7 +68,16 @@ def resolve_taps(model: nn.Module, layers: Iterable[LayerSpec | str | dict]) -> 
             if layer.capture == "grad":
                 target = "label" if layer.target is None else layer.target
             taps.append(
-                Tap(key, name, layer.capture, layer.reduce, layer.size, layer.select, target)
+                Tap(
+                    key,
+                    name,
+                    layer.capture,
+                    layer.reduce,
+                    layer.size,
+                    layer.select,
+                    target,
+                    layer.layout,
+                )  # fmt: skip
             )
     seen: set[str] = set()
     for tap in taps:

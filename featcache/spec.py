@@ -37,6 +37,8 @@ AmpDtype = Literal["fp16", "bf16", "auto"] | None
 OnError = Literal["fail", "skip"]
 OnNonfinite = Literal["fail", "skip", "keep"]
 Interpolation = Literal["bilinear", "bicubic", "nearest"]
+ChannelLayout = Literal["nchw", "nhwc"]
+Decode = Literal["exact", "fast"]
 Auto = Literal["auto"]
 
 REDUCTIONS = choices(Reduction)
@@ -105,6 +107,9 @@ class LayerSpec:
     # "predicted" (the arg-max logit), a class index k, or "output:K" (element K of the
     # model's output, flattened per sample)
     target: str | int | None = None
+    # where a 4-d output keeps its channels: "nchw" ([C, H, W]) or "nhwc" ([H, W, C]);
+    # null: as the model declares it, else read from the input's grid
+    layout: ChannelLayout | None = None
 
     def validate(self, at: str) -> None:
         if self.reduce == "adaptive_avg" and self.size is None:
@@ -259,6 +264,10 @@ class LoaderSpec:
     # Token sources: run the rows of each window of 16 batches longest first, so batches
     # pad less; rows are still stored in source order.
     bucket_by_length: bool = False
+    # How image files are decoded: "exact" (in full, then the model's own resize: its own
+    # pixels) or "fast" (JPEGs at 1/2, 1/4 or 1/8 scale when at least twice the size the
+    # resize needs: faster, and slightly other pixels and features)
+    decode: Decode = "exact"
 
 
 @dataclass

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from featcache.channels import channel_layout
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.reduce import NO_CONTEXT, ReduceContext, reduce_tensor
 from featcache.selectors import Tap
@@ -102,6 +103,9 @@ class TapSet:
         self._active_target: str | int | None = None  # the target being differentiated
         self._context = NO_CONTEXT  # the batch being run, for the reductions
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        # Where the 4-d outputs captured so far keep their channels, by tap key ("nchw",
+        # "nhwc" or "ambiguous"; see featcache.channels), as of their first batch.
+        self.channel_layouts: dict[str, str] = {}
 
     def __enter__(self) -> TapSet:
         modules = dict(self.model.named_modules())
@@ -171,6 +175,10 @@ class TapSet:
     def _store(self, tap: Tap, raw: torch.Tensor) -> None:
         if tap.key in self._values:
             return
+        if raw.dim() == 4 and tap.key not in self.channel_layouts:
+            declared = self._context.declared_layout(tap)
+            shape, size = tuple(raw.shape[1:]), self._context.image_size
+            self.channel_layouts[tap.key] = channel_layout(shape, declared, size)
         out = reduce_tensor(raw.detach(), tap, self._context)
         if self.convert is not None:
             out = self.convert(out)

@@ -35,7 +35,7 @@ from featcache.memory import freed_memory_kept
 from featcache.provenance import config_fingerprint as fingerprint
 from featcache.reduce import ReduceContext, token_layout
 from featcache.runtime import Layout, choose_layout
-from featcache.selectors import resolve_taps
+from featcache.selectors import resolve_taps, tap_record
 from featcache.spec import Spec, StoreSpec, load_config
 from featcache.store import FeatureStore, codec
 from featcache.store.integrity import has_checksums, scan_chunks, span_text
@@ -132,7 +132,7 @@ def verify_store(
         backbone = build_backbone_for(spec)
         weights_ok = backbone.weights == recorded.get("weights")
         result.add("weights", weights_ok, _weights_text(backbone.weights))
-        taps = [dataclasses.asdict(tap) for tap in resolve_taps(backbone.model, spec.layers)]
+        taps = [tap_record(tap) for tap in resolve_taps(backbone.model, spec.layers)]
         taps_ok = json.loads(json.dumps(taps)) == recorded.get("taps")
         result.add("taps", taps_ok, ", ".join(tap["key"] for tap in taps))
         split = store.attrs["split"]

@@ -44,7 +44,8 @@ def _row(fs: FeatureStore, row: int) -> int:
 
 
 def _spatial(fs: FeatureStore, layer: str, row: int) -> torch.Tensor:
-    """Row ``row`` of ``layer`` as float32 ``[C, H, W]``; a pooled layer is an error."""
+    """Row ``row`` of ``layer`` as float32 ``[C, H, W]`` (a map stored as the module gave
+    it, ``[H, W, C]``, is permuted); a pooled layer is an error."""
     shape = fs.shape(layer)
     if fs.is_per_token(layer):
         raise ConfigError(
@@ -56,7 +57,10 @@ def _spatial(fs: FeatureStore, layer: str, row: int) -> torch.Tensor:
             f"layer {layer!r} is stored as {list(shape)} per row: no spatial map left; "
             "capture it with reduce: none (or adaptive_avg) to show it"
         )
-    return fs.read(layer, [_row(fs, row)])[0].float()
+    values = fs.read(layer, [_row(fs, row)])[0].float()
+    if fs.layer_attrs(layer).get("channel_layout") == "nhwc":
+        values = values.permute(2, 0, 1)  # [H, W, C] as the module gave it
+    return values
 
 
 def normalize_channels(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:

@@ -38,11 +38,18 @@ from featcache.store.codec import encode
 from featcache.taps import Tap, TapSet
 
 
-def feature_attrs(taps: Sequence[Tap]) -> dict[str, dict[str, str]]:
-    """The attributes of each layer's dataset: what was captured and how it was reduced."""
+def feature_attrs(
+    taps: Sequence[Tap], channel_layouts: Mapping[str, str] | None = None
+) -> dict[str, dict[str, str]]:
+    """The attributes of each layer's dataset: what was captured and how it was reduced,
+    and where a 4-d output kept its channels (``channel_layout``: ``"nchw"`` or
+    ``"nhwc"``, when known: a stored ``reduce: none`` row is ``[C, H, W]`` or
+    ``[H, W, C]``)."""
+    layouts = {k: v for k, v in (channel_layouts or {}).items() if v in ("nchw", "nhwc")}
     return {
         tap.key: {"module": tap.module_name, "capture": tap.capture, "reduce": tap.reduce}
         | ({"target": str(tap.target)} if tap.capture == "grad" else {})
+        | ({"channel_layout": layouts[tap.key]} if tap.key in layouts else {})
         for tap in taps
     }
 
@@ -71,7 +78,7 @@ def run_loop(
     device = layout.device
     was_training = model.training
     model.eval()
-    attrs = feature_attrs(taps)
+    attrs: dict[str, dict[str, str]] | None = None  # known once the first batch has run
     bar = tqdm(
         total=total,
         initial=done_before,
@@ -120,6 +127,8 @@ def run_loop(
                 window = captured if reorder is None else reorder.add(captured)
                 if window is not None:  # a bucketed window goes to the sink once complete
                     window.ids = [ids[i] for i in window.index]
+                    if attrs is None:
+                        attrs = feature_attrs(taps, tapset.channel_layouts)
                     sink.put(window, attrs)
                 bar.update(rows_done)
                 bar.set_postfix_str(_bar_note(timing, sink.waited, sink.skipped), False)
