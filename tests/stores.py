@@ -20,6 +20,7 @@ def synthetic_store(folder: Path, dtype: str = "float16", **store: Any) -> Path:
     store options (``checksum=False`` ...)."""
     config = {
         "model": {"name": "resnet18"},
+        "preprocess": {"mean": [0.485, 0.456, 0.406]},  # 32px as it is
         "layers": [{"name": "layer2"}, {"name": "layer4", "reduce": "avg"}],
         "data": {
             "source": "synthetic",

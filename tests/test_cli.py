@@ -23,6 +23,7 @@ runner = CliRunner()
 def config_file(tmp_path) -> Path:
     config = {
         "model": {"name": "resnet18"},
+        "preprocess": {"mean": [0.485, 0.456, 0.406]},  # 32px as it is
         "layers": [{"name": "layer3", "reduce": "avg"}],
         "data": {
             "source": "synthetic",

@@ -34,6 +34,7 @@ from featcache.store import FeatureStore, StoreWriter, merge_store, partial_path
 
 CONFIG = {
     "model": {"name": "resnet18"},
+    "preprocess": {"mean": [0.485, 0.456, 0.406]},  # 32px as it is
     "layers": [{"name": "layer2"}, {"name": "layer4", "reduce": "avg"}],
     "data": {
         "source": "synthetic",

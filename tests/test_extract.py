@@ -293,6 +293,7 @@ def test_model_mode_is_restored(resnet18, images, tmp_path):
 def demo_like(tmp_path, **extra):
     config = {
         "model": {"name": "resnet18"},
+        "preprocess": {"mean": [0.485, 0.456, 0.406]},  # 32px as it is
         "layers": [{"name": "layer4", "reduce": "avg"}, "avgpool"],
         "data": {
             "source": "synthetic",

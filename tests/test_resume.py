@@ -26,6 +26,7 @@ from tests.stores import break_chunk_key, tear_chunk
 
 KILL_CONFIG = {
     "model": {"name": "resnet18"},
+    "preprocess": {"mean": [0.485, 0.456, 0.406]},  # 32px as it is
     "layers": [{"name": "layer1"}, {"name": "layer3", "reduce": "avg"}],
     "data": {
         "source": "synthetic",

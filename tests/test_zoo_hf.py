@@ -68,6 +68,10 @@ def tiny_config(kind: str):
         vision = t.SiglipVisionConfig(**TINY, intermediate_size=64)
         text = t.SiglipTextConfig(**TEXT, intermediate_size=64, eos_token_id=1)
         return t.SiglipConfig(vision_config=vision.to_dict(), text_config=text.to_dict())
+    if kind == "beit":
+        return t.BeitConfig(**TINY, intermediate_size=64)
+    if kind == "convnext":
+        return t.ConvNextConfig(num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], image_size=32)
     raise AssertionError(kind)
 
 
@@ -426,12 +430,91 @@ def test_missing_transformers_names_the_extra(tmp_path, monkeypatch):
         build(tmp_path / "m", "pretrained")
 
 
-def test_processors_with_steps_of_their_own_are_refused(tmp_path):
-    save(tmp_path / "m", processor=transformers.ConvNextImageProcessor())
-    with pytest.raises(ConfigError, match=r"ConvNextImageProcessor preprocesses in its own way"):
-        build_preprocessing(spec(tmp_path / "m"), PreprocessSpec())
-    # an explicit preprocess section still works
+def test_processors_with_steps_of_their_own_are_run_as_they_are(tmp_path):
+    processor = transformers.ConvNextImageProcessor(size={"shortest_edge": 32})
+    save(tmp_path / "m", processor=processor)
+    preprocessing = build_preprocessing(spec(tmp_path / "m"), PreprocessSpec())
+    assert (preprocessing.decode_size, preprocessing.crop_size) == (None, None)
+    for image in _images():
+        theirs = processor(image, return_tensors="pt")["pixel_values"][0]
+        assert torch.equal(preprocessing.transform(image), theirs)
+    assert "ConvNextImageProcessor" in repr(preprocessing.transform)
+    # an explicit preprocess section still wins
     assert build_preprocessing(spec(tmp_path / "m"), PreprocessSpec(resize=32)).decode_size == 32
+
+
+# Each zoo model with its own processor and a block to compare; the JPEG photos are many
+# times the target size.
+EXACT_PIXELS = [
+    ("vit", "layers.1", lambda t: t.ViTImageProcessor(size={"height": 32, "width": 32})),
+    (
+        "dinov2",
+        "encoder.layer.1",
+        lambda t: t.BitImageProcessor(
+            size={"shortest_edge": 36}, crop_size={"height": 32, "width": 32}
+        ),
+    ),
+    (
+        "clip",
+        "encoder.layers.1",
+        lambda t: t.CLIPImageProcessor(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+        ),
+    ),
+    (
+        "siglip",
+        "encoder.layers.1",
+        lambda t: t.SiglipImageProcessor(size={"height": 32, "width": 32}),
+    ),
+    (
+        "convnext",
+        "encoder.stages.1",
+        lambda t: t.ConvNextImageProcessor(size={"shortest_edge": 32}),
+    ),
+    ("beit", "layers.1", lambda t: t.BeitImageProcessor(size={"height": 32, "width": 32})),
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "last", "processor"), EXACT_PIXELS, ids=[kind for kind, _, _ in EXACT_PIXELS]
+)
+def test_features_of_large_jpeg_photos_are_those_of_the_models_own_processor(
+    tmp_path, hymenoptera_root, kind, last, processor
+):
+    """By default the photos are decoded in full, as the processor is given them: the
+    stored hidden states equal the model run on the processor's pixel_values."""
+    import shutil
+
+    folder = tmp_path / "photos" / "val"
+    photos = sorted((hymenoptera_root / "val" / "bees").glob("*.jpg"))[:6]
+    for photo in photos:
+        (folder / "bees").mkdir(parents=True, exist_ok=True)
+        shutil.copy(photo, folder / "bees" / photo.name)
+    assert min(min(Image.open(p).size) for p in photos) >= 4 * 32  # draft decoding would apply
+    hf_processor = processor(transformers)
+    saved = save(tmp_path / kind, kind, processor=hf_processor)
+    tower = getattr(saved, "vision_model", saved)
+    config = {
+        "model": {"name": f"hf:{tmp_path / kind}", "weights": "pretrained"},
+        "layers": [{"name": last}],
+        "data": {"source": "imagefolder", "root": str(tmp_path / "photos"), "splits": ["val"]},
+        "loader": {"batch_size": 3, "num_workers": 0},
+        "store": {"dtype": "float32"},
+        "output": {"dir": str(tmp_path / "out")},
+        "runtime": {"progress": False, "device": "cpu"},
+    }
+    store = featcache.extract_from_config(config)["val"]
+    images = [Image.open(folder / "bees" / p.name).convert("RGB") for p in photos]
+    pixels = hf_processor(images, return_tensors="pt")["pixel_values"]
+    hidden: dict[str, torch.Tensor] = {}
+    module = dict(tower.named_modules())[last]
+    handle = module.register_forward_hook(
+        lambda m, a, out: hidden.setdefault("out", out[0] if isinstance(out, tuple) else out)
+    )
+    with torch.no_grad():
+        tower(pixels)
+    handle.remove()
+    torch.testing.assert_close(store.read(last), hidden["out"], atol=1e-5, rtol=1e-5)
 
 
 def test_featcache_layers_lists_a_saved_folder_with_its_token_layout(tmp_path):

@@ -99,12 +99,12 @@ def build_backbone_for(spec: Spec) -> Backbone:
 
 
 def build_source_for(spec: Spec, split: str, backbone: Backbone) -> SourceDataset:
-    """The source of ``split``, decoded by ``backbone``'s transform or its tokenizer."""
+    """The source of ``split``, decoded by ``backbone``'s transform or its tokenizer
+    (JPEGs at reduced scale first only with ``loader.decode: fast``)."""
     from featcache.sources import build_source
 
-    return build_source(
-        spec.data, split, backbone.transform, backbone.decode_size, backbone.tokenizer
-    )
+    decode_size = backbone.decode_size if spec.loader.decode == "fast" else None
+    return build_source(spec.data, split, backbone.transform, decode_size, backbone.tokenizer)
 
 
 def preprocessing_record(backbone: Backbone, max_length: int | None) -> str:

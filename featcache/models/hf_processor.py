@@ -4,11 +4,13 @@ A standard processor (transformers' torchvision backend, no steps of its own) be
 its own order: uint8 tensor -> resize (torchvision v2, antialiased: v1 rounds uint8
 differently) -> centre crop (offsets rounded down) -> fused rescale and normalise. Its
 output equals the processor's ``pixel_values`` (measured exactly equal on transformers
-5.23). Any other processor is refused with the fix: an explicit ``preprocess``.
+5.23). Any other processor (ConvNeXt's ``crop_pct``, BEiT's, one that pads) is run as it
+is, one image at a time (:class:`RunProcessor`): its ``pixel_values`` are the input.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +21,6 @@ from torchvision import transforms as T
 from torchvision.transforms import functional as TF
 from torchvision.transforms import v2
 
-from featcache.errors import ConfigError
 from featcache.models.preprocess import Preprocessing
 
 # PIL resample numbers -> the modes transformers' torchvision backend resizes tensors with;
@@ -40,9 +41,22 @@ def processor_preprocessing(processor: Any) -> Preprocessing:
     ``height``/``width``, antialiased, ``resample`` as a torchvision mode) -> centre crop
     (``crop_size``, if ``do_center_crop``) -> float32 rescaled (``rescale_factor``) and
     normalised (``image_mean``/``image_std``): the order and rounding of the processor.
+    A processor with steps of its own, or sizes or a resample mode the pipeline does not
+    take, is run as it is (:class:`RunProcessor`).
     """
-    cls = type(processor)
-    check_standard(processor)
+    if own_steps(processor):
+        return Preprocessing(RunProcessor(processor))
+    try:
+        return _pipeline(processor)
+    except _Untranslatable:
+        return Preprocessing(RunProcessor(processor))
+
+
+class _Untranslatable(Exception):
+    """A processor setting the torchvision pipeline does not reproduce."""
+
+
+def _pipeline(processor: Any) -> Preprocessing:
     steps: list[Callable[..., Any]] = [T.PILToTensor()]
     decode_size = crop_size = None
     if getattr(processor, "do_resize", False):
@@ -51,10 +65,7 @@ def processor_preprocessing(processor: Any) -> Preprocessing:
         if not isinstance(resample, T.InterpolationMode):
             resample = _RESAMPLE.get(2 if resample is None else int(resample))
         if resample is None:
-            raise ConfigError(
-                f"{cls.__name__} resizes with PIL resample {processor.resample!r}, which "
-                "featcache does not reproduce; set preprocess.resize/crop/mean/std explicitly"
-            )
+            raise _Untranslatable(f"resample {processor.resample!r}")
         if "shortest_edge" in size:
             steps.append(v2.Resize(size["shortest_edge"], resample, antialias=True))
             decode_size = size["shortest_edge"]
@@ -64,7 +75,7 @@ def processor_preprocessing(processor: Any) -> Preprocessing:
     if getattr(processor, "do_center_crop", False):
         crop = _size(processor, "crop_size")
         if "height" not in crop:
-            raise ConfigError(f"{cls.__name__}.crop_size {crop} has no height and width")
+            raise _Untranslatable(f"crop_size {crop}")
         steps.append(CenterCrop(crop["height"], crop["width"]))
         crop_size = crop["height"] if crop["height"] == crop["width"] else None
     steps.append(
@@ -124,34 +135,45 @@ class RescaleNormalize:
         return f"{type(self).__name__}(scale={self.scale}, mean={self.mean}, std={self.std})"
 
 
-def check_standard(processor: Any) -> None:
-    """Refuse processors with steps of their own (ConvNeXt's crop_pct, padding, tiling)."""
+class RunProcessor:
+    """A transformers image processor run as it is: PIL RGB -> its float32 ``[3, H, W]``
+    ``pixel_values``, for processors with steps of their own. Picklable (DataLoader
+    workers get a copy of the processor)."""
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+
+    def __call__(self, image: Any) -> torch.Tensor:
+        pixels = self.processor(images=image, return_tensors="pt")["pixel_values"]
+        return pixels[0].to(torch.float32)
+
+    def __repr__(self) -> str:
+        settings = json.dumps(self.processor.to_dict(), sort_keys=True, default=str)
+        return f"{type(self).__name__}({type(self.processor).__name__}, {settings})"
+
+
+def own_steps(processor: Any) -> list[str]:
+    """The steps of its own that a processor takes beyond the standard resize, crop and
+    normalisation (ConvNeXt's crop_pct, padding, tiling), in words; [] for none."""
     from transformers.image_processing_backends import TorchvisionBackend
 
     cls = type(processor)
+    if not issubclass(cls, TorchvisionBackend):
+        return ["a backend other than torchvision's"]
     own = [
         method
         for method in ("_preprocess", "resize", "center_crop", "rescale_and_normalize")
         if getattr(cls, method, None) is not getattr(TorchvisionBackend, method)
     ]
-    if not issubclass(cls, TorchvisionBackend):
-        own = ["a backend other than torchvision's"]
-    elif getattr(processor, "do_pad", False):
+    if getattr(processor, "do_pad", False):
         own.append("padding")
-    if own:
-        raise ConfigError(
-            f"{cls.__name__} preprocesses in its own way ({', '.join(own)}), which featcache "
-            "does not reproduce; set preprocess.resize/crop/mean/std explicitly"
-        )
+    return own
 
 
 def _size(processor: Any, attribute: str) -> dict[str, int]:
     size = {k: v for k, v in dict(getattr(processor, attribute)).items() if v is not None}
     if set(size) not in ({"shortest_edge"}, {"height", "width"}):
-        raise ConfigError(
-            f"{type(processor).__name__}.{attribute} {size} is not a shortest_edge or a "
-            "height and width, which featcache reproduces; set preprocess explicitly"
-        )
+        raise _Untranslatable(f"{attribute} {size}")
     return size
 
 

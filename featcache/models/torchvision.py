@@ -3,8 +3,10 @@
 ``model.name`` is a name from ``torchvision.models.list_models()``, built with
 ``torchvision.models.get_model``; ``model.weights`` names one of its weights enums
 (``"DEFAULT"``, ``"IMAGENET1K_V2"`` or ``"ResNet50_Weights.IMAGENET1K_V2"``), which
-torchvision downloads into the torch hub cache the first time, as usual. With weights and
-no explicit ``preprocess``, the transform is the weights' own ``transforms()``.
+torchvision downloads into the torch hub cache the first time, as usual. Without an
+explicit ``preprocess``, the transform is the weights' own ``transforms()``; with random
+weights (``weights: null``), those of the architecture's default weights (resize and
+centre crop included), as timm's models get timm's eval transform.
 
 Weights identity: ``{"source": "torchvision", "enum": "ResNet18_Weights.IMAGENET1K_V1",
 "url": ...}``, or ``{"source": "random", "seed": seed}`` without weights.
@@ -38,9 +40,14 @@ class TorchvisionKind(ModelKind):
     ) -> Preprocessing:
         # Resolving first makes a bad name or weights fail before anything is built.
         enum = resolve_weights(ref, model.weights)
-        if enum is not None and not preprocess.is_set():
-            return weights_preprocessing(enum)
-        return spec_preprocessing(preprocess)
+        if preprocess.is_set():
+            return spec_preprocessing(preprocess)
+        # Random weights get the architecture's standard eval transform: its default
+        # weights' (their files are not read), as timm gives its own.
+        standard = enum or default_weights(ref)
+        return (
+            spec_preprocessing(preprocess) if standard is None else weights_preprocessing(standard)
+        )
 
     def build(self, ref: str, model: ModelSpec, seed: int, inputs: Inputs = "image") -> BuiltModel:
         if inputs != "image":
@@ -79,6 +86,19 @@ def resolve_weights(name: str, weights: str | None) -> torchvision.models.Weight
             f"unknown weights {weights!r} for {name}{hint}; available: {', '.join(available)}"
         )
     return enum_cls[member]
+
+
+def default_weights(name: str) -> torchvision.models.WeightsEnum | None:
+    """The ``DEFAULT`` weights of torchvision classifier ``name``, whose ``transforms()``
+    resize, crop and normalise images (None for a model without them, or whose transform
+    is for other inputs: detection, video, optical flow); downloads nothing."""
+    from torchvision.transforms._presets import ImageClassification
+
+    try:
+        weights = torchvision.models.get_model_weights(name)["DEFAULT"]
+    except (KeyError, ValueError):
+        return None
+    return weights if isinstance(weights.transforms(), ImageClassification) else None
 
 
 def check_model_name(name: str) -> None:

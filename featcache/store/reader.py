@@ -20,6 +20,7 @@ from featcache.errors import (
     IncompleteStoreError,
     first_line,
 )
+from featcache.provenance import recorded_config
 from featcache.store import codec
 from featcache.store.containment import foreign_data_problem
 from featcache.store.integrity import FIX
@@ -367,8 +368,11 @@ class FeatureStore:
 
     @property
     def config(self) -> dict[str, Any] | None:
-        """The resolved config the store was made with (None when made from Python)."""
-        return self.attrs.get("config")
+        """The resolved config the store was made with (None when made from Python), keys
+        added to featcache since then set as the store was made
+        (:func:`~featcache.provenance.recorded_config`)."""
+        config = self.attrs.get("config")
+        return None if config is None else recorded_config(config)
 
     @property
     def class_names(self) -> list[str] | None:
