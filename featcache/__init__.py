@@ -20,10 +20,12 @@ _PUBLIC = {
     "FeatcacheError": "featcache.errors",
     "FeatureDataset": "featcache.dataset",
     "FeatureStore": "featcache.store",
+    "PadTokens": "featcache.padding",
     "ShuffledBatches": "featcache.dataset",
     "TokenDataset": "featcache.token_view",
     "extract": "featcache.extraction",
     "extract_from_config": "featcache.extraction",
+    "pad_tokens": "featcache.padding",
 }
 
 # Subpackages reachable as attributes (``featcache.probe.probe(...)``), loaded on first use.
@@ -34,16 +36,19 @@ __all__ = [
     "FeatcacheError",
     "FeatureDataset",
     "FeatureStore",
+    "PadTokens",
     "ShuffledBatches",
     "TokenDataset",
     "extract",
     "extract_from_config",
+    "pad_tokens",
 ]
 
 if TYPE_CHECKING:
     from featcache.dataset import FeatureDataset, ShuffledBatches
     from featcache.errors import ConfigError, FeatcacheError
     from featcache.extraction import extract, extract_from_config
+    from featcache.padding import PadTokens, pad_tokens
     from featcache.store import FeatureStore
     from featcache.token_view import TokenDataset
 

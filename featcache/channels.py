@@ -6,7 +6,8 @@ ConvNeXt's inner layers and any module after a ``permute`` give ``[B, H, W, C]``
 
 1. the layer's own ``layout`` option;
 2. what the model declares (:func:`declared_layouts`: 2-d convolutions, norms and pools,
-   timm's ``feature_info`` modules in its ``output_fmt``, torchvision's Swin stages);
+   timm's ``feature_info`` modules in its ``output_fmt``, torchvision's Swin stages,
+   transformers' CNN stages and embeddings);
 3. the input's grid: the spatial axes of a feature map follow the input image's (equal
    for a square input, in its proportions for another), so at most one reading of most
    shapes has them (:func:`channel_layout`);
@@ -43,7 +44,7 @@ CHANNELS_FIRST_MODULES = (
 def declared_layouts(model: nn.Module) -> dict[str, ChannelLayout]:
     """The layouts ``model`` declares for some of its modules' outputs, by module name:
     the 2-d convolutions, norms and pools of :data:`CHANNELS_FIRST_MODULES`, timm's
-    feature stages and torchvision's Swin stages."""
+    feature stages, torchvision's Swin stages, transformers' stages and embeddings."""
     import torchvision
 
     declared: dict[str, ChannelLayout] = {
@@ -59,6 +60,12 @@ def declared_layouts(model: nn.Module) -> dict[str, ChannelLayout]:
             if isinstance(entry, dict) and isinstance(entry.get("module"), str):
                 declared[entry["module"]] = layout
     for name, module in model.named_modules():
+        # transformers' CNN stages and embeddings give the NCHW maps of its hidden_states
+        # (its Swin stages give tokens, which no 4-d layout concerns).
+        if type(module).__module__.startswith("transformers.") and type(module).__name__.endswith(
+            ("Stage", "Embeddings", "Embedder")
+        ):
+            declared.setdefault(name, "nchw")
         if isinstance(module, torchvision.models.SwinTransformer):
             prefix = f"{name}." if name else ""
             for stage, _ in module.features.named_children():

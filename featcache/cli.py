@@ -53,6 +53,15 @@ def extract(
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace stores that already exist.")
     ] = False,
+    limit: Annotated[
+        int | None,
+        typer.Option(
+            "--limit",
+            min=1,
+            help="Only the first N samples of each split, into <output.dir>/first-N/ "
+            "(data.limit): a quick trial.",
+        ),
+    ] = None,
 ) -> None:
     """Extract the configured layers for every split into HDF5 stores."""
     from featcache.distributed import current_rank
@@ -62,6 +71,8 @@ def extract(
     overrides = list(set_ or [])
     if overwrite:
         overrides.append("output.overwrite=true")
+    if limit is not None:
+        overrides.append(f"data.limit={limit}")
     rank = current_rank()
     started = time.time_ns()
     try:

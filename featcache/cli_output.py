@@ -13,7 +13,7 @@ from typing import Any
 
 import typer
 
-from featcache.errors import FeatcacheError, IncompleteStoreError, first_line
+from featcache.errors import FeatcacheError, FeatcacheWarning, IncompleteStoreError, first_line
 
 state = {"debug": False}  # set by the --debug option
 
@@ -43,13 +43,12 @@ def friendly(command: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", UserWarning)
+                warnings.simplefilter("always", FeatcacheWarning)
                 try:
                     return command(*args, **kwargs)
                 finally:
                     for warning in caught:
-                        if issubclass(warning.category, UserWarning):
-                            say(f"featcache: warning: {warning.message}", err=True)
+                        _show_warning(warning)
         except typer.Exit:
             raise
         except KeyboardInterrupt:
@@ -72,6 +71,16 @@ def friendly(command: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(code) from None
 
     return wrapper
+
+
+def _show_warning(warning: warnings.WarningMessage) -> None:
+    """featcache's own warnings as ``featcache: warning:`` lines; another library's (a
+    beta notice, a deprecation) only with ``--debug``, named as theirs."""
+    if issubclass(warning.category, FeatcacheWarning):
+        say(f"featcache: warning: {warning.message}", err=True)
+    elif state["debug"]:
+        where = f"{warning.filename}:{warning.lineno}"
+        say(f"{warning.category.__name__} from {where}: {warning.message}", err=True)
 
 
 def _unexpected(exc: Exception) -> str:

@@ -26,6 +26,7 @@ from torch.utils.data import Dataset
 
 from featcache.buffer_read import SharedRead
 from featcache.errors import ConfigError
+from featcache.padding import PadTokens
 from featcache.shuffled_batches import ShuffledBatches
 from featcache.store import codec
 from featcache.store.chunks import chunk_cache_for, chunk_rows_of, row_bytes
@@ -71,9 +72,9 @@ class FeatureDataset(Dataset):
 
     A layer of per-token rows (text models with ``reduce: none``) gives row ``i`` as
     ``[T_i, *shape]``; such rows differ in length, so they are read one batch at a time
-    through :meth:`__getitems__` (a DataLoader needs a ``collate_fn`` that pads, or
-    ``batch_size=None``), not through :meth:`batches`. :class:`~featcache.TokenDataset`
-    serves their single tokens, shuffled by chunk.
+    through :meth:`__getitems__` (a DataLoader takes :attr:`pad_tokens` as its
+    ``collate_fn``, which pads them and gives a mask), not through :meth:`batches`.
+    :class:`~featcache.TokenDataset` serves their single tokens, shuffled by chunk.
     """
 
     def __init__(
@@ -189,6 +190,13 @@ class FeatureDataset(Dataset):
     def __getitem__(self, i: int) -> tuple[Features, torch.Tensor]:
         (sample,) = self.__getitems__([i])
         return sample
+
+    @property
+    def pad_tokens(self) -> PadTokens:
+        """The DataLoader ``collate_fn`` for this dataset's per-token rows: batches of
+        ``(features [B, T, ...], mask [B, T], labels [B])``, rows padded to the longest
+        (see :class:`~featcache.padding.PadTokens`)."""
+        return PadTokens(self.per_token)
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Features, torch.Tensor]]:
         """A batch of samples, read in increasing row order: one slice per run of rows."""

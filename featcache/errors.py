@@ -21,6 +21,12 @@ class ConfigError(FeatcacheError):
     exit_code = 2
 
 
+class FeatcacheWarning(UserWarning):
+    """Something the user should know about a run or a store that does not stop it (the
+    CLI prints these as ``featcache: warning: ...``; other libraries' warnings stay out
+    of its output unless ``--debug``)."""
+
+
 class CorruptStoreError(FeatcacheError):
     """A store is damaged: a chunk fails its Fletcher-32 checksum (or its decoding), and
     the message names the store, the dataset and the rows of the bad chunk; or its

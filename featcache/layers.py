@@ -32,7 +32,7 @@ class LayerInfo:
 
 def describe_layers(
     model: nn.Module,
-    input_size: int = 224,
+    input_size: int | tuple[int, int] = 224,
     channels: int = 3,
     device: str = "cpu",
     *,
@@ -40,7 +40,9 @@ def describe_layers(
     sequence_first: bool = False,
     example: Mapping[str, torch.Tensor] | None = None,
 ) -> list[LayerInfo]:
-    """Run one ``[2, channels, input_size, input_size]`` batch and record every module's output.
+    """Run one ``[2, channels, H, W]`` batch and record every module's output.
+
+    ``input_size`` is the side of a square probe image, or its ``(H, W)``.
 
     The batch is float32 zeros on ``device``; a text model is given ``example`` instead
     (``{"input_ids": [2, T], "attention_mask": [2, T]}``, passed as keyword arguments),
@@ -62,7 +64,8 @@ def describe_layers(
     tokens = None if example is None else int(example["input_ids"].shape[1])
     handles: list[RemovableHandle] = []
 
-    image = None if example is not None else (input_size, input_size)
+    height, width = input_size if isinstance(input_size, tuple) else (input_size, input_size)
+    image = None if example is not None else (height, width)
     declared = declared_layouts(model)
 
     def recorder(name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
@@ -86,9 +89,10 @@ def describe_layers(
             if example is not None:
                 model(**{key: value.to(device) for key, value in example.items()})
             else:
-                model(torch.zeros(PROBE_BATCH, channels, input_size, input_size, device=device))
+                model(torch.zeros(PROBE_BATCH, channels, height, width, device=device))
     except Exception as exc:  # the model's own complaint, about the probe input
-        probe = "text" if example is not None else f"batch of {input_size}px images"
+        side = f"{height}" if height == width else f"{height}x{width}"
+        probe = "text" if example is not None else f"batch of {side}px images"
         fix = "" if example is not None else "; give an input size the model takes (--input-size)"
         raise ConfigError(
             f"the probe {probe} does not run through the model "

@@ -50,6 +50,8 @@ LATER_KEYS: dict[str, dict[str, Any]] = {
         "label_column": None,
         "id_column": None,
         "max_length": None,
+        "class_names": None,
+        "limit": None,
     },
     # Older stores decoded JPEGs at reduced scale whenever the preprocessing resized them.
     "loader": {"bucket_by_length": False, "decode": "fast"},

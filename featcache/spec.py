@@ -173,6 +173,12 @@ class DataSpec:
     label_column: str | None = None  # class index or class name
     id_column: str | None = None  # stable sample id; default <dataset>/<split>/<index>
     max_length: int | None = option(None, ge=1)  # tokens per text; null: the model's limit
+    # Names of the integer labels (label i is class_names[i]): a list, or the path of a
+    # text file with one name per line; null: the names the source gives, if any
+    class_names: list[str] | str | None = None
+    # Only the first N samples of each split (a quick trial); their stores go to
+    # <output.dir>/first-N/, beside the full ones
+    limit: int | None = option(None, ge=1)
 
     @property
     def inputs(self) -> Literal["image", "text"]:
@@ -198,6 +204,12 @@ class DataSpec:
             )
         if self.source in ("imagefolder", "manifest") and not self.root:
             raise ConfigError(f"{at}.root is required for data.source={self.source}")
+        names = self.class_names
+        if isinstance(names, list) and (not names or len(set(names)) != len(names)):
+            raise ConfigError(
+                f"{at}.class_names must list each class once (label i names class_names[i]), "
+                f"got {names!r}"
+            )
         self.refuse_unused(at)
 
     def refuse_unused(self, at: str = "data") -> None:
@@ -307,7 +319,12 @@ class Spec:
     runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
 
     def store_path(self, split: str) -> Path:
-        return Path(self.output.dir) / f"{split}.h5"
+        """Where the store of ``split`` goes: ``<output.dir>/<split>.h5``, or for the
+        first N samples (``data.limit``) ``<output.dir>/first-N/<split>.h5``."""
+        folder = Path(self.output.dir)
+        if self.data.limit is not None:
+            folder = folder / f"first-{self.data.limit}"
+        return folder / f"{split}.h5"
 
     def validate(self, at: str) -> None:
         if not self.layers:

@@ -10,13 +10,14 @@ after the last one captured are never computed.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from featcache.channels import channel_layout
+from featcache.channels import AMBIGUOUS, channel_layout
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.reduce import NO_CONTEXT, ReduceContext, reduce_tensor
 from featcache.selectors import Tap
@@ -25,6 +26,12 @@ from featcache.spec import parse_target
 
 class _StopForward(Exception):
     """Raised from a hook once every tap has its value; ends the forward early."""
+
+
+def from_transformers(module: nn.Module) -> bool:
+    """Whether ``module`` is a Hugging Face transformers module, whose tuple outputs hold
+    the hidden states first, by the library's own convention."""
+    return type(module).__module__.startswith("transformers.")
 
 
 def _pick(value: Any, tap: Tap) -> torch.Tensor:
@@ -103,9 +110,11 @@ class TapSet:
         self._active_target: str | int | None = None  # the target being differentiated
         self._context = NO_CONTEXT  # the batch being run, for the reductions
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        # Where the 4-d outputs captured so far keep their channels, by tap key ("nchw",
-        # "nhwc" or "ambiguous"; see featcache.channels), as of their first batch.
-        self.channel_layouts: dict[str, str] = {}
+        # What the forward showed of each tap's value, by tap key, as of its first batch:
+        # "channel_layout" of a 4-d output ("nchw", "nhwc", "" when it cannot be told; see
+        # featcache.channels) and "select" where a tuple's hidden states were taken.
+        self.observed: dict[str, dict[str, str]] = {}
+        self._nonzero_grads: set[str] = set()  # grad taps that captured a nonzero value
 
     def __enter__(self) -> TapSet:
         modules = dict(self.model.named_modules())
@@ -142,7 +151,7 @@ class TapSet:
 
     def _output_hook(self, tap: Tap):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            self._record(tap, output)
+            self._record(tap, output, module)
 
         return hook
 
@@ -150,7 +159,7 @@ class TapSet:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if tap.key in self._hooked:
                 return
-            raw = _pick(output, tap)
+            raw = _pick(output, self._selected(tap, output, module))
             if not raw.requires_grad:
                 raise ConfigError(_no_path(tap))
             self._hooked.add(tap.key)
@@ -160,25 +169,52 @@ class TapSet:
 
         return hook
 
-    def _record(self, tap: Tap, value: Any) -> None:
+    def _record(self, tap: Tap, value: Any, module: nn.Module | None = None) -> None:
         if tap.key in self._values:
             return
-        self._store(tap, _pick(value, tap))
+        self._store(tap, _pick(value, self._selected(tap, value, module)))
         if self.stop_early and len(self._values) == len(self.taps):
             raise _StopForward
+
+    def _selected(self, tap: Tap, value: Any, module: nn.Module | None) -> Tap:
+        """``tap``, or for the tuple output of a transformers module and no ``select``,
+        ``tap`` with ``select=0``: the hidden states, by the library's own convention
+        (recorded in :attr:`observed`)."""
+        if (
+            tap.select is None
+            and tap.capture != "input"
+            and isinstance(value, (tuple, list))
+            and value
+            and isinstance(value[0], torch.Tensor)
+            and module is not None
+            and from_transformers(module)
+        ):
+            self.observed.setdefault(tap.key, {})["select"] = "0"
+            return dataclasses.replace(tap, select=0)
+        return tap
 
     def _store_grad(self, tap: Tap, grad: torch.Tensor) -> None:
         # One backward runs per target; each tap keeps the gradient of its own.
         if tap.target == self._active_target:
             self._store(tap, grad)
+            if tap.key not in self._nonzero_grads and bool(self._values[tap.key].any()):
+                self._nonzero_grads.add(tap.key)
+
+    def zero_gradients(self) -> list[Tap]:
+        """The gradient taps whose every value stored so far (after the reduction) was
+        exactly zero: their target does not depend on it (a ViT's last-block patch
+        tokens, which its head never reads)."""
+        return [t for t in self.taps if t.capture == "grad" and t.key not in self._nonzero_grads]
 
     def _store(self, tap: Tap, raw: torch.Tensor) -> None:
         if tap.key in self._values:
             return
-        if raw.dim() == 4 and tap.key not in self.channel_layouts:
+        observed = self.observed.setdefault(tap.key, {})
+        if raw.dim() == 4 and "channel_layout" not in observed:
             declared = self._context.declared_layout(tap)
             shape, size = tuple(raw.shape[1:]), self._context.image_size
-            self.channel_layouts[tap.key] = channel_layout(shape, declared, size)
+            layout = channel_layout(shape, declared, size)
+            observed["channel_layout"] = layout if layout != AMBIGUOUS else ""
         out = reduce_tensor(raw.detach(), tap, self._context)
         if self.convert is not None:
             out = self.convert(out)
@@ -275,6 +311,17 @@ class TapSet:
             for tap in group:
                 if tap.key not in self._values:
                     raise ConfigError(_no_path(tap))
+
+
+def zero_gradient_note(tap: Tap, where: str) -> str:
+    """Why the gradients ``where`` names (``"its gradient at row 3"``) of a gradient tap
+    hold only zeros, for a warning."""
+    return (
+        f"layer {tap.key!r}: {where} is exactly zero: the target score ({tap.target}) does "
+        f"not depend on the output of {tap.module_name} (a ViT's last-block patch tokens, "
+        "which its head never reads, are one such case), so its Grad-CAM maps are blank; "
+        "capture an earlier layer"
+    )
 
 
 def target_scores(

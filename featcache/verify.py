@@ -33,10 +33,11 @@ from featcache.extraction.loop import forward
 from featcache.extraction.writer_thread import CapturedBatch
 from featcache.memory import freed_memory_kept
 from featcache.provenance import config_fingerprint as fingerprint
+from featcache.recorded import RecordedSpec, recorded_spec
 from featcache.reduce import ReduceContext, token_layout
 from featcache.runtime import Layout, choose_layout
 from featcache.selectors import resolve_taps, tap_record
-from featcache.spec import Spec, StoreSpec, load_config
+from featcache.spec import StoreSpec, load_config
 from featcache.store import FeatureStore, codec
 from featcache.store.integrity import has_checksums, scan_chunks, span_text
 from featcache.store.metadata import is_sealed
@@ -120,14 +121,19 @@ def verify_store(
         _check_file(result, store)
         if quick or not result.passed_so_far("checksums"):
             return result
-        spec = _rebuild_spec(store, config, trust_factory)
+        rebuilt = _rebuild_spec(store, config, trust_factory)
+        spec = rebuilt.spec
         recorded = store.attrs.get("resume_key") or {}
         config_fp = recorded.get("config_fingerprint")
         result.add(
             "config",
-            fingerprint(spec) == config_fp,
+            fingerprint(rebuilt.written) == config_fp,
             f"fingerprint {(config_fp or '?')[:12]}"
-            + ("" if config is None else f" (rebuilt from {_config_name(config)})"),
+            + (
+                f"; {rebuilt.where()}"
+                if config is None
+                else f" (rebuilt from {_config_name(config)})"
+            ),
         )
         backbone = build_backbone_for(spec)
         weights_ok = backbone.weights == recorded.get("weights")
@@ -193,9 +199,12 @@ def recorded_code(path: str | os.PathLike) -> str | None:
 
 def _rebuild_spec(
     store: FeatureStore, config: str | os.PathLike | Mapping[str, Any] | None, trust: bool
-) -> Spec:
+) -> RecordedSpec:
+    """The spec to rebuild from: ``config``, or the store's own with its relative paths
+    from the folder its run started in."""
     if config is not None:
-        return load_config(config)
+        given = load_config(config)
+        return RecordedSpec(given, None, given)
     recorded = store.config
     if recorded is None:
         raise ConfigError(
@@ -204,10 +213,10 @@ def _rebuild_spec(
         )
     from featcache.models import refuse_recorded_code
 
-    spec = load_config(recorded)
+    rebuilt = recorded_spec(recorded, store.attrs)
     fix = ", or --config FILE to rebuild from your own"
-    refuse_recorded_code(spec.model, store.path, "verify", trust, fix)
-    return spec
+    refuse_recorded_code(rebuilt.spec.model, store.path, "verify", trust, fix)
+    return rebuilt
 
 
 def _check_file(result: VerifyResult, store: FeatureStore) -> None:

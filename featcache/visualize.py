@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +22,13 @@ from PIL import Image
 from torchvision.transforms import functional as TF
 from torchvision.utils import make_grid, save_image
 
-from featcache.errors import ConfigError
+from featcache.errors import ConfigError, FeatcacheWarning
 from featcache.plotting import require_matplotlib
+from featcache.recorded import recorded_spec
+from featcache.selectors import Tap
 from featcache.store import FeatureStore
 from featcache.store.paths import output_file
+from featcache.taps import zero_gradient_note
 
 # Picture formats save_image (PIL) writes, by the file's suffix.
 PICTURE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
@@ -151,19 +155,28 @@ def store_cam(store: StoreLike, layer: str, row: int) -> torch.Tensor:
     if fs.layer_attrs(layer).get("capture") == "grad":
         raise ConfigError(f"layer {layer!r} holds gradients; name the activation layer")
     grad = gradient_key(fs, layer)
-    return grad_cam(_spatial(fs, layer, row), _spatial(fs, grad, row))
+    gradient = _spatial(fs, grad, row)
+    if not bool(gradient.any()):
+        attrs = fs.layer_attrs(grad)
+        tap = Tap(grad, str(attrs.get("module")), "grad", target=attrs.get("target"))
+        note = zero_gradient_note(tap, f"its gradient at row {row}")
+        warnings.warn(note, FeatcacheWarning, stacklevel=2)
+    return grad_cam(_spatial(fs, layer, row), gradient)
 
 
 def source_image(store: StoreLike, row: int, *, trust_factory: bool = False) -> Image.Image:
-    """The source image of one row, resized and cropped as the stored input was.
+    """The source image of one row as the model saw it: through the model's own
+    preprocessing (its resize and crop, a zoo's transform or image processor), the
+    normalisation undone.
 
-    The store's recorded config names the data and preprocessing, and its ids check that
-    the source still holds the same sample at that position. A store is data: a recorded
+    The store's recorded config names the data and preprocessing (relative paths from the
+    folder its run started in: :mod:`featcache.recorded`), and its ids check that the
+    source still holds the same sample at that position. A store is data: a recorded
     model whose preprocessing would run code it names (a Hugging Face repository's own
     code) is refused unless ``trust_factory``.
     """
+    from featcache.models import build_preprocessing, refuse_recorded_code
     from featcache.sources import build_source
-    from featcache.spec import from_dict
 
     fs = _open(store)
     row = _row(fs, row)
@@ -172,7 +185,7 @@ def source_image(store: StoreLike, row: int, *, trust_factory: bool = False) -> 
         raise ConfigError(
             f"store {fs.path} was made from Python and records no source; pass the image"
         )
-    spec = from_dict(config)
+    spec = recorded_spec(config, fs.attrs).spec
     if spec.data.inputs == "text":
         raise ConfigError(f"store {fs.path} was made from text; there is no source image to show")
     split = fs.attrs.get("split") or next(iter(spec.data.splits))
@@ -183,23 +196,47 @@ def source_image(store: StoreLike, row: int, *, trust_factory: bool = False) -> 
             f"the source of {fs.path} no longer holds sample {fs.ids[row]} at position {index}"
         )
     image, _ = source[index]
-    resize, crop = _display_geometry(spec, fs.path, trust_factory)
-    if resize is not None:
-        image = TF.resize(image, resize, antialias=True)
-    if crop is not None:
-        image = TF.center_crop(image, crop)
-    return image
+    if spec.model.name is not None:
+        refuse_recorded_code(spec.model, fs.path, "cam", trust_factory)
+    transform = build_preprocessing(spec.model, spec.preprocess).transform
+    return as_seen(transform(image), normalisation(transform))
 
 
-def _display_geometry(spec: Any, path: Path, trust_factory: bool) -> tuple[int | None, int | None]:
-    p = spec.preprocess
-    if p.is_set() or spec.model.name is None or spec.model.weights is None:
-        return p.resize, p.crop
-    from featcache.models import build_preprocessing, refuse_recorded_code
+def normalisation(transform: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The per-channel ``(mean, std)`` a preprocessing normalises with (float32 ``[3]``
+    each, in [0, 1] units), found in its steps; None when it has none."""
+    processor = getattr(transform, "processor", None)  # a Hugging Face processor run as is
+    if processor is not None:
+        if not getattr(processor, "do_normalize", False):
+            return None
+        return _triple(processor.image_mean), _triple(processor.image_std)
+    mean, std = getattr(transform, "mean", None), getattr(transform, "std", None)
+    if mean is not None and std is not None:
+        return _triple(mean), _triple(std)
+    if getattr(transform, "scale", None) is not None:  # rescaled to [0, 1], not normalised
+        return _triple(0.0), _triple(1.0)
+    found = None
+    for step in getattr(transform, "transforms", []):
+        found = normalisation(step) or found
+    return found
 
-    refuse_recorded_code(spec.model, path, "cam", trust_factory)
-    preprocessing = build_preprocessing(spec.model, p)
-    return preprocessing.decode_size, preprocessing.crop_size
+
+def as_seen(pixels: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor] | None) -> Image.Image:
+    """A preprocessed image ``[3, H, W]`` as a picture: ``pixels * std + mean`` clipped to
+    [0, 1], or stretched to [0, 1] as a whole when the normalisation is not known."""
+    pixels = pixels.detach().float().cpu()
+    if norm is not None:
+        mean, std = norm
+        pixels = pixels * std[:, None, None] + mean[:, None, None]
+    else:
+        low, high = float(pixels.min()), float(pixels.max())
+        pixels = (pixels - low) / max(high - low, 1e-12)
+    return TF.to_pil_image(pixels.clamp(0, 1))
+
+
+def _triple(values: Any) -> torch.Tensor:
+    values = torch.as_tensor(values, dtype=torch.float32).flatten()
+    return values.expand(3).clone() if values.numel() == 1 else values
 
 
 def jet(x: torch.Tensor) -> torch.Tensor:

@@ -244,3 +244,53 @@ def test_layers_of_a_model_with_nothing_to_list_is_one_line(tmp_path, factory, f
     assert re.search(message, result.stderr) and len(result.stderr.strip().splitlines()) == 1
     listed = runner.invoke(app, ["layers", str(config), "--all"]) if factory == "Unused" else None
     assert listed is None or re.search(r"^fc +Linear +-", listed.stdout, re.M)
+
+
+def test_limit_extracts_the_first_samples_into_their_own_folder(config_file, tmp_path):
+    result = runner.invoke(app, ["extract", str(config_file), "--limit", "5"])
+    assert result.exit_code == 0, result.output
+    trial = tmp_path / "out" / "first-5" / "train.h5"
+    assert f"{trial}: 5 rows" in result.stdout
+    assert not (tmp_path / "out" / "train.h5").exists()  # the full store's place stays free
+    with FeatureStore(trial) as store:
+        assert store.index.tolist() == list(range(5)) and store.config["data"]["limit"] == 5
+    full = runner.invoke(app, ["extract", str(config_file)])
+    assert full.exit_code == 0, full.output
+    with FeatureStore(tmp_path / "out" / "train.h5") as store, FeatureStore(trial) as first:
+        assert len(store) == 12 and torch.equal(store.read("layer3")[:5], first.read("layer3"))
+    rerun = runner.invoke(app, ["extract", str(config_file), "--limit", "5"])
+    assert rerun.exit_code == 0 and "already complete" in rerun.stdout
+
+
+def test_layers_of_a_config_probe_at_its_own_input_size(config_file):
+    result = runner.invoke(app, ["layers", str(config_file)])
+    assert result.exit_code == 0, result.output
+    assert "input 32px" in result.stdout.splitlines()[0]  # the data's 32 px, not 224
+    assert "layer4 " in result.stdout and "[512, 1, 1]" in result.stdout
+
+
+def test_info_shows_the_preprocessing_and_the_gradient_target(tmp_path):
+    config = {
+        "model": {"name": "resnet18"},
+        "preprocess": {"resize": 36, "crop": 32},
+        "layers": ["layer2", {"name": "layer2", "capture": "grad", "target": "predicted"}],
+        "data": {
+            "source": "synthetic",
+            "kwargs": {"image_size": 40},
+            "splits": {"val": {"size": 4}},
+        },
+        "loader": {"num_workers": 0},
+        "output": {"dir": str(tmp_path / "out")},
+        "runtime": {"progress": False},
+    }
+    path = tmp_path / "grad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert runner.invoke(app, ["extract", str(path)]).exit_code == 0
+    info = runner.invoke(app, ["info", str(tmp_path / "out" / "val.h5")])
+    assert info.exit_code == 0, info.output
+    lines = info.stdout.splitlines()
+    (grad,) = [line for line in lines if line.strip().startswith("layer2@grad")]
+    assert grad.endswith("layer2 grad, reduce=none, target=predicted")
+    (preprocess,) = [line for line in lines if line.startswith("preprocess ")]
+    assert "Resize(size=36" in preprocess and "CenterCrop(size=(32, 32))" in preprocess
+    assert "decode     exact" in lines

@@ -155,3 +155,53 @@ def test_target_validation():
     for bad in ("argmax", -1, "output:x"):
         with pytest.raises(ConfigError, match="target"):
             parse_layers([{"name": "x", "capture": "grad", "target": bad}])
+
+
+class _ClsHead(nn.Module):
+    """Tokens through two blocks that mix them (a mean, as attention would); the head
+    reads the first token of the last block alone, as a ViT's does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(3, 8)
+        self.block0 = nn.Linear(8, 8)
+        self.block1 = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, 3, T] -> [B, 4]
+        hidden = torch.tanh(self.block0(self.embed(x.transpose(1, 2))))
+        tokens = self.block1(hidden + hidden.mean(dim=1, keepdim=True))
+        return self.head(tokens[:, 0])
+
+
+def test_a_gradient_that_is_exactly_zero_is_named_at_extraction(tmp_path):
+    """The last block's patch tokens get a zero gradient (the head reads the class token
+    alone): the run warns naming the layer; the first block's patch tokens do not."""
+    data = torch.utils.data.TensorDataset(torch.randn(6, 3, 5), torch.arange(6) % 4)
+    patches = {"capture": "grad", "reduce": "patches", "target": "predicted"}
+    layers = [{"name": "block1", **patches}, {"name": "block0", **patches}]
+    with pytest.warns(featcache.errors.FeatcacheWarning) as caught:
+        store = featcache.extract(
+            _ClsHead(), data, layers, tmp_path / "s.h5", prefix_tokens=1, progress=False
+        )
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1, messages
+    assert messages[0].startswith("layer 'block1@grad': every gradient this run stored is ")
+    assert "exactly zero" in messages[0] and "capture an earlier layer" in messages[0]
+    assert store.shape("block1@grad") == (8, 2, 2) and not store.read("block1@grad").any()
+    assert store.read("block0@grad").any()
+
+
+def test_cam_warns_when_the_gradient_row_is_zero(tmp_path):
+    from featcache.visualize import store_cam
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(256, 2))
+    nn.init.zeros_(model[3].weight)  # the score does not depend on the convolution
+    data = torch.utils.data.TensorDataset(torch.randn(2, 3, 8, 8), torch.tensor([0, 1]))
+    layers = ["0", {"name": "0", "capture": "grad"}]
+    with pytest.warns(featcache.errors.FeatcacheWarning, match="'0@grad'"):
+        store = featcache.extract(model, data, layers, tmp_path / "s.h5", progress=False)
+    with pytest.warns(featcache.errors.FeatcacheWarning, match="its gradient at row 1 is exactly"):
+        cam = store_cam(store, "0", 1)
+    assert not cam.any()

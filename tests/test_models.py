@@ -376,3 +376,35 @@ def test_backbone_layers_probes_a_named_model_or_a_configs(tmp_path):
     assert shown == "input 40px" and {i.name: i for i in layers}["layer1"].output == "[64, 10, 10]"
     with pytest.raises(ConfigError, match="input_size -3 is not a probe image side"):
         backbone_layers("resnet18", input_size=-3)
+
+
+def test_random_torchvision_weights_get_the_architectures_standard_eval_transform(tmp_path):
+    """weights: null and no preprocess: the default weights' transforms(), so photos of
+    different sizes go through as the architecture expects (resize 256, crop 224)."""
+    import numpy as np
+    from PIL import Image
+
+    import featcache
+    from featcache.models import build_preprocessing
+
+    preprocessing = build_preprocessing(ModelSpec(name="resnet18"), PreprocessSpec())
+    assert (preprocessing.decode_size, preprocessing.crop_size) == (256, 224)
+    detection = build_preprocessing(ModelSpec(name="fasterrcnn_resnet50_fpn"), PreprocessSpec())
+    assert detection.crop_size is None  # its weights' transform takes other inputs
+    for i, size in enumerate([(300, 200), (180, 250), (240, 240)]):
+        folder = tmp_path / "photos" / "val" / "x"
+        folder.mkdir(parents=True, exist_ok=True)
+        pixels = np.random.default_rng(i).integers(0, 256, (*size, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / f"{i}.png")
+    store = featcache.extract_from_config(
+        {
+            "model": {"name": "resnet18"},
+            "layers": [{"name": "layer4", "reduce": "avg"}, "layer1"],
+            "data": {"source": "imagefolder", "root": str(tmp_path / "photos"), "splits": ["val"]},
+            "loader": {"num_workers": 0},
+            "output": {"dir": str(tmp_path / "out")},
+            "runtime": {"progress": False},
+        }
+    )["val"]
+    assert len(store) == 3 and store.shape("layer1") == (64, 56, 56)
+    assert "resize_size=[256]" in store.attrs["preprocessing"]

@@ -205,6 +205,10 @@ def test_without_test_store_reports_validation_clearly(stores):
     assert result.validation == f"val store {stores['val']}"
     text = format_result(result)
     assert "no test store" in text and "optimistic" in text
+    table = format_table(probe_layers(stores["train"], "all", val=stores["val"], progress=False))
+    assert "test top-1" not in table
+    assert table.splitlines()[-1].startswith("val top-1 is on the split that chose lambda, so ")
+    assert "optimistic; pass a test store (--test)" in table
 
 
 def test_layers_all_and_lists(stores):

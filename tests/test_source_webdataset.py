@@ -292,3 +292,53 @@ def test_json_labels_by_name(tmp_path):
             "t",
             None,
         )
+
+
+def _cls_shard(path: Path, seed: int, rows: int = 12) -> None:
+    """A shard of small PNGs with integer .cls labels 0..2 (no class names anywhere)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tar:
+        for i in range(rows):
+            image = io.BytesIO()
+            pixels = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(image, format="PNG")
+            add_member(tar, f"s{i:03d}.png", image.getvalue())
+            add_member(tar, f"s{i:03d}.cls", str(i % 3).encode())
+
+
+@pytest.mark.parametrize("as_file", [False, True])
+def test_class_names_name_integer_labels_so_probes_accept_the_test_store(tmp_path, as_file):
+    from featcache.probe import probe
+
+    _cls_shard(tmp_path / "train.tar", 0)
+    _cls_shard(tmp_path / "test.tar", 1)
+    names = ["cat", "dog", "fox"]
+    (tmp_path / "names.txt").write_text("\n".join(names) + "\n")
+    data = {
+        "source": "webdataset",
+        "root": str(tmp_path),
+        "splits": {"train": "train.tar", "test": "test.tar"},
+        "class_names": str(tmp_path / "names.txt") if as_file else names,
+    }
+    stores = featcache.extract_from_config(config(data, tmp_path / "out"))
+    assert stores["train"].class_names == stores["test"].class_names == names
+    assert stores["train"].describe().format().count("3 classes (cat, dog, fox)") == 1
+    result = probe(stores["train"], "layer1", test=stores["test"], progress=False)
+    assert result.test is not None and result.num_classes == 3
+
+
+def test_class_names_that_do_not_cover_the_labels_are_refused(tmp_path):
+    _cls_shard(tmp_path / "train.tar", 0)
+    data = {"source": "webdataset", "root": str(tmp_path), "splits": {"train": "train.tar"}}
+    with pytest.raises(ConfigError, match=r"names 2 classes, but the source has label 2"):
+        featcache.extract_from_config(config({**data, "class_names": ["a", "b"]}, tmp_path / "o"))
+    with pytest.raises(ConfigError, match=r"data.class_names file .*missing.txt cannot be read"):
+        featcache.extract_from_config(
+            config({**data, "class_names": str(tmp_path / "missing.txt")}, tmp_path / "o")
+        )

@@ -124,3 +124,37 @@ def test_torchrun_over_a_text_source_equals_one_process(text_config, tmp_path):
         combined = tmp_path / "ranks" / f"{split}.h5"
         assert FeatureStore(combined).attrs["world_size"] == 2
         assert_same_rows(combined, tmp_path / "out" / f"{split}.h5")
+
+
+def test_a_text_run_speaks_of_texts_and_keeps_other_libraries_out_of_its_lines(
+    text_config, monkeypatch
+):
+    """The speed is texts/s; transformers' progress bars and other libraries' warnings
+    do not reach featcache's output as its own lines (``--debug`` shows them, as theirs)."""
+    import contextlib
+    import warnings
+
+    from featcache.models import hf
+
+    pretrained = ["--set", "model.weights=pretrained"]  # transformers loads them with a bar
+    result = runner.invoke(app, ["extract", str(text_config), *pretrained])
+    assert result.exit_code == 0, result.output
+    assert "texts/s" in result.stdout and "images/s" not in result.stdout
+    assert "Loading weights" not in result.stderr
+    info = runner.invoke(app, ["info", str(text_config.parent / "out" / "train.h5")])
+    assert "texts/s" in info.stdout
+
+    quiet = hf.quiet_loading
+
+    @contextlib.contextmanager
+    def noisy_loading():  # another library warns while the model loads
+        warnings.warn("this feature is in beta", UserWarning, stacklevel=1)
+        with quiet():
+            yield
+
+    monkeypatch.setattr(hf, "quiet_loading", noisy_loading)
+    again = runner.invoke(app, ["extract", str(text_config), "--overwrite"])
+    assert again.exit_code == 0, again.output
+    assert "beta" not in again.stderr and "featcache: warning" not in again.stderr
+    debug = runner.invoke(app, ["--debug", "extract", str(text_config), "--overwrite"])
+    assert "UserWarning from " in debug.stderr and "this feature is in beta" in debug.stderr

@@ -339,3 +339,49 @@ def test_extract_from_config_on_text_uses_the_text_model(tmp_path):
     provenance = store.attrs
     assert provenance["preprocessing"] == f"tokenizer {tokenizer.name}, max_length 128"
     assert provenance["weights"]["source"] == "hf"
+
+
+@pytest.mark.parametrize(
+    ("config", "block"),
+    [
+        (
+            lambda t: t.T5Config(
+                vocab_size=384, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2
+            ),
+            "block.0",
+        ),
+        (lambda t: t.DebertaV2Config(vocab_size=384, max_position_embeddings=128, **SMALL), None),
+        (lambda t: t.MPNetConfig(vocab_size=384, max_position_embeddings=130, **SMALL), None),
+    ],
+    ids=["t5", "deberta-v2", "mpnet"],
+)
+def test_blocks_with_tuple_outputs_give_their_hidden_states(tmp_path, config, block):
+    """transformers blocks return (hidden states, ...): featcache takes element 0 without
+    select, as the library's own hidden_states do, and records that it did."""
+    saved = save(tmp_path / "m", config(transformers))
+    encoder = saved.get_encoder() if isinstance(saved, transformers.T5Model) else saved
+    block = block or "encoder.layer.0"
+    texts = ["a cat", "two dogs and a bird", "x"]
+    (tmp_path / "val.txt").write_text("\n".join(texts) + "\n")
+    store = featcache.extract_from_config(
+        {
+            "model": {"name": f"hf:{tmp_path / 'm'}", "weights": "pretrained"},
+            "layers": [{"name": block, "reduce": "mean"}],
+            "data": {"source": "text", "root": str(tmp_path), "splits": {"val": "val.txt"}},
+            "loader": {"batch_size": 1, "num_workers": 0},
+            "store": {"dtype": "float32"},
+            "output": {"dir": str(tmp_path / "out")},
+            "runtime": {"progress": False, "device": "cpu"},
+        }
+    )["val"]
+    assert store.layer_attrs(block)["select"] == "0"
+    tokenizer = text_backbone(tmp_path / "m").tokenizer
+    assert tokenizer is not None
+    for i, ids in enumerate(tokenizer(texts, None).ids):
+        mask = torch.ones(1, len(ids), dtype=torch.long)
+        with torch.no_grad():
+            hidden = encoder(
+                input_ids=torch.tensor([ids]), attention_mask=mask, output_hidden_states=True
+            )
+        expected = hidden.hidden_states[1][0].mean(dim=0)
+        torch.testing.assert_close(store.read(block)[i], expected, rtol=1e-4, atol=1e-4)

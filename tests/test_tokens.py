@@ -602,3 +602,59 @@ def test_per_token_rows_of_padded_and_unpadded_batches_name_the_fix(tmp_path):
     store = run(tiny_bert(), masked, ["encoder.layer.0"], tmp_path / "masked.h5")
     assert store.is_per_token("encoder.layer.0")
     assert np.diff(store.offsets).tolist() == lengths
+
+
+def test_per_token_rows_go_through_a_dataloader_padded_with_a_mask(tmp_path):
+    """FeatureDataset.pad_tokens pads the rows of a batch to its longest and masks them."""
+    store = run(tiny_bert(), text_rows(), ["encoder.layer.0"], tmp_path / "t.h5")
+    dataset = FeatureDataset(store.path, "encoder.layer.0")
+    loader = torch.utils.data.DataLoader(dataset, batch_size=4, collate_fn=dataset.pad_tokens)
+    rows = [dataset[i][0] for i in range(len(dataset))]
+    seen = 0
+    for values, mask, labels in loader:
+        lengths = [len(row) for row in rows[seen : seen + len(labels)]]
+        assert values.shape == (len(labels), max(lengths), 32) and mask.dtype == torch.bool
+        assert mask.sum(dim=1).tolist() == lengths
+        assert torch.equal(values[mask], torch.cat(rows[seen : seen + len(labels)]))
+        assert not values[~mask].any()
+        seen += len(labels)
+    assert seen == len(TEXTS)
+    both = FeatureDataset(store.path, ["encoder.layer.0"])  # a dict, and featcache.pad_tokens
+    features, mask, _ = featcache.pad_tokens([both[1], both[3]])
+    assert features["encoder.layer.0"].shape[:2] == mask.shape == (2, len(rows[3]))
+
+
+def test_a_text_without_tokens_is_refused_naming_its_id_or_skipped(tmp_path):
+    class Tokens(torch.utils.data.Dataset):
+        ids = ["t0", "t1", "empty", "t3"]
+
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            ids = torch.tensor([] if i == 2 else [5, 6, 7][: i + 1], dtype=torch.long)
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, i % 2
+
+    with pytest.raises(FeatcacheError) as caught:
+        run(tiny_bert(), Tokens(), ["encoder.layer.0"], tmp_path / "a.h5")
+    message = str(caught.value)
+    assert "it has no tokens" in message and "(sample empty)" in message
+    assert "on_error=skip" in message and "preprocess" not in message
+    with pytest.warns(UserWarning, match="1 of 4 samples skipped"):
+        store = run(tiny_bert(), Tokens(), ["encoder.layer.0"], tmp_path / "b.h5", on_error="skip")
+    assert store.ids == ["t0", "t1", "t3"]
+    texts = text_rows(["a", "b", "c"])
+    texts.offsets[2:] -= 3  # as if the tokenizer had kept none of "b" (of its 3 tokens)
+    with pytest.raises(FeatcacheError, match="the text of row t1 gives no tokens"):
+        texts[1]
+
+
+def test_errors_of_token_batches_give_no_image_advice(tmp_path):
+    class Refusing(torch.nn.Module):
+        def forward(self, input_ids, attention_mask):
+            raise RuntimeError("no such embedding")
+
+    with pytest.raises(FeatcacheError) as caught:
+        run(Refusing(), text_rows(), ["."], tmp_path / "x.h5")
+    message = str(caught.value)
+    assert "tokenizer (data.max_length)" in message and "preprocess" not in message

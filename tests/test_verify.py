@@ -256,3 +256,39 @@ def test_a_store_that_kept_inf_values_verifies(tmp_path):
     assert torch.isinf(store.read("layer4")).any()
     result = verify_store(store.path, samples=-1)
     assert result.passed, [c for c in result.checks if not c.ok]
+
+
+def test_verify_and_cam_from_another_folder_read_the_data_where_the_run_started(
+    tmp_path, monkeypatch
+):
+    """The config's relative paths are relative to the folder the run started in, which
+    the store records: verify and cam find the data from any folder, and say which."""
+    from featcache.visualize import source_image
+
+    project = tmp_path / "project"
+    for i in range(4):
+        folder = project / "data" / "val" / ("a" if i % 2 else "b")
+        folder.mkdir(parents=True, exist_ok=True)
+        pixels = np.random.default_rng(i).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / f"{i}.png")
+    monkeypatch.chdir(project)
+    config = {
+        "model": {"name": "resnet18"},
+        "layers": [{"name": "layer2", "reduce": "avg"}],
+        "data": {"source": "imagefolder", "root": "data", "splits": ["val"]},
+        "preprocess": {"mean": [0.485, 0.456, 0.406]},
+        "loader": {"num_workers": 0},
+        "store": {"dtype": "float32"},
+        "output": {"dir": "out"},
+        "runtime": {"progress": False},
+    }
+    path = featcache.extract_from_config(config)["val"].path.resolve()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    result = verify_store(path, samples=-1)
+    assert result.passed, [check for check in result.checks if not check.ok]
+    (config_check,) = [check for check in result.checks if check.name == "config"]
+    assert f"relative paths from {project}, where the run started" in config_check.detail
+    cli = runner.invoke(app, ["verify", str(path), "--samples", "0"])
+    assert cli.exit_code == 0 and f"relative paths from {project}" in cli.stdout
+    assert source_image(path, 1).size == (32, 32)

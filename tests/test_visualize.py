@@ -167,3 +167,38 @@ def test_a_picture_name_that_cannot_be_written_fails_in_one_line(
         )
         assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
         assert re.search(message, result.output.strip()), result.output
+
+
+def test_cam_shows_the_photo_as_the_zoos_own_transform_gave_it(tmp_path, hymenoptera_root):
+    """timm with random weights uses timm's eval transform (resize 235, centre crop 224):
+    the picture under the CAM is that crop, not the whole photo."""
+    import shutil
+
+    timm = pytest.importorskip("timm")
+    from torchvision.transforms import functional as TF
+
+    photo = sorted((hymenoptera_root / "val" / "bees").glob("*.jpg"))[0]
+    (tmp_path / "photos" / "val" / "bees").mkdir(parents=True)
+    shutil.copy(photo, tmp_path / "photos" / "val" / "bees" / photo.name)
+    config = {
+        "model": {"name": "timm:resnet18"},
+        "layers": ["layer3", {"name": "layer3", "capture": "grad", "target": "predicted"}],
+        "data": {"source": "imagefolder", "root": str(tmp_path / "photos"), "splits": ["val"]},
+        "loader": {"num_workers": 0},
+        "output": {"dir": str(tmp_path / "out")},
+        "runtime": {"progress": False},
+    }
+    store = extract_from_config(config)["val"].path
+    picture = source_image(store, 0)
+    assert picture.size == (224, 224) and Image.open(photo).size != (224, 224)
+    model = timm.create_model("resnet18", pretrained=False)
+    data_config = timm.data.resolve_model_data_config(model)
+    seen = timm.data.create_transform(**data_config, is_training=False)(
+        Image.open(photo).convert("RGB")
+    )
+    mean = torch.tensor(data_config["mean"])[:, None, None]
+    std = torch.tensor(data_config["std"])[:, None, None]
+    expected = (seen * std + mean).clamp(0, 1)
+    assert (TF.to_tensor(picture) - expected).abs().max() <= 1 / 255 + 1e-6
+    overlay = cam_overlay(store, "layer3", 0, tmp_path / "cam.png")
+    assert _png(overlay).shape == (224, 224, 3)

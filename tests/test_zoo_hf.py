@@ -348,7 +348,7 @@ def test_hub_id_not_cached_offline_names_the_cache_and_the_download(offline, wei
             call()
         message = str(error.value)
         assert "\n" not in message
-        assert f"not in the local Hugging Face cache {offline}" in message
+        assert f"nor in the local Hugging Face cache {offline}" in message
         assert message.endswith("hf download facebook/dinov2-small --revision main")
 
 
@@ -637,3 +637,53 @@ def test_verify_and_cam_run_no_code_a_store_names(tmp_path, monkeypatch, model):
     with pytest.raises(ConfigError, match="trust_remote_code"):
         source_image(path, 0)
     assert not ran.exists()
+
+
+@pytest.fixture
+def closing_hub(monkeypatch):
+    """A hub endpoint on 127.0.0.1 that accepts each connection and closes it at once
+    (a network that answers nothing), counting the connections; online mode."""
+    import socket
+    import threading
+
+    from huggingface_hub import constants
+
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    seen = {"connections": 0}
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                connection, _ = server.accept()
+            except OSError:
+                continue
+            seen["connections"] += 1
+            connection.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    template = endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
+    yield seen
+    stop.set()
+    thread.join(timeout=5)
+    server.close()
+
+
+def test_a_hub_reference_that_cannot_be_fetched_fails_after_one_request(closing_hub):
+    """Not cached and the hub unreachable: one request, no retries, one line."""
+    with pytest.raises(FeatcacheError) as caught:
+        build_backbone(ModelSpec(name="hf:owner/absent-model"), PreprocessSpec(resize=32))
+    message = str(caught.value)
+    assert (
+        "\n" not in message
+        and "hf:owner/absent-model is not a folder owner/absent-model" in message
+    )
+    assert message.endswith("download it with: hf download owner/absent-model")
+    assert closing_hub["connections"] == 1  # the hub client alone retries 5 times

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from featcache.errors import ConfigError
+from featcache.errors import ConfigError, FeatcacheWarning
 from featcache.extraction.batches import (
     Collate,
     SourceRows,
@@ -267,11 +267,13 @@ def _extract(
         timing["images_per_second"] = len(todo) / max(timing["seconds"], 1e-9)
         writer = sink.writer
         assert writer is not None  # the thread raised otherwise
-        writer.close(complete=True, attrs=timing, row_columns=getattr(dataset, "row_columns", None))
+        attrs = {**timing, "row_unit": ROW_UNITS[plan.unit]}
+        writer.close(complete=True, attrs=attrs, row_columns=getattr(dataset, "row_columns", None))
     if writer.skipped:
         warnings.warn(
             f"{len(writer.skipped)} of {len(plan.rows)} samples skipped (first: "
             f"{writer.skipped[0]['reason']}); the store lists them under /skipped",
+            FeatcacheWarning,
             stacklevel=2,
         )
     return FeatureStore.just_sealed(path)
@@ -398,6 +400,10 @@ def _plan(
         unit=_unit(first[0] if first is not None else None),
         shard_starts=shard_starts(dataset),
     )
+
+
+# What a store's rows are, in the plural, for its speed (``row_unit``: "texts/s").
+ROW_UNITS = {"img": "images", "text": "texts", "sample": "samples"}
 
 
 def _unit(value: Any) -> str:

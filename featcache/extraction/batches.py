@@ -193,6 +193,8 @@ class SourceRows(Dataset):
         except Exception as exc:
             reason = str(exc) if isinstance(exc, FeatcacheError) else ""
             return None, -1, i, reason or first_line(exc, with_type=True)
+        if isinstance(value, Mapping) and _no_tokens(value):
+            return None, -1, i, "it has no tokens (its token inputs are empty)"
         if label is None:
             return value, -1, i, ""
         try:
@@ -207,6 +209,15 @@ class SourceRows(Dataset):
             )
             return None, -1, i, DatasetProblem(problem)
         return value, index, i, ""
+
+
+def _no_tokens(value: Mapping[str, Any]) -> bool:
+    """Whether a mapping of token inputs holds no token: its ``input_ids`` (else its first
+    tensor) is empty."""
+    tokens = value.get("input_ids")
+    if not isinstance(tokens, torch.Tensor):
+        tokens = next((v for v in value.values() if isinstance(v, torch.Tensor)), None)
+    return isinstance(tokens, torch.Tensor) and tokens.dim() > 0 and len(tokens) == 0
 
 
 _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)

@@ -152,9 +152,10 @@ def _extract_splits(spec: Spec, rank: Rank | None, command: str | None) -> dict[
             if text
             else repr(backbone.transform),  # as resolved: the zoo's own, or preprocess keys
         }
+        provenance["working_folder"] = os.getcwd()  # the config's relative paths start here
         if command is not None:
             provenance["resume_command"] = command
-            provenance["resume_folder"] = os.getcwd()  # the config's relative paths start here
+            provenance["resume_folder"] = os.getcwd()
         arguments = dict(
             provenance=provenance,
             dataset_fingerprint=source.fingerprint(content=spec.data.content_hash),
@@ -163,12 +164,16 @@ def _extract_splits(spec: Spec, rank: Rank | None, command: str | None) -> dict[
             **options,
         )
         path = spec.store_path(split)
+        limit = spec.data.limit
+        rows = None if limit is None else range(min(limit, len(source)))  # the first N
         if rank is None:
-            stores[split] = extract(backbone.model, source, spec.layers, path, **arguments)
+            stores[split] = extract(
+                backbone.model, source, spec.layers, path, rows=rows, **arguments
+            )
             for shard in stale[split]:
                 shard.unlink(missing_ok=True)
         else:
             stores[split] = extract_shard(
-                backbone.model, source, spec.layers, path, rank, arguments
+                backbone.model, source, spec.layers, path, rank, arguments, rows
             )
     return stores

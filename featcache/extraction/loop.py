@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import time
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from featcache.errors import ConfigError, FeatcacheError, first_line
+from featcache.errors import ConfigError, FeatcacheError, FeatcacheWarning, first_line
 from featcache.extraction.batches import Batch
 from featcache.extraction.bucketing import WindowReorder
 from featcache.extraction.nonfinite import check_finite, skip_record
@@ -35,23 +36,25 @@ from featcache.reduce import NO_CONTEXT, ReduceContext
 from featcache.runtime import Layout, placed
 from featcache.spec import LoaderSpec, RuntimeSpec, StoreSpec
 from featcache.store.codec import encode
-from featcache.taps import Tap, TapSet
+from featcache.taps import Tap, TapSet, zero_gradient_note
 
 
 def feature_attrs(
-    taps: Sequence[Tap], channel_layouts: Mapping[str, str] | None = None
+    taps: Sequence[Tap], observed: Mapping[str, Mapping[str, str]] | None = None
 ) -> dict[str, dict[str, str]]:
     """The attributes of each layer's dataset: what was captured and how it was reduced,
-    and where a 4-d output kept its channels (``channel_layout``: ``"nchw"`` or
-    ``"nhwc"``, when known: a stored ``reduce: none`` row is ``[C, H, W]`` or
-    ``[H, W, C]``)."""
-    layouts = {k: v for k, v in (channel_layouts or {}).items() if v in ("nchw", "nhwc")}
-    return {
-        tap.key: {"module": tap.module_name, "capture": tap.capture, "reduce": tap.reduce}
-        | ({"target": str(tap.target)} if tap.capture == "grad" else {})
-        | ({"channel_layout": layouts[tap.key]} if tap.key in layouts else {})
-        for tap in taps
-    }
+    and what the forward showed of it (``observed``, see :attr:`TapSet.observed`): where a
+    4-d output kept its channels (``channel_layout``: a stored ``reduce: none`` row is
+    ``[C, H, W]`` or ``[H, W, C]``), and ``select`` where the hidden states were taken
+    from a transformers module's tuple."""
+    attrs = {}
+    for tap in taps:
+        attrs[tap.key] = {"module": tap.module_name, "capture": tap.capture, "reduce": tap.reduce}
+        if tap.capture == "grad":
+            attrs[tap.key]["target"] = str(tap.target)
+        seen = (observed or {}).get(tap.key, {})
+        attrs[tap.key].update({name: value for name, value in seen.items() if value})
+    return attrs
 
 
 def run_loop(
@@ -128,11 +131,15 @@ def run_loop(
                 if window is not None:  # a bucketed window goes to the sink once complete
                     window.ids = [ids[i] for i in window.index]
                     if attrs is None:
-                        attrs = feature_attrs(taps, tapset.channel_layouts)
+                        attrs = feature_attrs(taps, tapset.observed)
                     sink.put(window, attrs)
                 bar.update(rows_done)
                 bar.set_postfix_str(_bar_note(timing, sink.waited, sink.skipped), False)
                 waiting_since = time.perf_counter()
+            if attrs is not None:  # a batch ran
+                for tap in tapset.zero_gradients():
+                    note = zero_gradient_note(tap, "every gradient this run stored")
+                    warnings.warn(note, FeatcacheWarning, stacklevel=2)
     finally:
         bar.close()
         model.train(was_training)
@@ -194,10 +201,14 @@ def forward(
                 else list(getattr(inputs, "shape", []))
             )
             why = first_line(exc, with_type=True)
+            check = (
+                "the tokenizer (data.max_length) or the dataset's token inputs"
+                if isinstance(inputs, dict)
+                else "the preprocessing (preprocess.resize, crop) or the dataset"
+            )
             raise FeatcacheError(
-                f"the model fails on a batch of inputs {shapes} ({why}); check that the "
-                "preprocessing (preprocess.resize, crop) or the dataset gives inputs the model "
-                "takes"
+                f"the model fails on a batch of inputs {shapes} ({why}); check that {check} "
+                "gives inputs the model takes"
             ) from exc
         values, captured.ragged, lengths, token_ids = pack_tokens(values, tapset.taps, on_device)
         keep = check_finite(

@@ -35,12 +35,14 @@ def extract_shard(
     path: Path,
     rank: Rank,
     arguments: dict[str, Any],
+    rows: range | None = None,
 ) -> FeatureStore:
-    """This rank's block into its shard; then rank 0 writes the store over all shards."""
+    """This rank's block into its shard; then rank 0 writes the store over all shards.
+    ``rows`` (the first N source rows, default all) is the store's share of the source."""
     rank.join()
     world = rank.world_size
     overwrite = arguments["overwrite"]
-    num_rows, batch_size = source_length(source), arguments["batch_size"]
+    num_rows, batch_size = len(rows or range(source_length(source))), arguments["batch_size"]
     shard_arguments = dict(
         arguments,
         device=rank.device(arguments["device"]),

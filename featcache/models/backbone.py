@@ -20,6 +20,7 @@ from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from featcache.errors import ConfigError
@@ -35,7 +36,7 @@ from featcache.models.registry import (
     kind_for,
     refuse_text,
 )
-from featcache.spec import ModelSpec, PreprocessSpec, load_config
+from featcache.spec import ModelSpec, PreprocessSpec, Spec, load_config
 from featcache.validation import check
 
 
@@ -132,25 +133,30 @@ def backbone_layers(
 
     ``model_or_config`` is a model name (``resnet50``, ``timm:vit_small_patch16_224``,
     ``hf:<repo or folder>``, ``open_clip:<architecture>``) or a YAML config file. One probe
-    batch runs through the model: a square image of side ``input_size`` (default: the
-    size the model's preprocessing gives, else 224), or with ``text`` (or a config whose
-    data is text) a short text through the model's tokenizer. Returns a
+    batch runs through the model: a square image of side ``input_size`` (default: for a
+    config, the size its own data reaches the model at, its first image through the
+    preprocessing, where the data can be read; else the size the model's preprocessing
+    gives, else 224), or with ``text`` (or a config whose data is text) a short text
+    through the model's tokenizer. Returns a
     :class:`~featcache.layers.LayerInfo` per module (output ``"-"`` for those the forward
     never called) and the probe input in words (``"input 224px"``, ``"input 12 tokens"``).
     """
+    spec = None
     if model_or_config.endswith((".yaml", ".yml")) or Path(model_or_config).is_file():
         spec = load_config(model_or_config)
         model, preprocess = spec.model, spec.preprocess
         text = text or spec.data.inputs == "text"
     else:
         model, preprocess = ModelSpec(name=model_or_config), PreprocessSpec()
-    size = 0  # the probe is a text, not an image
+    size: int | tuple[int, int] = 0  # the probe is a text, not an image
     if not text:
         seen = build_preprocessing(model, preprocess)  # the size the model expects
         size = input_size or seen.crop_size or seen.decode_size or 224
         if size < 1:
             raise ConfigError(f"input_size {size} is not a probe image side; give 1 pixel or more")
     backbone = build_backbone(model, preprocess, inputs="text" if text else "image")
+    if spec is not None and not text and input_size is None:
+        size = _data_image_size(spec, backbone) or size
     example = text_example(backbone.tokenizer) if text else None
     layers = describe_layers(
         backbone.model,
@@ -161,4 +167,21 @@ def backbone_layers(
     )
     if example is not None:
         return layers, f"input {example['input_ids'].shape[1]} tokens"
-    return layers, f"input {size}px"
+    height, width = size if isinstance(size, tuple) else (size, size)
+    return layers, f"input {height}px" if height == width else f"input {height}x{width}px"
+
+
+def _data_image_size(spec: Spec, backbone: Backbone) -> tuple[int, int] | None:
+    """The ``(H, W)`` the config's own data reaches the model at: its first split's first
+    image through the backbone's preprocessing; None when the data cannot be read here."""
+    from featcache.sources import build_source
+
+    try:
+        source = build_source(spec.data, next(iter(spec.data.splits)), backbone.transform)
+        image = source[0][0]
+    except Exception:  # no data on this machine: the preprocessing's size will do
+        return None
+    if not isinstance(image, torch.Tensor) or image.dim() != 3:
+        return None
+    height, width = int(image.shape[1]), int(image.shape[2])
+    return (height, width)

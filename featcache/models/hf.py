@@ -26,9 +26,10 @@ config's ``image_size``), rebuilt as a torchvision pipeline that gives the proce
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -248,8 +249,13 @@ def _trust(model: ModelSpec) -> dict[str, Any]:
 
 
 def _call(load: Callable[..., Any], source: Source, model: ModelSpec, *args: Any, **kw: Any) -> Any:
+    """``load(*args, **kw)``, a transformers loader, without its progress bars, once the
+    hub has answered for a repository not yet cached; its failures as one line each."""
+    if not kw.get("local_files_only"):
+        check_reachable(source)
     try:
-        return load(*args, **kw)
+        with quiet_loading():
+            return load(*args, **kw)
     except TypeError as exc:  # a constructor rejecting model.kwargs
         raise ConfigError(
             f"model.kwargs {model.kwargs} rejected by hf:{source.ref}: {first_line(exc)}"
@@ -283,16 +289,62 @@ def _load_config(transformers: Any, source: Source, model: ModelSpec, *, local_o
     )
 
 
+@contextlib.contextmanager
+def quiet_loading() -> Iterator[None]:
+    """transformers' progress bars off (its "Loading weights" bar on every load) inside
+    the block, as they were afterwards."""
+    from transformers.utils import logging
+
+    was_on = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            logging.enable_progress_bar()
+
+
+def check_reachable(source: Source) -> None:
+    """Fail at once when a hub repository's ``config.json`` is neither cached nor
+    reachable: one request without retries, rather than the hub client's backoff (about
+    half a minute and a log line per retry) before the same end.
+
+    Raises:
+        FeatcacheError: :func:`not_cached`'s line.
+    """
+    if source.folder is not None:
+        return
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return  # transformers reads the cache alone and fails fast by itself
+    cached = huggingface_hub.try_to_load_from_cache(
+        source.repo, "config.json", revision=source.revision
+    )
+    if isinstance(cached, str):
+        return
+    url = huggingface_hub.hf_hub_url(source.repo, "config.json", revision=source.revision)
+    try:
+        huggingface_hub.get_hf_file_metadata(url, timeout=10, retry_on_errors=False)
+    except huggingface_hub.errors.HfHubHTTPError:
+        return  # the hub answered: transformers says what it answered (no access, no repo)
+    except Exception as exc:  # no network, no name resolution, a timeout
+        raise not_cached(source, exc) from exc
+
+
 def not_cached(source: Source, exc: BaseException) -> FeatcacheError:
     if source.folder is not None:
         return FeatcacheError(f"hf:{source.ref}: cannot load {source.folder}: {first_line(exc)}")
     from huggingface_hub import constants
 
     revision = f" --revision {source.revision}" if source.revision else ""
+    where = f"in the local Hugging Face cache {constants.HF_HUB_CACHE}"
+    if "/" in source.repo:  # "owner/name" may as well be a folder, relative to another one
+        where = f"a folder {source.repo} in {Path.cwd()}, nor {where}"
     return FeatcacheError(
-        f"hf:{source.ref} is not in the local Hugging Face cache {constants.HF_HUB_CACHE} "
-        f"(or could not be downloaded: {first_line(exc)}); "
-        f"download it with: hf download {source.repo}{revision}"
+        f"hf:{source.ref} is not {where} (and could not be downloaded: {first_line(exc)}); "
+        f"for a hub repository, download it with: hf download {source.repo}{revision}"
     )
 
 

@@ -115,6 +115,11 @@ def format_table(results: Sequence[ProbeResult]) -> str:
         lines.append(line + f"  {r.seconds['total']:>7.1f}")
     reference = results[0].test or results[0].val
     lines.append(f"chance (most frequent class): {_pct(reference['chance_top1'])}")
+    if not has_test:
+        lines.append(
+            "val top-1 is on the split that chose lambda, so optimistic; pass a test store "
+            "(--test) for a held-out accuracy"
+        )
     return "\n".join(lines)
 
 

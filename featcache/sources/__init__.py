@@ -10,6 +10,7 @@ workers under both fork and spawn.
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from featcache.errors import ConfigError
@@ -79,4 +80,44 @@ def build_source(
         source = builder(data, split, data.splits[split], transform)
     if hasattr(source, "decode_size"):  # image sources that decode JPEGs in draft mode
         source.decode_size = decode_size
+    if data.class_names is not None:
+        source.class_names = given_class_names(data.class_names, source)
     return source
+
+
+def given_class_names(given: list[str] | str, source: SourceDataset) -> list[str]:
+    """``data.class_names`` (a list, or a file of one name per line) for ``source``.
+
+    Raises:
+        ConfigError: the file cannot be read or names nothing; the source names its
+            classes otherwise (folder names, string labels); or it has labels past the
+            names given.
+    """
+    where = "data.class_names"
+    if isinstance(given, str):
+        try:
+            text = Path(given).expanduser().read_text(encoding="utf-8-sig")
+        except OSError as exc:
+            raise ConfigError(
+                f"{where} file {given} cannot be read ({exc.strerror or exc}); give a text file "
+                "of one class name per line, or the names as a list"
+            ) from None
+        names = [line.strip() for line in text.splitlines() if line.strip()]
+        where = f"{where} file {given}"
+        if not names or len(set(names)) != len(names):
+            raise ConfigError(f"{where} must name each class once, one per line")
+    else:
+        names = list(given)
+    own = source.class_names
+    if own and list(own) != names:
+        raise ConfigError(
+            f"{where} ({', '.join(names[:4])}...) differs from the classes the source names "
+            f"itself ({', '.join(own[:4])}...); drop data.class_names, or give the same names"
+        )
+    labels = getattr(source, "labels", None)
+    if labels is not None and len(labels) and int(max(labels)) >= len(names):
+        raise ConfigError(
+            f"{where} names {len(names)} classes, but the source has label {int(max(labels))}; "
+            "give a name for every label"
+        )
+    return names

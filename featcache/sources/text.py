@@ -94,6 +94,11 @@ class TextSource(SourceDataset):
         if self.empty[i]:
             raise FeatcacheError(f"empty text in row {self.ids[i]}")
         start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
+        if start == stop:
+            raise FeatcacheError(
+                f"the text of row {self.ids[i]} gives no tokens ({self.tokenizer_name} keeps "
+                "none of it), so the model has nothing to read"
+            )
         input_ids = torch.from_numpy(self.token_ids[start:stop].copy())
         label = -1 if self.labels is None else int(self.labels[i])
         return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}, label

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -120,7 +121,7 @@ class StoreDescription:
         shapes = ", ".join(f"{key} {layer.row_shape}" for key, layer in self.layers.items())
         return (
             f"{self.path}: {self.rows} rows; {shapes}; {format_bytes(self.bytes)}; "
-            f"{attrs.get('seconds', 0):.1f} s, {attrs.get('images_per_second', 0):.0f} images/s"
+            f"{attrs.get('seconds', 0):.1f} s, {_speed(attrs)}"
         )
 
     def format(self) -> str:
@@ -137,6 +138,10 @@ class StoreDescription:
         for key, layer in self.layers.items():
             la = layer.attrs
             detail = f"{la.get('module')} {la.get('capture')}, reduce={la.get('reduce')}"
+            if la.get("capture") == "grad":
+                detail += f", target={la.get('target')}"
+            if la.get("channel_layout") == "nhwc":
+                detail += ", channels last"
             lines.append(f"  {key:<24} {layer.row_shape:<18} {la.get('dtype'):<9} {detail}")
         if self.tokens is not None:
             lines.append(f"tokens     {self.tokens} in per-token rows (read with TokenDataset)")
@@ -151,6 +156,11 @@ class StoreDescription:
             lines.append(f"shards     {', '.join(shards[:2])}{more} (world size {len(shards)})")
         if attrs.get("weights"):
             lines.append(f"weights    {json.dumps(attrs['weights'], sort_keys=True)}")
+        if attrs.get("preprocessing"):
+            lines.append(f"preprocess {_one_line(str(attrs['preprocessing']))}")
+        decode = ((attrs.get("config") or {}).get("loader") or {}).get("decode")
+        if decode:
+            lines.append(f"decode     {decode}")
         for key, label in (
             ("split", "split"),
             ("config_fingerprint", "config"),
@@ -207,13 +217,23 @@ class StoreDescription:
 
     def _run_text(self) -> str:
         attrs = self.attrs
-        run = f"run        {attrs['seconds']:.1f} s, {attrs['images_per_second']:.0f} images/s"
+        run = f"run        {attrs['seconds']:.1f} s, {_speed(attrs)}"
         split = self.time_split
         if split is not None:
             total = max(sum(split.values()), 1e-9)
             shares = [f"{name} {100 * sec / total:.0f}%" for name, sec in split.items()]
             run += " (" + ", ".join(shares) + ")"
         return run
+
+
+def _one_line(text: str) -> str:
+    """A multi-line repr (torchvision's transforms print one step per line) on one line."""
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+def _speed(attrs: Mapping[str, Any]) -> str:
+    """Rows per second in the store's own unit (images, texts, samples)."""
+    return f"{attrs.get('images_per_second', 0):.0f} {attrs.get('row_unit', 'images')}/s"
 
 
 def store_bytes(store: FeatureStore) -> int:
