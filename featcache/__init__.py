@@ -24,6 +24,7 @@ _PUBLIC = {
     "TokenDataset": "featcache.token_view",
     "extract": "featcache.extraction",
     "extract_from_config": "featcache.extraction",
+    "plan": "featcache.planning",
 }
 
 # Subpackages reachable as attributes (``featcache.probe.probe(...)``), loaded on first use.
@@ -38,12 +39,14 @@ __all__ = [
     "TokenDataset",
     "extract",
     "extract_from_config",
+    "plan",
 ]
 
 if TYPE_CHECKING:
     from featcache.dataset import FeatureDataset, ShuffledBatches
     from featcache.errors import ConfigError, FeatcacheError
     from featcache.extraction import extract, extract_from_config
+    from featcache.planning import plan
     from featcache.store import FeatureStore
     from featcache.token_view import TokenDataset
 

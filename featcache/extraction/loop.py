@@ -14,7 +14,8 @@ import dataclasses
 import functools
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -24,18 +25,26 @@ from featcache.errors import ConfigError, FeatcacheError, first_line
 from featcache.extraction.batches import Batch
 from featcache.extraction.bucketing import WindowReorder
 from featcache.extraction.nonfinite import check_finite, skip_record
-from featcache.extraction.writer_thread import (
-    MAX_PENDING_BATCHES,
-    CapturedBatch,
-    HostBuffers,
-    WriterThread,
-)
+from featcache.extraction.writer_thread import MAX_PENDING_BATCHES, CapturedBatch, HostBuffers
 from featcache.memory import freed_memory_kept
 from featcache.reduce import NO_CONTEXT, ReduceContext
 from featcache.runtime import Layout, placed
 from featcache.spec import LoaderSpec, RuntimeSpec, StoreSpec
 from featcache.store.codec import encode
 from featcache.taps import Tap, TapSet
+
+
+class Sink(Protocol):
+    """Where the run loop hands each finished batch: the
+    :class:`~featcache.extraction.writer_thread.WriterThread`, or a dry run's recorder."""
+
+    path: Path
+    waited: float  # seconds the forward spent blocked on the sink
+
+    @property
+    def skipped(self) -> int: ...
+
+    def put(self, batch: CapturedBatch, feature_attrs: Any) -> None: ...
 
 
 def feature_attrs(taps: Sequence[Tap]) -> dict[str, dict[str, str]]:
@@ -51,7 +60,7 @@ def run_loop(
     model: nn.Module,
     batches: Iterator[Batch],
     taps: Sequence[Tap],
-    sink: WriterThread,
+    sink: Sink,
     ids: Sequence[str],
     options: tuple[LoaderSpec, StoreSpec, RuntimeSpec],
     layout: Layout,

@@ -35,8 +35,10 @@ def extract_shard(
     path: Path,
     rank: Rank,
     arguments: dict[str, Any],
+    check_space: bool = True,
 ) -> FeatureStore:
-    """This rank's block into its shard; then rank 0 writes the store over all shards."""
+    """This rank's block into its shard; then rank 0 writes the store over all shards.
+    With ``check_space`` the rank refuses a shard its filesystem cannot hold."""
     rank.join()
     world = rank.world_size
     overwrite = arguments["overwrite"]
@@ -77,6 +79,7 @@ def extract_shard(
             layers,
             shard_path(path, rank.rank, world),
             rows=blocks[rank.rank],
+            check_space=check_space,
             **shard_arguments,
         )
     rank.barrier()
