@@ -22,6 +22,13 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
+# The config of a run, and the --set overrides of its keys (extract, plan).
+ConfigFile = Annotated[Path, typer.Argument(help="YAML config file.")]
+Overrides = Annotated[
+    list[str] | None,
+    typer.Option("--set", help="Override a config key: --set loader.batch_size=32."),
+]
+
 # The one option that lets a command rebuild what a store's recorded config names as code.
 TrustFactory = Annotated[
     bool,
@@ -59,11 +66,8 @@ def _options(
 @app.command()
 @friendly
 def extract(
-    config: Annotated[Path, typer.Argument(help="YAML config file.")],
-    set_: Annotated[
-        list[str] | None,
-        typer.Option("--set", help="Override a config key: --set loader.batch_size=32."),
-    ] = None,
+    config: ConfigFile,
+    set_: Overrides = None,
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace stores that already exist.")
     ] = False,
@@ -106,11 +110,8 @@ def extract(
 @app.command()
 @friendly
 def plan(
-    config: Annotated[Path, typer.Argument(help="YAML config file.")],
-    set_: Annotated[
-        list[str] | None,
-        typer.Option("--set", help="Override a config key: --set loader.batch_size=32."),
-    ] = None,
+    config: ConfigFile,
+    set_: Overrides = None,
     batches: Annotated[
         int, typer.Option("--batches", min=1, help="Batches timed per batch size.")
     ] = 3,

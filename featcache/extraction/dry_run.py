@@ -61,11 +61,18 @@ class _Recorder:
 
 
 def dry_run(
-    model: nn.Module, dataset: Dataset, plan: _Plan, run: RunOptions, rows: range, batch_size: int
+    model: nn.Module,
+    dataset: Dataset,
+    plan: _Plan,
+    run: RunOptions,
+    rows: range,
+    batch_size: int,
+    workers: bool = True,
 ) -> DryRun:
     """Run the source rows ``rows`` through the hooked forward in batches of
-    ``batch_size`` (loader workers as the full run would have), exactly as the run does,
-    but keep only the shapes and timings. ``torch.compile`` is left off."""
+    ``batch_size`` as the run does, but keep only the shapes and timings. With
+    ``workers`` the rows are loaded by as many worker processes as the full run would
+    start (to time it), else in this process. ``torch.compile`` is left off."""
     pin = plan.layout.device.type == "cuda"
     if run.loader.pin_memory != "auto":
         pin = bool(run.loader.pin_memory)
@@ -73,7 +80,9 @@ def dry_run(
     loader = DataLoader(
         source_rows,
         batch_sampler=GridBatches(rows, batch_size, plan.shard_starts),
-        num_workers=num_workers(run.loader.num_workers, len(plan.rows), batch_size),
+        num_workers=num_workers(run.loader.num_workers, len(plan.rows), batch_size)
+        if workers
+        else 0,
         pin_memory=pin,
         collate_fn=Collate(source_rows.pad_values),
     )

@@ -99,9 +99,11 @@ def sized_rows(model: nn.Module, dataset: Dataset, plan: _Plan, run: RunOptions)
     Raises:
         FeatcacheError: when none of the first rows gives values (all skipped).
     """
+    # The memory layout changes no shape: the default one spares converting the weights.
+    plain = dataclasses.replace(plan, layout=dataclasses.replace(plan.layout, channels_last=False))
     first = plan.rows.start
     for row in range(first, min(plan.rows.stop, first + SIZING_ROWS)):
-        seen = dry_run(model, dataset, plan, run, range(row, row + 1), 1)
+        seen = dry_run(model, dataset, plain, run, range(row, row + 1), 1, workers=False)
         if seen.layers:
             return seen
     raise FeatcacheError(
