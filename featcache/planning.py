@@ -91,11 +91,15 @@ class RunPlan:
         )
 
     @property
+    def rows_to_write(self) -> int:
+        """The rows of the stores the run writes (complete ones it leaves as they are)."""
+        return sum(split.estimate.rows for split in self.splits if not split.complete)
+
+    @property
     def seconds(self) -> float | None:
         """Estimated seconds of the run: the rows still to write at the measured rate."""
         rate = self.rows_per_second
-        rows = sum(split.estimate.rows for split in self.splits if not split.complete)
-        return None if not rate else rows / rate
+        return None if not rate else self.rows_to_write / rate
 
     def format(self) -> str:
         """The plan as ``featcache plan`` prints it."""
@@ -122,14 +126,16 @@ class RunPlan:
             f"write; {format_bytes(self.free)} free on {self.filesystem}: {verdict}"
         )
         rate, seconds = self.rows_per_second, self.seconds
-        todo = sum(split.estimate.rows for split in self.splits if not split.complete)
         if rate is not None and seconds is not None:
             timed = next(t for t in self.timings if t.batch_size == self.batch_size)
-            lines.append(
-                f"time        about {_duration(seconds)} for {todo:,} rows ({rate:,.0f} rows/s "
-                f"at batch size {self.batch_size} on {self.device}, {timed.batches} batches timed)"
+            how = (
+                f"{rate:,.0f} rows/s at batch size {self.batch_size} on {self.device}, "
+                f"{timed.batches} batch{'es' if timed.batches > 1 else ''} timed"
             )
-        measured = ", ".join(f"{t.batch_size}: {_rate(t.rows_per_second)}" for t in self.timings)
+            rows = self.rows_to_write
+            todo = f"about {_duration(seconds)} for {rows:,} rows" if rows else "no rows to write"
+            lines.append(f"time        {todo} ({how})")
+        measured = ", ".join(f"{t.batch_size}: {_rate(t)}" for t in self.timings)
         lines.append(f"batch size  {self.suggested_batch_size} suggested ({measured})")
         return "\n".join(lines)
 
@@ -149,8 +155,8 @@ def plan(
     hooked forward, nothing written) over ``batches`` batches of the first split after
     one that warms up, at the config's batch size, half of it and twice it; the time
     estimate is the rows still to write at the config's rate, and the suggested batch
-    size the fastest of those (the config's unless another is 5% faster; on CUDA, one
-    that fits in memory).
+    size the fastest of those (the config's unless another is 5% faster; one that runs
+    out of CUDA memory is left out, and on CUDA each one's peak memory is reported).
     """
     spec = config if isinstance(config, Spec) else load_config(config, overrides)
     backbone = build_backbone_for(spec)
@@ -261,8 +267,11 @@ def _shape(shape: tuple[int, ...], per_token: bool) -> str:
     return f"[tokens, {dims}]" if per_token else f"[{dims}]"
 
 
-def _rate(rows_per_second: float | None) -> str:
-    return "out of memory" if rows_per_second is None else f"{rows_per_second:,.0f} rows/s"
+def _rate(timing: BatchTiming) -> str:
+    if timing.rows_per_second is None:
+        return "out of memory"
+    rate = f"{timing.rows_per_second:,.0f} rows/s"
+    return rate if timing.peak_memory is None else f"{rate}, {format_bytes(timing.peak_memory)}"
 
 
 def _duration(seconds: float) -> str:

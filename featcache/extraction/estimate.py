@@ -15,7 +15,7 @@ from torch.utils.data import Dataset
 
 from featcache.errors import FeatcacheError
 from featcache.extraction.dry_run import DryRun, dry_run
-from featcache.store.paths import partial_path, shards_of
+from featcache.store.paths import partial_path
 from featcache.store.size import (
     LayerSize,
     bytes_on_disk,
@@ -51,13 +51,10 @@ class StoreEstimate:
 
     def needed(self, overwrite: bool) -> int:
         """Bytes the run still has to find free: the finished store, less what its
-        partial store (or torchrun shards) already holds when the run resumes it, plus
-        room for the compressed copy (written beside it, at most as large) when the store
-        is compressed."""
-        written = 0
-        if not overwrite:
-            written = bytes_on_disk(partial_path(self.path))
-            written += sum(bytes_on_disk(shard) for shard in shards_of(self.path))
+        partial store already holds when the run resumes it (a torchrun rank's store is
+        its shard), plus room for the compressed copy (written beside it, at most as
+        large) when the store is compressed."""
+        written = 0 if overwrite else bytes_on_disk(partial_path(self.path))
         copy = self.bytes if self.compression is not None else 0
         return max(self.bytes - written, 0) + copy
 
