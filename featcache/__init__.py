@@ -26,6 +26,7 @@ _PUBLIC = {
     "extract": "featcache.extraction",
     "extract_from_config": "featcache.extraction",
     "pad_tokens": "featcache.padding",
+    "plan": "featcache.planning",
 }
 
 # Subpackages reachable as attributes (``featcache.probe.probe(...)``), loaded on first use.
@@ -42,6 +43,7 @@ __all__ = [
     "extract",
     "extract_from_config",
     "pad_tokens",
+    "plan",
 ]
 
 if TYPE_CHECKING:
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from featcache.errors import ConfigError, FeatcacheError
     from featcache.extraction import extract, extract_from_config
     from featcache.padding import PadTokens, pad_tokens
+    from featcache.planning import plan
     from featcache.store import FeatureStore
     from featcache.token_view import TokenDataset
 

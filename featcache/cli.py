@@ -22,6 +22,13 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
+# The config of a run, and the --set overrides of its keys (extract, plan).
+ConfigFile = Annotated[Path, typer.Argument(help="YAML config file.")]
+Overrides = Annotated[
+    list[str] | None,
+    typer.Option("--set", help="Override a config key: --set loader.batch_size=32."),
+]
+
 # The one option that lets a command rebuild what a store's recorded config names as code.
 TrustFactory = Annotated[
     bool,
@@ -33,10 +40,24 @@ TrustFactory = Annotated[
 ]
 
 
+def _version(show: bool) -> None:
+    if show:
+        from featcache import __version__
+
+        say(f"featcache {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _options(
     debug: Annotated[
         bool, typer.Option("--debug", help="Show the full traceback on errors.")
+    ] = False,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
     ] = False,
 ) -> None:
     state["debug"] = debug
@@ -45,11 +66,8 @@ def _options(
 @app.command()
 @friendly
 def extract(
-    config: Annotated[Path, typer.Argument(help="YAML config file.")],
-    set_: Annotated[
-        list[str] | None,
-        typer.Option("--set", help="Override a config key: --set loader.batch_size=32."),
-    ] = None,
+    config: ConfigFile,
+    set_: Overrides = None,
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace stores that already exist.")
     ] = False,
@@ -62,8 +80,19 @@ def extract(
             "(data.limit): a quick trial.",
         ),
     ] = None,
+    ignore_free_space: Annotated[
+        bool,
+        typer.Option(
+            "--ignore-free-space",
+            help="Run even when the output filesystem looks too small for the stores.",
+        ),
+    ] = False,
 ) -> None:
-    """Extract the configured layers for every split into HDF5 stores."""
+    """Extract the configured layers for every split into HDF5 stores.
+
+    Before the first batch, the stores are sized (one row through the model) and a run
+    the output filesystem cannot hold is refused, unless --ignore-free-space.
+    """
     from featcache.distributed import current_rank
     from featcache.extraction import extract_from_config
     from featcache.extraction.from_config import resume_command
@@ -76,7 +105,7 @@ def extract(
     rank = current_rank()
     started = time.time_ns()
     try:
-        stores = extract_from_config(config, overrides)
+        stores = extract_from_config(config, overrides, check_space=not ignore_free_space)
     except KeyboardInterrupt:
         if rank is None or rank.is_main:
             again = resume_command(config, overrides, rank)
@@ -87,6 +116,26 @@ def extract(
         for store in stores.values():
             done_before = store.path.stat().st_mtime_ns < started  # a rerun found it complete
             say(store.describe().summary() + ("; already complete" if done_before else ""))
+
+
+@app.command()
+@friendly
+def plan(
+    config: ConfigFile,
+    set_: Overrides = None,
+    batches: Annotated[
+        int, typer.Option("--batches", min=1, help="Batches timed per batch size.")
+    ] = 3,
+) -> None:
+    """Before a run: rows, bytes per layer and in total, free space, time, a batch size.
+
+    One row runs through the model to size the stores, and a few batches of the first
+    split at the config's batch size, half of it and twice it to time the run; nothing
+    is written.
+    """
+    from featcache.planning import plan as plan_run
+
+    say(plan_run(config, set_ or [], batches=batches).format())
 
 
 @app.command()

@@ -143,6 +143,12 @@ def choose(at: str, value: Any, allowed: typing.Iterable[Any]) -> None:
         raise ConfigError(f"{at} is {value!r}; choose one of: {_names(allowed)}")
 
 
+def allowed_values(hint: Any, bounds: Bounds | None = None) -> str:
+    """What a field of type ``hint`` takes, in the words of its errors: ``"a whole number
+    >= 1"``, ``"'fail' or 'skip'"``, ``"a string or null"``."""
+    return _expected(_alternatives(hint), bounds)
+
+
 def choices(hint: Any) -> tuple[Any, ...]:
     """The values a ``Literal`` hint (or a union holding one) allows, ``None`` included."""
     out: list[Any] = []

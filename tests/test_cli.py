@@ -54,6 +54,13 @@ def test_help_for_every_command():
         assert "Usage" in result.output
 
 
+def test_version():
+    import featcache
+
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.stdout == f"featcache {featcache.__version__}\n"
+
+
 def test_usage_errors_are_one_plain_line():
     result = runner.invoke(app, ["verify", "--bogus"])
     assert result.exit_code == 2
@@ -135,8 +142,8 @@ def test_runtime_errors_exit_1_and_debug_shows_traceback(tmp_path):
 
 
 def test_interrupted_extract_names_the_command_that_resumes(config_file, monkeypatch):
-    def interrupted(config, overrides):
-        assert overrides == ["loader.batch_size=4", "output.overwrite=true"]
+    def interrupted(config, overrides, check_space):
+        assert overrides == ["loader.batch_size=4", "output.overwrite=true"] and check_space
         raise KeyboardInterrupt
 
     monkeypatch.setattr("featcache.extraction.extract_from_config", interrupted)

@@ -462,8 +462,9 @@ def test_inputs_the_model_refuses_fail_in_one_line_naming_their_shape(tmp_path):
     images = torch.utils.data.TensorDataset(torch.randn(4, 3, 16, 16))  # the ViT takes 32 px
     with pytest.raises(FeatcacheError) as caught:
         featcache.extract(_tiny_vit(), images, ["encoder"], tmp_path / "v.h5", progress=False)
+    # The first row to meet the model is the one that sizes the store, in a batch of its own.
     assert str(caught.value) == (
-        "the model fails on a batch of inputs [4, 3, 16, 16] (AssertionError: Wrong image "
+        "the model fails on a batch of inputs [1, 3, 16, 16] (AssertionError: Wrong image "
         "height! Expected 32 but got 16!); check that the preprocessing (preprocess.resize, "
         "crop) or the dataset gives inputs the model takes"
     )

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import random
 import re
 
 import pytest
@@ -12,49 +10,16 @@ from typer.testing import CliRunner
 
 from featcache.cli import app
 from featcache.store import FeatureStore
-from tests.texts import tiny_bert
+from tests.texts import write_text_config
 
 transformers = pytest.importorskip("transformers")
 runner = CliRunner()
-
-WORDS = {0: ["calm", "quiet", "soft", "still"], 1: ["loud", "noisy", "harsh", "shrill"]}
 
 
 @pytest.fixture
 def text_config(tmp_path):
     """A tiny random BERT saved with a byte-level tokenizer, JSONL splits, and a config."""
-    tiny_bert().save_pretrained(tmp_path / "bert")
-    transformers.ByT5Tokenizer().save_pretrained(tmp_path / "bert")
-    rng = random.Random(0)
-    for split, count in (("train", 60), ("test", 20)):
-        with open(tmp_path / f"{split}.jsonl", "w") as f:
-            for i in range(count):
-                label = i % 2
-                words = [rng.choice(WORDS[label]) for _ in range(rng.randrange(1, 8))]
-                f.write(
-                    json.dumps({"id": f"{split}-{i}", "text": " ".join(words), "label": label})
-                    + "\n"
-                )
-    spec = {
-        "model": {"name": f"hf:{tmp_path / 'bert'}"},
-        "layers": [
-            {"name": "encoder.layer.1", "reduce": "mean", "key": "mean"},
-            {"name": "encoder.layer.1", "key": "tokens"},
-        ],
-        "data": {
-            "source": "text",
-            "root": str(tmp_path),
-            "splits": {"train": "train.jsonl", "test": "test.jsonl"},
-            "max_length": 24,
-        },
-        "loader": {"batch_size": 8, "num_workers": 0},
-        "store": {"dtype": "float32"},
-        "output": {"dir": str(tmp_path / "out")},
-        "runtime": {"progress": False},
-    }
-    path = tmp_path / "text.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
+    return write_text_config(tmp_path)
 
 
 def test_text_source_from_jsonl_through_the_cli_then_probe(text_config, tmp_path):

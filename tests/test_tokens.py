@@ -382,10 +382,11 @@ def test_unreadable_first_rows_are_skipped_like_any_other(tmp_path):
 
 
 def stopped_run(source, layers, path, stop_at, **options):
-    """Run a tiny BERT over ``source`` until the ``stop_at``-th call of its first block
-    raises, as a crash would; returns the model, no longer failing, to rerun with."""
+    """Run a tiny BERT over ``source`` until the ``stop_at``-th batch through its first
+    block raises, as a crash would; returns the model, no longer failing, to rerun with.
+    (The call before the first batch runs the one row that sizes the store.)"""
     model = tiny_bert()
-    calls = {"n": 0}
+    calls = {"n": -1}
 
     def fail_late(module, args):
         calls["n"] += 1

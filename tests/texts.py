@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import random
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
+import yaml
 
 from featcache.models.tokenizer import Tokenized
 
@@ -88,3 +92,44 @@ def tiny_gpt2(seed: int = 0) -> torch.nn.Module:
         pad_token_id=0,
     )
     return transformers.GPT2Model(config).eval()
+
+
+WORDS = {0: ["calm", "quiet", "soft", "still"], 1: ["loud", "noisy", "harsh", "shrill"]}
+
+
+def write_text_config(folder: Path) -> Path:
+    """A tiny random BERT saved with a byte-level tokenizer into ``folder``, JSONL splits
+    of short labelled texts (60 train, 20 test), and a config over them capturing a
+    mean-pooled layer and per-token rows; returns the config's path."""
+    import transformers
+
+    tiny_bert().save_pretrained(folder / "bert")
+    transformers.ByT5Tokenizer().save_pretrained(folder / "bert")
+    rng = random.Random(0)
+    for split, count in (("train", 60), ("test", 20)):
+        with open(folder / f"{split}.jsonl", "w") as f:
+            for i in range(count):
+                label = i % 2
+                words = [rng.choice(WORDS[label]) for _ in range(rng.randrange(1, 8))]
+                text = " ".join(words)
+                f.write(json.dumps({"id": f"{split}-{i}", "text": text, "label": label}) + "\n")
+    spec = {
+        "model": {"name": f"hf:{folder / 'bert'}"},
+        "layers": [
+            {"name": "encoder.layer.1", "reduce": "mean", "key": "mean"},
+            {"name": "encoder.layer.1", "key": "tokens"},
+        ],
+        "data": {
+            "source": "text",
+            "root": str(folder),
+            "splits": {"train": "train.jsonl", "test": "test.jsonl"},
+            "max_length": 24,
+        },
+        "loader": {"batch_size": 8, "num_workers": 0},
+        "store": {"dtype": "float32"},
+        "output": {"dir": str(folder / "out")},
+        "runtime": {"progress": False},
+    }
+    path = folder / "text.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path

@@ -4,7 +4,8 @@
 split, torchrun-aware) are the two entry points; the modules below hold the run's parts.
 """
 
-from featcache.extraction.api import RunOptions, extract
+from featcache.extraction.api import RunOptions, estimate, extract
+from featcache.extraction.estimate import StoreEstimate
 from featcache.extraction.from_config import extract_from_config
 
-__all__ = ["RunOptions", "extract", "extract_from_config"]
+__all__ = ["RunOptions", "StoreEstimate", "estimate", "extract", "extract_from_config"]

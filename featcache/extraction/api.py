@@ -29,6 +29,7 @@ from featcache.extraction.batches import (
 from featcache.extraction.bucketing import WINDOW_BATCHES, WindowReorder
 from featcache.extraction.continuity import check_continues
 from featcache.extraction.dataset_info import dataset_classes, dataset_ids
+from featcache.extraction.estimate import StoreEstimate, check_free_space, estimate_store
 from featcache.extraction.grid import GridBatches, shard_starts
 from featcache.extraction.loop import run_loop
 from featcache.extraction.writer_thread import WriterThread
@@ -122,6 +123,7 @@ def extract(
     rows: range | None = None,
     prefix_tokens: int | None = None,
     sequence_first: bool = False,
+    check_space: bool = True,
     **options: Any,
 ) -> FeatureStore:
     """Run ``model`` over ``dataset`` and store the activations of ``layers`` at ``path``.
@@ -173,6 +175,11 @@ def extract(
     :mod:`featcache.store.lock`) from before it touches anything of the store until the
     store is in place, and a second run, with or without ``overwrite``, raises
     :class:`~featcache.store.lock.StoreBusyError` naming the first and changes nothing.
+
+    Before the first batch, one row runs through the hooked forward to size the store
+    (:func:`estimate`), and a run whose store the output filesystem cannot hold is
+    refused in one line giving what it needs and what is free; ``check_space=False``
+    runs it anyway.
     """
     run = RunOptions.from_kwargs(**options)
     path = Path(path)
@@ -182,11 +189,46 @@ def extract(
             model, dataset, layers, run, ids, class_names, provenance, dataset_fingerprint,
             rows, tokens,
         )  # fmt: skip
-        return _extract(model, dataset, path, run, plan)
+        return _extract(model, dataset, path, run, plan, check_space)
+
+
+def estimate(
+    model: nn.Module,
+    dataset: Dataset,
+    layers: Iterable[LayerSpec | str | Mapping[str, Any]] | str,
+    path: str | os.PathLike,
+    *,
+    provenance: Mapping[str, Any] | None = None,
+    dataset_fingerprint: str | None = None,
+    rows: range | None = None,
+    prefix_tokens: int | None = None,
+    sequence_first: bool = False,
+    **options: Any,
+) -> StoreEstimate:
+    """The size of the store that :func:`extract` with the same arguments writes at
+    ``path``, without running the whole model: one row of ``dataset`` runs through the
+    hooked forward for each layer's stored shape, and nothing is written.
+
+    Returns a :class:`~featcache.extraction.estimate.StoreEstimate`: the bytes of the
+    finished store (exact for dense layers up to HDF5's own metadata, which is
+    estimated; for per-token layers as exact as the dataset's token counts), and each
+    layer's shape and bytes.
+    """
+    run = RunOptions.from_kwargs(**options)
+    tokens = token_layout(model, prefix_tokens, sequence_first)
+    plan = _plan(
+        model, dataset, layers, run, None, None, provenance, dataset_fingerprint, rows, tokens
+    )
+    return estimate_store(model, dataset, Path(path), plan, run)
 
 
 def _extract(
-    model: nn.Module, dataset: Dataset, path: Path, run: RunOptions, plan: _Plan
+    model: nn.Module,
+    dataset: Dataset,
+    path: Path,
+    run: RunOptions,
+    plan: _Plan,
+    check_space: bool = True,
 ) -> FeatureStore:
     """Write (or resume, or find complete) the store ``plan`` describes at ``path``."""
     if run.overwrite:
@@ -217,6 +259,8 @@ def _extract(
         if resume is not None and resume.row > 0:  # rows kept: they must be this run's
             check_continues(partial_path(path), model, dataset, plan, run, resume.position)
     todo = range(resume.position if resume else plan.rows.start, plan.rows.stop)
+    if check_space:  # before the first batch, and before the store's file is created
+        check_free_space([estimate_store(model, dataset, path, plan, run)], run.overwrite)
     device = plan.layout.device
     pin = device.type == "cuda" if run.loader.pin_memory == "auto" else bool(run.loader.pin_memory)
     source_rows = SourceRows(dataset, todo, has_labels=plan.has_labels)

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from featcache.distributed import Rank, check_other_world_sizes, current_rank, launch_words
 from featcache.errors import ConfigError
-from featcache.extraction.api import extract
+from featcache.extraction.api import estimate, extract
+from featcache.extraction.estimate import check_free_space
 from featcache.extraction.sharding import extract_shard
 from featcache.provenance import config_fingerprint
 from featcache.spec import Spec, load_config, override_list, to_dict
@@ -26,14 +27,19 @@ if TYPE_CHECKING:
 
 
 def extract_from_config(
-    config: str | os.PathLike | Mapping[str, Any] | Spec, overrides: Iterable[str] = ()
+    config: str | os.PathLike | Mapping[str, Any] | Spec,
+    overrides: Iterable[str] = (),
+    *,
+    check_space: bool = True,
 ) -> dict[str, FeatureStore]:
     """Run the extraction a config describes; one complete store per split.
 
     ``config`` is a YAML path, a mapping, or a loaded :class:`~featcache.spec.Spec`;
     ``overrides`` are ``key.sub=value`` strings applied first. Every split's output path
     is checked, and locked against other writers (:mod:`featcache.store.lock`), before
-    any work starts.
+    any work starts. So is the free space: a run whose stores (every split's, together)
+    the output filesystem cannot hold is refused in one line before the first batch,
+    unless ``check_space=False`` (under torchrun each rank checks its own shards).
     """
     overrides = override_list(overrides)
     if isinstance(config, Spec) and overrides:
@@ -47,7 +53,8 @@ def extract_from_config(
         if rank is None or rank.is_main:  # other ranks lock only their own shards
             for split in spec.data.splits:
                 held.enter_context(writer_lock(spec.store_path(split)))
-        return _extract_splits(spec, rank, resume_command(config, overrides, rank))
+        command = resume_command(config, overrides, rank)
+        return _extract_splits(spec, rank, command, check_space)
 
 
 def check_same_classes(class_names: Mapping[str, Sequence[str] | None]) -> None:
@@ -117,7 +124,75 @@ def preprocessing_record(backbone: Backbone, max_length: int | None) -> str:
     return f"tokenizer {tokenizer.name}, max_length {limit}"
 
 
-def _extract_splits(spec: Spec, rank: Rank | None, command: str | None) -> dict[str, FeatureStore]:
+def run_options(spec: Spec) -> dict[str, Any]:
+    """The keyword options of :func:`~featcache.extraction.extract` the config sets: its
+    loader, store and runtime keys, and ``overwrite``."""
+    return {
+        **dataclasses.asdict(spec.loader),
+        **dataclasses.asdict(spec.store),
+        **dataclasses.asdict(spec.runtime),
+        "overwrite": spec.output.overwrite,
+    }
+
+
+def split_arguments(
+    spec: Spec,
+    split: str,
+    source: SourceDataset,
+    backbone: Backbone,
+    command: str | None,
+    fingerprint: bool = True,
+) -> dict[str, Any]:
+    """Everything but the model, the source, the layers and the path that
+    :func:`~featcache.extraction.extract` takes for one split of ``spec``: the provenance
+    written into its store, the dataset fingerprint (when ``fingerprint``), the model's
+    token layout and the config's run options."""
+    text = spec.data.inputs == "text"
+    provenance = {
+        "config": to_dict(spec),
+        "config_fingerprint": config_fingerprint(spec),
+        "weights": backbone.weights,
+        "split": split,
+        "source": {"kind": spec.data.source, "split": spec.data.splits[split]},
+        "preprocessing": preprocessing_record(backbone, spec.data.max_length)
+        if text
+        else repr(backbone.transform),  # as resolved: the zoo's own, or preprocess keys
+    }
+    provenance["working_folder"] = os.getcwd()  # the config's relative paths start here
+    if command is not None:
+        provenance["resume_command"] = command
+        provenance["resume_folder"] = os.getcwd()
+    return dict(
+        provenance=provenance,
+        dataset_fingerprint=source.fingerprint(content=spec.data.content_hash)
+        if fingerprint
+        else None,
+        prefix_tokens=backbone.prefix_tokens,
+        sequence_first=backbone.sequence_first,
+        **run_options(spec),
+    )
+
+
+def first_rows(spec: Spec, source: SourceDataset) -> range | None:
+    """The rows of ``source`` a run of ``spec`` stores: the first ``data.limit`` (None:
+    all of them)."""
+    limit = spec.data.limit
+    return None if limit is None else range(min(limit, len(source)))
+
+
+def complete_already(spec: Spec, split: str) -> bool:
+    """Whether ``split``'s store is in place, complete, from the same config, and not to
+    be overwritten: a run then leaves it as it is."""
+    path = spec.store_path(split)
+    if spec.output.overwrite or not path.exists():
+        return False
+    key = stored_resume_key(path)
+    return key is not None and key.get("config_fingerprint") == config_fingerprint(spec)
+
+
+def _extract_splits(
+    spec: Spec, rank: Rank | None, command: str | None, check_space: bool
+) -> dict[str, FeatureStore]:
     stale: dict[str, list[Path]] = {}
     for split in spec.data.splits:  # fail before any work on a store made differently
         path = spec.store_path(split)
@@ -130,50 +205,52 @@ def _extract_splits(spec: Spec, rank: Rank | None, command: str | None) -> dict[
         if key is None or key.get("config_fingerprint") != fingerprint:
             resumes = interrupted_overwrite(path, {"config_fingerprint": fingerprint})
             check_output_path(path, spec.output.overwrite or resumes)
-    text = spec.data.inputs == "text"
     backbone = build_backbone_for(spec)
     sources = {split: build_source_for(spec, split, backbone) for split in spec.data.splits}
     check_same_classes({split: source.class_names for split, source in sources.items()})
-    options = {
-        **dataclasses.asdict(spec.loader),
-        **dataclasses.asdict(spec.store),
-        **dataclasses.asdict(spec.runtime),
-        "overwrite": spec.output.overwrite,
+    arguments = {
+        split: split_arguments(spec, split, source, backbone, command)
+        for split, source in sources.items()
     }
+    if check_space and rank is None:  # every split's store, before any work
+        estimates = [
+            estimate(
+                backbone.model,
+                source,
+                spec.layers,
+                spec.store_path(split),
+                rows=first_rows(spec, source),
+                **arguments[split],
+            )
+            for split, source in sources.items()
+            if not complete_already(spec, split)
+        ]
+        check_free_space(estimates, spec.output.overwrite)
     stores = {}
     for split, source in sources.items():
-        provenance = {
-            "config": to_dict(spec),
-            "config_fingerprint": config_fingerprint(spec),
-            "weights": backbone.weights,
-            "split": split,
-            "source": {"kind": spec.data.source, "split": spec.data.splits[split]},
-            "preprocessing": preprocessing_record(backbone, spec.data.max_length)
-            if text
-            else repr(backbone.transform),  # as resolved: the zoo's own, or preprocess keys
-        }
-        provenance["working_folder"] = os.getcwd()  # the config's relative paths start here
-        if command is not None:
-            provenance["resume_command"] = command
-            provenance["resume_folder"] = os.getcwd()
-        arguments = dict(
-            provenance=provenance,
-            dataset_fingerprint=source.fingerprint(content=spec.data.content_hash),
-            prefix_tokens=backbone.prefix_tokens,
-            sequence_first=backbone.sequence_first,
-            **options,
-        )
         path = spec.store_path(split)
-        limit = spec.data.limit
-        rows = None if limit is None else range(min(limit, len(source)))  # the first N
+        rows = first_rows(spec, source)
         if rank is None:
             stores[split] = extract(
-                backbone.model, source, spec.layers, path, rows=rows, **arguments
+                backbone.model,
+                source,
+                spec.layers,
+                path,
+                rows=rows,
+                check_space=False,
+                **arguments[split],
             )
             for shard in stale[split]:
                 shard.unlink(missing_ok=True)
         else:
             stores[split] = extract_shard(
-                backbone.model, source, spec.layers, path, rank, arguments, rows
+                backbone.model,
+                source,
+                spec.layers,
+                path,
+                rank,
+                arguments[split],
+                check_space,
+                rows,
             )
     return stores

@@ -15,7 +15,8 @@ import functools
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -25,18 +26,26 @@ from featcache.errors import ConfigError, FeatcacheError, FeatcacheWarning, firs
 from featcache.extraction.batches import Batch
 from featcache.extraction.bucketing import WindowReorder
 from featcache.extraction.nonfinite import check_finite, skip_record
-from featcache.extraction.writer_thread import (
-    MAX_PENDING_BATCHES,
-    CapturedBatch,
-    HostBuffers,
-    WriterThread,
-)
+from featcache.extraction.writer_thread import MAX_PENDING_BATCHES, CapturedBatch, HostBuffers
 from featcache.memory import freed_memory_kept
 from featcache.reduce import NO_CONTEXT, ReduceContext
 from featcache.runtime import Layout, placed
 from featcache.spec import LoaderSpec, RuntimeSpec, StoreSpec
 from featcache.store.codec import encode
 from featcache.taps import Tap, TapSet, zero_gradient_note
+
+
+class Sink(Protocol):
+    """Where the run loop hands each finished batch: the
+    :class:`~featcache.extraction.writer_thread.WriterThread`, or a dry run's recorder."""
+
+    path: Path
+    waited: float  # seconds the forward spent blocked on the sink
+
+    @property
+    def skipped(self) -> int: ...
+
+    def put(self, batch: CapturedBatch, feature_attrs: Any) -> None: ...
 
 
 def feature_attrs(
@@ -61,7 +70,7 @@ def run_loop(
     model: nn.Module,
     batches: Iterator[Batch],
     taps: Sequence[Tap],
-    sink: WriterThread,
+    sink: Sink,
     ids: Sequence[str],
     options: tuple[LoaderSpec, StoreSpec, RuntimeSpec],
     layout: Layout,
@@ -71,12 +80,14 @@ def run_loop(
     tokens: ReduceContext = NO_CONTEXT,
     reorder: WindowReorder | None = None,
     unit: str = "img",
+    warn: bool = True,
 ) -> dict[str, float]:
     """Run every batch into ``sink``: ``total`` rows in the store, ``done_before`` of them
     written by an earlier run. ``tokens`` is the model's token layout (prefix tokens,
     sequence-first), for the reductions. Batches that come bucketed by length go to the
-    sink through ``reorder``, a window at a time in source order. Returns where the time
-    went, in seconds."""
+    sink through ``reorder``, a window at a time in source order. ``warn``: warn of
+    gradient layers whose every stored value was zero. Returns where the time went, in
+    seconds."""
     loader, store, runtime = options
     device = layout.device
     was_training = model.training
@@ -136,7 +147,7 @@ def run_loop(
                 bar.update(rows_done)
                 bar.set_postfix_str(_bar_note(timing, sink.waited, sink.skipped), False)
                 waiting_since = time.perf_counter()
-            if attrs is not None:  # a batch ran
+            if warn and attrs is not None:  # a batch ran
                 for tap in tapset.zero_gradients():
                     note = zero_gradient_note(tap, "every gradient this run stored")
                     warnings.warn(note, FeatcacheWarning, stacklevel=2)

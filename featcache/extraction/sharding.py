@@ -35,10 +35,12 @@ def extract_shard(
     path: Path,
     rank: Rank,
     arguments: dict[str, Any],
+    check_space: bool = True,
     rows: range | None = None,
 ) -> FeatureStore:
     """This rank's block into its shard; then rank 0 writes the store over all shards.
-    ``rows`` (the first N source rows, default all) is the store's share of the source."""
+    With ``check_space`` the rank refuses a shard its filesystem cannot hold. ``rows``
+    (the first N source rows, default all) is the store's share of the source."""
     rank.join()
     world = rank.world_size
     overwrite = arguments["overwrite"]
@@ -79,6 +81,7 @@ def extract_shard(
             layers,
             shard_path(path, rank.rank, world),
             rows=blocks[rank.rank],
+            check_space=check_space,
             **shard_arguments,
         )
     rank.barrier()

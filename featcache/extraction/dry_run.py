@@ -1,0 +1,103 @@
+"""Rows through the hooked forward with nothing written: what each layer stores per row
+and how long a batch takes, to size and plan a run before it starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from featcache.extraction.batches import Collate, SourceRows, num_workers, started
+from featcache.extraction.grid import GridBatches
+from featcache.extraction.loop import run_loop
+from featcache.extraction.writer_thread import CapturedBatch
+from featcache.store.size import LayerSize
+
+if TYPE_CHECKING:
+    from featcache.extraction.api import RunOptions, _Plan
+
+
+@dataclasses.dataclass
+class DryRun:
+    """What a dry run saw: the shape of each layer's rows (of its tokens, for a
+    per-token layer) and when each batch left the forward."""
+
+    layers: dict[str, LayerSize] = dataclasses.field(default_factory=dict)
+    finished: list[float] = dataclasses.field(default_factory=list)  # perf_counter seconds
+    rows: list[int] = dataclasses.field(default_factory=list)  # rows of each batch
+    token_ids: bool = False  # per-token layers come with their input token ids
+    peak_memory: int | None = None  # CUDA: the most bytes allocated during the run
+
+
+class _Recorder:
+    """Takes the place of the writer thread for :func:`run_loop`: notes each batch's
+    shapes and finishing time, and writes nothing."""
+
+    def __init__(self, dtype: str) -> None:
+        self.path = Path("dry run")
+        self.waited = 0.0
+        self.skipped = 0
+        self.dtype = dtype
+        self.seen = DryRun()
+
+    def put(self, batch: CapturedBatch, feature_attrs: Mapping[str, Any]) -> None:
+        self.seen.finished.append(time.perf_counter())
+        self.seen.rows.append(len(batch.index))
+        self.seen.token_ids |= batch.token_ids is not None
+        for key, value in batch.features.items():
+            per_token = key in batch.ragged
+            shape = tuple(int(n) for n in value.shape[1:])
+            self.seen.layers.setdefault(key, LayerSize(key, shape, self.dtype, per_token))
+        if batch.release is not None:
+            if batch.ready is not None:
+                batch.ready.synchronize()
+            batch.release()
+
+
+def dry_run(
+    model: nn.Module,
+    dataset: Dataset,
+    plan: _Plan,
+    run: RunOptions,
+    rows: range,
+    batch_size: int,
+    workers: bool = True,
+) -> DryRun:
+    """Run the source rows ``rows`` through the hooked forward in batches of
+    ``batch_size`` as the run does, but keep only the shapes and timings. With
+    ``workers`` the rows are loaded by as many worker processes as the full run would
+    start (to time it), else in this process. ``torch.compile`` is left off."""
+    pin = plan.layout.device.type == "cuda"
+    if run.loader.pin_memory != "auto":
+        pin = bool(run.loader.pin_memory)
+    source_rows = SourceRows(dataset, rows, has_labels=plan.has_labels)
+    loader = DataLoader(
+        source_rows,
+        batch_sampler=GridBatches(rows, batch_size, plan.shard_starts),
+        num_workers=num_workers(run.loader.num_workers, len(plan.rows), batch_size)
+        if workers
+        else 0,
+        pin_memory=pin,
+        collate_fn=Collate(source_rows.pad_values),
+    )
+    runtime = dataclasses.replace(run.runtime, progress=False, compile=False)
+    loader_options = dataclasses.replace(run.loader, batch_size=batch_size)
+    recorder = _Recorder(run.store.dtype)
+    cuda = plan.layout.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(plan.layout.device)
+    with started(loader) as batches:
+        run_loop(
+            model, batches, plan.taps, recorder,
+            plan.ids, (loader_options, run.store, runtime), plan.layout, pin,
+            total=len(rows), tokens=plan.tokens, unit=plan.unit, warn=False,
+        )  # fmt: skip
+    if cuda:
+        recorder.seen.peak_memory = int(torch.cuda.max_memory_allocated(plan.layout.device))
+    return recorder.seen

@@ -1,0 +1,282 @@
+"""``plan``: what an extraction will take before it runs: rows, bytes per layer and in
+total, free space, an estimate of the run time, and a batch size to try."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from featcache.extraction.api import RunOptions, _Plan, _plan
+from featcache.extraction.dry_run import dry_run
+from featcache.extraction.estimate import StoreEstimate, estimate_store
+from featcache.extraction.from_config import (
+    build_backbone_for,
+    build_source_for,
+    check_same_classes,
+    complete_already,
+    run_options,
+    split_arguments,
+)
+from featcache.reduce import token_layout
+from featcache.spec import Spec, load_config
+from featcache.store.size import free_bytes
+from featcache.units import format_bytes
+
+TIMED_BATCHES = 3  # batches timed per batch size, after one that warms up
+FASTER = 1.05  # another batch size is suggested only when this much faster
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitPlan:
+    """One split: its store's estimate, and whether the run leaves a complete store of
+    the same config as it is (then it writes nothing)."""
+
+    split: str
+    estimate: StoreEstimate
+    complete: bool
+    needed: int  # bytes the run still needs free for this store (0 when complete)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchTiming:
+    """Rows per second of the hooked forward (data loading included) at one batch size,
+    from ``batches`` batches after a first that warms up; ``peak_memory`` on CUDA."""
+
+    batch_size: int
+    rows_per_second: float | None  # None: the batch size did not fit in memory
+    batches: int
+    peak_memory: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """What a config's run will take, measured before it runs."""
+
+    splits: list[SplitPlan]
+    free: int  # free bytes on the output filesystem
+    filesystem: Path  # the folder the free bytes were measured at
+    device: str
+    batch_size: int  # the config's loader.batch_size
+    timings: list[BatchTiming]  # by batch size, the config's among them
+    suggested_batch_size: int
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of every split's finished store."""
+        return sum(split.estimate.bytes for split in self.splits)
+
+    @property
+    def needed(self) -> int:
+        """Bytes the run still needs free: the stores it writes, less what their partial
+        stores hold already, plus room for compressed copies."""
+        return sum(split.needed for split in self.splits)
+
+    @property
+    def fits(self) -> bool:
+        return self.needed <= self.free
+
+    @property
+    def rows_per_second(self) -> float | None:
+        """The measured rate at the config's batch size."""
+        return next(
+            (t.rows_per_second for t in self.timings if t.batch_size == self.batch_size), None
+        )
+
+    @property
+    def rows_to_write(self) -> int:
+        """The rows of the stores the run writes (complete ones it leaves as they are)."""
+        return sum(split.estimate.rows for split in self.splits if not split.complete)
+
+    @property
+    def seconds(self) -> float | None:
+        """Estimated seconds of the run: the rows still to write at the measured rate."""
+        rate = self.rows_per_second
+        return None if not rate else self.rows_to_write / rate
+
+    def format(self) -> str:
+        """The plan as ``featcache plan`` prints it."""
+        table = [["split", "rows", "tokens", "store", "path"]]
+        for split in self.splits:
+            e = split.estimate
+            note = " (complete: nothing to write)" if split.complete else ""
+            tokens = "-" if e.tokens is None else f"{e.tokens:,}"
+            table.append(
+                [split.split, f"{e.rows:,}", tokens, format_bytes(e.bytes), f"{e.path}{note}"]
+            )
+        if all(split.estimate.tokens is None for split in self.splits):
+            table = [row[:2] + row[3:] for row in table]
+        lines = _aligned(table, right={1, 2, 3} if len(table[0]) == 5 else {1, 2})
+        layers = self.splits[0].estimate.layers
+        table = [["layer", "stored as", "dtype", *(s.split for s in self.splits)]]
+        for layer in layers:
+            sizes = [format_bytes(s.estimate.layer_bytes[layer.key]) for s in self.splits]
+            table.append([layer.key, _shape(layer.shape, layer.per_token), layer.dtype, *sizes])
+        lines += _aligned(table, right=set(range(3, 3 + len(self.splits))))
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        lines.append(
+            f"disk        {format_bytes(self.bytes)} in all, {format_bytes(self.needed)} still to "
+            f"write; {format_bytes(self.free)} free on {self.filesystem}: {verdict}"
+        )
+        rate, seconds = self.rows_per_second, self.seconds
+        if rate is not None and seconds is not None:
+            timed = next(t for t in self.timings if t.batch_size == self.batch_size)
+            how = (
+                f"{rate:,.0f} rows/s at batch size {self.batch_size} on {self.device}, "
+                f"{timed.batches} batch{'es' if timed.batches > 1 else ''} timed"
+            )
+            rows = self.rows_to_write
+            todo = f"about {_duration(seconds)} for {rows:,} rows" if rows else "no rows to write"
+            lines.append(f"time        {todo} ({how})")
+        measured = ", ".join(f"{t.batch_size}: {_rate(t)}" for t in self.timings)
+        lines.append(f"batch size  {self.suggested_batch_size} suggested ({measured})")
+        return "\n".join(lines)
+
+
+def plan(
+    config: str | os.PathLike | Mapping[str, Any] | Spec,
+    overrides: Iterable[str] = (),
+    *,
+    batches: int = TIMED_BATCHES,
+) -> RunPlan:
+    """What running ``config`` will take, without running the whole model.
+
+    For each split: its rows (and tokens, for per-token layers) and the bytes of its
+    store and of each layer, from one row through the hooked forward
+    (:func:`~featcache.extraction.estimate`). Then the free space on the output
+    filesystem, and the rows per second of the run's own loop (data loading and the
+    hooked forward, nothing written) over ``batches`` batches of the first split after
+    one that warms up, at the config's batch size, half of it and twice it; the time
+    estimate is the rows still to write at the config's rate, and the suggested batch
+    size the fastest of those (the config's unless another is 5% faster; one that runs
+    out of CUDA memory is left out, and on CUDA each one's peak memory is reported).
+    """
+    spec = config if isinstance(config, Spec) else load_config(config, overrides)
+    backbone = build_backbone_for(spec)
+    sources = {split: build_source_for(spec, split, backbone) for split in spec.data.splits}
+    check_same_classes({split: source.class_names for split, source in sources.items()})
+    splits: list[SplitPlan] = []
+    plans: dict[str, tuple[RunOptions, _Plan]] = {}
+    for split, source in sources.items():
+        arguments = split_arguments(spec, split, source, backbone, None, fingerprint=False)
+        run, split_plan = _plan_of(backbone.model, source, spec, arguments)
+        plans[split] = (run, split_plan)
+        estimate = estimate_store(backbone.model, source, spec.store_path(split), split_plan, run)
+        complete = complete_already(spec, split)
+        needed = 0 if complete else estimate.needed(spec.output.overwrite)
+        splits.append(SplitPlan(split, estimate, complete, needed))
+    free, folder = free_bytes(Path(spec.output.dir))
+    first = next(iter(sources))
+    run, first_plan = plans[first]
+    timings = time_batch_sizes(
+        backbone.model, sources[first], first_plan, run, _candidates(spec, len(first_plan.rows)),
+        batches,
+    )  # fmt: skip
+    return RunPlan(
+        splits=splits,
+        free=free,
+        filesystem=folder,
+        device=str(first_plan.layout.device),
+        batch_size=spec.loader.batch_size,
+        timings=timings,
+        suggested_batch_size=suggest_batch_size(timings, spec.loader.batch_size),
+    )
+
+
+def time_batch_sizes(
+    model: nn.Module,
+    dataset: Dataset,
+    plan: _Plan,
+    run: RunOptions,
+    batch_sizes: Iterable[int],
+    batches: int = TIMED_BATCHES,
+) -> list[BatchTiming]:
+    """Rows per second of the run's loop at each batch size, over ``batches`` batches
+    after one that warms up (fewer where the rows run out)."""
+    timings = []
+    for size in batch_sizes:
+        rows = range(plan.rows.start, min(plan.rows.stop, plan.rows.start + size * (batches + 1)))
+        started = time.perf_counter()
+        try:
+            seen = dry_run(model, dataset, plan, run, rows, size)
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            timings.append(BatchTiming(size, None, 0))
+            continue
+        if len(seen.finished) > 1:  # the first batch warms up
+            seconds, done = seen.finished[-1] - seen.finished[0], sum(seen.rows[1:])
+        else:
+            seconds, done = time.perf_counter() - started, sum(seen.rows)
+        rate = done / seconds if seconds > 0 else None
+        timings.append(BatchTiming(size, rate, max(len(seen.finished) - 1, 1), seen.peak_memory))
+    return timings
+
+
+def suggest_batch_size(timings: list[BatchTiming], configured: int) -> int:
+    """The fastest measured batch size, or ``configured`` unless another is at least
+    5% faster (the spread of a few batches' timing)."""
+    rates = {t.batch_size: t.rows_per_second for t in timings if t.rows_per_second}
+    if not rates:
+        return configured
+    best = max(rates, key=lambda size: rates[size])
+    base = rates.get(configured)
+    if base is not None and rates[best] < FASTER * base:
+        return configured
+    return best
+
+
+def _plan_of(
+    model: nn.Module, source: Dataset, spec: Spec, arguments: dict[str, Any]
+) -> tuple[RunOptions, _Plan]:
+    """What :func:`~featcache.extraction.extract` decides before its first batch, for
+    one split with ``arguments`` (:func:`split_arguments`)."""
+    options = {k: v for k, v in arguments.items() if k in run_options(spec)}
+    run = RunOptions.from_kwargs(**options)
+    tokens = token_layout(model, arguments["prefix_tokens"], arguments["sequence_first"])
+    provenance = arguments["provenance"]
+    return run, _plan(model, source, spec.layers, run, None, None, provenance, None, None, tokens)
+
+
+def _candidates(spec: Spec, rows: int) -> list[int]:
+    """The config's batch size, half of it and twice it, within the rows of the split."""
+    size = spec.loader.batch_size
+    return sorted({max(size // 2, 1), size, *([2 * size] if 2 * size <= rows else [])})
+
+
+def _aligned(rows: list[list[str]], right: set[int]) -> list[str]:
+    """``rows`` as lines of columns two spaces apart, the ``right`` ones right-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(
+            cell.rjust(width) if i in right else cell.ljust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in rows
+    ]
+
+
+def _shape(shape: tuple[int, ...], per_token: bool) -> str:
+    dims = ", ".join(str(n) for n in shape)
+    return f"[tokens, {dims}]" if per_token else f"[{dims}]"
+
+
+def _rate(timing: BatchTiming) -> str:
+    if timing.rows_per_second is None:
+        return "out of memory"
+    rate = f"{timing.rows_per_second:,.0f} rows/s"
+    return rate if timing.peak_memory is None else f"{rate}, {format_bytes(timing.peak_memory)}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.1f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
