@@ -16,7 +16,7 @@ linear evaluations:
 
 ``recipe`` swaps in a published protocol instead (:mod:`.recipes`: DINOv3's logistic
 regression, CLIP_benchmark's linear probe) and ``normalize`` the preparation of rows
-(:mod:`.scaling`). :mod:`.knn` is DINO's weighted k-NN classifier, streamed over the
+(:mod:`.scaling`). :mod:`.weighted_knn` is DINO's weighted k-NN classifier, streamed over the
 training rows; :mod:`.fewshot` fits each method on k rows per class over seeded draws.
 
 Two trainers fit linear probes: :mod:`.full` (the whole split in memory, full-batch
@@ -35,7 +35,6 @@ machine and number of threads; float sums depend on their order).
 from featcache.probe.api import evaluate, knn, probe, probe_layers
 from featcache.probe.fewshot import draw_shots
 from featcache.probe.full import fit_lbfgs
-from featcache.probe.knn import nearest, vote
 from featcache.probe.metrics import Moments, topk_metrics
 from featcache.probe.options import METHODS, NORMALIZE, RECIPES, TRAINERS, ProbeOptions
 from featcache.probe.plot import plot_layers
@@ -50,6 +49,7 @@ from featcache.probe.report import (
 from featcache.probe.results import FewShotResult, KnnResult, LinearProbe, ProbeResult, Result
 from featcache.probe.splits import Source, requested_layers, stratified_split
 from featcache.probe.sweep import DEFAULT_LAMBDAS, STREAMING_LAMBDAS, choose, refine_lambdas
+from featcache.probe.weighted_knn import nearest, vote
 from featcache.units import parse_bytes
 
 __all__ = [

@@ -12,7 +12,6 @@ import torch
 from featcache.errors import ConfigError
 from featcache.probe.fewshot import FewShotData, draw_shots, few_shot_draw, summary_lines
 from featcache.probe.full import run_full
-from featcache.probe.knn import run_knn
 from featcache.probe.options import ProbeOptions, resolve_options
 from featcache.probe.recipes import recipe
 from featcache.probe.results import FewShotResult, KnnResult, ProbeResult, Result
@@ -20,6 +19,7 @@ from featcache.probe.scaling import scaling_for
 from featcache.probe.splits import Source, Splits
 from featcache.probe.streaming import run_streaming
 from featcache.probe.sweep import Grid
+from featcache.probe.weighted_knn import run_knn
 from featcache.units import format_bytes
 
 
@@ -80,7 +80,7 @@ def knn(
     options: ProbeOptions | None = None,
     **kwargs: Any,
 ) -> KnnResult:
-    """Weighted k-NN classification of one stored ``layer`` (see :mod:`.knn`): the
+    """Weighted k-NN classification of one stored ``layer`` (see :mod:`.weighted_knn`): the
     ``test`` rows (else the validation rows) against the training rows, for each ``k``
     of ``ks`` (default 10, 20, 100, 200) with ``temperature`` (default 0.07). Arguments
     as in :func:`probe`."""

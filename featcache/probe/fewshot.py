@@ -20,7 +20,6 @@ import torch
 from featcache.dataset import FeatureDataset
 from featcache.errors import ConfigError
 from featcache.probe.full import fit_sweep, read_layer
-from featcache.probe.knn import knn_in_memory
 from featcache.probe.metrics import rank, require_finite, topk_metrics
 from featcache.probe.options import ProbeOptions
 from featcache.probe.parts import Part, in_order
@@ -28,6 +27,7 @@ from featcache.probe.results import LinearProbe
 from featcache.probe.scaling import Scaling
 from featcache.probe.splits import Splits
 from featcache.probe.sweep import Grid
+from featcache.probe.weighted_knn import knn_in_memory
 
 READ_ROWS = 8192
 
