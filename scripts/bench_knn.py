@@ -13,28 +13,27 @@ search, not the disk). Then times, for k = 10, 20, 100, 200 at once:
 * ``featcache knn, streamed``: ``featcache.probe.knn(..., trainer="streaming")`` end to
   end: both stores read from the file, the train rows in blocks with a running top-k per
   test row, hashed, voted and scored.
-* ``featcache knn, in memory``: the same with the train rows loaded whole
-  (``trainer="full"``).
+* ``featcache knn, in memory`` (with ``--in-memory``): the same with the train rows loaded
+  whole (``trainer="full"``).
 
-Each run is a fresh process (``--threads`` torch threads), so its peak resident memory
-is its own: the table gives the peak RSS during the run above what the process held
-before it, and the median seconds over ``--rounds`` rounds (the cases interleaved, every
-other round in reverse order), with each case's speed over the baseline's in the same
-round. The top-1 at each k must agree between the cases (same neighbours, same votes).
+Each run is a fresh process (``--threads`` torch threads): the table gives the peak
+resident memory during the run (Linux's ``VmHWM``, reset at its start) above what the
+process held before it, and the median seconds over ``--rounds`` rounds (the cases
+interleaved, every other round in reverse order), with each case's speed over the
+baseline's in the same round. The top-1 at each k must agree between the cases (same
+neighbours, same votes).
 ``--flat ROWS,...`` repeats the memory measurement (one run per case) on train stores of
 other sizes, to show which peaks grow with the store and which stay flat.
 
     python scripts/bench_knn.py [--rows 50000] [--queries 10000] [--dim 512] [--rounds 3]
-                                [--batch 1000] [--threads 2] [--flat 100000]
+                                [--batch 1000] [--threads 2] [--flat 100000] [--in-memory]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -54,11 +53,8 @@ from featcache.probe import knn
 KS = (10, 20, 100, 200)
 T = 0.07
 BASELINE = "cdist + topk, in memory"
-CASES = {
-    BASELINE: "baseline",
-    "featcache knn, streamed": "streaming",
-    "featcache knn, in memory": "full",
-}
+CASES = {BASELINE: "baseline", "featcache knn, streamed": "streaming"}
+IN_MEMORY = {"featcache knn, in memory": "full"}  # with --in-memory
 
 
 class _Rows(nn.Module):
@@ -109,6 +105,8 @@ def baseline(train: Path, test: Path, batch: int) -> tuple[dict[int, float], flo
 def run_case(case: str, train: Path, test: Path, batch: int) -> dict[str, object]:
     """One timed run in this process: seconds, peak RSS above the start, top-1 per k."""
     before = _rss()
+    with open("/proc/self/clear_refs", "w") as f:  # the peak (VmHWM) starts again from now
+        f.write("5")
     if case == "baseline":
         top1, seconds = baseline(train, test, batch)
     else:
@@ -116,14 +114,15 @@ def run_case(case: str, train: Path, test: Path, batch: int) -> dict[str, object
         result = knn(train, "x", test=test, ks=list(KS), trainer=case, progress=False)
         seconds = time.perf_counter() - start
         top1 = {k: m["top1"] for k, m in result.metrics.items()}
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    return {"seconds": seconds, "peak_mib": (peak - before) / 2**20, "top1": top1}
+    return {"seconds": seconds, "peak_mib": (_rss("VmHWM") - before) / 2**20, "top1": top1}
 
 
-def _rss() -> int:
-    """This process's resident memory now, in bytes."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _rss(field: str = "VmRSS") -> int:
+    """This process's resident memory now (``VmRSS``) or its peak (``VmHWM``), in bytes
+    (Linux)."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(f"{field}:"))
+    return int(line.split()[1]) * 1024
 
 
 def spawn(case: str, train: Path, test: Path, args: argparse.Namespace) -> dict[str, object]:
@@ -143,6 +142,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1000, help="baseline test rows per cdist")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--flat", default="", help="other train sizes for the memory check")
+    parser.add_argument("--in-memory", action="store_true", help="also time trainer='full'")
     parser.add_argument("--run", nargs=3, metavar=("CASE", "TRAIN", "TEST"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -160,11 +160,12 @@ def main() -> None:
             f"{args.rows} train rows, [{args.dim}] float16; {args.threads} torch threads, "
             f"baseline batches of {args.batch}; {platform.machine()}, torch {torch.__version__}"
         )
-        runs: dict[str, list[dict[str, object]]] = {name: [] for name in CASES}
+        cases = {**CASES, **(IN_MEMORY if args.in_memory else {})}
+        runs: dict[str, list[dict[str, object]]] = {name: [] for name in cases}
         for round_ in range(args.rounds):
-            order = list(CASES) if round_ % 2 == 0 else list(CASES)[::-1]
+            order = list(cases) if round_ % 2 == 0 else list(cases)[::-1]
             for name in order:
-                runs[name].append(spawn(CASES[name], root / "train.h5", root / "test.h5", args))
+                runs[name].append(spawn(cases[name], root / "train.h5", root / "test.h5", args))
         base = [float(run["seconds"]) for run in runs[BASELINE]]  # type: ignore[arg-type]
         print(f"{'case':<26} {'seconds':>8} {'vs baseline':>22} {'peak RSS':>10}  top-1 k=20")
         for name, results in runs.items():
@@ -185,7 +186,7 @@ def main() -> None:
             write_store(root / f"train-{rows}.h5", rows, args.dim, seed=1)
             peaks = {
                 name: spawn(case, root / f"train-{rows}.h5", root / "test.h5", args)["peak_mib"]
-                for name, case in CASES.items()
+                for name, case in cases.items()
             }
             shown = ", ".join(f"{name} {float(p):.0f} MiB" for name, p in peaks.items())  # type: ignore[arg-type]
             print(f"peak RSS with {rows} train rows: {shown}")

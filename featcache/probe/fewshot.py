@@ -77,13 +77,13 @@ class FewShotData:
 
     def __init__(self, splits: Splits, layer: str, options: ProbeOptions):
         self.splits = splits
-        self.candidates = splits.fit_rows
         self.digests: dict[str, str] = {}
+        most = max(options.shots or [1])  # the draws of fewer shots take a subset of these
+        labels = splits.labels["train"]
         draws = [
-            draw_shots(splits.labels["train"], self.candidates, max(options.shots or []), d,
-                       options.seed)
+            draw_shots(labels, splits.fit_rows, most, d, options.seed)
             for d in range(options.n_draws)
-        ]  # fmt: skip
+        ]
         needed = np.zeros(len(splits.labels["train"]), dtype=bool)
         needed[np.concatenate(draws)] = True
         if splits.val_rows is not None:

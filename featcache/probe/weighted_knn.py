@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
 
 import numpy as np
 import torch
@@ -34,6 +33,7 @@ from featcache.probe.splits import Splits
 
 BLOCK_BYTES = 16 << 20  # training rows per block, as float32
 TILE_BYTES = 32 << 20  # similarities of one tile of query rows against one block
+QUERY_ROWS = 8192  # rows per read of held-out query rows
 Block = tuple[torch.Tensor, torch.Tensor]  # float32 rows [b, D], their positions int64 [b]
 
 
@@ -224,13 +224,10 @@ def _queries(
     else:
         part = Part(datasets["train"], _held(splits, len(datasets["train"])) == 1)
     xs, ys = [], []
-    for _, x, y, _, _ in in_order([part], BLOCK_ROWS):
+    for _, x, y, _, _ in in_order([part], QUERY_ROWS):
         xs.append(x)
         ys.append(y)
     return torch.cat(xs), torch.cat(ys)
-
-
-BLOCK_ROWS = 8192  # rows per read of the query rows
 
 
 class _Neighbours:
@@ -278,13 +275,6 @@ class _Neighbours:
             xs.append(self.scaling.rows(x))
             positions.append(rows + int(offset))
         return torch.cat(xs), torch.cat(positions)
-
-
-def knn_summary(metrics: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """The headline numbers of a k-NN run: top-1 (and top-5) per ``k``."""
-    return {
-        str(k): {key: m[key] for key in ("top1", "top5") if key in m} for k, m in metrics.items()
-    }
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
