@@ -364,14 +364,43 @@ def probe(
     progress: Annotated[
         bool, typer.Option("--progress/--no-progress", help="Progress bars on stderr.")
     ] = True,
+    method: Annotated[
+        str, typer.Option("--method", help="linear, knn (weighted k-NN), or both: linear,knn.")
+    ] = "linear",
+    k: Annotated[
+        str, typer.Option("--k", help="k-NN: the numbers of neighbours that vote.")
+    ] = "10,20,100,200",
+    temperature: Annotated[
+        float, typer.Option("--temperature", help="k-NN: a neighbour votes exp(cosine / T).")
+    ] = 0.07,
+    shots: Annotated[
+        str | None,
+        typer.Option("--shots", help="Few-shot: rows per class drawn from train, e.g. 1,5,10."),
+    ] = None,
+    draws: Annotated[
+        int | None, typer.Option("--draws", help="Few-shot: seeded draws per shot (default 5).")
+    ] = None,
+    recipe: Annotated[
+        str | None,
+        typer.Option("--recipe", help="A published linear-probe recipe: dinov3 or clip."),
+    ] = None,
+    normalize: Annotated[
+        str | None,
+        typer.Option(
+            "--normalize",
+            help="standardize, l2, l2+standardize or none (default: standardize, the recipe's; "
+            "k-NN: l2).",
+        ),
+    ] = None,
 ) -> None:
-    """Fit linear probes: lambda chosen on validation, accuracy reported on test."""
+    """Evaluate stored layers: linear probes (lambda chosen on validation), weighted k-NN,
+    few-shot probes; accuracy reported on test."""
     from featcache.probe import (
         default_output,
+        evaluate,
         format_result,
         format_table,
         plot_layers,
-        probe_layers,
         requested_layers,
         save_results,
     )
@@ -390,7 +419,7 @@ def probe(
             grid = [float(value) for value in lambdas.split(",") if value.strip()]
         except ValueError:
             raise ConfigError(f"--lambdas {lambdas!r} is not a list like 1e-4,1e-3,1e-2") from None
-    results = probe_layers(
+    results = evaluate(
         train,
         layer,
         val=val,
@@ -405,6 +434,13 @@ def probe(
         device=device,
         seed=seed,
         progress=progress,
+        methods=method,
+        ks=k,
+        temperature=temperature,
+        shots=shots,
+        draws=draws,
+        recipe=recipe,
+        normalize=normalize,
     )
     say(format_result(results[0]) if len(results) == 1 else format_table(results))
     say(f"wrote {save_results(results, output)}")

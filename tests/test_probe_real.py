@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import featcache
-from featcache.probe import probe
+from featcache.probe import evaluate, knn, probe
 from tests.cifar_resnet import resnet20
 from tests.conftest import shared_file, unpack
 
@@ -83,6 +83,35 @@ def test_cifar10_probe_on_pretrained_layer3_beats_80_percent(cifar_stores):
         info = result.stores[role]
         assert info["config_fingerprint"] and info["dataset_fingerprint"]
         assert len(info["features_sha256"]) == 64
+
+
+def test_cifar10_knn_and_few_shot_beside_the_linear_probe(cifar_stores):
+    """Weighted k-NN on every train row, and 1- and 10-shot probes over 3 draws, on the
+    same features: sensible accuracies, ordered as the amount of data says."""
+    train, test = cifar_stores["train"], cifar_stores["test"]
+    nn = knn(train, "layer3", test=test, progress=False)
+    few = evaluate(
+        train,
+        "layer3",
+        test=test,
+        methods="linear,knn",
+        shots=[1, 10],
+        draws=3,
+        ks=[10, 20],
+        progress=False,
+    )
+    by = {(r.method, r.shots): r.top1 for r in few}
+    print(
+        "\nCIFAR-10 JPEG, ResNet-20 avg-pooled layer3: k-NN test top-1 "
+        + ", ".join(f"k={k} {m['top1']:.4f}" for k, m in sorted(nn.metrics.items()))
+        + "; few-shot mean top-1 over 3 draws: "
+        + ", ".join(f"{method} {shots}-shot {top1:.4f}" for (method, shots), top1 in by.items())
+    )
+    assert nn.n_train == 10_000 and nn.n_test == 10_000
+    assert nn.metrics[20]["top1"] > 0.78 and nn.metrics[200]["top5"] > 0.97
+    for method in ("linear", "knn"):
+        assert 0.3 < by[(method, 1)] < by[(method, 10)] < nn.metrics[20]["top1"] + 0.02
+        assert by[(method, 10)] > 0.7
 
 
 def _mnist() -> tuple[torch.Tensor, torch.Tensor]:

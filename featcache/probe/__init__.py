@@ -1,6 +1,7 @@
-"""Linear probes on cached features: the standard linear-evaluation protocol.
+"""Evaluations of cached features: linear probes, weighted k-NN and few-shot probes.
 
-The protocol of Kornblith et al. (2019) and the SimCLR / CLIP linear evaluations:
+The linear probe follows the protocol of Kornblith et al. (2019) and the SimCLR / CLIP
+linear evaluations:
 
 1. Features are flattened to ``[N, D]`` float32 and standardised with the mean and
    standard deviation of the rows being fitted (never of the validation or test rows).
@@ -13,22 +14,31 @@ The protocol of Kornblith et al. (2019) and the SimCLR / CLIP linear evaluations
    with their statistics) and evaluated once on the test split, which no choice
    ever looked at.
 
-Two trainers implement it: :mod:`.full` (the whole split in memory, full-batch L-BFGS)
-and :mod:`.streaming` (mini-batch Adam over chunk-shuffled batches, for stores larger
-than memory); both run the one sweep of :mod:`.sweep`. :mod:`.api` holds the entry
-points, :mod:`.options` the options, :mod:`.splits` the store checks and the validation
-split, :mod:`.metrics` the accuracy and feature statistics, :mod:`.results` what a probe
-returns, :mod:`.report` the text and JSON reports, :mod:`.plot` the layer curve.
+``recipe`` swaps in a published protocol instead (:mod:`.recipes`: DINOv3's logistic
+regression, CLIP_benchmark's linear probe) and ``normalize`` the preparation of rows
+(:mod:`.scaling`). :mod:`.weighted_knn` is DINO's weighted k-NN classifier, streamed over the
+training rows; :mod:`.fewshot` fits each method on k rows per class over seeded draws.
+
+Two trainers fit linear probes: :mod:`.full` (the whole split in memory, full-batch
+L-BFGS, or AdamW for a recipe that trains so, :mod:`.adamw`) and :mod:`.streaming`
+(mini-batch Adam over chunk-shuffled batches, for stores larger than memory); both run
+the one sweep of :mod:`.sweep`. :mod:`.api` holds the entry points, :mod:`.options` the
+options, :mod:`.splits` the store checks and the validation split, :mod:`.parts` the rows
+a pass reads, :mod:`.metrics` the accuracy and feature statistics, :mod:`.results` what
+an evaluation returns, :mod:`.report` the text and JSON reports, :mod:`.plot` the layer
+curve.
 
 Everything is seeded: the same stores and options give the same numbers (on the same
 machine and number of threads; float sums depend on their order).
 """
 
-from featcache.probe.api import probe, probe_layers
+from featcache.probe.api import evaluate, knn, probe, probe_layers
+from featcache.probe.fewshot import draw_shots
 from featcache.probe.full import fit_lbfgs
 from featcache.probe.metrics import Moments, topk_metrics
-from featcache.probe.options import TRAINERS, ProbeOptions
+from featcache.probe.options import METHODS, NORMALIZE, RECIPES, TRAINERS, ProbeOptions
 from featcache.probe.plot import plot_layers
+from featcache.probe.recipes import Recipe, recipe
 from featcache.probe.report import (
     PROBE_FORMAT,
     default_output,
@@ -36,33 +46,47 @@ from featcache.probe.report import (
     format_table,
     save_results,
 )
-from featcache.probe.results import LinearProbe, ProbeResult
+from featcache.probe.results import FewShotResult, KnnResult, LinearProbe, ProbeResult, Result
 from featcache.probe.splits import Source, requested_layers, stratified_split
 from featcache.probe.sweep import DEFAULT_LAMBDAS, STREAMING_LAMBDAS, choose, refine_lambdas
+from featcache.probe.weighted_knn import nearest, vote
 from featcache.units import parse_bytes
 
 __all__ = [
     "DEFAULT_LAMBDAS",
+    "METHODS",
+    "NORMALIZE",
     "PROBE_FORMAT",
+    "RECIPES",
     "STREAMING_LAMBDAS",
     "TRAINERS",
+    "FewShotResult",
+    "KnnResult",
     "LinearProbe",
     "Moments",
     "ProbeOptions",
     "ProbeResult",
+    "Recipe",
+    "Result",
     "Source",
     "choose",
     "default_output",
+    "draw_shots",
+    "evaluate",
     "fit_lbfgs",
     "format_result",
     "format_table",
+    "knn",
+    "nearest",
     "parse_bytes",
     "plot_layers",
     "probe",
     "probe_layers",
+    "recipe",
     "refine_lambdas",
     "save_results",
     "requested_layers",
     "stratified_split",
     "topk_metrics",
+    "vote",
 ]

@@ -1,4 +1,4 @@
-"""The entry points: probe one stored layer or several, choosing the trainer by size."""
+"""The entry points: linear probes, k-NN and few-shot evaluations of stored layers."""
 
 from __future__ import annotations
 
@@ -7,13 +7,19 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
+from featcache.errors import ConfigError
+from featcache.probe.fewshot import FewShotData, draw_shots, few_shot_draw, summary_lines
 from featcache.probe.full import run_full
 from featcache.probe.options import ProbeOptions, resolve_options
-from featcache.probe.results import ProbeResult
+from featcache.probe.recipes import recipe
+from featcache.probe.results import FewShotResult, KnnResult, ProbeResult, Result
+from featcache.probe.scaling import scaling_for
 from featcache.probe.splits import Source, Splits
 from featcache.probe.streaming import run_streaming
 from featcache.probe.sweep import Grid
+from featcache.probe.weighted_knn import run_knn
 from featcache.units import format_bytes
 
 
@@ -29,9 +35,9 @@ def probe(
     """Fit and evaluate a linear probe on one stored ``layer``.
 
     ``train``, ``val`` and ``test`` are store paths (or :class:`FeatureStore`). Without
-    ``val``, a stratified ``val_fraction`` (default 0.2) of ``train`` is held out for
-    choosing the regularisation. Without ``test``, the result reports only the
-    validation accuracy, which chose the model and so is optimistic. ``kwargs`` are
+    ``val``, a stratified ``val_fraction`` (default 0.2, or the recipe's) of ``train`` is
+    held out for choosing the regularisation. Without ``test``, the result reports only
+    the validation accuracy, which chose the model and so is optimistic. ``kwargs`` are
     fields of :class:`ProbeOptions`.
 
     Raises:
@@ -51,43 +57,132 @@ def probe_layers(
     options: ProbeOptions | None = None,
     **kwargs: Any,
 ) -> list[ProbeResult]:
-    """One probe per layer: ``"all"`` (every stored layer), a name, a comma-separated
-    list or a sequence of names. The results, in that order, form the layer-wise
-    transfer curve. Arguments as in :func:`probe`."""
+    """One linear probe per layer: ``"all"`` (every stored layer), a name, a
+    comma-separated list or a sequence of names. The results, in that order, form the
+    layer-wise transfer curve. Arguments as in :func:`probe`; :func:`evaluate` runs k-NN
+    and few-shot evaluations."""
     options = resolve_options(options, kwargs)
-    splits = Splits.open(train, val, test, options.val_fraction, options.seed)
+    if options.methods != ["linear"] or options.shots is not None:
+        raise ConfigError(
+            "probe_layers fits linear probes on every row; featcache.probe.evaluate runs "
+            "the methods and shots given"
+        )
+    splits = _open(train, val, test, options)
     return [_probe_layer(splits, name, options) for name in splits.layers(layers)]
 
 
-def _probe_layer(splits: Splits, layer: str, options: ProbeOptions) -> ProbeResult:
-    from featcache.runtime import resolve_device
+def knn(
+    train: Source,
+    layer: str,
+    *,
+    val: Source | None = None,
+    test: Source | None = None,
+    options: ProbeOptions | None = None,
+    **kwargs: Any,
+) -> KnnResult:
+    """Weighted k-NN classification of one stored ``layer`` (see :mod:`.weighted_knn`): the
+    ``test`` rows (else the validation rows) against the training rows, for each ``k``
+    of ``ks`` (default 10, 20, 100, 200) with ``temperature`` (default 0.07). Arguments
+    as in :func:`probe`."""
+    (result,) = evaluate(
+        train, [layer], val=val, test=test, options=options, **{**kwargs, "methods": ["knn"]}
+    )
+    assert isinstance(result, KnnResult)
+    return result
 
-    device = resolve_device(options.device)
+
+def evaluate(
+    train: Source,
+    layers: str | Sequence[str] = "all",
+    *,
+    val: Source | None = None,
+    test: Source | None = None,
+    options: ProbeOptions | None = None,
+    **kwargs: Any,
+) -> list[Result]:
+    """Every evaluation the options ask for, layer by layer: for each of ``methods``
+    ("linear", "knn") a :class:`ProbeResult` or :class:`KnnResult` on all rows, or with
+    ``shots``, a :class:`FewShotResult` per method and number of shots. Arguments as in
+    :func:`probe_layers`."""
+    options = resolve_options(options, kwargs)
+    splits = _open(train, val, test, options)
+    results: list[Result] = []
+    for name in splits.layers(layers):
+        if options.shots is not None:
+            results += _few_shot_layer(splits, name, options)
+            continue
+        for method in options.methods:
+            if method == "linear":
+                results.append(_probe_layer(splits, name, options))
+            else:
+                results.append(_knn_layer(splits, name, options))
+    return results
+
+
+def _open(train: Source, val: Source | None, test: Source | None, options: ProbeOptions) -> Splits:
+    """The stores, checked, with the validation rows the options ask for: the recipe
+    holds out its own share of train unless a share or a val store is given."""
+    fraction = options.val_fraction
+    published = recipe(options.recipe)
+    if fraction is None and val is None and published is not None:
+        few = options.shots is not None
+        fraction = published.few_shot_val_fraction if few else published.val_fraction
+    return Splits.open(train, val, test, fraction, options.seed)
+
+
+def _layer_size(splits: Splits, layer: str) -> tuple[list[int], int, int]:
+    """The layer's row shape, its flat size, and the bytes of every store's rows as
+    float32."""
     shape = list(splits.stores["train"].shape(layer))
     dim = int(np.prod(shape))
     rows = sum(len(store) for store in splits.stores.values())
-    needed = 8 * dim * rows  # float32 rows plus their standardised copy
+    return shape, dim, 4 * dim * rows
+
+
+def _device(options: ProbeOptions) -> torch.device:
+    from featcache.runtime import resolve_device
+
+    return resolve_device(options.device)
+
+
+def _probe_layer(splits: Splits, layer: str, options: ProbeOptions) -> ProbeResult:
+    device = _device(options)
+    shape, dim, size = _layer_size(splits, layer)
+    needed = 2 * size  # float32 rows plus their standardised copy
     trainer, notes = options.trainer, []
+    published = recipe(options.recipe)
+    if published is not None and needed > options.max_bytes and trainer != "full":
+        raise ConfigError(
+            f"recipe {published.name} fits in memory as published, and layer {layer} needs "
+            f"about {format_bytes(needed)}, more than max_memory "
+            f"{format_bytes(options.max_bytes)}; raise max_memory (--max-memory)"
+        )
     if trainer == "auto":
-        trainer = "full" if needed <= options.max_bytes else "streaming"
+        trainer = "full" if needed <= options.max_bytes or published else "streaming"
         if trainer == "streaming":
             notes.append(
                 f"streaming trainer: the features need about {format_bytes(needed)}, more than "
                 f"max_memory {format_bytes(options.max_bytes)}"
             )
-    grid = Grid.for_trainer(trainer, options)
-    run = run_full if trainer == "full" else run_streaming
+    scaling = scaling_for("linear", options)
+    grid = Grid.for_trainer(trainer, options, rows=len(splits.fit_rows))
     start = time.perf_counter()
-    fit = run(splits, layer, grid, options, device)
+    if trainer == "full":
+        fit = run_full(splits, layer, grid, options, device, scaling)
+    else:
+        fit = run_streaming(splits, layer, grid, options, device, scaling)
     if grid.at_edge(fit.lam):
-        notes.append(
-            f"the chosen lambda {fit.lam:.0e} is at the edge of the grid; widen it (lambdas) "
-            "if accuracy matters at this end"
-        )
+        if published is None:
+            notes.append(
+                f"the chosen lambda {fit.lam:.0e} is at the edge of the grid; widen it "
+                "(lambdas) if accuracy matters at this end"
+            )
+        else:
+            notes.append(
+                f"the chosen {grid.penalty} {grid.value(fit.lam):.0e} is at the edge of the "
+                f"{published.name} recipe's grid"
+            )
     fit.seconds["total"] = round(time.perf_counter() - start, 4)
-    stores = splits.store_info()
-    for role, digest in fit.features_sha256.items():
-        stores[role]["features_sha256"] = digest
     return ProbeResult(
         layer=layer,
         shape=shape,
@@ -103,8 +198,103 @@ def _probe_layer(splits: Splits, layer: str, options: ProbeOptions) -> ProbeResu
         val=fit.val,
         test=fit.test,
         seconds=fit.seconds,
-        stores=stores,
+        stores=_stores(splits, fit.features_sha256),
         notes=notes,
         model=fit.model,
         options=options,
+        recipe=options.recipe,
+        normalize=scaling.name,
     )
+
+
+def _knn_layer(splits: Splits, layer: str, options: ProbeOptions) -> KnnResult:
+    device = _device(options)
+    shape, _, size = _layer_size(splits, layer)
+    streamed, notes = options.trainer == "streaming", []
+    if options.trainer == "auto" and size > options.max_bytes:
+        streamed = True
+        notes.append(
+            f"neighbours read in blocks: the features need about {format_bytes(size)}, more "
+            f"than max_memory {format_bytes(options.max_bytes)}"
+        )
+    scaling = scaling_for("knn", options)
+    start = time.perf_counter()
+    fit = run_knn(splits, layer, options, device, scaling, streamed)
+    fit.seconds["total"] = round(time.perf_counter() - start, 4)
+    if max(options.ks) > fit.n_neighbours:
+        notes.append(f"k is at most the {fit.n_neighbours} neighbour rows")
+    scored = "test" if "test" in splits.stores else "val"
+    return KnnResult(
+        layer=layer,
+        shape=shape,
+        num_classes=splits.num_classes,
+        class_names=splits.class_names,
+        temperature=options.temperature,
+        normalize=scaling.name,
+        n_train=fit.n_neighbours,
+        n_test=fit.n_queries,
+        scored=scored,
+        validation=splits.validation if scored == "val" else "",
+        metrics=fit.metrics,
+        seconds=fit.seconds,
+        stores=_stores(splits, fit.features_sha256),
+        notes=notes,
+        options=options,
+    )
+
+
+def _few_shot_layer(splits: Splits, layer: str, options: ProbeOptions) -> list[FewShotResult]:
+    assert options.shots is not None
+    device = _device(options)
+    shape = list(splits.stores["train"].shape(layer))
+    data = FewShotData(splits, layer, options)
+    stores = _stores(splits, data.digests)
+    results = []
+    for method in options.methods:
+        scaling = scaling_for(method, options)
+        for shots in options.shots:
+            start = time.perf_counter()
+            draws = []
+            for d in range(options.n_draws):
+                rows = draw_shots(splits.labels["train"], splits.fit_rows, shots, d, options.seed)
+                desc = f"{method} {layer} {shots}-shot draw {d}"
+                entry = few_shot_draw(data, method, rows, options, scaling, device, desc)
+                draws.append({"draw": d, **entry})
+            seconds = round(time.perf_counter() - start, 4)
+            results.append(
+                FewShotResult(
+                    layer=layer,
+                    shape=shape,
+                    method=method,
+                    shots=shots,
+                    num_classes=splits.num_classes,
+                    class_names=splits.class_names,
+                    n_val=len(splits.y_val),
+                    n_test=len(data.y_scored),
+                    scored=data.scored,
+                    validation=splits.validation,
+                    chance_top1=_chance(data.y_scored),
+                    draws=draws,
+                    summary=summary_lines(method, draws),
+                    seconds={"draws": seconds, "total": seconds},
+                    stores=stores,
+                    notes=[],
+                    recipe=options.recipe if method == "linear" else None,
+                    normalize=scaling.name,
+                    options=options,
+                )
+            )
+    return results
+
+
+def _chance(labels: torch.Tensor) -> float:
+    """Top-1 of always guessing the most frequent class of ``labels``."""
+    return (torch.bincount(labels).max() / len(labels)).item()
+
+
+def _stores(splits: Splits, digests: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Every store's record, with the hash of the rows of the layer read from it."""
+    stores = splits.store_info()
+    for role, digest in digests.items():
+        stores[role]["features_sha256"] = digest
+    return stores

@@ -1,4 +1,5 @@
-"""The full-batch trainer: the whole split in memory, L-BFGS warm-started along the path."""
+"""The in-memory trainer: the whole split in memory, L-BFGS warm-started along the path
+(or AdamW for a recipe that trains so)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from featcache.probe.adamw import fit_adamw
 from featcache.probe.metrics import Moments, rank, require_finite, topk_metrics
 from featcache.probe.options import ProbeOptions
+from featcache.probe.recipes import recipe
 from featcache.probe.results import Fit, LinearProbe, Timings
+from featcache.probe.scaling import STANDARDIZE, Scaling
 from featcache.probe.splits import Splits
 from featcache.probe.sweep import Grid, run_sweep
 from featcache.store import FeatureStore
@@ -65,44 +69,54 @@ def fit_lbfgs(
 
 
 def run_full(
-    splits: Splits, layer: str, grid: Grid, options: ProbeOptions, device: torch.device
+    splits: Splits,
+    layer: str,
+    grid: Grid,
+    options: ProbeOptions,
+    device: torch.device,
+    scaling: Scaling = STANDARDIZE,
+    refit: bool = True,
 ) -> Fit:
     """Probe ``layer`` with every row in memory.
 
-    The sweep fits on the fit rows standardised with their own statistics; the chosen
-    model is refitted on fit + validation rows (standardised with theirs), warm-started
-    from the sweep's weights, and scored once on the test store.
+    Rows are prepared by ``scaling`` (standardised with the statistics of the rows being
+    fitted by default). The sweep fits on the fit rows; with ``refit``, the chosen model
+    is refitted on fit + validation rows (prepared with their statistics), warm-started
+    from the sweep's weights, else the sweep's model is the one scored. The test store is
+    scored once, at the end.
     """
     timings = Timings()
     digests = {}
     with timings.phase("load"):
         x_train, digests["train"] = read_layer(splits.stores["train"], layer)
+        x_train = scaling.rows(x_train)
         if splits.val_rows is None:
-            x_fit = x_train
             x_val, digests["val"] = read_layer(splits.stores["val"], layer)
+            x_val = scaling.rows(x_val)
         else:
-            x_fit = x_train[torch.from_numpy(splits.fit_rows)]
             x_val = x_train[torch.from_numpy(splits.val_rows)]
+        whole = len(splits.fit_rows) == len(x_train)  # fit rows are the whole train store
+        x_fit = x_train if whole else x_train[torch.from_numpy(splits.fit_rows)]
         del x_train
         y_fit = torch.from_numpy(splits.y_fit).to(device)
         y_val = torch.from_numpy(splits.y_val).to(device)
 
     with timings.phase("sweep"):
-        lam, sweep, (w, b), val = _sweep(
-            x_fit, y_fit, x_val, y_val, splits, grid, options, device, f"probe {layer}"
+        lam, sweep, (w, b), val, (mean, std) = fit_sweep(
+            x_fit, y_fit, x_val, y_val, splits, grid, options, device, scaling, f"probe {layer}"
         )
 
-    with timings.phase("refit"):
-        z_all = torch.cat([x_fit, x_val]).to(device)
-        del x_fit, x_val
-        mean, std = Moments(z_all.shape[1]).update(z_all).standardizer(device)
-        z_all.sub_(mean).div_(std)
-        y_all = torch.cat([y_fit, y_val])
-        w, b, _ = fit_lbfgs(
-            z_all, y_all, splits.num_classes, lam, init=(w, b), max_iter=options.max_iter
-        )
-        del z_all
-        model = LinearProbe(mean, std, w, b)
+    if refit:
+        with timings.phase("refit"):
+            z_all = torch.cat([x_fit, x_val]).to(device)
+            del x_fit, x_val
+            mean, std = scaling.standardizer(Moments(z_all.shape[1]).update(z_all), device)
+            z_all.sub_(mean).div_(std)
+            y_all = torch.cat([y_fit, y_val])
+            strength = grid.refit_lambda(lam, len(y_all))
+            w, b, _ = _fit(z_all, y_all, splits.num_classes, [strength], options, (w, b))[0]
+            del z_all
+    model = LinearProbe(mean, std, w, b, l2=scaling.l2)
 
     test = None
     if "test" in splits.stores:
@@ -114,7 +128,40 @@ def run_full(
     return Fit(lam, sweep, val, test, timings.seconds, digests, model)
 
 
-def _sweep(
+def _fit(
+    z: torch.Tensor,
+    y: torch.Tensor,
+    num_classes: int,
+    lambdas: list[float],
+    options: ProbeOptions,
+    init: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """One model per strength in ``lambdas`` on prepared rows ``z``: by L-BFGS (warm
+    started from ``init``, then each from the one before), or by AdamW side by side
+    for a recipe that trains so. Returns ``(W, b, iterations or epochs)`` each."""
+    published = recipe(options.recipe)
+    if published is not None and published.optimizer == "adamw":
+        weights, biases = fit_adamw(
+            z,
+            y,
+            num_classes,
+            lambdas,
+            lr=published.lr,
+            epochs=published.epochs,
+            batch_size=published.batch_size,
+            seed=options.seed,
+        )
+        return [(w, b, published.epochs) for w, b in zip(weights, biases, strict=True)]
+    max_iter = published.max_iter if published is not None else options.max_iter
+    out = []
+    for lam in lambdas:
+        w, b, iterations = fit_lbfgs(z, y, num_classes, lam, init=init, max_iter=max_iter)
+        out.append((w, b, iterations))
+        init = (w, b)
+    return out
+
+
+def fit_sweep(
     x_fit: torch.Tensor,
     y_fit: torch.Tensor,
     x_val: torch.Tensor,
@@ -123,18 +170,27 @@ def _sweep(
     grid: Grid,
     options: ProbeOptions,
     device: torch.device,
+    scaling: Scaling,
     desc: str,
-) -> tuple[float, list[dict[str, Any]], tuple[torch.Tensor, torch.Tensor], dict[str, Any]]:
-    """The sweep, one L-BFGS fit at a time: each grid fit starts from the previous one
-    (stronger regularisation), each refinement fit from the best grid fit.
+) -> tuple[
+    float,
+    list[dict[str, Any]],
+    tuple[torch.Tensor, torch.Tensor],
+    dict[str, Any],
+    tuple[torch.Tensor, torch.Tensor],
+]:
+    """The sweep: each grid fit starts from the previous one (stronger regularisation),
+    each refinement fit from the best grid fit (L-BFGS); AdamW fits start afresh.
 
-    Returns the chosen lambda, the sweep (increasing lambda), the chosen ``(W, b)`` and
-    its validation metrics.
+    Returns the chosen lambda, the sweep (increasing lambda), the chosen ``(W, b)``, its
+    validation metrics and the ``(mean, std)`` the rows were standardised with.
     """
-    mean, std = Moments(x_fit.shape[1]).update(x_fit).standardizer(device)
+    mean, std = scaling.standardizer(Moments(x_fit.shape[1]).update(x_fit), device)
     z_fit = (x_fit.to(device) - mean) / std
     z_val = (x_val.to(device) - mean) / std
     fits: dict[float, tuple[torch.Tensor, torch.Tensor]] = {}
+    published = recipe(options.recipe)
+    unit = "epochs" if published is not None and published.optimizer == "adamw" else "iterations"
     with tqdm(
         total=len(grid.lambdas) + 2 * grid.refine,
         desc=desc,
@@ -145,19 +201,20 @@ def _sweep(
 
         def fit(lambdas: list[float], near: float | None) -> list[dict[str, Any]]:
             entries: list[dict[str, Any]] = []
-            for lam in lambdas:
-                warm = near if near is not None else (entries[-1]["lambda"] if entries else None)
-                w, b, iterations = fit_lbfgs(
-                    z_fit,
-                    y_fit,
-                    splits.num_classes,
-                    lam,
-                    init=None if warm is None else fits[warm],
-                    max_iter=options.max_iter,
-                )
+            if near is None:  # the grid: each fit warm-starts from the one before
+                fitted = _fit(z_fit, y_fit, splits.num_classes, lambdas, options)
+            else:  # the refinement: each fit warm-starts from the best grid fit
+                fitted = [
+                    _fit(z_fit, y_fit, splits.num_classes, [lam], options, fits[near])[0]
+                    for lam in lambdas
+                ]
+            for lam, (w, b, count) in zip(lambdas, fitted, strict=True):
                 fits[lam] = (w, b)
                 accuracy = (F.linear(z_val, w, b).argmax(1) == y_val).double().mean().item()
-                entries.append({"lambda": lam, "val_top1": accuracy, "iterations": iterations})
+                entry = {"lambda": lam, "val_top1": accuracy, unit: count}
+                if grid.penalty != "lambda":
+                    entry[grid.penalty] = grid.value(lam)
+                entries.append(entry)
                 bar.update()
             return entries
 
@@ -166,7 +223,7 @@ def _sweep(
         bar.refresh()
     w, b = fits[lam]
     val = topk_metrics(rank(F.linear(z_val, w, b)), y_val, splits.class_names)
-    return lam, sweep, (w, b), val
+    return lam, sweep, (w, b), val, (mean, std)
 
 
 def read_layer(store: FeatureStore, layer: str) -> tuple[torch.Tensor, str]:

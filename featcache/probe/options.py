@@ -14,7 +14,18 @@ from featcache.validation import build, option
 
 Trainer = Literal["auto", "full", "streaming"]
 TRAINERS: tuple[str, ...] = typing.get_args(Trainer)
+Method = Literal["linear", "knn"]
+METHODS: tuple[str, ...] = typing.get_args(Method)
+RecipeName = Literal["dinov3", "clip"]
+RECIPES: tuple[str, ...] = typing.get_args(RecipeName)
+# How rows are prepared before a probe: L2 normalisation of each row, standardisation of
+# each dimension with the fitted rows' statistics, both (L2 first), or neither.
+Normalize = Literal["standardize", "l2", "l2+standardize", "none"]
+NORMALIZE: tuple[str, ...] = typing.get_args(Normalize)
 UNKNOWN_OPTION = "unknown probe option {key!r}; known: {known}"
+
+DEFAULT_KS = (10, 20, 100, 200)  # the k of DINO's weighted k-NN evaluation
+DEFAULT_DRAWS = 5
 
 
 def _lambdas(value: Any, at: str) -> list[float] | None:
@@ -28,6 +39,40 @@ def _lambdas(value: Any, at: str) -> list[float] | None:
     if not lambdas or lambdas[0] <= 0 or not all(map(math.isfinite, lambdas)):
         raise ConfigError(f"{at} must be a non-empty list of positive numbers, e.g. 1e-4,1e-2")
     return lambdas
+
+
+def _counts(example: str) -> Any:
+    """A converter: a list of whole numbers >= 1, or the text ``"1,5,10"``, -> their sorted
+    unique ints (None stays None)."""
+
+    def convert(value: Any, at: str) -> list[int] | None:
+        if value is None:
+            return None
+        items = value.split(",") if isinstance(value, str) else value
+        numbers = []
+        for item in items if isinstance(items, (list, tuple)) else [items]:
+            text = item.strip() if isinstance(item, str) else item
+            if isinstance(text, str) and text.isdigit():
+                text = int(text)
+            if isinstance(text, bool) or not isinstance(text, int) or text < 1:
+                raise ConfigError(f"{at} must be whole numbers >= 1 like {example}, got {value!r}")
+            numbers.append(text)
+        if not numbers:
+            raise ConfigError(f"{at} must be whole numbers >= 1 like {example}, got {value!r}")
+        return sorted(set(numbers))
+
+    return convert
+
+
+def _methods(value: Any, at: str) -> Any:
+    """``"linear,knn"`` -> ``["linear", "knn"]`` (a list is checked as given)."""
+    if isinstance(value, str):
+        value = [part.strip() for part in value.split(",") if part.strip()]
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ConfigError(f"{at} is empty; choose linear, knn or both (linear,knn)")
+        return list(dict.fromkeys(value))  # in the order given, each once
+    return value
 
 
 def _bytes(value: Any, at: str) -> int:
@@ -52,13 +97,44 @@ class ProbeOptions:
     lr: float = option(0.05, gt=0)  # streaming: Adam's peak learning rate, cosine-decayed
     num_workers: int = option(0, ge=0)  # streaming: DataLoader workers
     device: str = "auto"  # "auto" (CUDA when present), "cpu", "cuda", ...
-    seed: int = option(0, ge=0)  # the validation split and the streaming batch order
+    seed: int = option(0, ge=0)  # the validation split, the batch order, the few-shot draws
     progress: bool = True
+    # The evaluations to run: "linear" (logistic regression), "knn" (weighted k-NN).
+    methods: list[Method] = option(default_factory=lambda: ["linear"], convert=_methods)
+    ks: list[int] = option(default_factory=lambda: list(DEFAULT_KS), convert=_counts("10,20"))
+    temperature: float = option(0.07, gt=0)  # k-NN: a neighbour votes exp(similarity / T)
+    # Few-shot: rows per class drawn from train, one evaluation per value; None: all rows.
+    shots: list[int] | None = option(None, convert=_counts("1,5,10"))
+    draws: int | None = option(None, ge=1)  # few-shot draws per value of shots; None: 5
+    # A published linear-probe recipe (sweep, validation split, refit); None: featcache's.
+    recipe: RecipeName | None = None
+    # How rows are prepared; None: the method's default (linear: standardize, or what the
+    # recipe publishes; k-NN: l2). k-NN compares rows by cosine similarity after it.
+    normalize: Normalize | None = None
 
     @property
     def max_bytes(self) -> int:
         """``max_memory`` as a number of bytes."""
         return parse_bytes(self.max_memory)
+
+    @property
+    def n_draws(self) -> int:
+        """Few-shot draws per value of ``shots``."""
+        return DEFAULT_DRAWS if self.draws is None else self.draws
+
+    def validate(self, at: str) -> None:
+        where = f"{at}." if at else ""
+        if self.draws is not None and self.shots is None:
+            raise ConfigError(f"{where}draws counts few-shot draws; give shots too (e.g. 1,5,10)")
+        if self.recipe is not None and self.lambdas is not None:
+            raise ConfigError(
+                f"{where}lambdas and recipe {self.recipe} both set the sweep; give one of them"
+            )
+        if self.recipe is not None and self.trainer == "streaming":
+            raise ConfigError(
+                f"{where}recipe {self.recipe} fits in memory as published; leave trainer at "
+                "auto or full"
+            )
 
 
 def resolve_options(options: ProbeOptions | None, changes: Mapping[str, Any]) -> ProbeOptions:

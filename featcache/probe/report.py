@@ -1,4 +1,4 @@
-"""Probe results for people and files: the terminal report, the layer table, the JSON."""
+"""Evaluation results for people and files: the terminal reports, the tables, the JSON."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from featcache.probe.options import ProbeOptions
-from featcache.probe.results import ProbeResult
+from featcache.probe.recipes import PUBLISHED, recipe
+from featcache.probe.results import FewShotResult, KnnResult, ProbeResult, Result
 from featcache.probe.splits import Source
 from featcache.store import FeatureStore
 from featcache.store.paths import building_beside, output_file
@@ -23,13 +24,13 @@ PROBE_FORMAT = 1
 
 
 def save_results(
-    results: Sequence[ProbeResult],
+    results: Sequence[Result],
     path: str | os.PathLike,
     *,
     options: ProbeOptions | None = None,
 ) -> Path:
-    """Write the results JSON: one entry per layer (each with the stores it used), the
-    options and the library versions. Returns the path.
+    """Write the results JSON: one entry per layer and evaluation (each with the stores
+    it used), the protocols, the options and the library versions. Returns the path.
 
     The options recorded are ``options`` when given, else those the results were fitted
     with; a result fitted with other options carries its own in its entry.
@@ -47,10 +48,7 @@ def save_results(
     document = {
         "featcache_probe": PROBE_FORMAT,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "protocol": (
-            "standardise with training statistics; L2 multinomial logistic regression; "
-            "lambda chosen on validation top-1 (ties: larger); refit on train+val; test once"
-        ),
+        "protocol": protocol(results),
         "options": dataclasses.asdict(options),
         "versions": library_versions(),
         "results": entries,
@@ -69,16 +67,71 @@ def default_output(train: Source, layers: Sequence[str]) -> Path:
     return folder / f"probe-{re.sub(r'[^A-Za-z0-9._@+-]', '_', name)}.json"
 
 
-def format_result(result: ProbeResult) -> str:
-    """A short report of one probe, for the terminal."""
+LINEAR_PROTOCOL = (
+    "standardise with training statistics; L2 multinomial logistic regression; "
+    "lambda chosen on validation top-1 (ties: larger); refit on train+val; test once"
+)
+KNN_PROTOCOL = (
+    "k-NN: cosine similarity to every training row; the k nearest vote exp(similarity / T) "
+    "for their class (DINO); top-1 and top-5 of the votes"
+)
+FEW_SHOT_PROTOCOL = (
+    "few-shot: k rows per class drawn from the fit rows per seeded draw; each method fitted "
+    "on them alone (lambda chosen on validation, no refit); mean and spread over the draws"
+)
+
+
+SHORT_NAMES = {"weight_decay": "decay"}  # a swept strength's name in the report's first column
+
+
+def protocol(results: Sequence[Result]) -> str:
+    """What the results followed, in words: featcache's linear protocol, each recipe
+    (with its source), k-NN, few-shot; the linear protocol alone for plain probes."""
+    parts = []
+    recipes = [r.recipe for r in results if not isinstance(r, KnnResult) and r.method == "linear"]
+    if not results or None in recipes:
+        parts.append(LINEAR_PROTOCOL)
+    for name in sorted({name for name in recipes if name is not None}):
+        parts.append(f"linear recipe {PUBLISHED[name].describe()}")
+    if any(r.method == "knn" for r in results):
+        parts.append(KNN_PROTOCOL)
+    if any(isinstance(r, FewShotResult) for r in results):
+        parts.append(FEW_SHOT_PROTOCOL)
+    return " | ".join(parts)
+
+
+def format_result(result: Result) -> str:
+    """A short report of one evaluation, for the terminal."""
+    if isinstance(result, KnnResult):
+        return _format_knn(result)
+    if isinstance(result, FewShotResult):
+        return _format_few_shot(result)
+    published = recipe(result.recipe)
+    penalty = "lambda" if published is None else published.penalty
     lines = [
         f"probe {result.layer} {result.shape} ({result.trainer} trainer): "
         f"{result.n_train} train, {result.n_val} val ({result.validation}), "
         f"{result.n_test} test rows; {result.num_classes} classes",
-        "sweep      "
-        + "  ".join(f"{e['lambda']:.1e}:{100 * e['val_top1']:.1f}" for e in result.sweep),
-        f"lambda     {result.lam:.2e} (val top-1 {_pct(result.val['top1'])})",
     ]
+    if published is not None:
+        lines.append(f"recipe     {published.describe()}")
+    if result.normalize != "standardize":
+        lines.append(f"normalize  {result.normalize}")
+    if published is None:
+        lines += [
+            "sweep      "
+            + "  ".join(f"{e['lambda']:.1e}:{100 * e['val_top1']:.1f}" for e in result.sweep),
+            f"lambda     {result.lam:.2e} (val top-1 {_pct(result.val['top1'])})",
+        ]
+    else:
+        value = next(e for e in result.sweep if e["lambda"] == result.lam)[penalty]
+        short = SHORT_NAMES.get(penalty, penalty)
+        shown_sweep = sorted(result.sweep, key=lambda e: e[penalty])
+        lines += [
+            f"{'sweep ' + short:<10} "
+            + "  ".join(f"{e[penalty]:.1e}:{100 * e['val_top1']:.1f}" for e in shown_sweep),
+            f"{short:<10} {value:.2e} (val top-1 {_pct(result.val['top1'])})",
+        ]
     if result.test is None:
         lines.append(
             f"val        {_scores(result.val)}  <- no test store; the split that chose "
@@ -97,14 +150,18 @@ def format_result(result: ProbeResult) -> str:
     return "\n".join(lines)
 
 
-def format_table(results: Sequence[ProbeResult]) -> str:
-    """The layer-wise table: layer, dim, lambda, val and test top-1, seconds."""
-    width = max(5, *(len(r.layer) for r in results))
-    has_test = any(r.test is not None for r in results)
+def format_table(results: Sequence[Result]) -> str:
+    """The layer-wise table: layer, dim, lambda, val and test top-1, seconds; with k-NN,
+    few-shot or recipe results, one line per method (:func:`format_methods`)."""
+    plain = [r for r in results if isinstance(r, ProbeResult) and r.recipe is None]
+    if len(plain) < len(results):
+        return format_methods(results)
+    width = max(5, *(len(r.layer) for r in plain))
+    has_test = any(r.test is not None for r in plain)
     header = f"{'layer':<{width}}  {'dim':>7}  {'lambda':>8}  {'val top-1':>9}"
     header += f"  {'test top-1':>10}  {'test top-5':>10}" if has_test else ""
     lines = [header + f"  {'seconds':>7}"]
-    for r in results:
+    for r in plain:
         dim = int(np.prod(r.shape))
         line = f"{r.layer:<{width}}  {dim:>7}  {r.lam:>8.1e}  {_pct(r.val['top1']):>9}"
         if has_test:
@@ -113,7 +170,7 @@ def format_table(results: Sequence[ProbeResult]) -> str:
             top1 = _pct(test["top1"]) if test else "-"
             line += f"  {top1:>10}  {top5:>10}"
         lines.append(line + f"  {r.seconds['total']:>7.1f}")
-    reference = results[0].test or results[0].val
+    reference = plain[0].test or plain[0].val
     lines.append(f"chance (most frequent class): {_pct(reference['chance_top1'])}")
     if not has_test:
         lines.append(
@@ -132,3 +189,92 @@ def _scores(metrics: Mapping[str, Any]) -> str:
 
 def _pct(value: float) -> str:
     return f"{100 * value:.1f}%"
+
+
+def format_methods(results: Sequence[Result]) -> str:
+    """One line per layer and method (k-NN: per k): top-1 and top-5 on the scored rows
+    (mean +- standard deviation over few-shot draws), and seconds."""
+    lines = [(r, score) for r in results for score in r.scores()]
+    width = max(5, *(len(r.layer) for r, _ in lines))
+    method_width = max(6, *(len(score.method) for _, score in lines))
+    header = f"{'layer':<{width}}  {'dim':>7}  {'method':<{method_width}}  "
+    header += f"{'top-1':>13}  {'top-5':>13}  {'seconds':>7}"
+    out = [header]
+    for r, score in lines:
+        top5 = _pct_spread(score.top5, score.top5_std) if score.top5 is not None else "-"
+        out.append(
+            f"{r.layer:<{width}}  {int(np.prod(r.shape)):>7}  {score.method:<{method_width}}  "
+            f"{_pct_spread(score.top1, score.top1_std):>13}  {top5:>13}  "
+            f"{r.seconds['total']:>7.1f}"
+        )
+    scored = {_scored(r) for r in results}
+    where = "the test store" if scored == {"test"} else "validation rows where no test store"
+    out.append(f"top-1 and top-5 on {where}; chance (most frequent class): "
+               f"{_pct(lines[0][1].chance_top1)}")  # fmt: skip
+    return "\n".join(out)
+
+
+def _scored(result: Result) -> str:
+    if isinstance(result, ProbeResult):
+        return "test" if result.test is not None else "val"
+    return result.scored
+
+
+def _pct_spread(value: float, std: float | None) -> str:
+    return _pct(value) if std is None else f"{100 * value:.1f} ± {100 * std:.1f}%"
+
+
+def _format_knn(result: KnnResult) -> str:
+    """The report of one k-NN run: top-1 and top-5 per k."""
+    rows = "test" if result.scored == "test" else f"val ({result.validation})"
+    lines = [
+        f"k-NN {result.layer} {result.shape}: {result.n_train} train rows (the neighbours), "
+        f"{result.n_test} {rows} rows; {result.num_classes} classes",
+        f"vote       the k most similar rows by cosine (rows prepared: {result.normalize}), "
+        f"each with weight exp(similarity / {result.temperature:g})",
+    ]
+    for k, metrics in sorted(result.metrics.items()):
+        lines.append(f"k={k:<9}{_scores(metrics)}")
+    headline = result.metrics[result.k]
+    if len(headline["per_class"]) <= 20:
+        per_class = ", ".join(f"{n} {100 * a:.1f}" for n, a in headline["per_class"].items())
+        lines.append(f"per class  (k={result.k}) {per_class}")
+    seconds = ", ".join(f"{key} {value:.1f}" for key, value in result.seconds.items())
+    lines.append(f"seconds    {seconds}")
+    lines += [f"note       {note}" for note in result.notes]
+    return "\n".join(lines)
+
+
+def _format_few_shot(result: FewShotResult) -> str:
+    """The report of one few-shot evaluation: mean and spread over the draws."""
+    published = recipe(result.recipe)
+    name = "linear" if result.method == "linear" else "k-NN"
+    rows = "test" if result.scored == "test" else "val"
+    lines = [
+        f"{name} {result.shots}-shot {result.layer} {result.shape}: {len(result.draws)} draws "
+        f"of {result.shots} train rows per class; {result.n_test} {rows} rows; "
+        f"{result.num_classes} classes",
+    ]
+    if result.method == "linear":
+        lines.append(
+            f"validation {result.n_val} rows ({result.validation}) choose lambda; no refit"
+        )
+    if published is not None:
+        lines.append(f"recipe     {published.describe()}")
+    lines.append(f"normalize  {result.normalize}")
+    for score in result.scores():
+        top5 = ""
+        if score.top5 is not None:
+            top5 = f"  top-5 {_pct_spread(score.top5, score.top5_std)}"
+        lines.append(
+            f"{score.method:<22} top-1 {_pct_spread(score.top1, score.top1_std)}{top5}"
+            f"  (chance {_pct(score.chance_top1)})"
+        )
+    for line, stats in result.summary.items():
+        lines.append(
+            f"draws      {line}: top-1 from {_pct(stats['top1']['min'])} to "
+            f"{_pct(stats['top1']['max'])}"
+        )
+    lines.append(f"seconds    {result.seconds['total']:.1f}")
+    lines += [f"note       {note}" for note in result.notes]
+    return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""What a probe produces: the fitted :class:`LinearProbe` and its :class:`ProbeResult`."""
+"""What probes produce: the fitted :class:`LinearProbe`, and the results of linear probes,
+k-NN and few-shot evaluations."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import numpy as np
 import torch
 
 from featcache.probe.options import ProbeOptions
+from featcache.probe.recipes import recipe
 
 
 @dataclasses.dataclass
 class LinearProbe:
-    """A fitted probe: ``logits = ((x - mean) / std) @ weight.T + bias``.
+    """A fitted probe: ``logits = ((x - mean) / std) @ weight.T + bias``, with each row
+    ``x`` first scaled to unit L2 norm when ``l2``.
 
     ``mean``, ``std``: float32 ``[D]``; ``weight``: float32 ``[C, D]``; ``bias``:
     float32 ``[C]``. Inputs are rows of the layer, ``[N, *shape]`` in any float dtype.
@@ -26,10 +29,13 @@ class LinearProbe:
     std: torch.Tensor
     weight: torch.Tensor
     bias: torch.Tensor
+    l2: bool = False
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 ``[N, C]`` logits of rows ``x`` ``[N, *shape]``."""
         x = x.reshape(len(x), -1).to(self.weight.device, torch.float32)
+        if self.l2:
+            x = torch.nn.functional.normalize(x, dim=1)
         return ((x - self.mean) / self.std) @ self.weight.T + self.bias
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,19 +69,179 @@ class ProbeResult:
     model: LinearProbe | None = dataclasses.field(default=None, repr=False)
     # The options it was fitted with (resolved: lambdas sorted, max_memory in bytes).
     options: ProbeOptions | None = dataclasses.field(default=None, repr=False)
+    recipe: str | None = None  # the published recipe it followed (None: featcache's own)
+    normalize: str = "standardize"  # how rows were prepared (ProbeOptions.normalize)
+
+    method = "linear"
 
     @property
     def top1(self) -> float:
         """Test top-1 when there is a test split, else validation top-1 (optimistic)."""
         return (self.test or self.val)["top1"]
 
+    def scores(self) -> list[Score]:
+        """Its line of the methods table: the test metrics (validation without a test)."""
+        shown = self.test or self.val
+        label = "linear" if self.recipe is None else f"linear ({self.recipe})"
+        return [Score(label, shown["top1"], shown.get("top5"), shown["chance_top1"])]
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"layer": self.layer, "shape": self.shape}
+        out["dim"] = int(np.prod(self.shape))
+        out["method"] = self.method
+        for f in dataclasses.fields(self)[2:]:
+            if f.name not in ("model", "options", "recipe"):
+                out["lambda" if f.name == "lam" else f.name] = getattr(self, f.name)
+        out["recipe"] = recipe_record(self.recipe)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Score:
+    """One line of the methods table and one point of a layer curve: a method's top-1
+    and top-5 on the scored rows, with their standard deviation over few-shot draws."""
+
+    method: str  # "linear", "linear (dinov3)", "k-NN k=20", "linear 5-shot", ...
+    top1: float
+    top5: float | None
+    chance_top1: float
+    top1_std: float | None = None
+    top5_std: float | None = None
+
+
+@dataclasses.dataclass
+class KnnResult:
+    """What one weighted k-NN classification measured. ``to_dict()`` is its JSON."""
+
+    layer: str
+    shape: list[int]
+    num_classes: int
+    class_names: list[str] | None
+    temperature: float
+    normalize: str  # how rows were prepared before the cosine similarity
+    n_train: int  # the neighbour rows
+    n_test: int  # the rows classified
+    scored: str  # "test", or "val" without a test store
+    validation: str  # where validation rows came from (the scored rows for "val")
+    metrics: dict[int, dict[str, Any]]  # top-k metrics of each k
+    seconds: dict[str, float]
+    stores: dict[str, dict[str, Any]]  # as ProbeResult.stores
+    notes: list[str]
+    options: ProbeOptions | None = dataclasses.field(default=None, repr=False)
+
+    method = "knn"
+
+    @property
+    def ks(self) -> list[int]:
+        return sorted(self.metrics)
+
+    @property
+    def k(self) -> int:
+        """The ``k`` of the headline number: 20 (DINO's), else the smallest one run."""
+        return 20 if 20 in self.metrics else self.ks[0]
+
+    @property
+    def top1(self) -> float:
+        """Top-1 at the headline ``k``."""
+        return self.metrics[self.k]["top1"]
+
+    def scores(self) -> list[Score]:
+        """One line per ``k``."""
+        return [
+            Score(f"k-NN k={k}", m["top1"], m.get("top5"), m["chance_top1"])
+            for k, m in sorted(self.metrics.items())
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"layer": self.layer, "shape": self.shape}
+        out["dim"] = int(np.prod(self.shape))
+        out["method"] = self.method
+        for f in dataclasses.fields(self)[2:]:
+            if f.name != "options":
+                out[f.name] = getattr(self, f.name)
+        out["metrics"] = {str(k): m for k, m in sorted(self.metrics.items())}
+        return out
+
+
+@dataclasses.dataclass
+class FewShotResult:
+    """One method's few-shot evaluation of one layer at one number of shots, over
+    several draws. ``to_dict()`` is its JSON."""
+
+    layer: str
+    shape: list[int]
+    method: str  # "linear" or "knn"
+    shots: int  # rows drawn per class
+    num_classes: int
+    class_names: list[str] | None
+    n_val: int  # validation rows that chose lambda (linear)
+    n_test: int  # the rows classified
+    scored: str  # "test", or "val" without a test store
+    validation: str
+    chance_top1: float  # of the scored rows
+    # Per draw: {"draw", "seed", "rows", "top1", "top5", ...}; linear adds "lambda" and
+    # "val_top1", k-NN gives "k": {k: {"top1", "top5"}}.
+    draws: list[dict[str, Any]]
+    # Mean, standard deviation (n - 1), min and max over the draws of top-1 and top-5,
+    # per line: {"linear": {...}} or {"k=10": {...}, "k=20": {...}, ...}.
+    summary: dict[str, dict[str, dict[str, float]]]
+    seconds: dict[str, float]
+    stores: dict[str, dict[str, Any]]
+    notes: list[str]
+    recipe: str | None = None
+    normalize: str = "standardize"
+    options: ProbeOptions | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def top1(self) -> float:
+        """Mean top-1 over the draws (k-NN: at k = 20, else the smallest k)."""
+        return self.summary[self.headline]["top1"]["mean"]
+
+    @property
+    def headline(self) -> str:
+        """The summary line of the headline number: "linear", or k-NN's "k=20" (else
+        the smallest k run)."""
+        if self.method == "linear":
+            return "linear"
+        return "k=20" if "k=20" in self.summary else next(iter(self.summary))
+
+    def scores(self) -> list[Score]:
+        """One line per summary entry (k-NN: per ``k``)."""
+        out = []
+        for line, stats in self.summary.items():
+            name = "linear" if line == "linear" else f"k-NN {line}"
+            if line == "linear" and self.recipe is not None:
+                name = f"linear ({self.recipe})"
+            top5 = stats.get("top5")
+            out.append(
+                Score(
+                    f"{name} {self.shots}-shot",
+                    stats["top1"]["mean"],
+                    top5["mean"] if top5 else None,
+                    self.chance_top1,
+                    stats["top1"]["std"],
+                    top5["std"] if top5 else None,
+                )
+            )
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"layer": self.layer, "shape": self.shape}
         out["dim"] = int(np.prod(self.shape))
         for f in dataclasses.fields(self)[2:]:
-            if f.name not in ("model", "options"):
-                out["lambda" if f.name == "lam" else f.name] = getattr(self, f.name)
+            if f.name not in ("options", "recipe"):
+                out[f.name] = getattr(self, f.name)
+        out["recipe"] = recipe_record(self.recipe)
         return out
+
+
+Result = ProbeResult | KnnResult | FewShotResult
+
+
+def recipe_record(name: str | None) -> dict[str, str] | None:
+    """What a result records of its recipe: its name and source (None: featcache's)."""
+    published = recipe(name)
+    return None if published is None else {"name": published.name, "source": published.source}
 
 
 @dataclasses.dataclass
@@ -92,6 +258,18 @@ class Fit:
     seconds: dict[str, float]
     features_sha256: dict[str, str]
     model: LinearProbe
+
+
+@dataclasses.dataclass
+class KnnFit:
+    """What a k-NN run returns for one layer: top-k metrics per ``k``, the numbers of
+    neighbour and query rows, seconds per phase and the stores' hashes."""
+
+    metrics: dict[int, dict[str, Any]]
+    n_neighbours: int
+    n_queries: int
+    seconds: dict[str, float]
+    features_sha256: dict[str, str]
 
 
 class Timings:

@@ -5,7 +5,6 @@ It holds no layer in memory, so it probes stores larger than memory.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 from collections.abc import Iterator, Sequence
@@ -17,10 +16,12 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from featcache.dataset import Batch, FeatureDataset, ShuffledBatches
+from featcache.dataset import FeatureDataset, ShuffledBatches
 from featcache.probe.metrics import Moments, rank, require_finite, topk_metrics
 from featcache.probe.options import ProbeOptions
+from featcache.probe.parts import Part, in_order, unpack
 from featcache.probe.results import Fit, LinearProbe, Timings
+from featcache.probe.scaling import STANDARDIZE, Scaling
 from featcache.probe.splits import Splits
 from featcache.probe.sweep import Grid, run_sweep
 
@@ -28,7 +29,12 @@ Rows = tuple[torch.Tensor, torch.Tensor]  # float32 features [b, D], int64 label
 
 
 def run_streaming(
-    splits: Splits, layer: str, grid: Grid, options: ProbeOptions, device: torch.device
+    splits: Splits,
+    layer: str,
+    grid: Grid,
+    options: ProbeOptions,
+    device: torch.device,
+    scaling: Scaling = STANDARDIZE,
 ) -> Fit:
     """Probe ``layer`` without holding its rows.
 
@@ -36,22 +42,23 @@ def run_streaming(
     (and the stores' hashes); the models of each sweep phase then train side by side with
     Adam over seeded, chunk-aware shuffled batches (:class:`ShuffledBatches` in a
     ``DataLoader``); the chosen lambda is refitted on fit + validation rows and scored
-    once on the test store.
+    once on the test store. Rows are prepared by ``scaling`` as they are read.
     """
     timings = Timings()
     datasets = {
         role: FeatureDataset(store.path, layer, dtype=torch.float32)
         for role, store in splits.stores.items()
     }
+    l2 = scaling.l2
     if splits.val_rows is None:
-        fit_parts = [_Part(datasets["train"])]
-        val_parts = [_Part(datasets["val"])]
+        fit_parts = [Part(datasets["train"], l2=l2)]
+        val_parts = [Part(datasets["val"], l2=l2)]
     else:
         held = np.zeros(len(datasets["train"]), dtype=bool)
         held[splits.val_rows] = True
-        fit_parts = [_Part(datasets["train"], ~held)]
-        val_parts = [_Part(datasets["train"], held)]
-    all_parts = [_Part(dataset) for role, dataset in datasets.items() if role != "test"]
+        fit_parts = [Part(datasets["train"], ~held, l2)]
+        val_parts = [Part(datasets["train"], held, l2)]
+    all_parts = [Part(dataset, l2=l2) for role, dataset in datasets.items() if role != "test"]
     dim = int(np.prod(splits.stores["train"].shape(layer)))
     try:
         with timings.phase("statistics"):
@@ -60,7 +67,7 @@ def run_streaming(
             )
 
         with timings.phase("sweep"):
-            mean, std = fit_moments.standardizer(device)
+            mean, std = scaling.standardizer(fit_moments, device)
             epochs = _epochs(sum(map(len, fit_parts)), options)
             ranks: dict[float, Rows] = {}  # ranked predictions and labels of held-out rows
 
@@ -89,7 +96,8 @@ def run_streaming(
             val = topk_metrics(*ranks[lam], splits.class_names)
 
         with timings.phase("refit"):
-            mean, std = Moments(dim).merge(fit_moments).merge(val_moments).standardizer(device)
+            moments = Moments(dim).merge(fit_moments).merge(val_moments)
+            mean, std = scaling.standardizer(moments, device)
             weights, biases = _train_many(
                 all_parts,
                 mean,
@@ -101,13 +109,13 @@ def run_streaming(
                 device,
                 f"probe {layer} refit",
             )
-            model = LinearProbe(mean, std, weights[0], biases[0])
+            model = LinearProbe(mean, std, weights[0], biases[0], l2=l2)
 
         test = None
         if "test" in datasets:
             with timings.phase("test"):
                 ranked, labels, digests["test"] = _predict(
-                    [_Part(datasets["test"])],
+                    [Part(datasets["test"], l2=l2)],
                     mean,
                     std,
                     weights,
@@ -123,46 +131,8 @@ def run_streaming(
     return Fit(lam, sweep, val, test, timings.seconds, digests, model)
 
 
-@dataclasses.dataclass
-class _Part:
-    """The rows of one store that a pass uses: all, or those where ``keep`` is true."""
-
-    dataset: FeatureDataset
-    keep: np.ndarray | None = None  # bool [N]
-
-    def __len__(self) -> int:
-        return len(self.dataset) if self.keep is None else int(self.keep.sum())
-
-    def kept(self, batch: Batch) -> Rows:
-        """The kept rows of a batch read ``with_index=True``, features flattened."""
-        x, y, rows = _unpack(batch)
-        if self.keep is not None:
-            mask = torch.from_numpy(self.keep[rows.numpy()])
-            x, y = x[mask], y[mask]
-        return x.reshape(len(x), -1), y
-
-
-def _unpack(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(features [b, *shape], labels [b], rows [b])`` of a one-layer batch."""
-    if len(batch) != 3 or not isinstance(batch[0], torch.Tensor):
-        raise TypeError("expected (features, labels, rows) of one layer")
-    return batch[0], batch[1], batch[2]
-
-
-def _in_order(
-    parts: Sequence[_Part], batch_size: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """The kept rows of each part in store order, read chunk by chunk:
-    ``(float32 [b, D], int64 [b], raw)``, where ``raw`` is every row of the batch (for
-    hashing the store)."""
-    for part in parts:
-        for batch in part.dataset.batches(batch_size, shuffle=False, with_index=True):
-            x, y = part.kept(batch)
-            yield x, y, _unpack(batch)[0]
-
-
 def _shuffled(
-    parts: Sequence[_Part], epochs: int, options: ProbeOptions, device: torch.device
+    parts: Sequence[Part], epochs: int, options: ProbeOptions, device: torch.device
 ) -> Iterator[Rows]:
     """``epochs`` passes over the kept rows in seeded random order.
 
@@ -199,13 +169,15 @@ def _shuffled(
                 yield from _nonempty(part.kept(batch))
 
 
-def _nonempty(batch: Rows) -> Iterator[Rows]:
-    if len(batch[0]):  # a batch of held-out rows only is empty once they are dropped
-        yield batch
+def _nonempty(batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> Iterator[Rows]:
+    """Features and labels of a kept batch, unless it is empty (a batch of held-out
+    rows only is, once they are dropped)."""
+    if len(batch[0]):
+        yield batch[0], batch[1]
 
 
 def _statistics(
-    fit: _Part, held_out: _Part, dim: int, options: ProbeOptions
+    fit: Part, held_out: Part, dim: int, options: ProbeOptions
 ) -> tuple[Moments, Moments, dict[str, str]]:
     """One in-order pass over the train store (and the val store, when the held-out rows
     are one): the moments of the fitted and of the held-out rows, and the sha256 of each
@@ -226,7 +198,7 @@ def _statistics(
             dynamic_ncols=True,
             leave=False,
         ):
-            raw = _unpack(batch)[0]
+            raw = unpack(batch)[0]
             digest.update(raw.reshape(len(raw), -1).numpy().data)
             for part in (fit, held_out):
                 if part.dataset is dataset:
@@ -244,7 +216,7 @@ def _epochs(rows: int, options: ProbeOptions) -> int:
 
 
 def _train_many(
-    parts: Sequence[_Part],
+    parts: Sequence[Part],
     mean: torch.Tensor,
     std: torch.Tensor,
     lams: Sequence[float],
@@ -290,7 +262,7 @@ def _train_many(
 
 @torch.inference_mode()
 def _predict(
-    parts: Sequence[_Part],
+    parts: Sequence[Part],
     mean: torch.Tensor,
     std: torch.Tensor,
     weight: torch.Tensor,
@@ -304,7 +276,7 @@ def _predict(
     (as float32; the store's hash when the parts are whole stores). With ``check`` (what
     the rows are, for the error), rows that hold NaN or Inf are refused."""
     ranked, labels, digest = [], [], hashlib.sha256()
-    for x, y, raw in _in_order(parts, options.batch_size):
+    for _, x, y, _, raw in in_order(parts, options.batch_size):
         if check is not None:
             require_finite(x, check)
         digest.update(raw.reshape(len(raw), -1).numpy().data)

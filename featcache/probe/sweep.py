@@ -1,4 +1,4 @@
-"""The regularisation sweep both trainers run: the grid, its refinement, the choice."""
+"""The regularisation sweep every trainer runs: the grid, its search, the choice."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from featcache.probe.options import ProbeOptions
+from featcache.probe.recipes import Recipe, bisect_search, recipe
 
 DEFAULT_LAMBDAS = tuple(10.0**k for k in range(-6, 3))  # 1e-6 ... 1e2, one per decade
 STREAMING_LAMBDAS = tuple(10.0**k for k in range(-6, 3, 2))  # 1e-6 ... 1e2, every 2 decades
@@ -20,19 +21,50 @@ FitMany = Callable[[list[float], float | None], list[dict[str, Any]]]
 
 @dataclasses.dataclass(frozen=True)
 class Grid:
-    """The sweep of one trainer: the coarse ``lambdas`` (increasing) and how many values
-    to try between the best of them and each neighbour (``refine``)."""
+    """The sweep of one probe: the coarse ``lambdas`` (increasing) and how many values to
+    try between the best of them and each neighbour (``refine``), or CLIP_benchmark's
+    coarse-to-fine search over them (``bisect``).
+
+    ``lambdas`` are what the trainers fit: the L2 strength on the mean loss, or for a
+    recipe that sweeps AdamW, the weight decay. ``penalty`` names what the recipe sweeps;
+    for ``"C"`` (scikit-learn's inverse strength on the summed loss over ``rows`` rows),
+    ``C = 1 / (lambda * rows)``.
+    """
 
     lambdas: tuple[float, ...]
     refine: int
+    bisect: bool = False
+    penalty: str = "lambda"
+    rows: int = 0
 
     @classmethod
-    def for_trainer(cls, trainer: str, options: ProbeOptions) -> Grid:
-        """The grid of ``options``, or the default of ``trainer`` ("full" or "streaming")."""
+    def for_trainer(cls, trainer: str, options: ProbeOptions, rows: int = 0) -> Grid:
+        """The grid of ``options``: the recipe's (for ``rows`` fitted rows), else the
+        ``lambdas`` given, else the default of ``trainer`` ("full" or "streaming")."""
+        published = recipe(options.recipe)
+        if published is not None:
+            return cls.of_recipe(published, rows)
         full = trainer == "full"
         lambdas = options.lambdas or (DEFAULT_LAMBDAS if full else STREAMING_LAMBDAS)
         refine = (2 if full else 1) if options.refine is None else options.refine
         return cls(tuple(sorted(lambdas)), refine)
+
+    @classmethod
+    def of_recipe(cls, published: Recipe, rows: int) -> Grid:
+        """The grid ``published`` sweeps, fitted on ``rows`` rows."""
+        if published.penalty == "C":
+            lambdas = tuple(sorted(1.0 / (c * rows) for c in published.values))
+            return cls(lambdas, 0, penalty="C", rows=rows)
+        return cls(published.values, 0, bisect=published.search == "bisect", penalty="weight_decay")
+
+    def value(self, lam: float) -> float:
+        """The recipe's own value of the fitted ``lam`` (C, weight decay or lambda)."""
+        return 1.0 / (lam * self.rows) if self.penalty == "C" else lam
+
+    def refit_lambda(self, lam: float, rows: int) -> float:
+        """The strength to refit with on ``rows`` rows: the same C means a smaller lambda
+        on more rows; a lambda or weight decay stays."""
+        return lam * self.rows / rows if self.penalty == "C" else lam
 
     def at_edge(self, lam: float) -> bool:
         """Whether ``lam`` is the smallest or largest grid value."""
@@ -40,17 +72,34 @@ class Grid:
 
 
 def run_sweep(grid: Grid, fit: FitMany) -> tuple[float, list[dict[str, Any]]]:
-    """Fit the grid, then ``grid.refine`` values between its best and each neighbour.
+    """Fit the grid, then ``grid.refine`` values between its best and each neighbour (or,
+    with ``grid.bisect``, CLIP_benchmark's search, which fits only the values it visits).
 
-    Returns the chosen lambda (best validation top-1 of every fit, see :func:`choose`)
-    and all sweep entries in increasing lambda.
+    Returns the chosen lambda (best validation top-1 of every fit, see :func:`choose`;
+    CLIP_benchmark's own rule for ``bisect``) and all sweep entries in increasing lambda.
     """
+    if grid.bisect:
+        return _bisect(grid, fit)
     entries = list(fit(sorted(grid.lambdas, reverse=True), None))
     best = choose(entries)
     extra = refine_lambdas(grid.lambdas, best, grid.refine)
     if extra:
         entries += fit(extra, best)
     return choose(entries), sorted(entries, key=lambda entry: entry["lambda"])
+
+
+def _bisect(grid: Grid, fit: FitMany) -> tuple[float, list[dict[str, Any]]]:
+    fitted: dict[float, dict[str, Any]] = {}
+
+    def evaluate(positions: list[int]) -> list[float]:
+        new = [grid.lambdas[i] for i in dict.fromkeys(positions) if grid.lambdas[i] not in fitted]
+        if new:
+            for entry in fit(new, None):
+                fitted[entry["lambda"]] = entry
+        return [fitted[grid.lambdas[i]]["val_top1"] for i in positions]
+
+    chosen = grid.lambdas[bisect_search(len(grid.lambdas), evaluate)]
+    return chosen, sorted(fitted.values(), key=lambda entry: entry["lambda"])
 
 
 def refine_lambdas(grid: Sequence[float], best: float, per_side: int) -> list[float]:

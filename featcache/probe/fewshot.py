@@ -1,0 +1,190 @@
+"""Few-shot evaluation: k rows per class drawn from train, over several seeded draws.
+
+For each number of shots and each draw, ``shots`` rows of every class are drawn from the
+rows a probe may fit (train less the held-out validation rows); each method is fitted on
+those rows alone and scored on the test store (the validation rows without one). The
+linear probe chooses its regularisation on the validation rows and is not refitted with
+them, which would fit more than ``shots`` rows per class (the DINOv3 and CLIP_benchmark
+few-shot protocols do the same). Draw ``d`` of every number of shots starts from the same
+shuffle of each class, so the 1-shot rows of a draw are among its 5-shot rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+import torch
+
+from featcache.dataset import FeatureDataset
+from featcache.errors import ConfigError
+from featcache.probe.full import fit_sweep, read_layer
+from featcache.probe.metrics import rank, require_finite, topk_metrics
+from featcache.probe.options import ProbeOptions
+from featcache.probe.parts import Part, in_order
+from featcache.probe.results import LinearProbe
+from featcache.probe.scaling import Scaling
+from featcache.probe.splits import Splits
+from featcache.probe.sweep import Grid
+from featcache.probe.weighted_knn import knn_in_memory
+
+READ_ROWS = 8192
+
+
+def draw_shots(
+    labels: np.ndarray, candidates: np.ndarray, shots: int, draw: int, seed: int = 0
+) -> np.ndarray:
+    """Sorted int64 row numbers: ``shots`` rows of each class among ``candidates``.
+
+    ``labels``: int64 ``[N]`` of every row; ``candidates``: the row numbers to draw
+    from. Draw ``draw`` shuffles each class's candidates with the seed ``[seed, draw]``
+    and takes the first ``shots``, so draws differ and a smaller ``shots`` takes a
+    subset of a larger one's rows.
+
+    Raises:
+        ConfigError: a class has fewer than ``shots`` rows to draw from.
+    """
+    rng = np.random.default_rng([seed, draw])
+    picked = []
+    for label in np.unique(labels[candidates]):
+        rows = rng.permutation(candidates[labels[candidates] == label])
+        if len(rows) < shots:
+            raise ConfigError(
+                f"class {label} has {len(rows)} rows to draw {shots} shots from; lower "
+                "shots, or hold out fewer validation rows"
+            )
+        picked.append(rows[:shots])
+    return np.sort(np.concatenate(picked))
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    """Mean, standard deviation (``n - 1``; 0 for one value), min and max."""
+    array = np.asarray(values, dtype=np.float64)
+    std = float(array.std(ddof=1)) if len(array) > 1 else 0.0
+    return {
+        "mean": float(array.mean()),
+        "std": std,
+        "min": float(array.min()),
+        "max": float(array.max()),
+    }
+
+
+class FewShotData:
+    """The rows a few-shot run uses, in memory: the train rows that can be drawn (with
+    the sha256 of the whole train store's layer), the validation rows and the scored
+    rows, each prepared by the per-row step of its method at use."""
+
+    def __init__(self, splits: Splits, layer: str, options: ProbeOptions):
+        self.splits = splits
+        self.digests: dict[str, str] = {}
+        most = max(options.shots or [1])  # the draws of fewer shots take a subset of these
+        labels = splits.labels["train"]
+        draws = [
+            draw_shots(labels, splits.fit_rows, most, d, options.seed)
+            for d in range(options.n_draws)
+        ]
+        needed = np.zeros(len(splits.labels["train"]), dtype=bool)
+        needed[np.concatenate(draws)] = True
+        if splits.val_rows is not None:
+            needed[splits.val_rows] = True
+        self.x_train, self.position = self._gather(layer, needed)
+        if splits.val_rows is None:
+            self.x_val, self.digests["val"] = read_layer(splits.stores["val"], layer)
+        else:
+            self.x_val = self.rows(splits.val_rows)
+        require_finite(self.x_val, f"the validation features of layer {layer}")
+        self.y_val = torch.from_numpy(splits.y_val)
+        if "test" in splits.stores:
+            self.x_scored, self.digests["test"] = read_layer(splits.stores["test"], layer)
+            require_finite(self.x_scored, f"the test store's features of layer {layer}")
+            self.y_scored = torch.from_numpy(splits.labels["test"])
+            self.scored = "test"
+        else:
+            self.x_scored, self.y_scored, self.scored = self.x_val, self.y_val, "val"
+
+    def _gather(self, layer: str, needed: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        """The ``needed`` rows of the train store (one pass, which hashes every row) and
+        each row's place among them (-1: not read)."""
+        dataset = FeatureDataset(self.splits.stores["train"].path, layer, dtype=torch.float32)
+        digest, xs = hashlib.sha256(), []
+        try:
+            for _, x, _, _, raw in in_order([Part(dataset, needed)], READ_ROWS):
+                digest.update(raw.reshape(len(raw), -1).numpy().data)
+                xs.append(x)
+        finally:
+            dataset.close()
+        self.digests["train"] = digest.hexdigest()
+        x = torch.cat(xs)
+        require_finite(x, f"the train store's features of layer {layer}")
+        position = np.full(len(needed), -1, dtype=np.int64)
+        position[needed] = np.arange(int(needed.sum()))
+        return x, position
+
+    def rows(self, rows: np.ndarray) -> torch.Tensor:
+        """Float32 ``[n, D]`` train rows by row number (rows that were read)."""
+        return self.x_train[torch.from_numpy(self.position[rows])]
+
+
+def few_shot_draw(
+    data: FewShotData,
+    method: str,
+    rows: np.ndarray,
+    options: ProbeOptions,
+    scaling: Scaling,
+    device: torch.device,
+    desc: str,
+) -> dict[str, Any]:
+    """One method fitted on the drawn train ``rows`` and scored: its entry of
+    ``FewShotResult.draws`` (without the draw number)."""
+    splits = data.splits
+    x_fit = scaling.rows(data.rows(rows))
+    y_fit = torch.from_numpy(splits.labels["train"][rows])
+    if method == "knn":
+        ranked = knn_in_memory(
+            x_fit, y_fit, data.x_scored, options, scaling, splits.num_classes, device
+        )
+        per_k = {k: topk_metrics(r, data.y_scored, splits.class_names) for k, r in ranked.items()}
+        return {"rows": len(rows), "k": {k: _headline(m) for k, m in per_k.items()}}
+    grid = Grid.for_trainer("full", options, rows=len(rows))
+    lam, _, (w, b), val, (mean, std) = fit_sweep(
+        x_fit,
+        y_fit.to(device),
+        scaling.rows(data.x_val),
+        data.y_val.to(device),
+        splits,
+        grid,
+        options,
+        device,
+        scaling,
+        desc,
+    )
+    model = LinearProbe(mean, std, w, b, l2=scaling.l2)
+    scored = topk_metrics(rank(model.logits(data.x_scored)), data.y_scored, splits.class_names)
+    return {
+        "rows": len(rows),
+        "lambda": lam,
+        **({grid.penalty: grid.value(lam)} if grid.penalty != "lambda" else {}),
+        "val_top1": val["top1"],
+        **_headline(scored),
+    }
+
+
+def _headline(metrics: dict[str, Any]) -> dict[str, float]:
+    return {key: metrics[key] for key in ("top1", "top5", "mean_per_class") if key in metrics}
+
+
+def summary_lines(method: str, draws: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``FewShotResult.summary`` of the draws of one method."""
+    if method == "linear":
+        lines = {"linear": draws}
+    else:
+        lines = {f"k={k}": [d["k"][k] for d in draws] for k in draws[0]["k"]}
+    return {
+        line: {
+            key: summarize([entry[key] for entry in entries])
+            for key in ("top1", "top5")
+            if key in entries[0]
+        }
+        for line, entries in lines.items()
+    }

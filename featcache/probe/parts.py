@@ -1,0 +1,58 @@
+"""The rows of a store that one pass of a probe reads: all of them, or a kept subset."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from featcache.dataset import Batch, FeatureDataset
+
+
+@dataclasses.dataclass
+class Part:
+    """The rows of one store that a pass uses: all, or those where ``keep`` is true;
+    each scaled to unit L2 norm as it is read when ``l2``."""
+
+    dataset: FeatureDataset
+    keep: np.ndarray | None = None  # bool [N]
+    l2: bool = False
+
+    def __len__(self) -> int:
+        return len(self.dataset) if self.keep is None else int(self.keep.sum())
+
+    def kept(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kept rows of a batch read ``with_index=True``: features flattened to
+        float32 ``[b, D]``, labels int64 ``[b]``, their rows in the store int64 ``[b]``."""
+        x, y, rows = unpack(batch)
+        if self.keep is not None:
+            mask = torch.from_numpy(self.keep[rows.numpy()])
+            x, y, rows = x[mask], y[mask], rows[mask]
+        x = x.reshape(len(x), -1)
+        return (F.normalize(x, dim=1) if self.l2 else x), y, rows
+
+
+def unpack(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(features [b, *shape], labels [b], rows [b])`` of a one-layer batch."""
+    if len(batch) != 3 or not isinstance(batch[0], torch.Tensor):
+        raise TypeError("expected (features, labels, rows) of one layer")
+    return batch[0], batch[1], batch[2]
+
+
+def in_order(
+    parts: Sequence[Part], batch_size: int, buffer_rows: int | None = None
+) -> Iterator[tuple[Part, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The kept rows of each part in store order, read chunk by chunk: ``(part, x, y,
+    rows, raw)`` as :meth:`Part.kept` gives them, where ``raw`` is every row of the batch
+    as read (for hashing the store). ``buffer_rows`` bounds the read buffer
+    (:meth:`FeatureDataset.batches`)."""
+    for part in parts:
+        batches = part.dataset.batches(
+            batch_size, shuffle=False, with_index=True, buffer_rows=buffer_rows
+        )
+        for batch in batches:
+            x, y, rows = part.kept(batch)
+            yield part, x, y, rows, unpack(batch)[0]

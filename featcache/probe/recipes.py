@@ -1,0 +1,129 @@
+"""The published linear-probe recipes: what each sets, and where it is published.
+
+A recipe fixes what a paper's code fixes: the grid of regularisation strengths and how it
+is searched, how much of train is held out to choose on, how rows are prepared, the
+optimiser, and whether the chosen model is refitted on train + validation. featcache's
+own protocol (:mod:`featcache.probe`) is used when no recipe is named.
+
+* ``dinov3``: DINOv3's logistic-regression evaluation (``dinov3/eval/log_regression.py``):
+  scikit-learn's L-BFGS ``LogisticRegression`` for 45 values of ``C`` log-spaced from
+  1e-6 to 1e5 on the raw features, ``C`` chosen by top-1 on 10% of each class of train
+  (1% for few-shot), the model refitted on train + validation (not for few-shot).
+  featcache fits the same objective with its own L-BFGS: scikit-learn minimises
+  ``C * sum(cross-entropy) + ||W||^2 / 2``, which is featcache's
+  ``mean(cross-entropy) + lambda / 2 * ||W||^2`` with ``lambda = 1 / (C * N)``.
+* ``clip``: CLIP_benchmark's linear probe (``clip_benchmark/metrics/linear_probe.py`` and
+  the train/val/test command of its README): a linear layer trained by AdamW (learning
+  rate 0.1, cosine decay without warm-up, 20 epochs, batches of 512) on L2-normalised
+  features, for weight decays from a grid of 97 values log-spaced from 1e-6 to 1e2:
+  7 of them first (every 16th), then around the best one at steps of 8, 4, 2 and 1 grid
+  places; chosen on 10% of train; retrained on train + validation (on the drawn rows
+  alone for few-shot).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+Scores = Callable[[list[int]], list[float]]  # validation top-1 of grid positions
+
+DINOV3_SOURCE = (
+    "DINOv3 (Simeoni et al. 2025), facebookresearch/dinov3 dinov3/eval/log_regression.py "
+    "at 6876159a11b4"
+)
+CLIP_SOURCE = (
+    "CLIP_benchmark, LAION-AI/CLIP_benchmark clip_benchmark/metrics/linear_probe.py and the "
+    "README's train/val/test command, at 48de38c1689f"
+)
+FEATCACHE_SOURCE = "featcache (Kornblith et al. 2019; the SimCLR and CLIP linear evaluations)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """What a linear-probe protocol fixes.
+
+    ``penalty`` names the swept strength (``"lambda"``: featcache's L2 on the mean loss;
+    ``"C"``: scikit-learn's inverse strength on the summed loss; ``"weight_decay"``:
+    AdamW's decoupled decay) and ``values`` its grid in increasing order.
+    """
+
+    name: str
+    source: str
+    penalty: str
+    values: tuple[float, ...]
+    search: str  # "grid": every value; "bisect": CLIP_benchmark's coarse-to-fine search
+    val_fraction: float  # share of each class of train held out to choose on
+    few_shot_val_fraction: float
+    normalize: str  # how rows are prepared (see ProbeOptions.normalize)
+    optimizer: str  # "lbfgs" (full batch) or "adamw" (mini-batch)
+    refit: bool  # refit the chosen model on train + validation (never for few-shot)
+    max_iter: int = 1000  # L-BFGS iterations per fit
+    lr: float = 0.1  # AdamW
+    epochs: int = 20  # AdamW
+    batch_size: int = 512  # AdamW
+
+    def describe(self) -> str:
+        """One line for reports: the name and the source."""
+        return f"{self.name}: {self.source}"
+
+
+PUBLISHED = {
+    "dinov3": Recipe(
+        name="dinov3",
+        source=DINOV3_SOURCE,
+        penalty="C",
+        values=tuple(np.logspace(-6, 5, 45).tolist()),
+        search="grid",
+        val_fraction=0.1,
+        few_shot_val_fraction=0.01,
+        normalize="none",
+        optimizer="lbfgs",
+        refit=True,
+        max_iter=1000,
+    ),
+    "clip": Recipe(
+        name="clip",
+        source=CLIP_SOURCE,
+        penalty="weight_decay",
+        values=tuple(np.logspace(-6, 2, 97).tolist()),
+        search="bisect",
+        val_fraction=0.1,
+        few_shot_val_fraction=0.1,
+        normalize="l2",
+        optimizer="adamw",
+        refit=True,
+    ),
+}
+
+
+def recipe(name: str | None) -> Recipe | None:
+    """The recipe called ``name`` (None: featcache's own protocol)."""
+    return None if name is None else PUBLISHED[name]
+
+
+def bisect_search(
+    count: int, evaluate: Scores, first: int = 7, steps: tuple[int, ...] = (8, 4, 2, 1)
+) -> int:
+    """CLIP_benchmark's search over grid positions ``0 .. count - 1``.
+
+    ``evaluate(positions)`` returns the validation top-1 of each position (it may be asked
+    for a position again; a cache makes that free). Every ``(count - 1) / (first - 1)``-th
+    position is tried first; then, for each step, the best so far and the positions
+    ``step`` places to either side (clipped to the grid). The first of the best wins, in
+    the order tried (left, centre, right): a tie goes to the weaker decay on the left.
+    Returns the chosen position.
+    """
+    stride = (count - 1) // (first - 1)
+    best = _first_best(list(range(0, count, stride)), evaluate)
+    for step in steps:
+        best = _first_best([max(best - step, 0), best, min(best + step, count - 1)], evaluate)
+    return best
+
+
+def _first_best(positions: list[int], evaluate: Scores) -> int:
+    scores = evaluate(positions)
+    top = max(scores)
+    return positions[scores.index(top)]
