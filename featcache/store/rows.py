@@ -1,17 +1,13 @@
-"""Reading rows: plain chunks through a memory map, the rest through HDF5, each chunk checked
+"""Reading rows: plain chunks through a memory map, others through HDF5, each chunk checked
 against its checksum the first time it is read while its file is open.
 
-A dataset whose chunks are stored as their plain bytes
-(:func:`~featcache.store.layout.chunk_addresses`: every dataset of an uncompressed
-format-3 store) is read through a memory map of the file: a row costs a copy out of the
-page cache, a random batch one ``numpy.take`` per run of chunks lying back to back (one,
-usually), and a chunk's check hashes the mapped bytes without copying them. Anything
-else (a compressed layer, a format-2 store) is read by HDF5; a format-3 chunk is then
-checked on its stored bytes, a format-2 one by HDF5's own Fletcher-32 filter on every
-read. A chunk that fails raises
-:class:`~featcache.errors.CorruptStoreError` naming the layer and its rows before any of
-its values are returned. A store combined from torchrun shards is read from each shard
-the same way, its rows named as the combined store's.
+Plain chunks (every dataset of an uncompressed format-3 store) are read through a memory
+map of the file: a row costs a copy out of the page cache, a random batch one
+``numpy.take``, a chunk's check a hash of its mapped bytes. A compressed layer, and a
+format-2 store, are read by HDF5 (which checks format-2 chunks itself, Fletcher-32, on
+every read). A chunk that fails raises :class:`~featcache.errors.CorruptStoreError`
+naming the layer and rows before any of its values are returned. A store combined from
+torchrun shards is read from each shard so, its rows named as the combined store's.
 """
 
 from __future__ import annotations
@@ -46,9 +42,8 @@ FIX = "re-extract it (featcache extract <config> --overwrite) or restore it from
 
 
 class Chunks:
-    """What featcache remembers of a dataset while its file is open: its chunks'
-    checksums, which chunks passed, and where its rows are mapped. It holds nothing of
-    HDF5, so that the file closes when its last handle does."""
+    """What is known of a dataset while its file is open: its chunks' checksums, which
+    passed, where its rows are mapped. Nothing of HDF5: the file closes with its handles."""
 
     def __init__(self, dataset: h5py.Dataset):
         self.length = len(dataset)
@@ -59,10 +54,10 @@ class Chunks:
         self.sums = None if sums is None or dataset.is_virtual else sums[()]
         if self.sums is not None and len(self.sums) < chunks:
             self.sums = None  # not a format-3 checksum list: nothing to check against
-        # Runs of chunks lying back to back in the file, each one array over the mapping:
-        # (first row, array of its rows, padding of the last chunk included). Chunks the
-        # index lists twice: which copy HDF5 reads depends on how it looks them up, so
-        # neither can be trusted. A chunk index that cannot be read fails every chunk.
+        # Runs of chunks lying back to back, each (first row, array over the mapping, the
+        # padding of its last chunk included). A chunk the index lists twice cannot be
+        # trusted (which copy HDF5 reads depends on the lookup), nor any of an index that
+        # cannot be read.
         self.index_error, listed = "", None
         try:
             self.addresses, self.mapped, self.map = _mapped(dataset)
@@ -78,9 +73,8 @@ class Chunks:
 
 
 class Rows:
-    """Row reads of ``dataset`` (``chunks``: what is known of it). ``store`` and ``first``
-    name its rows in errors: the store it belongs to (a combined store, for a shard's
-    dataset) and its first row there."""
+    """Row reads of ``dataset`` (``chunks``: what is known of it), its rows named in errors
+    as those of ``store`` from row ``first`` on (a combined store, for a shard's)."""
 
     def __init__(
         self, dataset: h5py.Dataset, chunks: Chunks, store: str | None = None, first: int = 0
@@ -152,9 +146,9 @@ class Rows:
                 checked[chunk] = True
 
     def chunk_problem(self, chunk: int, by_hdf5: bool = False) -> str:
-        """Why chunk ``chunk`` cannot be read as stored ("" when it can). ``by_hdf5``: the
-        chunk is found by HDF5's own lookup by position (as plain HDF5 reads it), rather
-        than where featcache reads it from, which a damaged chunk index can tell apart."""
+        """Why chunk ``chunk`` cannot be read as stored ("" when it can); ``by_hdf5``: found
+        by HDF5's lookup by position, as plain HDF5 reads it (a damaged index key can send
+        that elsewhere than featcache's reads)."""
         start = chunk * self.chunk_rows
         if chunk in self.chunks.twice:
             return "is in a chunk the chunk index lists twice (a damaged index)"
@@ -198,8 +192,7 @@ class Rows:
 
 
 class PartRows:
-    """Row reads of a dataset of a store combined from torchrun shards, from the shards'
-    own datasets (:class:`Rows` each, named by the combined rows)."""
+    """Row reads of a combined store's dataset from its shards' (a :class:`Rows` each)."""
 
     def __init__(self, parts: list[Rows]):
         self.parts = parts
@@ -235,10 +228,9 @@ class PartRows:
 def _mapped(
     dataset: h5py.Dataset,
 ) -> tuple[np.ndarray | None, list[tuple[int, np.ndarray]], mmap.mmap | None]:
-    """Where the dataset's chunks lie, its rows as arrays over a read-only memory map of
-    its file, one per run of chunks lying back to back (whole chunks), each with its
-    first row, and the mapping; ``(None, [], None)`` when the dataset is not stored as
-    plain chunks of whole rows."""
+    """Where the dataset's chunks lie, its rows over a read-only map of its file (one array
+    per run of chunks back to back, with its first row), and the map; ``(None, [], None)``
+    for a dataset not stored as plain chunks of whole rows."""
     native = dataset.dtype.isnative or dataset.dtype.itemsize == 1
     if dataset.file.driver != "sec2" or dataset.dtype.kind not in "biufS" or not native:
         return None, [], None
@@ -266,17 +258,17 @@ def _base(whole: mmap.mmap) -> int:
     return np.frombuffer(whole, dtype=np.uint8, count=1).ctypes.data
 
 
-MAX_TRACKED = 64  # datasets whose readers are kept, most recent first
-# Keyed by HDF5's serial number of the open file (never reused within a process; the same
-# for every handle on a file while any is open) and the dataset's path, so a store read
-# through a new h5py object each time (FeatureStore) checks each chunk once.
+MAX_TRACKED = 64  # datasets known, most recent first
+# Keyed by HDF5's serial number of the open file (never reused in a process, the same for
+# every handle on it) and the dataset's path: a chunk is checked once while its file is
+# open, however many h5py objects read it.
 _OPEN: OrderedDict[tuple[tuple[int, int], str], Chunks | PartRows] = OrderedDict()
 _LOCK = threading.Lock()  # a shuffle buffer is read on two threads
 
 
 def rows_of(dataset: h5py.Dataset) -> Rows | PartRows:
-    """The reader of ``dataset`` in its open file, made on first use (a combined store's
-    over its shards) and forgotten once the file is closed."""
+    """The reads of ``dataset`` (a combined store's from its shards), what is known of it
+    kept while its file is open."""
     key = (tuple(dataset.id.fileno), dataset.name)
     with _LOCK:
         known = _OPEN.get(key)
@@ -296,8 +288,7 @@ def rows_of(dataset: h5py.Dataset) -> Rows | PartRows:
 
 @contextlib.contextmanager
 def opened(path: str | os.PathLike, **options: Any) -> Iterator[h5py.File]:
-    """A store file open read-only for the block (see
-    :func:`~featcache.store.paths.open_readonly`), and what was read of it forgotten after."""
+    """A store file open read-only for the block, forgotten (:func:`forget`) after."""
     with open_readonly(path, **options) as file:
         try:
             yield file
@@ -306,8 +297,7 @@ def opened(path: str | os.PathLike, **options: Any) -> Iterator[h5py.File]:
 
 
 def forget(file: h5py.File) -> None:
-    """Drop what is known of the datasets of ``file``, which is about to close (and let go
-    of a combined store's shards)."""
+    """Drop what is known of ``file``'s datasets (a combined store's let go of its shards)."""
     try:
         serial = tuple(file.id.fileno)
     except (OSError, RuntimeError, KeyError, ValueError):  # a damaged root: nothing read
@@ -318,7 +308,7 @@ def forget(file: h5py.File) -> None:
 
 
 def _shard_rows(dataset: h5py.Dataset) -> PartRows | None:
-    """The reads of a combined store's dataset from its shards' (None: not such a store)."""
+    """The reads of a combined store's dataset (None: not one)."""
     shards = codec.attr(dataset.file, "shards")
     if not isinstance(shards, list) or not shards:
         return None
@@ -349,9 +339,8 @@ def runs(rows: np.ndarray) -> Iterable[tuple[int, int]]:
 def read_runs(
     dataset: h5py.Dataset, spans: Iterable[tuple[int, int]], out: np.ndarray, at: int = 0
 ) -> None:
-    """Copy the row ranges ``[start, stop)`` of ``dataset`` into ``out``, one after the
-    other from row ``at``. ``out`` has the dataset's numpy dtype (``uint16`` for bfloat16:
-    :func:`~featcache.store.codec.as_array` of a bfloat16 tensor)."""
+    """Copy the row ranges ``[start, stop)`` of ``dataset`` into ``out`` (its numpy dtype:
+    ``uint16`` for bfloat16), one after the other from row ``at``."""
     reader = rows_of(dataset)
     for start, stop in spans:
         reader.read(start, stop, out[at : at + stop - start])
@@ -390,13 +379,9 @@ def row_numbers(rows: Sequence[int] | np.ndarray, num_rows: int) -> np.ndarray:
 
 
 def read_rows(dataset: h5py.Dataset, rows: slice | np.ndarray) -> torch.Tensor:
-    """Rows of a features dataset as a tensor ``[n, *shape]`` of its store dtype.
-
-    ``rows`` is a slice or int64 row numbers in range, in any order and with repeats: those
-    are read once each in increasing order and put back in the order asked. bfloat16 rows
-    come back as ``torch.bfloat16`` (see :mod:`~featcache.store.codec`). A chunk that
-    fails its checksum raises :class:`~featcache.errors.CorruptStoreError` naming its rows.
-    """
+    """Rows of a features dataset as a tensor ``[n, *shape]`` of its store dtype (bfloat16
+    as ``torch.bfloat16``). ``rows``: a slice, or int64 row numbers in range in any order,
+    with repeats (each read once, in increasing order, then put in the order asked)."""
     if isinstance(rows, slice) and rows.step in (None, 1):
         start, stop, _ = rows.indices(len(dataset))
         array = np.empty((max(stop - start, 0), *dataset.shape[1:]), dtype=dataset.dtype)
@@ -440,19 +425,16 @@ def named(key: str) -> str:
 
 
 def chunk_text(dataset: h5py.Dataset, start: int, stop: int, problem: str, first: int = 0) -> str:
-    """``layer a rows 8-11 fail their checksum``: the rows ``[start, stop)`` of ``dataset``
-    (see :func:`span_text`) and what is wrong with their chunk, ``problem`` (said of one
-    row: "fails its checksum", "is in a chunk ...")."""
+    """``layer a rows 8-11 fail their checksum``: rows ``[start, stop)`` of ``dataset`` and
+    what is wrong with their chunk, ``problem`` (said of one row: "fails its checksum")."""
     if stop - start > 1:
         problem = problem.replace("fails its", "fail their").replace("is in a", "are in a")
     return f"{named(dataset.name.lstrip('/'))} {span_text(dataset, start, stop, first)} {problem}"
 
 
 def span_text(dataset: h5py.Dataset, start: int, stop: int, first: int = 0) -> str:
-    """``rows a-b`` of ``dataset`` in words; ``tokens a-b (rows i-j)`` for a dataset of
-    per-token rows (a per-token layer, or ``/token_ids``). ``first``: the number of the
-    dataset's first row in the store it belongs to (a combined store's shard: no rows of
-    tokens named)."""
+    """``rows a-b`` in words; ``tokens a-b (rows i-j)`` for a per-token dataset. ``first``:
+    the dataset's first row in its store (a shard's: its tokens' rows left unnamed)."""
     a, b = first + start, first + stop - 1
     if codec.attr(dataset, "layout") != "tokens" and dataset.name != "/token_ids":
         return f"row {a}" if a == b else f"rows {a}-{b}"
@@ -460,8 +442,8 @@ def span_text(dataset: h5py.Dataset, start: int, stop: int, first: int = 0) -> s
     try:
         offsets = read_head(dataset.file["offsets"], len(dataset.file["offsets"]))
     except (OSError, KeyError, FeatcacheError):  # the offsets themselves are unreadable
-        return tokens
-    if first:
+        offsets = None
+    if first or offsets is None:
         return tokens
     row = int(np.searchsorted(offsets, start, side="right")) - 1
     last = int(np.searchsorted(offsets, stop - 1, side="right")) - 1
