@@ -40,7 +40,7 @@ LIBVER = ("v108", "v110")
 WHOLE_FILE_LIBVER = ("v110", "v110")
 # HDF5 keeps the metadata it writes while allocating a dataset (its chunk index) in blocks
 # of this size: big ones, so that a dataset's chunks are allocated back to back.
-META_BLOCK_BYTES = 1 << 20
+META_BLOCK_BYTES = 64 << 10
 
 
 def checksum(data: Any) -> int:
