@@ -36,6 +36,7 @@ Batch = tuple[Features, torch.Tensor] | tuple[Features, torch.Tensor, torch.Tens
 
 BUFFER_BLOCKS = 64  # default shuffle buffer: this many blocks ...
 BUFFER_BYTES = 64 << 20  # ... but no more than this many stored bytes
+BLOCK_BYTES = 1 << 20  # a block of the shuffling reader: whole chunks of about this many bytes
 CACHE_FLOOR_BYTES = 4 << 20  # smallest chunk cache given to a layer HDF5 reads
 CACHE_CHUNKS = 4  # whole chunks such a layer's cache holds, at least
 
@@ -133,20 +134,20 @@ class FeatureDataset(Dataset):
         self.shapes: dict[str, tuple[int, ...]] = {}
         self._storage: dict[str, torch.dtype] = {}
         self._caches: dict[str, tuple[int, int]] = {}
-        chunk_rows = []
+        block_rows = []
         for layer in self.layers:
             features = store.file["features"][layer]
             self.shapes[layer] = tuple(features.shape[1:])
             self._storage[layer] = codec.torch_dtype(codec.attr(features, "dtype"))
             reader = rows_of(features)
-            chunk_rows.append(reader.chunk_rows)
             row_bytes = max(features.dtype.itemsize * int(np.prod(self.shapes[layer])), 1)
-            self._caches[layer] = _chunk_cache(
-                reader.chunk_rows * row_bytes, not reader.direct, chunk_cache
-            )
-        # A block is the unit the shuffling reader reads: one chunk of the layer with the
-        # most rows per chunk (whole chunks of every layer, with featcache's chunk sizes).
-        self.block_rows = max(1, min(max(chunk_rows), self.num_rows))
+            chunk_bytes = reader.chunk_rows * row_bytes
+            block_rows.append(reader.chunk_rows * max(1, BLOCK_BYTES // chunk_bytes))
+            self._caches[layer] = _chunk_cache(chunk_bytes, not reader.direct, chunk_cache)
+        # A block is the unit the shuffling reader reads: whole chunks of about BLOCK_BYTES
+        # of the layer with the most rows per block (whole chunks of every layer, with
+        # featcache's chunk sizes).
+        self.block_rows = max(1, min(max(block_rows), self.num_rows))
 
     def __len__(self) -> int:
         return self.num_rows

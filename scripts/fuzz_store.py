@@ -44,7 +44,6 @@ from pathlib import Path
 import h5py
 import numpy as np
 import torch
-from torch import nn
 
 import featcache
 from featcache import FeatureDataset, FeatureStore
@@ -52,23 +51,13 @@ from featcache.errors import FeatcacheError
 from featcache.store import combine_shards, partial_path, scan_chunks
 from featcache.store.paths import shard_path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_format2_fixtures import ConvNet  # noqa: E402  (the same seeded model)
+
 ROWS = 64
 DATASETS = ("features/conv", "features/head", "labels", "index", "ids")
 OPTIONS = {"batch_size": 8, "chunk_rows": 4, "num_workers": 0, "progress": False}
 LAYERS = [{"name": "conv"}, {"name": "head"}]
-
-
-class ConvNet(nn.Module):
-    """A seeded conv layer and a linear head over 3x8x8 inputs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.conv = nn.Conv2d(3, 4, 3)
-        self.head = nn.Linear(4 * 6 * 6, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.conv(x)).flatten(1))
 
 
 class Images(torch.utils.data.Dataset):

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 import featcache
 from featcache import FeatureDataset, FeatureStore
+from featcache import dataset as dataset_module
 from featcache.dataset import ShuffledBatches
 from featcache.errors import ConfigError, CorruptStoreError, FeatcacheError, IncompleteStoreError
 from featcache.store import StorePlan, StoreWriter, codec, partial_path, seal
@@ -47,6 +48,13 @@ def store_path(tmp_path_factory):
         progress=False,
     )
     return path
+
+
+@pytest.fixture(autouse=True)
+def blocks_of_one_chunk(monkeypatch):
+    """The shuffling reader reads blocks of one chunk of these small stores (with
+    featcache's own chunk sizes, a block is about 1 MiB of whole chunks)."""
+    monkeypatch.setattr(dataset_module, "BLOCK_BYTES", 1)
 
 
 def write_store(path, rows=203, dims=None, *, chunk_rows=16, dtype="float16", **options):

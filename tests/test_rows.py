@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from featcache import dataset as dataset_module
 from featcache.dataset import FeatureDataset
 from featcache.errors import CorruptStoreError
 from featcache.store import FeatureStore, StorePlan, StoreWriter, codec, combine_shards, read_rows
@@ -160,6 +161,7 @@ def test_an_epoch_of_batches_advises_every_block_before_reading_it(tmp_path, mon
 
     monkeypatch.setattr(rows_module.Rows, "advise", record_advise)
     monkeypatch.setattr(rows_module.Rows, "read", record_read)
+    monkeypatch.setattr(dataset_module, "BLOCK_BYTES", 1)  # a block: one chunk of 4 rows
     dataset = FeatureDataset(path, "a", dtype=None)
     batches = list(dataset.batches(5, buffer_rows=8, with_index=True, read_ahead=False))
     dataset.close()
