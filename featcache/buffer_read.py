@@ -4,7 +4,7 @@
 drawn from the current one. When the batches run out first (always for the first
 buffer), the thread drawing them has nothing to do but wait, so it reads blocks too:
 both threads take the next block to read from one counter. Reads that release the GIL
-(featcache's own chunk reads, :mod:`featcache.store.raw_chunks`) then run on two cores;
+(featcache's reads through a memory map, :mod:`featcache.store.rows`) then run on two cores;
 HDF5's reads would only take turns, so a buffer that HDF5 reads is left to the reader.
 """
 

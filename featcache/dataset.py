@@ -29,16 +29,17 @@ from featcache.errors import ConfigError
 from featcache.padding import PadTokens
 from featcache.shuffled_batches import ShuffledBatches
 from featcache.store import codec
-from featcache.store.chunks import chunk_cache_for, chunk_rows_of, row_bytes
-from featcache.store.raw_chunks import raw_chunks, reads_raw
 from featcache.store.reader import FeatureStore, StoreFile
-from featcache.store.rows import read_rows, read_runs, read_token_rows, row_numbers
+from featcache.store.rows import read_rows, read_token_rows, row_numbers, rows_of
 
 Features = torch.Tensor | dict[str, torch.Tensor]
 Batch = tuple[Features, torch.Tensor] | tuple[Features, torch.Tensor, torch.Tensor]
 
 BUFFER_BLOCKS = 64  # default shuffle buffer: this many blocks ...
 BUFFER_BYTES = 64 << 20  # ... but no more than this many stored bytes
+BLOCK_BYTES = 1 << 20  # a block of the shuffling reader: whole chunks of about this many bytes
+CACHE_FLOOR_BYTES = 4 << 20  # smallest chunk cache given to a layer HDF5 reads
+CACHE_CHUNKS = 4  # whole chunks such a layer's cache holds, at least
 
 
 class FeatureDataset(Dataset):
@@ -56,19 +57,17 @@ class FeatureDataset(Dataset):
     chunks instead and shuffles them in memory: the fast way to run shuffled epochs.
     ``in_memory=True`` loads the layers once and serves both from memory.
 
-    A layer stored with the checksum alone (the default) or without filters is read
-    straight from the file through :class:`~featcache.store.raw_chunks.RawChunks`: a
-    checksummed chunk is checked against its Fletcher-32 checksum the first time it is
-    read while the file is open, and from then on a row costs a read of that row only.
-    A chunk that fails its checksum raises :class:`~featcache.errors.CorruptStoreError`
-    naming the layer and the rows of that chunk, from every read path, before any of its
-    values are returned.
+    An uncompressed layer is read straight from the file through a memory map
+    (:mod:`~featcache.store.rows`): each chunk is checked against its checksum the first
+    time it is read while the file is open, and from then on a row costs a copy of that
+    row only. A chunk that fails its checksum raises
+    :class:`~featcache.errors.CorruptStoreError` naming the layer and the rows of that
+    chunk, from every read path, before any of its values are returned.
 
-    ``chunk_cache`` is the HDF5 chunk cache of each layer, in bytes (0: none). By default
-    a layer without filters, or with the checksum alone, gets none, so a random row costs
-    a read of that row only, not of its whole chunk; a compressed layer gets ``max(4 MiB,
-    4 chunks)``: HDF5 decompresses a chunk whole, and the cache does it once while the
-    rows of a sorted batch are taken from it.
+    ``chunk_cache`` is the HDF5 chunk cache of each layer, in bytes (0: none), for the
+    layers HDF5 reads. By default a layer read through the memory map gets none; a
+    compressed layer gets ``max(4 MiB, 4 chunks)``: HDF5 decompresses a chunk whole, and
+    the cache does it once while the rows of a sorted batch are taken from it.
 
     A layer of per-token rows (text models with ``reduce: none``) gives row ``i`` as
     ``[T_i, *shape]``; such rows differ in length, so they are read one batch at a time
@@ -136,20 +135,20 @@ class FeatureDataset(Dataset):
         self.shapes: dict[str, tuple[int, ...]] = {}
         self._storage: dict[str, torch.dtype] = {}
         self._caches: dict[str, tuple[int, int]] = {}
-        chunk_rows = []
+        block_rows = []
         for layer in self.layers:
             features = store.file["features"][layer]
             self.shapes[layer] = tuple(features.shape[1:])
             self._storage[layer] = codec.torch_dtype(codec.attr(features, "dtype"))
-            rows = chunk_rows_of(features)
-            chunk_rows.append(rows)
-            # Chunks featcache reads straight from the file never go through the cache.
-            filtered = features.id.get_create_plist().get_nfilters() > 0
-            filtered = filtered and not reads_raw(features)
-            self._caches[layer] = chunk_cache_for(rows * row_bytes(features), filtered, chunk_cache)
-        # A block is the unit the shuffling reader reads: one chunk of the layer with the
-        # most rows per chunk (with the usual ~1 MiB chunks, whole chunks of every layer).
-        self.block_rows = max(1, min(max(chunk_rows), self.num_rows))
+            reader = rows_of(features)
+            row_bytes = max(features.dtype.itemsize * int(np.prod(self.shapes[layer])), 1)
+            chunk_bytes = reader.chunk_rows * row_bytes
+            block_rows.append(reader.chunk_rows * max(1, BLOCK_BYTES // chunk_bytes))
+            self._caches[layer] = _chunk_cache(chunk_bytes, not reader.direct, chunk_cache)
+        # A block is the unit the shuffling reader reads: whole chunks of about BLOCK_BYTES
+        # of the layer with the most rows per block (whole chunks of every layer, with
+        # featcache's chunk sizes).
+        self.block_rows = max(1, min(max(block_rows), self.num_rows))
 
     def __len__(self) -> int:
         return self.num_rows
@@ -409,24 +408,23 @@ class FeatureDataset(Dataset):
     ) -> SharedRead:
         """The read of the row ranges ``spans`` of every layer into ``buffers`` from row
         ``start``: begun on ``reader`` when given, finished by its ``result()``."""
-        datasets = {layer: self.features(layer) for layer in self.layers}
         outs = {layer: codec.as_array(buffers[layer]) for layer in self.layers}
-        raws = {layer: raw_chunks(dataset) for layer, dataset in datasets.items()}
+        readers = {layer: rows_of(self.features(layer)) for layer in self.layers}
 
         def advise() -> None:  # the disk gets every block of the buffer at once
-            for layer, raw in raws.items():
-                if raw is not None:
-                    for span in spans:
-                        raw.advise(datasets[layer], *span)
+            for rows in readers.values():
+                for span in spans:
+                    rows.advise(*span)
 
         tasks: list[Callable[[], None]] = [advise]  # taken first, by the reader when ahead
         at = start
-        for span in spans:
-            for layer, dataset in datasets.items():
-                tasks.append(functools.partial(read_runs, dataset, [span], outs[layer], at))
-            at += span[1] - span[0]
+        for first, stop in spans:
+            for layer, rows in readers.items():
+                into = outs[layer][at : at + stop - first]
+                tasks.append(functools.partial(rows.read, first, stop, into))
+            at += stop - first
         # Where HDF5 reads a layer, a second thread would only wait for its turn.
-        shared = all(raw is not None for raw in raws.values())
+        shared = all(rows.direct for rows in readers.values())
         return SharedRead(tasks, reader, shared)
 
     def _targets(self, index: np.ndarray) -> tuple[torch.Tensor, ...]:
@@ -436,6 +434,20 @@ class FeatureDataset(Dataset):
     def close(self) -> None:
         """Close this process's file handle; the next read opens it again."""
         self._handle.close()
+
+
+def _chunk_cache(chunk_bytes: int, by_hdf5: bool, nbytes: int | None) -> tuple[int, int]:
+    """``(nslots, nbytes)`` of the HDF5 chunk cache of one layer: ``nbytes`` when given;
+    else, for a layer HDF5 reads (``by_hdf5``: compressed, or a format-2 store), room for
+    a few whole chunks, which HDF5 decodes whole; none for one read through the memory map."""
+    if nbytes is None:
+        nbytes = max(CACHE_FLOOR_BYTES, CACHE_CHUNKS * chunk_bytes) if by_hdf5 else 0
+    if nbytes == 0:
+        return 0, 0
+    slots = 100 * max(nbytes // max(chunk_bytes, 1), 1)  # HDF5 suggests ~100 per chunk, prime
+    while any(slots % d == 0 for d in range(2, int(slots**0.5) + 1)):
+        slots += 1
+    return slots, nbytes
 
 
 def _take(tensor: torch.Tensor, index: np.ndarray) -> torch.Tensor:

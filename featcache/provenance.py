@@ -21,9 +21,11 @@ from featcache.spec import Spec, to_dict
 
 # The store layout's version, recorded as the featcache_format attribute and in the key.
 # 1: the first stores. 2: Fletcher-32 chunk checksums, text attributes as fixed-length
-# strings, digests of the attributes and chunk indexes. featcache reads every format up to
-# this one and refuses a newer store.
-FORMAT_VERSION = 2
+# strings, digests of the attributes and chunk indexes. 3: unfiltered chunks allocated at
+# creation and written whole, an XXH3 checksum per chunk under /checksums, progress marked
+# per dataset on chunk boundaries (docs/store-format.md). featcache reads every format up
+# to this one and refuses a newer store.
+FORMAT_VERSION = 3
 
 # Config keys that do not change what a store contains (None: the whole section).
 CONTENT_FREE_KEYS: dict[str, tuple[str, ...] | None] = {

@@ -39,9 +39,9 @@ from featcache.runtime import Layout, choose_layout
 from featcache.selectors import resolve_taps, tap_record
 from featcache.spec import StoreSpec, load_config
 from featcache.store import FeatureStore, codec
-from featcache.store.integrity import has_checksums, scan_chunks, span_text
+from featcache.store.checks import has_checksums, scan_chunks
 from featcache.store.metadata import is_sealed
-from featcache.store.rows import read_rows
+from featcache.store.rows import read_rows, span_text
 from featcache.taps import TapSet
 
 # |stored - recomputed| <= TOLERANCE * max(|recomputed| over the row): a few units in the
@@ -233,7 +233,7 @@ def _check_file(result: VerifyResult, store: FeatureStore) -> None:
         result.add(
             "metadata",
             True,
-            "attributes and chunk indexes match the digests recorded at completion"
+            "attributes match the digest recorded at completion"
             if is_sealed(store.file)
             else "every attribute reads (no digest recorded: written before featcache kept one)",
         )

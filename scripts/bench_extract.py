@@ -80,7 +80,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 import featcache  # first: makes torchvision importable beside a mismatched torch
 from featcache.fingerprints import module_fingerprint
 from featcache.memory import freed_memory_kept, settle_thresholds
-from featcache.store import StoreWriter, codec, remove_store
+from featcache.store import StorePlan, StoreWriter, codec, remove_store
 
 # isort: split
 import torchvision
@@ -192,7 +192,7 @@ def own_work(model: nn.Module, cut: nn.Module, data: torch.Tensor, batch: int, l
 
     def run(path: Path) -> None:
         module_fingerprint(model)
-        writer = StoreWriter(path, len(data), ids_width=4, attrs={})
+        writer = StoreWriter(StorePlan(path, len(data), ids_width=4))
         for i, value in enumerate(outputs):
             rows = np.arange(i * batch, i * batch + len(value))
             encoded = codec.to_numpy(codec.encode(value, "float16"))
@@ -343,7 +343,7 @@ def creation_cost(folder: Path, rows: int = 40_000) -> None:
         seconds, used = [], 0
         for _ in range(3):
             path = folder / "created.h5"
-            writer = StoreWriter(path, rows, ids_width=8, checksum=checksum, attrs={})
+            writer = StoreWriter(StorePlan(path, rows, ids_width=8, checksum=checksum))
             start = time.perf_counter()
             writer.append(np.arange(1), ["0"], np.zeros(1), features)  # creates the file
             seconds.append(time.perf_counter() - start)

@@ -88,7 +88,7 @@ from torch.utils.data import DataLoader
 
 import featcache  # noqa: F401  (before torchvision, which this script does not need)
 from featcache.dataset import FeatureDataset, ShuffledBatches
-from featcache.store import FeatureStore, StoreWriter, combine_shards
+from featcache.store import FeatureStore, StorePlan, StoreWriter, combine_shards
 from featcache.store.paths import shard_path
 from featcache.token_view import TokenDataset
 
@@ -110,7 +110,7 @@ def write_store(
     ``chunk_rows`` rows (None: featcache's ~1 MiB)."""
     rng = np.random.default_rng(0)
     writer = StoreWriter(
-        path, rows, ids_width=8, dtype=dtype, checksum=checksum, chunk_rows=chunk_rows
+        StorePlan(path, rows, ids_width=8, dtype=dtype, checksum=checksum, chunk_rows=chunk_rows)
     )
     for start in range(0, rows, 4096):
         stop = min(start + 4096, rows)
@@ -131,7 +131,7 @@ def write_token_store(path: Path, tokens: int, dim: int, dtype: str) -> None:
     lengths = lengths[: int(np.searchsorted(np.cumsum(lengths), tokens)) + 1]
     lengths[-1] -= int(lengths.sum()) - tokens
     rows = len(lengths)
-    writer = StoreWriter(path, rows, ids_width=8, dtype=dtype, token_capacity=tokens)
+    writer = StoreWriter(StorePlan(path, rows, ids_width=8, dtype=dtype, token_capacity=tokens))
     for start in range(0, rows, 256):
         stop = min(start + 256, rows)
         index = np.arange(start, stop)

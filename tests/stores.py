@@ -1,7 +1,8 @@
-"""Small stores the tests share, and a way to damage a stored row on disk."""
+"""Small stores the tests share, ways to damage a stored row on disk, and a writer crash."""
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,9 @@ import numpy as np
 import torch
 
 import featcache
-from featcache.store import StoreWriter, codec
+from featcache.store import StorePlan, StoreWriter, codec
+from featcache.store.layout import stored_checksums
+from featcache.store.paths import open_readonly
 
 
 def synthetic_store(folder: Path, dtype: str = "float16", **store: Any) -> Path:
@@ -41,7 +44,7 @@ def corrupt_row(
     """Invert ``nbytes`` stored bytes of row ``row`` of dataset ``key`` (from ``skip``
     bytes into the row), or set them to ``fill``, directly in the file, past HDF5 and its
     checksums."""
-    with h5py.File(path, "r") as f:
+    with open_readonly(path) as f:
         dataset = f[key]
         chunk_rows = dataset.chunks[0]
         row_bytes = int(np.prod(dataset.shape[1:])) * dataset.dtype.itemsize
@@ -59,7 +62,7 @@ def corrupt_row(
 def written_store(path, rows=20, *, checksum=True, seed=0):
     """A store of seeded normal rows in layer ``a`` ([8] float16), 4 rows per chunk."""
     values = torch.from_numpy(np.random.default_rng(seed).standard_normal((rows, 8)))
-    writer = StoreWriter(path, rows, ids_width=4, chunk_rows=4, checksum=checksum)
+    writer = StoreWriter(StorePlan(path, rows, ids_width=4, chunk_rows=4, checksum=checksum))
     index = np.arange(rows)
     encoded = codec.to_numpy(codec.encode(values, "float16"))
     writer.append(index, [f"{i:04d}" for i in index], index % 3, {"a": encoded})
@@ -67,28 +70,19 @@ def written_store(path, rows=20, *, checksum=True, seed=0):
     return path
 
 
-def tear_chunk(path: Path, name: str, entry: int) -> None:
-    """Overwrite dataset ``name`` of a partial store from ``entry`` to the end of that
-    entry's chunk, keeping the chunk's checksum, as a rewrite of the chunk cut off before
-    its last bytes leaves it: the chunk no longer passes its Fletcher-32 check."""
-    with h5py.File(path, "r") as f:
-        dataset = f[name]
-        origin = (entry - entry % dataset.chunks[0], *(0 for _ in dataset.shape[1:]))
-        info = dataset.id.get_chunk_info_by_coord(origin)
-        size = dataset.dtype.itemsize * int(np.prod(dataset.shape[1:], dtype=np.int64))
-        start = info.byte_offset + (entry - origin[0]) * size
-        stop = info.byte_offset + info.size - 4  # the checksum's four bytes kept
-    with open(path, "r+b") as raw:
-        raw.seek(start)
-        raw.write(b"\xa5" * (stop - start))
+def crash(writer: StoreWriter) -> None:
+    """Stop ``writer`` as a kill would: nothing more is written, not even a mark."""
+    assert writer.fd is not None
+    os.close(writer.fd)
+    writer.fd = None
 
 
-def break_chunk_key(path: Path, name: str, row: int) -> None:
-    """Change one byte of the B-tree key of the chunk at ``row`` of dataset ``name``: the
-    last part of its position (the byte offset within an element, always 0), which HDF5
-    ignores when it looks the chunk up to read it but not when it writes it, so that a
-    write of that chunk adds a second copy. Its listing is unchanged."""
-    with h5py.File(path, "r") as f:
+def break_chunk_key(path: Path, name: str, row: int, byte: int = 3, mask: int = 0xFF) -> None:
+    """Change one byte of the B-tree key of the chunk at ``row`` of dataset ``name`` (byte
+    ``byte`` of the last part of its position, the byte offset within an element, always
+    0, xor ``mask``): HDF5's lookup of the chunk by position misses it, and HDF5 reads it
+    as never written (zeros). Its listing is unchanged."""
+    with open_readonly(path) as f:
         dataset = f[name]
         dims = dataset.ndim
         info = dataset.id.get_chunk_info_by_coord((row, *(0 for _ in dataset.shape[1:])))
@@ -97,5 +91,33 @@ def break_chunk_key(path: Path, name: str, row: int) -> None:
     key = struct.pack("<IIQ", info.size, info.filter_mask, row) + bytes(8 * dims)
     found = raw.find(key)
     assert found >= 0 and raw.find(key, found + 1) < 0, "the chunk's key is not unique"
-    raw[found + 8 + 8 * dims + 2] ^= 0x10  # the offset within an element
+    raw[found + 8 + 8 * dims + byte] ^= mask  # the offset within an element
     path.write_bytes(raw)
+
+
+def overwrite_chunk(path: Path, name: str, entry: int, fill: int = 0xA5) -> None:
+    """Overwrite the chunk of dataset ``name`` holding ``entry`` with ``fill`` bytes from
+    ``entry`` on, as a write of the chunk cut off (or never done) leaves it."""
+    with open_readonly(path) as f:
+        dataset = f[name]
+        origin = (entry - entry % dataset.chunks[0], *(0 for _ in dataset.shape[1:]))
+        info = dataset.id.get_chunk_info_by_coord(origin)
+        size = dataset.dtype.itemsize * int(np.prod(dataset.shape[1:], dtype=np.int64))
+        start = info.byte_offset + (entry - origin[0]) * size
+    with open(path, "r+b") as raw:
+        raw.seek(start)
+        raw.write(bytes([fill]) * (info.byte_offset + info.size - start))
+
+
+def refresh_checksums(path: Path) -> None:
+    """Record the checksums of every chunk as the chunks are now, as if the store had been
+    written so (after an edit made with h5py, which does not know of them)."""
+    with h5py.File(path, "r+", locking=False) as f:
+        sums = f["checksums"]
+        names: list[str] = []
+        sums.visititems(
+            lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None
+        )
+        for name in names:
+            fresh = stored_checksums(f[name])
+            sums[name][: len(fresh)] = fresh

@@ -21,7 +21,8 @@ from featcache import FeatureDataset, FeatureStore
 from featcache import dataset as dataset_module
 from featcache.dataset import ShuffledBatches
 from featcache.errors import ConfigError, CorruptStoreError, FeatcacheError, IncompleteStoreError
-from featcache.store import StoreWriter, codec, partial_path, seal
+from featcache.store import StorePlan, StoreWriter, codec, partial_path, seal
+from featcache.store import rows as rows_module
 from tests.stores import corrupt_row
 
 
@@ -49,11 +50,20 @@ def store_path(tmp_path_factory):
     return path
 
 
+@pytest.fixture(autouse=True)
+def blocks_of_one_chunk(monkeypatch):
+    """The shuffling reader reads blocks of one chunk of these small stores (with
+    featcache's own chunk sizes, a block is about 1 MiB of whole chunks)."""
+    monkeypatch.setattr(dataset_module, "BLOCK_BYTES", 1)
+
+
 def write_store(path, rows=203, dims=None, *, chunk_rows=16, dtype="float16", **options):
     """A complete store written by StoreWriter: seeded normal rows, labels ``row % 7``."""
     dims = dims or {"a": 8}
     rng = np.random.default_rng(0)
-    writer = StoreWriter(path, rows, ids_width=6, dtype=dtype, chunk_rows=chunk_rows, **options)
+    writer = StoreWriter(
+        StorePlan(path, rows, ids_width=6, dtype=dtype, chunk_rows=chunk_rows, **options)
+    )
     index = np.arange(rows)
     features = {
         key: codec.to_numpy(codec.encode(torch.from_numpy(rng.standard_normal((rows, dim))), dtype))
@@ -144,7 +154,7 @@ def test_missing_layer_is_named(store_path):
 
 def test_unlabeled_store_gives_minus_one(tmp_path):
     path = tmp_path / "u.h5"
-    writer = StoreWriter(path, 4, ids_width=1, has_labels=False)
+    writer = StoreWriter(StorePlan(path, 4, ids_width=1, has_labels=False))
     writer.append(np.arange(4), list("abcd"), None, {"a": np.ones((4, 3), np.float16)})
     writer.close(complete=True)
     dataset = FeatureDataset(path, "a")
@@ -204,14 +214,15 @@ def test_two_iterators_at_once_do_not_share_a_buffer(rows_path):
 def _record_reads(monkeypatch, delay: float = 0.0) -> list[tuple[str, tuple[int, int]]]:
     """(thread name, row range) of every block read by FeatureDataset.batches from now."""
     reads = []
-    original = dataset_module.read_runs
+    original = rows_module.Rows.read
 
-    def read_runs(dataset, runs, out, at=0):
-        reads.append((threading.current_thread().name, tuple(runs[0])))
-        time.sleep(delay)  # lets the other thread take a block meanwhile
-        original(dataset, runs, out, at)
+    def read(self, start, stop, out):
+        if self.name.startswith("features/"):
+            reads.append((threading.current_thread().name, (start, stop)))
+            time.sleep(delay)  # lets the other thread take a block meanwhile
+        original(self, start, stop, out)
 
-    monkeypatch.setattr(dataset_module, "read_runs", read_runs)
+    monkeypatch.setattr(rows_module.Rows, "read", read)
     return reads
 
 
@@ -366,28 +377,28 @@ def test_chunk_cache_is_none_for_plain_or_checksummed_chunks_and_holds_compresse
 
 def test_incomplete_store_is_refused_or_read_up_to_its_durable_rows(tmp_path):
     path = tmp_path / "i.h5"
-    writer = StoreWriter(path, 100, ids_width=6, dtype="float16", chunk_rows=16)
-    index = np.arange(40)
-    values = np.random.default_rng(0).standard_normal((40, 8)).astype(np.float16)
+    writer = StoreWriter(StorePlan(path, 100, ids_width=6, dtype="float16", chunk_rows=16))
+    index = np.arange(48)  # three whole chunks of 16 rows: all durable
+    values = np.random.default_rng(0).standard_normal((48, 8)).astype(np.float16)
     writer.append(index, [f"{i:06d}" for i in index], index % 7, {"a": values})
     writer.close(complete=False)
-    with pytest.raises(FeatcacheError, match="incomplete .40 rows written"):
+    with pytest.raises(FeatcacheError, match="incomplete .48 rows written"):
         FeatureDataset(path, "a")
     dataset = FeatureDataset(path, "a", allow_incomplete=True, dtype=None)
-    assert len(dataset) == 40
-    assert torch.equal(dataset[-1][0], torch.from_numpy(values[39]))
+    assert len(dataset) == 48
+    assert torch.equal(dataset[-1][0], torch.from_numpy(values[47]))
     with pytest.raises(IndexError):
-        dataset[40]
+        dataset[48]
     features, labels, rows = collect(dataset.batches(16, with_index=True))
-    assert sorted(rows.tolist()) == list(range(40))
+    assert sorted(rows.tolist()) == list(range(48))
     assert torch.equal(features, torch.from_numpy(values)[rows])
     # The same file copied to a store's name is still incomplete, and refused as such.
     copied = tmp_path / "copied.h5"
     shutil.copyfile(partial_path(path), copied)
     for reader in (FeatureStore, lambda p: FeatureDataset(p, "a")):
-        with pytest.raises(IncompleteStoreError, match=r"copied.h5 is incomplete \(40 rows"):
+        with pytest.raises(IncompleteStoreError, match=r"copied.h5 is incomplete \(48 rows"):
             reader(copied)
-    assert len(FeatureDataset(copied, "a", allow_incomplete=True)) == 40
+    assert len(FeatureDataset(copied, "a", allow_incomplete=True)) == 48
 
 
 def test_a_partial_named_beside_an_older_complete_store_is_read_alone(tmp_path):
@@ -396,22 +407,22 @@ def test_a_partial_named_beside_an_older_complete_store_is_read_alone(tmp_path):
     path = tmp_path / "s.h5"
     index = np.arange(40)
     for values, complete in ((1.0, True), (-1.0, False)):
-        writer = StoreWriter(path, 40, ids_width=4, dtype="float32", chunk_rows=8)
-        rows = index if complete else index[:20]
+        writer = StoreWriter(StorePlan(path, 40, ids_width=4, dtype="float32", chunk_rows=8))
+        rows = index if complete else index[:24]
         features = np.full((len(rows), 3), values, np.float32)
         writer.append(rows, [f"r{i}" for i in rows], (rows + complete) % 2, {"a": features})
         writer.close(complete=complete)
     partial = partial_path(path)
-    with pytest.raises(IncompleteStoreError, match="20 rows written, in s.h5.partial; the s.h5"):
+    with pytest.raises(IncompleteStoreError, match="24 rows written, in s.h5.partial; the s.h5"):
         FeatureStore(partial)
     with pytest.raises(IncompleteStoreError):
         FeatureDataset(partial, "a")
     for in_memory in (False, True):
         new = FeatureDataset(partial, "a", allow_incomplete=True, in_memory=in_memory)
         features, labels, rows = collect(new.batches(8, shuffle=False, with_index=True))
-        assert len(new) == 20 and rows.tolist() == list(range(20))
-        assert torch.equal(features, torch.full((20, 3), -1.0))
-        assert labels.tolist() == [i % 2 for i in range(20)]
+        assert len(new) == 24 and rows.tolist() == list(range(24))
+        assert torch.equal(features, torch.full((24, 3), -1.0))
+        assert labels.tolist() == [i % 2 for i in range(24)]
     old = FeatureDataset(path, "a")
     assert len(old) == 40 and torch.equal(old[5][0], torch.ones(3)) and old[5][1] == 0
 

@@ -85,7 +85,9 @@ def test_a_partial_store_of_another_format_does_not_resume(resnet18, images, tmp
     source.bad = -1  # the same source, readable now
     _record_format(partial_path(path), 1)
     before = partial_path(path).read_bytes()
-    with pytest.raises(ConfigError, match=r"featcache format differs .*\(1 vs 2\).*--overwrite"):
+    with pytest.raises(
+        ConfigError, match=rf"featcache format differs .*\(1 vs {FORMAT_VERSION}\).*--ov"
+    ):
         featcache.extract(resnet18, source, ["layer1"], path, batch_size=4, progress=False)
     assert partial_path(path).read_bytes() == before
     store = featcache.extract(

@@ -1,5 +1,5 @@
-"""Fletcher-32 chunk checksums: on by default, kept by copies, and a corrupted chunk fails
-every read path with one line naming the store, the layer and the chunk's rows."""
+"""Chunk checksums: on by default, kept by copies, and a corrupted chunk fails every read
+path with one line naming the store, the layer and the chunk's rows."""
 
 from __future__ import annotations
 
@@ -10,25 +10,22 @@ import torch
 from torch.utils.data import DataLoader
 
 import featcache
-import featcache.store.rows as rows_module
 from featcache.dataset import FeatureDataset
 from featcache.errors import CorruptStoreError, FeatcacheError
 from featcache.store import (
     BadChunk,
     FeatureStore,
+    StorePlan,
     StoreWriter,
     combine_shards,
     copy_store,
-    fletcher,
     has_checksums,
-    integrity,
     merge_store,
+    plan_resume,
     scan_chunks,
 )
-from featcache.store.integrity import read_or_explain
 from featcache.store.metadata import seal
 from featcache.store.paths import shard_path
-from featcache.store.resume import ResumePoint
 from tests.stores import break_chunk_key, corrupt_row, synthetic_store, written_store
 
 CHUNKED = ("features/layer2", "features/layer4", "labels", "index", "ids")
@@ -53,12 +50,14 @@ def stores(tmp_path_factory):
 def test_stores_have_checksums_by_default_and_none_with_checksum_false(stores, tmp_path):
     clean, _ = stores
     with h5py.File(clean) as f:
-        assert all(f[key].fletcher32 for key in CHUNKED)
-        assert not f["progress"].fletcher32  # rewritten in place; not chunked
+        assert f["checksums"].attrs["algorithm"] == b"xxh3_64"
+        for key in CHUNKED:  # one checksum per chunk, beside the data; no HDF5 filter
+            assert len(f[f"checksums/{key}"]) == -(-len(f[key]) // f[key].chunks[0])
+            assert f[key].id.get_create_plist().get_nfilters() == 0
     assert has_checksums(clean) and has_checksums(FeatureStore(clean))
     plain = synthetic_store(tmp_path, checksum=False)
     with h5py.File(plain) as f:
-        assert not any(f[key].fletcher32 for key in CHUNKED)
+        assert "checksums" not in f
     assert not has_checksums(plain)
     # checksums leave the stored values and the config fingerprint as they are
     a, b = FeatureStore(clean), FeatureStore(plain)
@@ -86,7 +85,6 @@ def test_store_reads_fail_naming_the_layer_and_rows_of_the_bad_chunk(stores):
             store.read("layer2", rows)
         assert str(caught.value) == message
         assert isinstance(caught.value, FeatcacheError) and caught.value.exit_code == 1
-        assert isinstance(caught.value.__cause__, OSError)
     good = FeatureStore(clean)
     for rows in (slice(0, 16), slice(20, None), slice(0, 30, 5), [0, 15, 20, 29]):
         assert torch.equal(store.read("layer2", rows), good.read("layer2", rows))
@@ -127,16 +125,13 @@ def test_dataset_reads_fail_naming_the_layer_and_rows_of_the_bad_chunk(stores):
     assert len(list(FeatureDataset(bad, "layer4").batches(8))) == 4  # other layers read
 
 
-@pytest.mark.parametrize("listed", [True, False], ids=["chunk-list", "chunk-by-chunk"])
-def test_scan_chunks_finds_exactly_the_bad_chunks(stores, tmp_path, monkeypatch, listed):
-    if not listed:  # an HDF5 that cannot list a dataset's chunks: each is looked up alone
-        monkeypatch.setattr(fletcher, "_list_chunks", lambda dataset, note: False)
+def test_scan_chunks_finds_exactly_the_bad_chunks(stores, tmp_path):
     clean, bad = stores
     assert scan_chunks(clean) == [] and scan_chunks(FeatureStore(clean)) == []
     (found,) = scan_chunks(bad)
     assert isinstance(found, BadChunk)
     assert (found.key, found.start, found.stop) == ("features/layer2", 16, 20)
-    assert "Fletcher-32 checksum mismatch" in found.message
+    assert found.message == "fails its checksum"
     assert scan_chunks(FeatureStore(bad)) == [found]
     labels = tmp_path / "labels.h5"
     labels.write_bytes(bad.read_bytes())
@@ -151,45 +146,40 @@ def test_scan_chunks_finds_exactly_the_bad_chunks(stores, tmp_path, monkeypatch,
         FeatureDataset(labels, "layer4")
 
 
-def test_scan_chunks_reads_a_failing_chunk_once_more_before_it_counts(stores, monkeypatch):
-    # A store still being written rewrites the chunk of its last rows at each mark; a
-    # scan that lands in that write sees part old bytes, part new, just once.
+def test_a_damaged_checksum_fails_its_chunk(stores, tmp_path):
+    # The checksums are data like any other: a changed byte there fails the chunk it is
+    # for, and nothing else.
     clean, _ = stores
-    original, failed = integrity._check_stored_chunk, []
+    path = tmp_path / "sums.h5"
+    path.write_bytes(clean.read_bytes())
+    with h5py.File(path, "r") as f:
+        at = f["checksums/features/layer4"].id.get_offset() + 8 * 2  # chunk 2: rows 8-11
+    with open(path, "r+b") as raw:
+        raw.seek(at)
+        raw.write(b"\x00")
+    assert [(b.key, b.start, b.stop) for b in scan_chunks(path)] == [("features/layer4", 8, 12)]
+    with pytest.raises(CorruptStoreError, match=r"layer layer4 rows 8-11 fail their checksum"):
+        FeatureStore(path).read("layer4", [9])
+    assert torch.equal(FeatureStore(path).read("layer2"), FeatureStore(clean).read("layer2"))
 
-    def torn_once(dataset, start, *durable):
-        if not failed:
-            failed.append((dataset.name, start))
-            raise OSError("Fletcher-32 checksum mismatch (the chunk's bytes changed)")
-        original(dataset, start, *durable)
 
-    monkeypatch.setattr(integrity, "_check_stored_chunk", torn_once)
-    assert scan_chunks(clean) == [] and len(failed) == 1
+def test_an_hdf5_read_that_fails_where_every_chunk_reads_says_so_in_one_line(tmp_path, monkeypatch):
+    path = written_store(tmp_path / "s.h5")
+    gzip = tmp_path / "gzip.h5"
+    copy_store(path, gzip, "gzip")  # HDF5 reads a compressed store's rows
 
+    def failing(*args, **kwargs) -> None:
+        raise OSError("Can't synchronously read data (addr overflow, addr = 1, size = 2)")
 
-def test_a_read_that_fails_where_every_chunk_reads_is_read_again(stores, monkeypatch):
-    # The labels of a store still being written sit in a chunk rewritten at each mark: a
-    # read can fail once, and so can the first re-read of its chunk, without corruption.
-    clean, bad = stores
-    with FeatureStore(clean) as store:
-        expected = store.labels
-    original, failures = h5py.Dataset.__getitem__, {"left": 2}
-
-    def torn(dataset, key):
-        if dataset.name == "/labels" and failures["left"]:
-            failures["left"] -= 1
-            raise OSError("Can't synchronously read data (filter returned failure during read)")
-        return original(dataset, key)
-
-    monkeypatch.setattr(h5py.Dataset, "__getitem__", torn)
-    # HDF5 reads the labels itself, as it reads every dataset of a compressed store
-    monkeypatch.setattr(rows_module, "raw_chunks", lambda dataset: None)
-    with FeatureStore(clean) as store:
-        assert np.array_equal(store.labels, expected) and failures["left"] == 0
-    with h5py.File(bad) as file:  # a chunk that fails every read is named
-        layer2 = file["features/layer2"]
-        with pytest.raises(CorruptStoreError, match="layer layer2 rows 16-19 fail"):
-            read_or_explain(layer2, range(10, 18), lambda: layer2[10:18])
+    monkeypatch.setattr(h5py.Dataset, "read_direct", failing)
+    with pytest.raises(FeatcacheError) as caught:
+        FeatureStore(gzip).read("a", slice(10, 18))
+    message = str(caught.value)
+    assert not isinstance(caught.value, CorruptStoreError) and "\n" not in message
+    assert message == (
+        f"reading layer a rows 10-17 of store {gzip} failed (Can't synchronously read data "
+        f"(addr overflow, addr = 1, size = 2)); check it with featcache verify --quick {gzip}"
+    )
 
 
 def test_copies_and_merges_keep_checksums(tmp_path):
@@ -198,17 +188,19 @@ def test_copies_and_merges_keep_checksums(tmp_path):
     copy_store(path, tmp_path / "gzip.h5", "gzip")
     for copy in ("copy.h5", "gzip.h5"):
         with h5py.File(tmp_path / copy) as f:
-            assert all(f[key].fletcher32 for key in ("features/a", "labels", "index", "ids"))
+            assert all(f"checksums/{key}" in f for key in ("features/a", "labels", "index", "ids"))
+            assert f.attrs["featcache_format"] == 3
     assert has_checksums(tmp_path / "gzip.h5") and scan_chunks(tmp_path / "gzip.h5") == []
-    copy_store(written_store(tmp_path / "p.h5", checksum=False), tmp_path / "plain.h5")
-    assert not has_checksums(tmp_path / "plain.h5")
+    plain = written_store(tmp_path / "p.h5", checksum=False)
+    copy_store(plain, tmp_path / "plain.h5")  # a copy is written in the current format
+    assert not has_checksums(plain) and has_checksums(tmp_path / "plain.h5")
 
     shards = [written_store(shard_path(tmp_path / "t.h5", r, 2), 10, seed=r) for r in (0, 1)]
     combined = combine_shards(tmp_path / "t.h5", shards)
     assert has_checksums(combined)  # through the virtual datasets' sources
     merged = merge_store(combined.path, tmp_path / "merged.h5", progress=False)
     with h5py.File(merged.path) as f:
-        assert not f["features/a"].is_virtual and f["features/a"].fletcher32
+        assert not f["features/a"].is_virtual and "checksums/features/a" in f
     assert torch.equal(merged.read("a"), combined.read("a"))
 
     corrupt_row(tmp_path / "copy.h5", "features/a", 6)
@@ -226,37 +218,19 @@ def test_copies_and_merges_keep_checksums(tmp_path):
     ]
 
 
-def test_a_resumed_store_keeps_the_filters_it_was_created_with(tmp_path):
+def test_a_resumed_store_keeps_the_checksums_it_was_created_with(tmp_path):
     path = tmp_path / "r.h5"
-    first = StoreWriter(path, 8, ids_width=1, chunk_rows=4, checksum=True)
+    key = {"config_fingerprint": "abc"}
+    first = StoreWriter(StorePlan(path, 8, ids_width=1, chunk_rows=4, attrs={"resume_key": key}))
     first.append(np.arange(4), list("abcd"), np.zeros(4), {"a": np.ones((4, 2), np.float16)})
     first.close()
-    resumed = StoreWriter(
-        path, 8, ids_width=1, chunk_rows=4, checksum=False, resume=ResumePoint(4, 4, [])
-    )
+    point = plan_resume(path, key, batch_size=4)
+    assert point is not None and point.row == 4
+    resumed = StoreWriter(StorePlan(path, 8, ids_width=1, chunk_rows=4, checksum=False), point)
     resumed.append(np.arange(4, 8), list("efgh"), np.ones(4), {"a": np.zeros((4, 2), np.float16)})
     resumed.close(complete=True)
     assert has_checksums(path) and scan_chunks(path) == []
     assert FeatureStore(path).read("a").sum() == 8
-
-
-def test_a_read_that_fails_twice_while_its_chunks_read_says_so_in_one_line(stores):
-    clean, _ = stores
-
-    def failing() -> None:
-        raise OSError("Can't synchronously read data (addr overflow, addr = 1, size = 2)")
-
-    with h5py.File(clean) as file:
-        layer2 = file["features/layer2"]
-        with pytest.raises(FeatcacheError) as caught:
-            read_or_explain(layer2, range(10, 18), failing)
-    message = str(caught.value)
-    assert not isinstance(caught.value, CorruptStoreError) and "\n" not in message
-    assert message == (
-        f"reading layer layer2 rows 10-17 of store {clean} failed twice (Can't synchronously "
-        "read data (addr overflow, addr = 1, size = 2)), though each chunk holding them "
-        f"reads on its own; check the store with featcache verify --quick {clean}"
-    )
 
 
 def test_a_chunk_the_index_lists_twice_is_refused_by_readers_and_verify(tmp_path):

@@ -1,5 +1,6 @@
-"""Store metadata: checksummed headers, the attribute digest and the chunk index digests.
-Damage to any of them fails the store's opening with one line, never a wrong value."""
+"""Store metadata: checksummed headers, the attribute digest, chunk indexes. Damage to any
+of them fails the store's opening or the rows it touches with one line, never a wrong
+value."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from featcache.dataset import FeatureDataset
 from featcache.errors import CorruptStoreError
 from featcache.store import (
     FeatureStore,
+    StorePlan,
     StoreWriter,
     codec,
     combine_shards,
@@ -23,16 +25,10 @@ from featcache.store import (
     scan_chunks,
     seal,
 )
-from featcache.store.metadata import (
-    CHUNKS_ATTR,
-    DIGEST_ATTR,
-    chunked_datasets,
-    is_sealed,
-    metadata_problem,
-)
+from featcache.store.metadata import DIGEST_ATTR, is_sealed, metadata_problem
 from featcache.store.paths import partial_path, shard_path
 from featcache.verify import verify_store
-from tests.stores import synthetic_store, written_store
+from tests.stores import break_chunk_key, synthetic_store, written_store
 
 FIX = "re-extract it (featcache extract <config> --overwrite) or restore it from a copy"
 
@@ -61,11 +57,6 @@ def test_stores_copies_and_combined_shards_are_sealed(clean, tmp_path):
     for path in (clean, copied, combined, *shards):
         with h5py.File(path, "r") as f:
             assert is_sealed(f) and metadata_problem(f) == ""
-            chunked = chunked_datasets(f)  # labels, index, ids and each layer; none when virtual
-            assert len(chunked) >= (0 if path == combined else 3 + len(FeatureStore(path).layers))
-            assert all(CHUNKS_ATTR in dataset.attrs for dataset in chunked)
-            if path == combined:  # its virtual datasets record no shard's chunk index
-                assert CHUNKS_ATTR not in f["features/a"].attrs
         assert FeatureStore(path).complete
     assert verify_store(clean, quick=True).passed
 
@@ -74,12 +65,13 @@ def test_a_flipped_attribute_byte_fails_every_open(store):
     raw = store.read_bytes()
     assert raw.count(b"class_1") == 1  # the class names, in a checksummed attribute heap
     store.write_bytes(raw.replace(b"class_1", b"class_7"))  # bytes on disk, past HDF5
-    reason = "Error iterating over attributes (incorrect metadata checksum after all read attempts)"
-    message = _damaged(store, f"its metadata cannot be read ({reason})")
+    start = f"store {store} is damaged: its metadata cannot be read ("
+    reason = "(incorrect metadata checksum after all read attempts)); "
     for opening in (lambda: FeatureStore(store), lambda: FeatureDataset(store, "layer4")):
         with pytest.raises(CorruptStoreError) as caught:
             opening()
-        assert str(caught.value) == message
+        message = str(caught.value)
+        assert message.startswith(start) and message.endswith(reason + FIX), message
     result = verify_store(store, quick=True)
     assert [(c.name, c.ok, c.detail) for c in result.checks] == [("metadata", False, message)]
 
@@ -89,7 +81,7 @@ def test_a_partial_store_whose_attributes_cannot_be_read_fails_in_one_line(tmp_p
     fails only when they are all read, as describe does, so an open must read them all."""
     path = tmp_path / "p.h5"
     notes = {f"note{i}": "z" * 200 + str(i) for i in range(12)}
-    writer = StoreWriter(path, 8, ids_width=1, chunk_rows=4, attrs=notes)
+    writer = StoreWriter(StorePlan(path, 8, ids_width=1, chunk_rows=4, attrs=notes))
     writer.append(np.arange(4), list("abcd"), np.zeros(4), {"a": np.ones((4, 2), np.float16)})
     writer.close()  # interrupted: four durable rows in p.h5.partial
     partial = partial_path(path)
@@ -113,9 +105,10 @@ def test_a_layer_attribute_edited_with_h5py_reads_as_damaged_until_sealed(store)
     assert FeatureStore(store).layer_attrs("layer4")["reduce"] == "max"
 
 
-def test_a_damaged_chunk_index_fails_instead_of_serving_another_chunks_rows(store, clean):
-    """Two entries of layer4's chunk index swapped: each chunk still matches its
-    checksum, so only the index digest tells rows 0-3 from rows 4-7."""
+def test_a_damaged_chunk_index_fails_the_rows_instead_of_serving_another_chunks(store, clean):
+    """Two entries of layer4's chunk index swapped: HDF5 alone serves rows 4-7 as rows
+    0-3; featcache finds each chunk where the index says, and the checksum kept for that
+    place in the dataset fails it."""
     with h5py.File(store, "r") as f:
         info = [f["features/layer4"].id.get_chunk_info(i) for i in range(2)]
     first, second = (int(i.byte_offset).to_bytes(8, "little") for i in info)
@@ -127,10 +120,13 @@ def test_a_damaged_chunk_index_fails_instead_of_serving_another_chunks_rows(stor
     store.write_bytes(bytes(damaged))
     with h5py.File(store, "r") as f:  # HDF5 alone serves rows 4-7 as rows 0-3
         assert np.array_equal(f["features/layer4"][:4], FeatureStore(clean).read("layer4")[4:8])
-    problem = "the chunk index of features/layer4 differs from the one recorded when it was written"
-    with pytest.raises(CorruptStoreError) as caught:
-        FeatureStore(store)
-    assert str(caught.value) == _damaged(store, problem)
+    with FeatureStore(store) as opened:
+        for rows, named in (([1], "0-3"), ([6], "4-7")):
+            with pytest.raises(CorruptStoreError, match=f"layer layer4 rows {named} fail their"):
+                opened.read("layer4", rows)
+        assert torch.equal(opened.read("layer4", [9]), FeatureStore(clean).read("layer4", [9]))
+    bad = [(b.key, b.start, b.stop) for b in scan_chunks(store)]
+    assert bad == [("features/layer4", 0, 4), ("features/layer4", 4, 8)]
 
 
 def test_a_damaged_object_header_fails_with_one_line(store, tmp_path):
@@ -153,9 +149,6 @@ def test_a_store_without_digests_still_opens(store):
     """Stores written before featcache sealed them carry no digests."""
     with h5py.File(store, "r+") as f:
         del f.attrs[DIGEST_ATTR]
-        f.visititems(
-            lambda _, obj: obj.attrs.__delitem__(CHUNKS_ATTR) if CHUNKS_ATTR in obj.attrs else None
-        )
     assert len(FeatureStore(store)) == 30
     result = verify_store(store, quick=True)
     assert result.passed
@@ -166,7 +159,7 @@ def test_a_store_without_digests_still_opens(store):
 
 def _skipping_store(path):
     """A store of 6 rows whose source had 8 samples; 2 and 5 were skipped."""
-    writer = StoreWriter(path, 8, ids_width=4, chunk_rows=4)
+    writer = StoreWriter(StorePlan(path, 8, ids_width=4, chunk_rows=4))
     index = np.array([0, 1, 3, 4, 6, 7])
     values = torch.from_numpy(np.random.default_rng(0).standard_normal((6, 8)))
     skipped = [
@@ -277,7 +270,7 @@ def test_rows_ids_and_labels_read_right_past_a_damaged_chunk_key(store):
 
 def test_skip_records_read_right_past_a_damaged_chunk_key(tmp_path):
     path = tmp_path / "s.h5"
-    writer = StoreWriter(path, 4004, ids_width=4, chunk_rows=4)
+    writer = StoreWriter(StorePlan(path, 4004, ids_width=4))
     skipped = [{"index": 4 + i, "id": f"s{i}", "reason": f"unreadable {i}"} for i in range(4000)]
     values = codec.to_numpy(codec.encode(torch.ones(4, 8), "float16"))
     ids = ["0", "1", "2", "3"]
@@ -291,8 +284,8 @@ def test_skip_records_read_right_past_a_damaged_chunk_key(tmp_path):
             raw[_key_extent_byte(bytes(raw), dataset, chunk=last) + 3] ^= 0xFF
     path.write_bytes(bytes(raw))
     with h5py.File(path, "r") as f:  # HDF5 is misled
-        assert f["skipped/index"].chunks == (1000,) and not f["skipped/index"][3000:].any()
-        assert not any(f["skipped/reasons"][3500:])  # its last chunk: 500 records
+        assert f["skipped/index"].chunks == (256,) and not f["skipped/index"][3840:].any()
+        assert not any(f["skipped/reasons"][3840:])  # its last chunk: 160 records
     assert FeatureStore(path).skipped == skipped
 
 
@@ -359,7 +352,8 @@ def test_a_compressed_stores_chunk_indexes_fail_loudly_when_damaged(tmp_path):
             changed = bytearray(raw)
             changed[offset] ^= 0xFF
             damaged.write_bytes(bytes(changed))
-            with pytest.raises(CorruptStoreError, match=f"^store {damaged} is damaged|^rea"):
+            damage = f"^store {damaged} is (damaged|corrupted)|^reading"
+            with pytest.raises(CorruptStoreError, match=damage):
                 with FeatureStore(damaged) as store:
                     got = {layer: store.read(layer) for layer in store.layers}
                     rows = (store.labels, store.index, store.ids)
@@ -370,22 +364,19 @@ def test_a_compressed_stores_chunk_indexes_fail_loudly_when_damaged(tmp_path):
 
 
 def test_a_damaged_chunk_key_of_a_shard_fails_verify_of_the_combined_store(tmp_path):
-    """HDF5's reads of the combined store (virtual datasets) are misled into zeros by a
-    damaged key of a shard; featcache's own reads find each shard's chunks through the
-    listing of its chunk index, as a single file's, and the scan of verify --quick names
-    the combined store's rows."""
+    """HDF5's reads of a shard are misled into zeros by a damaged key of its chunk index;
+    featcache's own reads find each shard's chunks through the listing of its chunk
+    index, as a single file's, and the scan of verify --quick, which looks each chunk up
+    as HDF5 does, names the combined store's rows."""
     shards = [written_store(shard_path(tmp_path / "t.h5", r, 2), seed=r) for r in range(2)]
     store = combine_shards(tmp_path / "t.h5", shards)
     combined, before = store.path, store.read("a")
     store.close()
     assert scan_chunks(combined) == []
-    raw = bytearray(shards[1].read_bytes())
-    with h5py.File(shards[1], "r") as f:  # chunk 2 of shard 1: rows 28-31 of the store
-        raw[_key_extent_byte(bytes(raw), f["features/a"], chunk=2) + 3] ^= 0xFF
-    shards[1].write_bytes(bytes(raw))
-    with h5py.File(combined, "r") as f:
-        assert not f["features/a"][28:32].any()  # HDF5 is misled
+    break_chunk_key(shards[1], "features/a", 8)  # chunk 2 of shard 1: rows 28-31 of the store
+    with h5py.File(shards[1], "r") as f:
+        assert not f["features/a"][8:12].any()  # HDF5 is misled
     assert before[28:32].any() and torch.equal(FeatureStore(combined).read("a"), before)
     (bad,) = scan_chunks(combined)  # what verify --quick reports
     assert (bad.key, bad.start, bad.stop) == ("features/a", 28, 32)
-    assert "HDF5 finds no chunk by its position" in bad.message
+    assert bad.message.startswith("cannot be read by HDF5 (")

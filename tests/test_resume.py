@@ -21,8 +21,8 @@ import yaml
 import featcache
 from featcache.errors import ConfigError, CorruptStoreError, FeatcacheError
 from featcache.store import FeatureStore, partial_path
-from featcache.store import staged as store_staged
-from tests.stores import break_chunk_key, tear_chunk
+from featcache.store import writer as store_writer
+from tests.stores import break_chunk_key, overwrite_chunk
 
 KILL_CONFIG = {
     "model": {"name": "resnet18"},
@@ -111,10 +111,11 @@ def test_sigkill_at_random_moments_then_resume_equals_uninterrupted(tmp_path):
     assert_same_store(store, tmp_path / "reference" / "out" / "train.h5")
 
 
-def test_with_default_chunks_a_killed_run_keeps_the_rows_of_its_last_mark(tmp_path):
-    # Default chunking: layer3's chunks hold 2,048 rows and index, ids and labels 4,096,
-    # so the rows of the first marks all sit in chunks still filling. Batches of 24 never
-    # end on a multiple of 2,048 below 6,144 rows.
+def test_with_default_chunks_a_killed_run_keeps_whole_chunks(tmp_path):
+    # Default chunking: layer1 rows ([64, 8, 8] float16, 8 KiB) go 128 to a chunk, those of
+    # layer3, index, ids and labels 256: a mark counts whole chunks of every dataset, so
+    # the durable rows are a multiple of 256, and a kill loses at most the 256 rows of
+    # the chunks being filled. Batches of 24 never end on a multiple of 256 below 768.
     config = dict(KILL_CONFIG, store={}, loader={"batch_size": 24, "num_workers": 0})
     config_path = tmp_path / "config.yaml"
     config_path.write_text(yaml.safe_dump(dict(config, output={"dir": str(tmp_path / "out")})))
@@ -130,8 +131,12 @@ def test_with_default_chunks_a_killed_run_keeps_the_rows_of_its_last_mark(tmp_pa
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
     assert not store.exists(), "the run finished before it was killed; the test proves nothing"
-    assert durable > 0 and durable % 2048 != 0
-    assert FeatureStore(store, allow_incomplete=True).rows_written >= durable
+    assert durable > 0 and durable % 256 == 0
+    partial = FeatureStore(store, allow_incomplete=True)
+    assert partial.rows_written >= durable and partial.rows_written % 256 == 0
+    with h5py.File(partial.path, "r", locking=False) as f:
+        assert f["features/layer1"].chunks[0] == 128 and f["index"].chunks[0] == 256
+    partial.close()
     subprocess.run(_extract_command(config_path), check=True, capture_output=True, timeout=300)
     resumed = FeatureStore(store)
     assert len(resumed) == 6000 and np.array_equal(resumed.index, np.arange(6000))
@@ -189,13 +194,15 @@ def test_a_run_stopped_while_moving_its_store_into_place_resumes(resnet18, tmp_p
     options = {**OPTIONS, "on_error": "skip"}
     with pytest.warns(UserWarning, match="2 of 40 samples skipped"):
         reference = featcache.extract(resnet18, Skipping(), LAYERS, tmp_path / "ref.h5", **options)
-    import featcache.store.writer as writer_module
-
-    def stopped(*args, **kwargs):
-        raise OSError(5, "Input/output error")
-
     path = tmp_path / "s.h5"
-    monkeypatch.setattr(writer_module, "replace_durably", stopped)
+    original = store_writer.replace_durably
+
+    def stopped(source, target):  # the store's move into place, not the new file's
+        if Path(target) == path:
+            raise OSError(5, "Input/output error")
+        return original(source, target)
+
+    monkeypatch.setattr(store_writer, "replace_durably", stopped)
     with pytest.raises(OSError, match="Input/output error"):
         featcache.extract(resnet18, Skipping(), LAYERS, path, **options)
     assert not path.exists() and partial_path(path).exists()
@@ -252,26 +259,16 @@ def test_resume_refuses_a_partial_store_made_differently(resnet18, tmp_path):
 def test_full_disk_keeps_a_resumable_store(resnet18, tmp_path, monkeypatch):
     reference = featcache.extract(resnet18, Flaky(), LAYERS, tmp_path / "ref.h5", **OPTIONS)
     writes = {"n": 0}
+    original = store_writer._Column._write
 
-    def count_feature_write(dataset):
-        if dataset.name.startswith("/features/"):
+    def write(self, values, entries=None):  # the whole chunks of the layers, as written
+        if self.name.startswith("/features/"):
             writes["n"] += 1
             if writes["n"] > 9:
                 raise OSError(errno.ENOSPC, "No space left on device")
+        return original(self, values, entries)
 
-    original = h5py.Dataset.__setitem__
-    original_chunk = store_staged.write_chunk
-
-    def setitem(self, key, value):
-        count_feature_write(self)
-        return original(self, key, value)
-
-    def write_chunk(dataset, row, stored):  # whole checksummed chunks are written as stored
-        count_feature_write(dataset)
-        return original_chunk(dataset, row, stored)
-
-    monkeypatch.setattr(h5py.Dataset, "__setitem__", setitem)
-    monkeypatch.setattr(store_staged, "write_chunk", write_chunk)
+    monkeypatch.setattr(store_writer._Column, "_write", write)
     path = tmp_path / "s.h5"
     with pytest.raises(FeatcacheError, match="disk full while writing .*s.h5; free space"):
         featcache.extract(resnet18, Flaky(), LAYERS, path, **OPTIONS)
@@ -333,43 +330,42 @@ def test_a_refused_resume_names_the_config_keys_that_differ(tmp_path):
         featcache.extract_from_config(config, ["preprocess.resize=40"])
 
 
-def test_a_chunk_torn_after_the_last_mark_resumes(resnet18, tmp_path):
-    """A run that died while rewriting the chunk that holds its last durable rows leaves
-    the chunk's later entries and checksum torn: the rerun rewrites the chunk whole from
-    its durable entries, instead of failing every time on HDF5's checksum."""
-    options = {**OPTIONS, "chunk_rows": 5}  # four batches of 6: 24 rows, inside a chunk
+def test_a_chunk_torn_after_the_last_mark_is_written_again(resnet18, tmp_path):
+    """A run that dies while it writes a chunk past its last mark (a power cut mid-write)
+    leaves that chunk and its checksum torn: nothing durable is in it, and the rerun
+    writes it whole again, as every chunk past the mark."""
+    options = {**OPTIONS, "chunk_rows": 5}  # four batches of 6: 24 rows, 20 in whole chunks
     reference = featcache.extract(resnet18, Flaky(), LAYERS, tmp_path / "ref.h5", **options)
     path = tmp_path / "s.h5"
     with pytest.raises(FeatcacheError, match="simulated crash"):
         featcache.extract(resnet18, Flaky(fail_at=27), LAYERS, path, **options)
     partial = partial_path(path)
-    assert _progress(partial) == 24
-    for name in ("features/layer2", "features/layer4", "labels", "index"):
-        tear_chunk(partial, name, 24)
-    with h5py.File(partial, "r") as f, pytest.raises(OSError):
-        f["features/layer2"][20:25]  # HDF5 itself refuses the torn chunk
+    assert _progress(partial) == 20
+    for name in ("features/layer2", "features/layer4", "labels", "index", "ids"):
+        overwrite_chunk(partial, name, 22)
     featcache.extract(resnet18, Flaky(), LAYERS, path, **options)
     assert_same_store(path, reference.path)
 
 
 @pytest.mark.parametrize("name", ["features/layer2", "index"])
-def test_damaged_durable_rows_at_the_resume_point_are_refused(resnet18, tmp_path, name):
-    """A changed byte among the durable rows of the chunk a resume continues is no torn
-    write: the chunk matches neither its checksum nor the one its durable rows would
-    give, and the resume is refused in one line, naming the rows, before any row is
-    written; --overwrite starts over."""
+def test_damaged_durable_rows_are_refused_by_the_resume(resnet18, tmp_path, name):
+    """A changed byte among the durable rows is no crash's doing (a crash never writes a
+    durable chunk again): the resume checks every durable chunk, refuses in one line
+    naming the rows, before any row is written; --overwrite starts over."""
     options = {**OPTIONS, "chunk_rows": 5}
     path = tmp_path / "s.h5"
     with pytest.raises(FeatcacheError, match="simulated crash"):
         featcache.extract(resnet18, Flaky(fail_at=27), LAYERS, path, **options)
     partial = partial_path(path)
-    with h5py.File(partial, "r") as f:
-        info = f[name].id.get_chunk_info_by_coord((20, *(0 for _ in f[name].shape[1:])))
+    with h5py.File(partial, "r", locking=False) as f:
+        info = f[name].id.get_chunk_info_by_coord((5, *(0 for _ in f[name].shape[1:])))
     raw = bytearray(partial.read_bytes())
-    raw[info.byte_offset + 3] ^= 0x10  # inside row 20, durable
+    raw[info.byte_offset + 3] ^= 0x10  # inside row 5, durable
     partial.write_bytes(raw)
     before = partial.read_bytes()
-    with pytest.raises(FeatcacheError, match=r"corrupted: .* rows 20-24 .*--overwrite"):
+    with pytest.raises(
+        FeatcacheError, match=r"cannot resume .* rows 5-9 fail their checksum; pass --ov"
+    ):
         featcache.extract(resnet18, Flaky(), LAYERS, path, **options)
     assert partial.read_bytes() == before
     reference = featcache.extract(resnet18, Flaky(), LAYERS, tmp_path / "ref.h5", **options)
@@ -377,11 +373,10 @@ def test_damaged_durable_rows_at_the_resume_point_are_refused(resnet18, tmp_path
     assert_same_store(path, reference.path)
 
 
-def test_a_partial_store_torn_after_its_last_mark_reads_durable_rows(resnet18, tmp_path):
-    """Before the rerun, a partial store whose chunk holding the last mark is torn after
-    the durable rows still reads: info, verify --quick and the readers give the 24
-    durable rows as an uninterrupted run wrote them. A changed durable byte in that chunk
-    is no tear, and each names the rows."""
+def test_a_partial_store_reads_its_durable_rows_whatever_lies_past_them(resnet18, tmp_path):
+    """Before the rerun, a partial store whose chunks past the last mark are torn still
+    reads: info, verify --quick and the readers give the 20 durable rows as an
+    uninterrupted run wrote them. A changed durable byte is named by each."""
     from typer.testing import CliRunner
 
     from featcache.cli import app
@@ -389,47 +384,47 @@ def test_a_partial_store_torn_after_its_last_mark_reads_durable_rows(resnet18, t
     reference = featcache.extract(resnet18, Flaky(), LAYERS, tmp_path / "ref.h5", **OPTIONS_5)
     partial = _crashed_at_24(resnet18, tmp_path / "s.h5")
     for name in ("features/layer2", "features/layer4", "labels", "index", "ids"):
-        tear_chunk(partial, name, 24)
+        overwrite_chunk(partial, name, 20)
     info = CliRunner().invoke(app, ["info", str(partial)])
-    assert info.exit_code == 0 and "INCOMPLETE (24 rows durable)" in info.stdout
+    assert info.exit_code == 0 and "INCOMPLETE (20 rows durable)" in info.stdout
     quick = CliRunner().invoke(app, ["verify", "--quick", str(partial)])
     assert "ok    checksums  the durable rows match their chunks' checksums" in quick.stdout
     assert quick.exit_code == 1 and (
-        f"FAIL  complete   only 24 rows written; featcache info {partial} shows the command"
+        f"FAIL  complete   only 20 rows written; featcache info {partial} shows the command"
         in quick.stdout
     )
     with (
         FeatureStore(reference.path) as expected,
         FeatureStore(partial, allow_incomplete=True) as store,
     ):
-        assert torch.equal(store.read("layer2"), expected.read("layer2", slice(0, 24)))
-        assert store.ids == expected.ids[:24]
-        assert np.array_equal(store.labels, expected.labels[:24])
-        layer4 = expected.read("layer4", slice(0, 24))
+        assert torch.equal(store.read("layer2"), expected.read("layer2", slice(0, 20)))
+        assert store.ids == expected.ids[:20]
+        assert np.array_equal(store.labels, expected.labels[:20])
+        layer4 = expected.read("layer4", slice(0, 20))
     dataset = featcache.FeatureDataset(partial, ["layer4"], allow_incomplete=True)
     batches = list(dataset.batches(7, shuffle=False, with_index=True))
     dataset.close()
-    assert torch.equal(torch.cat([b[2] for b in batches]), torch.arange(24))
+    assert torch.equal(torch.cat([b[2] for b in batches]), torch.arange(20))
     assert torch.equal(torch.cat([b[0]["layer4"] for b in batches]).half(), layer4)
 
-    with h5py.File(partial, "r") as f:
-        info_20 = f["features/layer4"].id.get_chunk_info_by_coord((20, 0))
+    with h5py.File(partial, "r", locking=False) as f:
+        info_15 = f["features/layer4"].id.get_chunk_info_by_coord((15, 0))
     raw = bytearray(partial.read_bytes())
-    raw[info_20.byte_offset + 1] ^= 0x10  # inside row 20, durable
+    raw[info_15.byte_offset + 1] ^= 0x10  # inside row 15, durable
     partial.write_bytes(raw)
     quick = CliRunner().invoke(app, ["verify", "--quick", str(partial)])
-    assert "FAIL  checksums  corrupted chunks: features/layer4 rows 20-24" in quick.stdout
+    assert "FAIL  checksums  corrupted chunks: features/layer4 rows 15-19" in quick.stdout
     with (
         FeatureStore(partial, allow_incomplete=True) as store,
-        pytest.raises(CorruptStoreError, match="layer4 rows 20-24"),
+        pytest.raises(CorruptStoreError, match="layer4 rows 15-19"),
     ):
-        store.read("layer4", [21])
+        store.read("layer4", [16])
 
 
 def test_a_partial_store_whose_mark_counts_rows_never_written_is_refused(resnet18, tmp_path):
-    """A progress mark that counts rows never written (a damaged /progress) would show
-    them as rows of zeros with empty ids: readers refuse the store in one line, and a
-    rerun still ends with the store an uninterrupted run writes."""
+    """A progress mark that counts rows its datasets do not hold (a damaged /progress)
+    would show them as rows of zeros with empty ids: readers and the resume refuse the
+    store in one line; --overwrite starts over."""
     from typer.testing import CliRunner
 
     from featcache.cli import app
@@ -437,19 +432,22 @@ def test_a_partial_store_whose_mark_counts_rows_never_written_is_refused(resnet1
     reference = featcache.extract(resnet18, Flaky(), LAYERS, tmp_path / "ref.h5", **OPTIONS_5)
     path = tmp_path / "s.h5"
     partial = _crashed_at_24(resnet18, path)
-    with h5py.File(partial, "r+") as f:
+    with h5py.File(partial, "r+", locking=False) as f:
         f["progress"][0] = 26
-    never = r"damaged: its progress mark counts 26 rows, but row 25 was never written"
+    never = r"damaged: its progress mark counts 26 rows, but index holds 20 entries"
     with pytest.raises(CorruptStoreError, match=never):
         FeatureStore(partial, allow_incomplete=True)
     info = CliRunner().invoke(app, ["info", str(partial)])
-    assert info.exit_code == 1 and "row 25 was never written" in info.output
-    featcache.extract(resnet18, Flaky(), LAYERS, path, **OPTIONS_5)
+    assert info.exit_code == 1 and "but index holds 20 entries" in info.output
+    with pytest.raises(ConfigError, match="cannot resume .*counts 26 rows.*--overwrite"):
+        featcache.extract(resnet18, Flaky(), LAYERS, path, **OPTIONS_5)
+    featcache.extract(resnet18, Flaky(), LAYERS, path, overwrite=True, **OPTIONS_5)
     assert_same_store(path, reference.path)
 
 
 def _crashed_at_24(resnet18, path: Path) -> Path:
-    """The partial store of a run over Flaky, in chunks of 5 rows, stopped after 24."""
+    """The partial store of a run over Flaky, in chunks of 5 rows, stopped after 24 (20
+    of them in whole chunks, durable)."""
     with pytest.raises(FeatcacheError, match="simulated crash"):
         featcache.extract(resnet18, Flaky(fail_at=27), LAYERS, path, **OPTIONS_5)
     return partial_path(path)
@@ -458,43 +456,34 @@ def _crashed_at_24(resnet18, path: Path) -> Path:
 OPTIONS_5 = {**OPTIONS, "chunk_rows": 5}
 
 
-def test_a_resume_refuses_a_partial_whose_chunk_index_changed(resnet18, tmp_path):
-    """A new store records the digest of its chunk index, which the run never changes: a
-    resume of a partial store whose index changed since (a chunk moved, here rewritten at
-    another size) is refused in one line, touching nothing."""
+def test_a_damaged_chunk_key_of_durable_rows_is_refused_by_the_resume(resnet18, tmp_path):
+    """A changed byte in the index key of a durable chunk, which makes plain HDF5 read the
+    chunk as never written: featcache's readers still read it right (they find chunks
+    through HDF5's listing), but a resume refuses in one line, touching nothing."""
     path = tmp_path / "s.h5"
     partial = _crashed_at_24(resnet18, path)
-    with h5py.File(partial, "r+") as f:
-        dataset = f["features/layer2"]
-        _, stored = dataset.id.read_direct_chunk((35, 0, 0, 0))
-        dataset.id.write_direct_chunk((35, 0, 0, 0), stored + bytes(8))
+    break_chunk_key(partial, "features/layer2", 5)
     before = partial.read_bytes()
-    with pytest.raises(
-        ConfigError,
-        match=r"cannot resume from .*partial: the chunk index of features/layer2 differs "
-        r"from the one recorded .*--overwrite",
-    ):
+    missed = r"layer layer2 rows 5-9 cannot be read by HDF5 \("
+    with pytest.raises(ConfigError, match=rf"cannot resume from .*partial: {missed}.*--overwrite"):
         featcache.extract(resnet18, Flaky(), LAYERS, path, **OPTIONS_5)
     assert partial.read_bytes() == before
-    # Its readers refuse it too: a changed index can hand back zeros or another chunk.
-    damaged = r"damaged: the chunk index of features/layer2 differs from the one recorded"
-    with pytest.raises(CorruptStoreError, match=damaged):
-        FeatureStore(partial, allow_incomplete=True)
-    with pytest.raises(CorruptStoreError, match=damaged):
-        featcache.FeatureDataset(partial, "layer4", allow_incomplete=True)
+    reference = featcache.extract(resnet18, Flaky(), LAYERS, tmp_path / "ref.h5", **OPTIONS_5)
+    with FeatureStore(partial, allow_incomplete=True) as store:
+        assert torch.equal(store.read("layer2"), reference.read("layer2", slice(0, 20)))
 
 
-def test_a_resume_that_would_write_a_second_copy_of_a_chunk_fails(resnet18, tmp_path):
-    """A changed byte in the index key of a chunk the resume still has to write: HDF5
-    finds the chunk to read it, but writes it as a second copy, which featcache's readers
-    and plain HDF5 would not agree on. The resumed run fails instead of completing that
-    store, naming the index; --overwrite starts over."""
+def test_a_resume_refuses_to_complete_a_store_whose_chunk_index_is_damaged(resnet18, tmp_path):
+    """The same damage to a chunk the resume still has to write: featcache writes it at its
+    place, but plain HDF5 would read zeros there. The resumed run fails instead of
+    completing that store, naming the index; --overwrite starts over."""
     reference = featcache.extract(resnet18, Flaky(), LAYERS, tmp_path / "ref.h5", **OPTIONS_5)
     path = tmp_path / "s.h5"
     partial = _crashed_at_24(resnet18, path)
     break_chunk_key(partial, "features/layer2", 35)
     with pytest.raises(
-        CorruptStoreError, match=r"corrupted: the chunk index of features/layer2 .*--overwrite"
+        CorruptStoreError,
+        match=r"corrupted: layer layer2 rows 35-39 cannot be read by HDF5 .*--overw",
     ):
         featcache.extract(resnet18, Flaky(), LAYERS, path, **OPTIONS_5)
     assert not path.exists()

@@ -19,6 +19,7 @@ from featcache.dataset import FeatureDataset
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.store import (
     FeatureStore,
+    StorePlan,
     StoreWriter,
     codec,
     combine_shards,
@@ -29,20 +30,21 @@ from featcache.store import (
     plan_resume,
     read_rows,
     remove_store,
+    scan_chunks,
     seal,
 )
 from featcache.store import merge as store_merge
 from featcache.store import writer as store_writer
 from featcache.store.paths import replace_durably, shard_path, skipped_log_path
 from featcache.store.reader import StoreFile
-from featcache.store.rows import DIRECT_READ_BYTES
+from tests.stores import crash
 
 
 def write_store(path, rows=50, *, dtype="float16", dim=8, complete=True, seed=0, **options):
     """A store of seeded normal rows in layer ``a`` ([dim]), labels ``row % 3``; returns
     the path and the rows written, as float32."""
     values = torch.from_numpy(np.random.default_rng(seed).standard_normal((rows, dim)))
-    writer = StoreWriter(path, rows, ids_width=4, dtype=dtype, chunk_rows=16, **options)
+    writer = StoreWriter(StorePlan(path, rows, ids_width=4, dtype=dtype, chunk_rows=16, **options))
     index = np.arange(rows)
     encoded = codec.encode(values, dtype)
     writer.append(index, [f"{i:04d}" for i in index], index % 3, {"a": codec.to_numpy(encoded)})
@@ -148,10 +150,8 @@ def test_read_takes_any_order_repeats_and_negative_rows(bf16):
         store.read("b")
 
 
-def test_read_rows_reads_long_runs_straight_and_short_ones_by_slice(tmp_path):
-    dim = 1024  # float32 rows of 4 KiB: a run of 64 rows or more is read directly
-    path, values = write_store(tmp_path / "w.h5", 300, dtype="float32", dim=dim)
-    assert 64 * dim * 4 == DIRECT_READ_BYTES
+def test_read_rows_reads_runs_and_scattered_rows_in_the_order_asked(tmp_path):
+    path, values = write_store(tmp_path / "w.h5", 300, dtype="float32", dim=1024)
     rows = np.r_[np.arange(10, 200), [250, 5, 5, 299, 201]]
     with h5py.File(path, "r") as f:
         read = read_rows(f["features/a"], rows)
@@ -175,6 +175,7 @@ def test_store_reader_errors(tmp_path):
 
 
 def test_incomplete_store_shows_only_its_durable_rows(tmp_path):
+    # 40 rows in chunks of 16: the last chunk, rows 32-39, ends the dataset and is written
     path, values = write_store(tmp_path / "i.h5", 40, complete=False)
     assert not path.exists() and partial_path(path).exists()
     with pytest.raises(FeatcacheError, match="incomplete .40 rows written"):
@@ -218,7 +219,7 @@ def test_a_missing_store_with_torchrun_shards_points_to_them(tmp_path):
 
 def test_skipped_records_come_back_in_source_order(tmp_path):
     path = tmp_path / "s.h5"
-    writer = StoreWriter(path, 4, ids_width=1)
+    writer = StoreWriter(StorePlan(path, 4, ids_width=1))
     skips = [{"index": 9, "id": "z", "reason": "late"}, {"index": 1, "id": "y", "reason": "early"}]
     writer.append(np.arange(4), list("abcd"), np.zeros(4), {"a": np.ones((4, 2))}, skipped=skips)
     assert skipped_log_path(path).exists()
@@ -236,45 +237,56 @@ def _append_rows(writer, rows, dim=4):
 
 
 @pytest.mark.parametrize("checksum", [True, False])
-def test_every_mark_makes_every_appended_row_durable_in_chunks_still_filling(tmp_path, checksum):
-    # Default chunking: every chunk holds the whole 60-row store, so no chunk ever fills
-    # before the end; each mark must still make the rows appended so far durable.
+def test_marks_count_whole_chunks_and_a_resume_writes_the_same_store(tmp_path, checksum):
+    # Chunks of 8 rows, batches of 7: a mark counts the rows of the chunks written whole;
+    # a crash loses the chunk being filled, and the resume, restarting on the batch grid,
+    # drops the rows it recomputes below the durable chunks and writes none of them again.
     key = {"config_fingerprint": "abc", "batch_size": 7}
-    options = {"ids_width": 4, "checksum": checksum, "attrs": {"resume_key": key}}
-    reference = StoreWriter(tmp_path / "ref.h5", 60, mark_seconds=1e9, **options)
+    options = {"ids_width": 4, "chunk_rows": 8, "checksum": checksum, "attrs": {"resume_key": key}}
+    reference = StoreWriter(StorePlan(tmp_path / "ref.h5", 60, mark_seconds=1e9, **options))
     for start in range(0, 60, 7):
         _append_rows(reference, range(start, min(start + 7, 60)))
     reference.close(complete=True)
 
     path = tmp_path / "s.h5"
-    writer = StoreWriter(path, 60, mark_seconds=0, **options)
+    writer = StoreWriter(StorePlan(path, 60, mark_seconds=0, **options))
     for start in range(0, 28, 7):
         _append_rows(writer, range(start, start + 7))
-        assert writer.file["progress"][0] == start + 7
-    writer.file.close()  # a crash: nothing staged is written after the last mark
-    with h5py.File(partial_path(path), "r") as f:  # HDF5 checks each chunk's checksum
-        assert f["features/a"].fletcher32 == checksum
-        assert f["ids"][:28].tolist() == [f"{i:04d}".encode() for i in range(28)]
-        np.testing.assert_array_equal(f["features/a"][:28, 0], np.arange(28))
+        with h5py.File(partial_path(path), "r", locking=False) as f:
+            assert f["progress"][0] == (start + 7) // 8 * 8  # whole chunks only
+    written = {}
+    with h5py.File(partial_path(path), "r", locking=False) as f:
+        for name in ("index", "ids", "labels", "features/a"):
+            written[name] = f[name].id.read_direct_chunk((16,) + (0,) * (f[name].ndim - 1))
+        assert ("checksums" in f) == checksum
+    crash(writer)
 
     point = plan_resume(path, key, batch_size=7)
-    assert point is not None and (point.row, point.position) == (28, 28)
-    writer = StoreWriter(path, 60, mark_seconds=0, resume=point, **options)
-    for start in range(28, 60, 7):
+    assert point is not None and (point.row, point.position) == (21, 21)
+    assert point.durable == {name: 24 for name in ("index", "ids", "labels", "features/a")}
+    writer = StoreWriter(StorePlan(path, 60, mark_seconds=0, **options), point)
+    for start in range(21, 60, 7):
         _append_rows(writer, range(start, min(start + 7, 60)))
     writer.close(complete=True)
     with h5py.File(path, "r") as f, h5py.File(tmp_path / "ref.h5", "r") as g:
+        assert sorted(f) == sorted(g)
         for name in ("index", "ids", "labels", "features/a"):
             np.testing.assert_array_equal(f[name][()], g[name][()], err_msg=name)
-            assert f[name].id.read_direct_chunk((0,) * f[name].ndim) == g[
-                name
-            ].id.read_direct_chunk((0,) * g[name].ndim), name  # the same stored bytes
+            origin = (16,) + (0,) * (f[name].ndim - 1)
+            assert f[name].id.read_direct_chunk(origin) == written[name], name  # kept as is
+        if checksum:
+            for name in ("index", "ids", "labels", "features/a"):
+                name = f"checksums/{name}"
+                np.testing.assert_array_equal(f[name][()], g[name][()], err_msg=name)
 
 
 def test_marks_make_per_token_rows_durable_and_a_resume_writes_the_same_store(tmp_path):
     lengths = np.array([3, 1, 4, 1, 5, 2, 6, 5, 3, 5, 8, 9])  # tokens of each of 12 rows
     key = {"config_fingerprint": "abc"}
-    options = {"ids_width": 2, "token_capacity": int(lengths.sum()), "attrs": {"resume_key": key}}
+    options = {
+        "ids_width": 2, "chunk_rows": 4, "token_capacity": int(lengths.sum()),
+        "attrs": {"resume_key": key},
+    }  # fmt: skip
 
     def append(writer, start):  # rows start..start+2; token j of row i holds i, id 100i+j
         index = np.arange(start, start + 3)
@@ -285,19 +297,23 @@ def test_marks_make_per_token_rows_durable_and_a_resume_writes_the_same_store(tm
             lengths=lengths[index], token_ids=token_ids, ragged=frozenset({"t"}),
         )  # fmt: skip
 
-    reference = StoreWriter(tmp_path / "ref.h5", 12, mark_seconds=1e9, **options)
+    reference = StoreWriter(StorePlan(tmp_path / "ref.h5", 12, mark_seconds=1e9, **options))
     for start in range(0, 12, 3):
         append(reference, start)
     reference.close(complete=True)
     path = tmp_path / "t.h5"
-    writer = StoreWriter(path, 12, mark_seconds=0, **options)
-    for start in (0, 3):
+    writer = StoreWriter(StorePlan(path, 12, mark_seconds=0, **options))
+    for start in (0, 3, 6):
         append(writer, start)
-        assert writer.file["progress"][0] == start + 3
-    writer.file.close()  # a crash after the second batch's mark
+    # 9 rows, 30 tokens appended, in chunks of 4: index, ids and labels hold 8 rows in
+    # whole chunks, offsets 8 entries (its leading 0 and the ends of rows 0-6), the tokens
+    # 28, which hold rows 0-7 (row 7 ends at token 27): 7 rows durable
+    with h5py.File(partial_path(path), "r", locking=False) as f:
+        assert f["progress"][0] == 7
+    crash(writer)
     point = plan_resume(path, key, batch_size=3)
-    assert point is not None and (point.row, point.position) == (6, 6)
-    writer = StoreWriter(path, 12, mark_seconds=0, resume=point, **options)
+    assert point is not None and (point.row, point.position, point.tokens) == (6, 6, 16)
+    writer = StoreWriter(StorePlan(path, 12, mark_seconds=0, **options), point)
     for start in (6, 9):
         append(writer, start)
     writer.close(complete=True)
@@ -306,9 +322,74 @@ def test_marks_make_per_token_rows_durable_and_a_resume_writes_the_same_store(tm
             np.testing.assert_array_equal(f[name][()], g[name][()], err_msg=name)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_batches_of_any_sizes_write_the_same_store(tmp_path, seed):
+    # Batches smaller than a chunk, larger, across its edges, to the store's last row.
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 30, size=40)
+    rows = int(sizes[: int(np.searchsorted(np.cumsum(sizes), 157)) + 1].sum())
+    options = {"ids_width": 4, "chunk_rows": int(rng.integers(1, 20)), "dim": 3}
+    stores = []
+    for name, split in (("whole", [rows]), ("batches", sizes)):
+        writer = StoreWriter(
+            StorePlan(
+                tmp_path / f"{name}.h5",
+                rows,
+                ids_width=4,
+                chunk_rows=options["chunk_rows"],
+                mark_seconds=0,
+            )
+        )
+        start = 0
+        for size in split:
+            stop = min(start + int(size), rows)
+            if stop > start:
+                _append_rows(writer, range(start, stop), dim=3)
+            start = stop
+        writer.close(complete=True)
+        stores.append(tmp_path / f"{name}.h5")
+    with h5py.File(stores[0], "r") as f, h5py.File(stores[1], "r") as g:
+        for name in ("index", "ids", "labels", "features/a"):
+            np.testing.assert_array_equal(f[name][()], g[name][()], err_msg=name)
+            sums = f"checksums/{name}"
+            np.testing.assert_array_equal(f[sums][()], g[sums][()], err_msg=sums)
+        assert (f["features/a"][:, 0] == np.arange(rows)).all()
+    assert scan_chunks(stores[1]) == []
+
+
+def test_a_new_store_takes_disk_space_only_as_rows_are_written(tmp_path):
+    rows, dim = 4096, 2048  # 16 MB of float16, allocated whole when the file is created
+    path = tmp_path / "s.h5"
+    writer = StoreWriter(StorePlan(path, rows, ids_width=8))
+    features = {"f": np.ones((64, dim), np.float16)}
+    writer.append(np.arange(64), [str(i) for i in range(64)], np.zeros(64), features)
+    on_disk = os.stat(writer.partial).st_blocks * 512
+    assert os.stat(writer.partial).st_size > rows * dim * 2
+    assert on_disk < 4 * 1024 * 1024  # the rows written so far, not the allocated size
+    for start in range(64, rows, 64):
+        index = np.arange(start, start + 64)
+        writer.append(index, [str(i) for i in index], np.zeros(64), features)
+    writer.close(complete=True, attrs={})
+    assert scan_chunks(path) == []
+    with h5py.File(path, "r") as f:
+        assert (f["features/f"][:] == 1).all()
+
+
+def test_a_store_whose_creation_fails_leaves_nothing_behind(tmp_path, monkeypatch):
+    def failing(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store_writer, "replace_durably", failing)
+    writer = StoreWriter(StorePlan(tmp_path / "s.h5", 10, ids_width=2))
+    with pytest.raises(OSError, match="No space left"):
+        _append_rows(writer, range(0, 4))
+    writer.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_incomplete_store_lists_the_skips_logged_before_its_last_durable_row(tmp_path):
     path = tmp_path / "k.h5"
-    writer = StoreWriter(path, 10, ids_width=1, mark_seconds=0)
+    writer = StoreWriter(StorePlan(path, 10, ids_width=1, chunk_rows=2, mark_seconds=0))
     first, second = (
         {"index": 3, "id": "3", "reason": "bad"},
         {"index": 8, "id": "8", "reason": "bad"},
@@ -322,9 +403,9 @@ def test_incomplete_store_lists_the_skips_logged_before_its_last_durable_row(tmp
             {"a": np.ones((len(index), 2))},
             skipped=skips,
         )
-    writer.file.close()  # a crash after the second batch's mark
+    crash(writer)  # after the second batch's mark: 6 rows in whole chunks of 2
     store = FeatureStore(path, allow_incomplete=True)
-    assert store.rows_written == 7 and store.index.tolist() == [0, 1, 2, 4, 5, 6, 7]
+    assert store.rows_written == 6 and store.index.tolist() == [0, 1, 2, 4, 5, 6]
     assert store.skipped == [first]  # 8 comes after the last durable row: the resume redoes it
 
 
@@ -342,14 +423,15 @@ def test_a_finished_store_is_synced_before_its_rename_and_its_folder_after(tmp_p
     monkeypatch.setattr(
         store_writer, "replace_durably", lambda a, b: moved.append(b) or replace(a, b)
     )
-    path, _ = write_store(tmp_path / "s.h5", 10)
-    assert moved == [path] and FeatureStore(path).complete
+    path, _ = write_store(tmp_path / "s.h5", 10)  # created whole, then finished
+    assert moved == [partial_path(path), path] and FeatureStore(path).complete
     monkeypatch.setattr(
         store_merge, "replace_durably", lambda a, b: moved.append(b) or replace(a, b)
     )
     shards = [write_store(shard_path(tmp_path / "t.h5", r, 2), 5)[0] for r in range(2)]
     combined = combine_shards(tmp_path / "t.h5", shards)
-    assert moved == [path, *shards, tmp_path / "t.h5"] and combined.complete
+    made = [name for shard in shards for name in (partial_path(shard), shard)]
+    assert moved == [partial_path(path), path, *made, tmp_path / "t.h5"] and combined.complete
 
 
 def test_resume_point_and_mismatched_settings(tmp_path):
@@ -358,6 +440,8 @@ def test_resume_point_and_mismatched_settings(tmp_path):
     write_store(path, 40, complete=False, attrs={"resume_key": key})
     point = plan_resume(path, key, batch_size=16)
     assert point is not None and (point.row, point.position, point.skipped) == (32, 32, [])
+    point = plan_resume(path, key, batch_size=12)  # the batch grid of 12 restarts at 36
+    assert point is not None and (point.row, point.position) == (36, 36)
     with pytest.raises(ConfigError, match="its config fingerprint differs .*--overwrite"):
         plan_resume(path, dict(key, config_fingerprint="abd"), batch_size=16)
     remove_store(path)
@@ -471,7 +555,7 @@ def test_describe_holds_the_data_the_cli_prints(bf16):
     assert json.loads(description.to_json()) == data
     text = str(description)
     assert text == description.format()
-    assert text.splitlines()[1] == "status     complete, 50 rows, format 2"
+    assert text.splitlines()[1] == "status     complete, 50 rows, format 3"
     assert description.summary().startswith(f"{path}: 50 rows; a [8]; ")
     info = CliRunner().invoke(app, ["info", str(path)])
     assert info.exit_code == 0 and info.stdout == text + "\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -18,9 +19,10 @@ import featcache
 from featcache import FeatureDataset, FeatureStore, TokenDataset
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.sources.text import texts_source
-from featcache.store import StoreWriter, partial_path
+from featcache.store import StorePlan, StoreWriter, partial_path
 from featcache.store.merge import combine_shards, merge_store
 from featcache.verify import verify_store
+from tests.stores import overwrite_chunk
 from tests.test_resume import assert_same_store
 from tests.texts import ByteTokenizer, tiny_bert, tiny_gpt2
 
@@ -183,7 +185,7 @@ def test_torchrun_shards_combine_into_the_one_process_store(tmp_path):
     assert verify_store(tmp_path / "merged.h5", quick=True).passed
     # The row edges are checksummed in every form of the store, as in the one-process one.
     for store in (whole, combined, merged):
-        assert store.file["offsets"].fletcher32, store.path
+        assert "checksums/offsets" in store.file, store.path
 
 
 def test_info_and_quick_verify_describe_per_token_stores(tmp_path):
@@ -478,7 +480,9 @@ def test_a_row_of_zero_tokens_reads_as_an_empty_row(tmp_path):
     path = tmp_path / "z.h5"
     lengths = np.array([3, 0, 3])  # the empty row starts inside a chunk of tokens
     values = np.arange(6 * 4, dtype=np.float32).reshape(6, 4)
-    writer = StoreWriter(path, 3, ids_width=2, dtype="float32", chunk_rows=2, token_capacity=6)
+    writer = StoreWriter(
+        StorePlan(path, 3, ids_width=2, dtype="float32", chunk_rows=2, token_capacity=6)
+    )
     index = np.arange(3)
     writer.append(
         index, ["a", "b", "c"], index, {"t": values}, lengths=lengths, ragged=frozenset({"t"})
@@ -493,30 +497,29 @@ def test_a_row_of_zero_tokens_reads_as_an_empty_row(tmp_path):
     assert features.shape == (0, 4)
 
 
-def test_per_token_chunks_torn_after_the_last_mark_read_and_resume(tmp_path):
-    """The offsets, token ids and per-token rows of a run that died while rewriting the
-    chunks holding its last durable entries. Read as it is, the partial store gives the
-    durable rows' tokens, token ids and offsets as an uninterrupted run wrote them, and
-    verify --quick finds its durable rows sound (and the store incomplete); the rerun
-    rewrites the torn chunks whole."""
-    from tests.stores import tear_chunk
-
+def test_per_token_chunks_torn_past_the_last_mark_read_and_resume(tmp_path):
+    """The offsets, token ids and per-token rows of a run that died while writing the
+    chunks past its last mark. Read as it is, the partial store gives the durable rows'
+    tokens, token ids and offsets as an uninterrupted run wrote them, and verify --quick
+    finds its durable rows sound (and the store incomplete); the rerun writes those
+    chunks whole again."""
     texts = [" ".join(["w"] * (i % 7 + 1)) for i in range(40)]
     source = text_rows(texts)
     layers = ["encoder.layer.0"]
     options = {"batch_size": 3, "chunk_rows": 7}
     reference = run(tiny_bert(), source, layers, tmp_path / "ref.h5", **options)
     path = tmp_path / "resumed.h5"
-    model = stopped_run(source, layers, path, 9, **options)
+    model = stopped_run(source, layers, path, 9, **options)  # 24 rows appended
     partial = partial_path(path)
     with h5py.File(partial, "r") as f:
         durable = int(f["progress"][0])
         tokens = int(f["offsets"][durable])
-    assert durable == 24 and durable % 7 and (durable + 1) % 7 and tokens % 7
-    tear_chunk(partial, "offsets", durable + 1)
-    tear_chunk(partial, "index", durable)
-    tear_chunk(partial, "token_ids", tokens)
-    tear_chunk(partial, "features/encoder.layer.0", tokens)
+        names = json.loads(f["progress"].attrs["datasets"])
+        entries = dict(zip(names, f["progress"][1:], strict=True))
+    assert 0 < durable < 24 and entries["index"] == 21 and entries["offsets"] == 21
+    for name, count in entries.items():  # every chunk past the mark, torn
+        if count < len(h5py.File(partial, "r")[name]):
+            overwrite_chunk(partial, name, int(count))
     rows = list(range(durable))
     with (
         FeatureStore(reference.path) as expected,

@@ -16,7 +16,7 @@ from featcache.cli import app
 from featcache.errors import ConfigError
 from featcache.store import seal
 from featcache.verify import verify_store
-from tests.stores import corrupt_row, synthetic_store
+from tests.stores import corrupt_row, refresh_checksums, synthetic_store
 
 runner = CliRunner()
 
@@ -103,6 +103,9 @@ def test_quick_verify_checks_alignment_and_the_key(tmp_path):
     with h5py.File(path, "r+") as f:
         f["index"][3] = f["index"][2]  # a row claims another row's source sample
     result = verify_store(path, quick=True)
+    assert {c.name for c in result.checks if not c.ok} == {"alignment", "checksums"}
+    refresh_checksums(path)  # as if written so
+    result = verify_store(path, quick=True)
     assert {c.name for c in result.checks if not c.ok} == {"alignment"}
     with h5py.File(path, "r+") as f:
         f["index"][3] = 3
@@ -110,6 +113,7 @@ def test_quick_verify_checks_alignment_and_the_key(tmp_path):
         config["model"]["name"] = "resnet34"  # the recorded config no longer makes the key
         f.attrs["config"] = json.dumps(config)
         seal(f)
+    refresh_checksums(path)
     result = verify_store(path, quick=True)
     assert {c.name for c in result.checks if not c.ok} == {"key"}
 
@@ -127,6 +131,7 @@ def test_quick_verify_of_an_incomplete_store_checks_the_rows_written_so_far(tmp_
     assert alignment.detail == "16 rows + 0 skipped = the first 16 of 30 source samples, in order"
     with h5py.File(path, "r+") as f:
         f["index"][5:16] = np.arange(6, 17)  # in order, but source sample 5 is missing
+    refresh_checksums(path)
     result = verify_store(path, quick=True)
     assert {c.name for c in result.checks if not c.ok} == {"complete", "alignment"}
 
@@ -181,6 +186,7 @@ def test_verify_cli_pass_and_altered_ids(tmp_path):
     assert "verify: PASS (10 rows recomputed)" in ok.stdout
     with h5py.File(path, "r+") as f:
         f["ids"][5] = b"synthetic:99"
+    refresh_checksums(path)  # a store written so: its chunks pass, its ids are wrong
     bad = runner.invoke(app, ["verify", str(path)])
     assert bad.exit_code == 1 and "FAIL  ids        rows 5 differ" in bad.stdout
 

@@ -31,7 +31,7 @@ from featcache.extraction.continuity import check_continues
 from featcache.extraction.dataset_info import dataset_classes, dataset_ids
 from featcache.extraction.estimate import StoreEstimate, check_free_space, estimate_store
 from featcache.extraction.grid import GridBatches, shard_starts
-from featcache.extraction.loop import run_loop
+from featcache.extraction.loop import LoopPlan, run_loop
 from featcache.extraction.writer_thread import WriterThread
 from featcache.fingerprints import ids_fingerprint, module_fingerprint
 from featcache.provenance import StoreKey, store_attributes
@@ -41,6 +41,7 @@ from featcache.selectors import Tap, resolve_taps, tap_record
 from featcache.spec import LayerSpec, LoaderSpec, RuntimeSpec, StoreSpec
 from featcache.store import (
     FeatureStore,
+    StorePlan,
     StoreWriter,
     check_output_path,
     interrupted_overwrite,
@@ -281,7 +282,7 @@ def _extract(
         attrs = store_attributes(
             plan.key(), plan.provenance, device=str(device), class_names=plan.class_names
         )
-        return StoreWriter(
+        store = StorePlan(
             path,
             len(plan.rows),
             ids_width=max((len(str(i).encode()) for i in plan.ids), default=1),
@@ -291,21 +292,20 @@ def _extract(
             checksum=run.store.checksum,
             has_labels=plan.has_labels,
             attrs=attrs,
-            resume=resume,
             token_capacity=plan.token_capacity,
         )
+        return StoreWriter(store, resume)
 
     start = time.perf_counter()
-    options_ = (run.loader, run.store, run.runtime)
-    done = len(plan.rows) - len(todo)
+    loop = LoopPlan(
+        plan.taps, plan.ids, (run.loader, run.store, run.runtime), plan.layout, pin,
+        total=len(plan.rows), done_before=len(plan.rows) - len(todo), tokens=plan.tokens,
+        reorder=None if lengths is None else WindowReorder(grid.window_sizes()),
+        unit=plan.unit,
+    )  # fmt: skip
     with started(loader) as batches:
         with WriterThread(open_writer, path) as sink:
-            timing = run_loop(
-                model, batches, plan.taps, sink, plan.ids, options_, plan.layout, pin,
-                total=len(plan.rows), done_before=done, tokens=plan.tokens,
-                reorder=None if lengths is None else WindowReorder(grid.window_sizes()),
-                unit=plan.unit,
-            )  # fmt: skip
+            timing = run_loop(model, batches, sink, loop)
         timing["seconds_waiting_for_disk"] = sink.waited
         timing["seconds"] = time.perf_counter() - start
         timing["images_per_second"] = len(todo) / max(timing["seconds"], 1e-9)

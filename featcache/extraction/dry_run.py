@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from featcache.extraction.batches import Collate, SourceRows, num_workers, started
 from featcache.extraction.grid import GridBatches
-from featcache.extraction.loop import run_loop
+from featcache.extraction.loop import LoopPlan, run_loop
 from featcache.extraction.writer_thread import CapturedBatch
 from featcache.store.size import LayerSize
 
@@ -93,11 +93,11 @@ def dry_run(
     if cuda:
         torch.cuda.reset_peak_memory_stats(plan.layout.device)
     with started(loader) as batches:
-        run_loop(
-            model, batches, plan.taps, recorder,
-            plan.ids, (loader_options, run.store, runtime), plan.layout, pin,
+        loop = LoopPlan(
+            plan.taps, plan.ids, (loader_options, run.store, runtime), plan.layout, pin,
             total=len(rows), tokens=plan.tokens, unit=plan.unit, warn=False,
         )  # fmt: skip
+        run_loop(model, batches, recorder, loop)
     if cuda:
         recorder.seen.peak_memory = int(torch.cuda.max_memory_allocated(plan.layout.device))
     return recorder.seen

@@ -66,37 +66,50 @@ def feature_attrs(
     return attrs
 
 
+@dataclasses.dataclass(frozen=True)
+class LoopPlan:
+    """What the run loop does, decided before the first batch.
+
+    ``taps`` and ``ids`` (of every source row) are what is captured and recorded;
+    ``options`` the run's loader, store and runtime sections; ``layout`` where and how the
+    model runs; ``pin`` whether batches come in pinned memory; ``total`` the rows of the
+    store, ``done_before`` of them written by an earlier run; ``tokens`` the model's
+    token layout (prefix tokens, sequence-first), for the reductions; ``reorder`` puts
+    batches bucketed by length back in source order, a window at a time; ``unit`` is what
+    the progress bar counts; ``warn``: warn of gradient layers whose every stored value
+    was zero.
+    """
+
+    taps: Sequence[Tap]
+    ids: Sequence[str]
+    options: tuple[LoaderSpec, StoreSpec, RuntimeSpec]
+    layout: Layout
+    pin: bool
+    total: int
+    done_before: int = 0
+    tokens: ReduceContext = NO_CONTEXT
+    reorder: WindowReorder | None = None
+    unit: str = "img"
+    warn: bool = True
+
+
 def run_loop(
-    model: nn.Module,
-    batches: Iterator[Batch],
-    taps: Sequence[Tap],
-    sink: Sink,
-    ids: Sequence[str],
-    options: tuple[LoaderSpec, StoreSpec, RuntimeSpec],
-    layout: Layout,
-    pin: bool,
-    total: int,
-    done_before: int = 0,
-    tokens: ReduceContext = NO_CONTEXT,
-    reorder: WindowReorder | None = None,
-    unit: str = "img",
-    warn: bool = True,
+    model: nn.Module, batches: Iterator[Batch], sink: Sink, plan: LoopPlan
 ) -> dict[str, float]:
-    """Run every batch into ``sink``: ``total`` rows in the store, ``done_before`` of them
-    written by an earlier run. ``tokens`` is the model's token layout (prefix tokens,
-    sequence-first), for the reductions. Batches that come bucketed by length go to the
-    sink through ``reorder``, a window at a time in source order. ``warn``: warn of
-    gradient layers whose every stored value was zero. Returns where the time went, in
+    """Run every batch into ``sink`` as ``plan`` says. Returns where the time went, in
     seconds."""
-    loader, store, runtime = options
+    loader, store, runtime = plan.options
+    taps, ids, layout, pin, tokens, reorder = (
+        plan.taps, plan.ids, plan.layout, plan.pin, plan.tokens, plan.reorder
+    )  # fmt: skip
     device = layout.device
     was_training = model.training
     model.eval()
     attrs: dict[str, dict[str, str]] | None = None  # known once the first batch has run
     bar = tqdm(
-        total=total,
-        initial=done_before,
-        unit=unit,
+        total=plan.total,
+        initial=plan.done_before,
+        unit=plan.unit,
         desc=sink.path.name,
         disable=not runtime.progress,
         dynamic_ncols=True,
@@ -147,7 +160,7 @@ def run_loop(
                 bar.update(rows_done)
                 bar.set_postfix_str(_bar_note(timing, sink.waited, sink.skipped), False)
                 waiting_since = time.perf_counter()
-            if warn and attrs is not None:  # a batch ran
+            if plan.warn and attrs is not None:  # a batch ran
                 for tap in tapset.zero_gradients():
                     note = zero_gradient_note(tap, "every gradient this run stored")
                     warnings.warn(note, FeatcacheWarning, stacklevel=2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from featcache.errors import FeatcacheError
@@ -61,7 +62,9 @@ def check_finite(
 # An IEEE float is NaN or infinite exactly when its exponent bits are all ones: when its
 # bits with the sign cleared, read as an integer of the same width, are at least those
 # of +Inf. One integer reduction per row finds such rows, several times faster than
-# isfinite or a float sum (which must widen float16 first).
+# isfinite or a float sum (which must widen float16 first). On the CPU numpy runs it:
+# its integer kernels are vectorised where torch's are not (a [64, 256, 14, 14] float16
+# batch: 0.9 ms against 28 ms, scripts/bench_write.py's rows).
 _INF_BITS = {
     torch.float16: (torch.int16, 0x7FFF, 0x7C00),
     torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
@@ -78,4 +81,7 @@ def nonfinite_rows(value: torch.Tensor) -> torch.Tensor:
     if flat.dtype not in _INF_BITS:
         return (~torch.isfinite(flat).all(dim=1)).cpu()
     integer, magnitude, inf = _INF_BITS[flat.dtype]
-    return ((flat.view(integer) & magnitude).amax(dim=1) >= inf).cpu()
+    bits = flat.view(integer)
+    if bits.device.type == "cpu":
+        return torch.from_numpy(np.bitwise_and(bits.numpy(), magnitude).max(axis=1) >= inf)
+    return ((bits & magnitude).amax(dim=1) >= inf).cpu()

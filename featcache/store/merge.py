@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
 from collections.abc import Iterator, Mapping, Sequence
@@ -14,13 +13,23 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from featcache.errors import ConfigError, FeatcacheError
+from featcache.provenance import FORMAT_VERSION
 from featcache.store import codec
-from featcache.store.chunks import MAX_META_CHUNK_ROWS, TARGET_CHUNK_BYTES, chunk_rows_of, row_bytes
-from featcache.store.integrity import dataset_has_checksum, read_or_explain
+from featcache.store.layout import (
+    PROGRESS,
+    TARGET_CHUNK_BYTES,
+    WHOLE_FILE_LIBVER,
+    allocate,
+    checksums_name,
+    chunk_rows_for,
+    stored_checksums,
+    write_checked,
+)
 from featcache.store.lock import writer_lock
-from featcache.store.metadata import CHUNKS_ATTR, DIGEST_ATTR, WHOLE_FILE_LIBVER, seal
+from featcache.store.metadata import CHUNKS_ATTR, DIGEST_ATTR, seal
 from featcache.store.paths import building_beside, partial_path, replace_durably
 from featcache.store.reader import FeatureStore
+from featcache.store.rows import forget, opened, read_head, rows_of
 from featcache.store.skipped import read_skipped, write_skipped
 
 
@@ -32,21 +41,24 @@ def copy_store(
     attrs: Mapping[str, Any] | None = None,
     drop: Sequence[str] = (),
 ) -> None:
-    """Copy a store into one self-contained file, chunk by chunk, then move it into place.
+    """Copy a store into one self-contained file of the current format, then move it into
+    place.
 
-    Virtual datasets (a sharded store) become real ones, chunked like featcache chunks
-    its own; ``compression`` applies to every chunked dataset; a dataset whose chunks
-    (or, for a virtual one, whose sources' chunks) carry Fletcher-32 checksums keeps them;
-    ``attrs`` are set last and the file attributes named in ``drop`` are left out. A
-    source chunk that fails its checksum raises
+    Every dataset of rows is read as featcache reads it (each chunk checked; a store
+    combined from shards from its shards) and written whole, chunked as in the source
+    (as featcache chunks its own for a virtual one), with its chunk checksums;
+    ``compression`` applies HDF5's filter to each. ``attrs`` are set last and the file
+    attributes named in ``drop`` are left out. A source chunk that fails raises
     :class:`~featcache.errors.CorruptStoreError`; the half-made copy is removed.
     """
     target = Path(target)
-    with h5py.File(source, "r") as src:
-        objects = list(_walk(src))
-        total = sum(o.size * o.dtype.itemsize for _, o in objects if isinstance(o, h5py.Dataset))
+    with opened(source) as src:
+        objects = [(name, obj) for name, obj in _walk(src) if not name.startswith("checksums")]
+        sized = [o for _, o in objects if isinstance(o, h5py.Dataset)]
+        total = sum(o.size * o.dtype.itemsize for o in sized)
         if compression is None:  # the copy's size is known: refuse before HDF5 hits a full disk
             _check_space(total, target)
+        key = codec.attr(src, "resume_key")
         with (
             building_beside(target, ".copying") as tmp,
             h5py.File(tmp, "w", libver=WHOLE_FILE_LIBVER) as dst,
@@ -57,10 +69,13 @@ def copy_store(
             codec.copy_attrs(src, dst, skip={*drop, DIGEST_ATTR})
             for name, obj in objects:
                 if isinstance(obj, h5py.Group):
-                    dst.create_group(name, track_order=name == "features")
+                    codec.copy_attrs(obj, dst.create_group(name, track_order=name == "features"))
                 else:
                     _copy_dataset(obj, dst, name, compression, bar)
-            codec.write_attrs(dst, attrs or {})
+            current: dict[str, Any] = {"featcache_format": FORMAT_VERSION}
+            if isinstance(key, dict):
+                current["resume_key"] = dict(key, featcache_format=FORMAT_VERSION)
+            codec.write_attrs(dst, {**current, **dict(attrs or {})})
             seal(dst)
     replace_durably(tmp, target)
 
@@ -90,33 +105,34 @@ def _walk(group: h5py.Group, prefix: str = "") -> Iterator[tuple[str, Any]]:
 def _copy_dataset(
     obj: h5py.Dataset, dst: h5py.File, name: str, compression: str | None, bar: tqdm
 ) -> None:
-    if obj.shape == () or len(obj) == 0:
+    if obj.chunks is None and not obj.is_virtual or not len(obj):  # progress, scalars
         out = dst.create_dataset(name, data=obj[()], dtype=obj.dtype)
     else:
-        chunks = obj.chunks
-        if chunks is None:  # virtual: chunk like featcache does
-            rows = chunk_rows_of(obj)
-            if obj.ndim == 1:
-                rows = min(rows, MAX_META_CHUNK_ROWS)
-            chunks = (min(rows, len(obj)), *obj.shape[1:])
-        # A dataset shrunk at completion (skipped samples) may be shorter than its chunks.
-        chunks = (min(chunks[0], len(obj)), *chunks[1:])
-        out = dst.create_dataset(
-            name,
-            shape=obj.shape,
-            dtype=obj.dtype,
-            chunks=chunks,
-            compression=compression,
-            fletcher32=dataset_has_checksum(obj),
-        )
-        step = max(chunks[0], 8 * TARGET_CHUNK_BYTES // row_bytes(obj))  # a few chunks a read
-        for start in range(0, len(obj), step):
-            rows_read = range(start, min(start + step, len(obj)))
-            read = functools.partial(obj.__getitem__, np.s_[start : start + step])
-            block = read_or_explain(obj, rows_read, read)
-            out[start : start + len(block)] = block
+        n, shape = len(obj), obj.shape
+        rows = obj.chunks[0] if obj.chunks else chunk_rows_for(shape[1:], obj.dtype.itemsize, n)
+        rows = min(rows, n)
+        if compression is None:  # written whole: its chunks need no index
+            out = allocate(dst, name, shape, obj.dtype, rows, resizable=False)
+        else:
+            chunks = (rows, *shape[1:])
+            out = dst.create_dataset(
+                name, shape=shape, dtype=obj.dtype, chunks=chunks, compression=compression
+            )
+        row_bytes = max(obj.dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64)), 1)
+        step = max(rows, 8 * TARGET_CHUNK_BYTES // row_bytes // rows * rows)  # a few chunks
+        reader = rows_of(obj)
+        for start in range(0, n, step):
+            stop = min(start + step, n)
+            if obj.dtype.kind == "O":  # variable-length text of old stores: HDF5 reads it
+                block = obj[start:stop]
+            else:
+                block = np.empty((stop - start, *shape[1:]), dtype=obj.dtype)
+                reader.read(start, stop, block)
+            out[start:stop] = block
             bar.update(block.nbytes)
-    codec.copy_attrs(obj, out)
+        if out.dtype.kind != "O":
+            dst.create_dataset(checksums_name(name), data=stored_checksums(out))
+    codec.copy_attrs(obj, out, skip=(CHUNKS_ATTR,))
 
 
 def combine_shards(
@@ -132,30 +148,30 @@ def combine_shards(
                 else "; is the output folder on a filesystem that every node shares?"
             )
             raise FeatcacheError(f"shard {shard} is missing{hint}")
-    opened = [h5py.File(shard, "r") for shard in shards]
+    files = [h5py.File(shard, "r") for shard in shards]
     try:
-        for shard, f in zip(shards, opened, strict=True):
+        for shard, f in zip(shards, files, strict=True):
             if not f.attrs.get("complete"):
                 raise FeatcacheError(f"shard {shard} is incomplete; rerun to resume it")
         with (
             building_beside(path, ".combining") as tmp,
             h5py.File(tmp, "w", libver=WHOLE_FILE_LIBVER) as out,
         ):
-            _combine(out, shards, opened, path.parent)
-            codec.copy_attrs(opened[0], out, skip=("resume_key", DIGEST_ATTR))
-            rows = sum(int(f.attrs["num_rows"]) for f in opened)
-            seconds = max(float(f.attrs.get("seconds", 0.0)) for f in opened)
+            _combine(out, shards, files, path.parent)
+            codec.copy_attrs(files[0], out, skip=("resume_key", DIGEST_ATTR))
+            rows = sum(int(f.attrs["num_rows"]) for f in files)
+            seconds = max(float(f.attrs.get("seconds", 0.0)) for f in files)
             # The rows each shard's last run computed (fewer than it holds after a resume).
             computed = sum(
                 float(f.attrs.get("images_per_second", 0.0)) * float(f.attrs.get("seconds", 0.0))
-                for f in opened
+                for f in files
             )
             codec.write_attrs(
                 out,
                 {
                     "num_rows": rows,
                     "rows_written": rows,
-                    "skipped": sum(int(f.attrs.get("skipped", 0)) for f in opened),
+                    "skipped": sum(int(f.attrs.get("skipped", 0)) for f in files),
                     "world_size": len(shards),
                     "shards": [shard.name for shard in shards],
                     "seconds": seconds,
@@ -166,48 +182,48 @@ def combine_shards(
             out.attrs["complete"] = True
             seal(out)
     finally:
-        for f in opened:
+        for f in files:
+            forget(f)
             f.close()
     replace_durably(tmp, path)
     return FeatureStore(path)
 
 
 def _combine(
-    out: h5py.File, shards: Sequence[Path], opened: Sequence[h5py.File], folder: Path
+    out: h5py.File, shards: Sequence[Path], files: Sequence[h5py.File], folder: Path
 ) -> None:
-    """Every dataset of the shards (but ``/progress``) as one virtual dataset, and the
-    shards' skip records as one ``/skipped`` group."""
+    """Every dataset of rows of the shards as one virtual dataset (their offsets as one
+    real one), and the shards' skip records as one ``/skipped`` group."""
     # In creation order where it is tracked, so that layers keep their capture order.
     names = [
         name
-        for name, obj in _walk(opened[0])
-        if isinstance(obj, h5py.Dataset) and name != "progress" and not name.startswith("skipped")
+        for name, obj in _walk(files[0])
+        if isinstance(obj, h5py.Dataset)
+        and name != PROGRESS
+        and not name.startswith(("skipped", "checksums"))
     ]
     out.create_group("features", track_order=True)
+    checked = "checksums" in files[0]
     for name in names:
-        first = opened[0][name]
+        first = files[0][name]
         if name == "offsets":  # per-token rows: each shard counts its tokens from 0
-            offsets = combined_offsets([f[name][:] for f in opened])
-            # Checksummed as the shards' own are: a changed offset would move row edges.
-            out.create_dataset(
-                name, data=offsets, chunks=True, fletcher32=dataset_has_checksum(first)
-            )
+            offsets = combined_offsets([read_head(f[name], len(f[name])) for f in files])
+            write_checked(out, name, offsets, first.chunks[0], checked)
             continue
-        total = sum(len(f[name]) for f in opened)
+        total = sum(len(f[name]) for f in files)
         layout = h5py.VirtualLayout(shape=(total, *first.shape[1:]), dtype=first.dtype)
         offset = 0
-        for shard, f in zip(shards, opened, strict=True):
+        for shard, f in zip(shards, files, strict=True):
             n = len(f[name])
             # Relative to the store's folder: HDF5 looks for sources beside the store.
             source = os.path.relpath(shard, folder)
             layout[offset : offset + n] = h5py.VirtualSource(source, name, shape=f[name].shape)
             offset += n
         dataset = out.create_virtual_dataset(name, layout)
-        # Shard 0's chunk index is not this dataset's.
         codec.copy_attrs(first, dataset, skip=(CHUNKS_ATTR,))
-    records = [record for f in opened for record in read_skipped(f)]
+    records = [record for f in files for record in read_skipped(f)]
     if records:
-        write_skipped(out, records)
+        write_skipped(out, records, files[0]["index"].chunks[0], checked)
 
 
 def combined_offsets(offsets: Sequence[np.ndarray]) -> np.ndarray:

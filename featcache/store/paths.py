@@ -11,6 +11,8 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import h5py
+
 from featcache.errors import ConfigError
 
 PARTIAL_SUFFIX = ".partial"
@@ -47,6 +49,15 @@ def readable_path(path: str | os.PathLike) -> Path:
     if path.name.endswith(PARTIAL_SUFFIX):
         return store_path_of(path)
     return partial_path(path)
+
+
+def open_readonly(path: str | os.PathLike, **options: object) -> h5py.File:
+    """Open a store file read-only. A ``.partial`` one is opened without HDF5's file lock,
+    which its running writer may hold (HDF5 requires the same choice for every handle a
+    process holds on one file, so every reader opens it this way)."""
+    if str(path).endswith(PARTIAL_SUFFIX):
+        options["locking"] = False
+    return h5py.File(path, "r", **options)
 
 
 def shard_path(path: str | os.PathLike, rank: int, world_size: int) -> Path:

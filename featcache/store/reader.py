@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import atexit
 import os
-import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,14 +14,13 @@ import torch
 from featcache.errors import (
     ConfigError,
     CorruptStoreError,
-    FeatcacheError,
     IncompleteStoreError,
     first_line,
 )
 from featcache.provenance import recorded_config
 from featcache.store import codec
+from featcache.store.checks import durable_problem
 from featcache.store.containment import foreign_data_problem
-from featcache.store.integrity import FIX
 from featcache.store.metadata import (
     CHUNKS_ATTR,
     UNREADABLE_METADATA,
@@ -31,7 +28,7 @@ from featcache.store.metadata import (
     newer_format,
 )
 from featcache.store.paths import (
-    PARTIAL_SUFFIX,
+    open_readonly,
     partial_path,
     readable_path,
     shards_of,
@@ -39,6 +36,8 @@ from featcache.store.paths import (
     store_path_of,
 )
 from featcache.store.rows import (
+    FIX,
+    forget,
     read_head,
     read_rows,
     read_runs,
@@ -47,7 +46,6 @@ from featcache.store.rows import (
     row_numbers,
 )
 from featcache.store.skipped import read_log, read_skipped
-from featcache.store.staged import read_durable
 
 if TYPE_CHECKING:
     from featcache.store.describe import StoreDescription
@@ -58,28 +56,9 @@ Rows = slice | Sequence[int] | np.ndarray
 
 
 def open_for_reading(path: str | os.PathLike) -> h5py.File:
-    """Open a store read-only with a chunk cache that holds whole chunks.
-
-    A ``.partial`` store is opened without HDF5's file lock: its writer may hold it, and
-    since the writer never changes the file's structure once created, only the rows it
-    has marked durable are read.
-    """
-    if str(path).endswith(PARTIAL_SUFFIX):
-        return h5py.File(path, "r", rdcc_nbytes=READ_CACHE_BYTES, locking=False)
-    return h5py.File(path, "r", rdcc_nbytes=READ_CACHE_BYTES)
-
-
-_OPENED: weakref.WeakSet[StoreFile] = weakref.WeakSet()  # handles this process opened
-
-
-@atexit.register
-def _close_at_exit() -> None:
-    """Close the store handles still open when the interpreter exits, before HDF5 shuts
-    itself down: a DataLoader worker started with ``spawn`` that exited with a torchrun
-    store (virtual datasets over shard files) still open crashed with SIGSEGV there, and
-    the epoch it had served in full then failed."""
-    for handle in list(_OPENED):
-        handle.close()
+    """Open a store read-only with a chunk cache that holds whole chunks (for the layers
+    HDF5 reads). Of a ``.partial`` store, only the rows its writer marked durable are read."""
+    return open_readonly(path, rdcc_nbytes=READ_CACHE_BYTES)
 
 
 class StoreFile:
@@ -114,7 +93,6 @@ class StoreFile:
             file = self._file = open_for_reading(readable_path(self.path))
             self._pid = os.getpid()
             self._datasets = {}
-            _OPENED.add(self)
         return file
 
     def dataset(self, name: str, chunk_cache: tuple[int, int] | None = None) -> h5py.Dataset:
@@ -140,6 +118,7 @@ class StoreFile:
         """Close this process's handle; one inherited from another process is left alone."""
         file = self._open_here()
         if file is not None:
+            forget(file)
             file.close()
         self._file = None
         self._datasets = {}
@@ -196,11 +175,11 @@ class FeatureStore:
                 self.close()
                 raise ConfigError(f"cannot read store {self.path}: {newer}")
             # A store still being written has no attribute digest yet, but its attributes
-            # must read (its writer sets them at the start and the end only), and its chunk
-            # indexes must match the digests recorded when it was created.
+            # must read (its writer sets them at the start and the end only), and its
+            # progress mark must agree with what its datasets hold.
             problem = metadata_problem(file, sealed=complete) or foreign_data_problem(file)
             if not complete and not problem:
-                problem = _progress_problem(file)
+                problem = durable_problem(file)
         if problem:
             self.close()
             raise CorruptStoreError(f"store {self.path} is damaged: {problem}; {FIX}")
@@ -328,7 +307,7 @@ class FeatureStore:
 
     def layer_attrs(self, layer: str) -> dict[str, Any]:
         """The attributes of ``layer``'s dataset: ``dtype``, ``module``, ``capture``, ...
-        (its chunk index digest, :data:`~featcache.store.metadata.CHUNKS_ATTR`, left out)."""
+        (a format-2 store's chunk index digest left out)."""
         attrs = codec.read_attrs(self._features(layer))
         return {k: v for k, v in attrs.items() if k != CHUNKS_ATTR}
 
@@ -412,27 +391,6 @@ def _incomplete(store: Path, rows: int, where: str, rerun: str) -> IncompleteSto
         f"{rerun}, or pass allow_incomplete=True to read those rows",
         str(store),
         rows,
-    )
-
-
-def _progress_problem(file: h5py.File) -> str:
-    """Why an incomplete store's progress mark cannot be right ("" when it can be): it
-    counts more rows than the store holds, or than were written. The durable rows'
-    source positions (``/index``) increase, and a row never written reads as position 0."""
-    rows, held = int(file["progress"][0]), len(file["index"])
-    if not 0 <= rows <= held:
-        return f"its progress mark counts {rows} rows, but it holds {held}"
-    if rows < 2:
-        return ""
-    try:
-        before, last = read_durable(file["index"], rows - 2, rows)
-    except (OSError, FeatcacheError):  # a chunk being rewritten, or bad: its reads say which
-        return ""
-    if last > before:
-        return ""
-    return (
-        f"its progress mark counts {rows} rows, but row {rows - 1} was never written (source "
-        f"position {last}, not after row {rows - 2}'s {before})"
     )
 
 

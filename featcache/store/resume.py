@@ -5,27 +5,27 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import h5py
 import numpy as np
 
 from featcache.errors import ConfigError, first_line
 from featcache.provenance import config_differences
 from featcache.store import codec
-from featcache.store.integrity import damaged_index
+from featcache.store.checks import durable_problem, scan_file
+from featcache.store.layout import read_progress
 from featcache.store.metadata import UNREADABLE_METADATA
-from featcache.store.paths import OVERWRITE, partial_path, skipped_log_path
+from featcache.store.paths import OVERWRITE, open_readonly, partial_path, skipped_log_path
+from featcache.store.rows import opened, rows_of
 from featcache.store.skipped import read_log
-from featcache.store.staged import read_durable
 
 
 def stored_resume_key(path: str | os.PathLike) -> dict[str, Any] | None:
     """The settings a store (complete or partial) was made with; None if unreadable."""
     try:
-        with h5py.File(path, "r") as f:
+        with open_readonly(path) as f:
             return codec.attr(f, "resume_key")
     except (OSError, KeyError, ValueError):
         return None
@@ -46,11 +46,16 @@ def interrupted_overwrite(path: str | os.PathLike, key: Mapping[str, Any]) -> bo
 @dataclass
 class ResumePoint:
     """Where an interrupted extraction continues: rows ``[0, row)`` are kept and the
-    source is read again from ``position`` (a multiple of the batch size)."""
+    source is read again from ``position`` (a multiple of the batch size); ``tokens``
+    are the tokens of those rows (per-token stores), ``durable`` each dataset's durable
+    entries (whole chunks, never written again: the entries recomputed below them are
+    dropped)."""
 
     row: int
     position: int
     skipped: list[dict[str, Any]]  # skip records of source positions before ``position``
+    durable: dict[str, int] = field(default_factory=dict)
+    tokens: int = 0
 
 
 def grid_start(position: int, first: int, step: int, boundaries: Sequence[int] = ()) -> int:
@@ -75,43 +80,47 @@ def plan_resume(
     """Check a partial store left by an earlier run; None when there is none.
 
     The run restarts on its batch grid (see :func:`grid_start`; ``batch_size`` is the
-    grid's step).
+    grid's step). Every durable chunk is checked first.
 
     Raises :class:`ConfigError` naming the first difference when the partial store was
     made with other settings, data or model (given this run's ``config``, as
     :func:`~featcache.spec.to_dict` gives it, the config keys that differ), and when it
-    cannot be read.
+    cannot be read or a durable chunk is damaged.
     """
     partial = partial_path(path)
     if not partial.exists():
         return None
+
+    def refuse(why: str) -> ConfigError:
+        return ConfigError(f"cannot resume from {partial}: {why}; pass {OVERWRITE} to start over")
+
     try:
-        with h5py.File(partial, "r") as f:
+        with opened(partial) as f:
             stored_key = codec.attr(f, "resume_key")
-            stored_config = codec.attr(f, "config")
-            durable = int(f["progress"][0])
-            index = read_durable(f["index"], 0, durable)
-            damaged = damaged_index(f)
+            for key in sorted(set(stored_key) | set(resume_key)):
+                if stored_key.get(key) != resume_key.get(key):
+                    stored_config = codec.attr(f, "config")
+                    raise refuse(_difference(key, stored_key, resume_key, stored_config, config))
+            problem = durable_problem(f)
+            bad = [] if problem else scan_file(f)
+            if problem or bad:
+                raise refuse(problem or bad[0].describe(f))
+            durable_rows, durable = read_progress(f)
+            index = np.empty(durable_rows, dtype=np.int64)
+            rows_of(f["index"]).read(0, durable_rows, index)
+            next_position = int(index[-1]) + 1 if durable_rows else first
+            # Restart on the batch grid of the first run (batches start at ``first``), so
+            # that every batch holds the same samples as in an uninterrupted run: batch
+            # composition can change the last bits of a result.
+            position = grid_start(next_position, first, batch_size, boundaries)
+            row = int(np.searchsorted(index, position))
+            tokens = np.zeros(1, dtype=np.int64)
+            if "offsets" in f:
+                rows_of(f["offsets"]).read(row, row + 1, tokens)
     except UNREADABLE_METADATA as exc:
-        raise ConfigError(
-            f"cannot resume from {partial}: it is not readable ({first_line(exc)}); "
-            f"pass {OVERWRITE} to start over"
-        ) from exc
-    if damaged:
-        raise ConfigError(
-            f"cannot resume from {partial}: {damaged}; pass {OVERWRITE} to start over"
-        )
-    for key in sorted(set(stored_key) | set(resume_key)):
-        if stored_key.get(key) != resume_key.get(key):
-            differs = _difference(key, stored_key, resume_key, stored_config, config)
-            raise ConfigError(f"cannot resume {partial}: {differs}; pass {OVERWRITE} to start over")
-    next_position = int(index[-1]) + 1 if durable else first
-    # Restart on the batch grid of the first run (batches start at ``first``), so that every
-    # batch holds the same samples as in an uninterrupted run: batch composition can
-    # change the last bits of a result.
-    position = grid_start(next_position, first, batch_size, boundaries)
-    row = int(np.searchsorted(index, position))
-    return ResumePoint(row, position, read_log(skipped_log_path(path), before=position))
+        raise refuse(f"it is not readable ({first_line(exc)})") from exc
+    skipped = read_log(skipped_log_path(path), before=position)
+    return ResumePoint(row, position, skipped, durable, int(tokens[0]))
 
 
 def _difference(

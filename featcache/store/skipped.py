@@ -18,27 +18,27 @@ import h5py
 import numpy as np
 
 from featcache.store import codec
-from featcache.store.integrity import read_or_explain
+from featcache.store.layout import write_checked
 from featcache.store.paths import replace_durably
 from featcache.store.rows import read_head, read_text_head
 
 
-def write_skipped(f: h5py.File | h5py.Group, records: Sequence[Mapping[str, Any]]) -> None:
-    """The ``/skipped`` group: source position, id and reason of every sample left out.
-
-    Each is a Fletcher-32 checksummed dataset, the texts fixed-length UTF-8, so that none
-    of it lives in HDF5's unchecked global heap."""
-    group = f.create_group("skipped")
+def write_skipped(
+    f: h5py.File, records: Sequence[Mapping[str, Any]], chunk_rows: int, checked: bool = True
+) -> None:
+    """The ``/skipped`` group: source position, id and reason of every sample left out,
+    each column chunked by ``chunk_rows`` with its chunk checksums (when ``checked``), the
+    texts fixed-length UTF-8, so that none of it lives in HDF5's unchecked global heap."""
     columns = {
         "index": np.array([r["index"] for r in records], dtype=np.int64),
         "ids": codec.fixed_texts([str(r["id"]) for r in records]),
         "reasons": codec.fixed_texts([str(r["reason"]) for r in records]),
     }
     for name, data in columns.items():
-        group.create_dataset(name, data=data, chunks=True, fletcher32=True)
+        write_checked(f, f"skipped/{name}", data, chunk_rows, checked)
 
 
-def read_skipped(f: h5py.File | h5py.Group) -> list[dict[str, Any]]:
+def read_skipped(f: h5py.File) -> list[dict[str, Any]]:
     """The records of the ``/skipped`` group, in stored order; [] when there is none. A
     chunk that fails its checksum raises :class:`~featcache.errors.CorruptStoreError`."""
     if "skipped" not in f:
@@ -54,10 +54,9 @@ def read_skipped(f: h5py.File | h5py.Group) -> list[dict[str, Any]]:
 def _column(dataset: h5py.Dataset) -> np.ndarray | list[str]:
     """A whole dataset of the group, text as ``str``. Read as the features are (see
     :func:`~featcache.store.rows.read_head`), but for the variable-length text of stores
-    written before featcache stored text at a fixed length."""
+    written before featcache stored text at a fixed length, which HDF5 reads."""
     if dataset.dtype.kind == "O":
-        text = dataset.asstr()
-        return list(read_or_explain(dataset, range(len(dataset)), lambda: text[:]))
+        return list(dataset.asstr()[:])
     if dataset.dtype.kind in "iu":
         return read_head(dataset, len(dataset))
     return read_text_head(dataset, len(dataset))

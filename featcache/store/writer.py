@@ -1,8 +1,10 @@
-"""Writing a store: crash-safe appends in whole chunks, durable progress marks, completion."""
+"""Writing a store: whole chunks into space allocated at creation, progress marked on chunk
+boundaries, completion."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -16,204 +18,201 @@ import numpy as np
 from featcache.errors import CorruptStoreError, FeatcacheError
 from featcache.provenance import FORMAT_VERSION
 from featcache.store import codec
-from featcache.store.chunks import MAX_META_CHUNK_ROWS, chunk_rows_for
-from featcache.store.durable import durable_entries
-from featcache.store.integrity import damaged_index
+from featcache.store.checks import scan_file
+from featcache.store.layout import (
+    CHECKSUM,
+    LIBVER,
+    META_BLOCK_BYTES,
+    PROGRESS,
+    allocate,
+    allocate_checked,
+    checksum,
+    checksums_name,
+    chunk_addresses,
+    chunk_rows_for,
+    segments,
+    write_checked,
+)
 from featcache.store.merge import copy_store
-from featcache.store.metadata import record_chunk_indexes, seal
-from featcache.store.paths import OVERWRITE, partial_path, replace_durably, skipped_log_path
+from featcache.store.metadata import seal
+from featcache.store.paths import (
+    OVERWRITE,
+    open_readonly,
+    partial_path,
+    replace_durably,
+    skipped_log_path,
+)
 from featcache.store.resume import ResumePoint
+from featcache.store.rows import opened
 from featcache.store.skipped import rewrite_log, write_skipped
-from featcache.store.sparse import created_sparse
-from featcache.store.staged import Staged, read_durable
 
 MARK_SECONDS = 0.5  # how often durable progress is recorded while writing
+_datasync = getattr(os, "fdatasync", os.fsync)  # fdatasync: Linux; fsync elsewhere
+
+
+@dataclasses.dataclass(frozen=True)
+class StorePlan:
+    """What a store holds and how it is written: everything :class:`StoreWriter` needs.
+
+    ``rows``: the source rows the store is sized for (fewer are stored when samples are
+    skipped); ``ids_width``: bytes of the longest id; ``dtype``: the stored dtype of the
+    layers; ``compression``: ``"gzip"`` or ``"lzf"`` for a compressed copy made at
+    completion (None: none); ``chunk_rows``: rows (or tokens) per chunk, None for
+    :func:`~featcache.store.layout.chunk_rows_for`; ``checksum``: an XXH3 checksum per
+    chunk; ``attrs``: the file attributes (provenance); ``token_capacity``: the tokens
+    that per-token layers are sized for; ``mark_seconds``: how often progress is marked.
+    """
+
+    path: Path
+    rows: int
+    ids_width: int = 1
+    dtype: str = "float16"
+    compression: str | None = None
+    chunk_rows: int | None = None
+    checksum: bool = True
+    has_labels: bool = True
+    attrs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    token_capacity: int | None = None
+    mark_seconds: float = MARK_SECONDS
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
 
 
 class StoreWriter:
-    """Writes one store, crash-safely, to ``<path>.partial``; renamed to ``path`` when complete.
+    """Writes the store ``plan`` describes, crash-safely, to ``<path>.partial``; renamed to
+    ``path`` when complete.
 
-    The file is created on the first batch, when feature shapes are known, with every
-    dataset allocated to its full size up front (disk space is taken as rows are written):
-    afterwards the run only writes raw data into space that already exists and never
-    changes HDF5 metadata, so a crash at any instant cannot corrupt the file's structure.
-    Each dataset stages rows in a one-chunk buffer and writes whole chunks. At most every
-    ``mark_seconds`` the writer writes the rows of the chunks still filling too, flushes
-    and fsyncs the file, and then records in ``/progress`` that every row appended so far
-    is durable; a rerun resumes from there (:func:`~featcache.store.resume.plan_resume`).
-    Skipped samples go to an append-only log beside the file until the store completes.
+    The file is created on the first batch, when the layers' shapes are known, with every
+    dataset allocated whole (:mod:`~featcache.store.layout`), under a temporary name and
+    synced before it is renamed to ``.partial``. From then on the run writes raw bytes
+    only: each dataset gathers entries in a one-chunk buffer and writes whole chunks, at
+    their place in the file, each with its checksum; a batch that covers whole chunks is
+    written from the batch itself. At most every ``mark_seconds`` the writer syncs the
+    file and then records in ``/progress`` the whole chunks written so far: a crash loses
+    at most the chunk each dataset was filling, and no durable chunk is written again (a
+    resume, :func:`~featcache.store.resume.plan_resume`, drops the entries it recomputes
+    below them). Skipped samples go to an append-only log beside the file.
 
-    ``close(complete=True)`` writes the tail, the skip records and the final attributes,
-    compresses if asked (a copy into a new file), and renames the store into place.
+    Per-token rows: a layer appended as *ragged* (``[tokens, ...]``, row ``i`` owning
+    ``lengths[i]`` tokens) is stored as one ``[total_tokens, ...]`` dataset (attribute
+    ``layout="tokens"``), sized for ``plan.token_capacity`` tokens, with ``/offsets``
+    ``[N + 1]`` int64 (row ``i`` is tokens ``offsets[i]:offsets[i + 1]``) and, when given,
+    ``/token_ids`` ``[total_tokens]`` int64.
 
-    With ``checksum`` (the default) every chunked dataset (features, labels, index, ids)
-    gets HDF5's Fletcher-32 filter: each chunk carries a checksum that HDF5 checks on
-    every read (and featcache's readers once per open store). Whole chunks are written
-    as stored, their checksum computed by :mod:`~featcache.store.fletcher`.
-    A resumed store keeps the filters it was created with.
-
-    Per-token rows: a layer appended as *ragged* (its values packed as ``[tokens, ...]``,
-    one block of ``lengths[i]`` tokens per row) is stored as one ``[total_tokens, ...]``
-    dataset (attribute ``layout="tokens"``), allocated for ``token_capacity`` tokens, with
-    ``/offsets`` ``[N + 1]`` int64 (row ``i`` is tokens ``offsets[i]:offsets[i + 1]``) and,
-    when given, ``/token_ids`` ``[total_tokens]`` int64. A row is durable once its tokens
-    are, so a resume restarts at a row boundary in every dataset.
+    ``close(complete=True)`` writes the last, partly filled chunks, shrinks the datasets
+    to the rows written, adds the skip records and the final attributes, compresses if
+    asked (a copy into a new file) and moves the store into place.
     """
 
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        capacity: int,
-        *,
-        ids_width: int,
-        dtype: str = "float16",
-        compression: str | None = None,
-        chunk_rows: int | None = None,
-        checksum: bool = True,
-        has_labels: bool = True,
-        attrs: Mapping[str, Any] | None = None,
-        resume: ResumePoint | None = None,
-        mark_seconds: float = MARK_SECONDS,
-        token_capacity: int | None = None,
-    ):
-        self.path = Path(path)
+    def __init__(self, plan: StorePlan, resume: ResumePoint | None = None):
+        self.plan = plan
+        self.path = plan.path
         self.partial = partial_path(self.path)
-        self.capacity = capacity
-        self.ids_width = max(1, ids_width)
-        self.dtype = dtype
-        self.compression = compression
-        self.chunk_rows = chunk_rows
-        self.checksum = checksum
-        self.has_labels = has_labels
-        self.attrs = dict(attrs or {})
-        self.mark_seconds = mark_seconds
-        self.resumed = resume is not None
-        self.start_row = resume.row if resume else 0
-        self.rows_appended = self.start_row
+        self.resume = resume
+        self.rows_appended = resume.row if resume else 0
+        self.tokens_appended = resume.tokens if resume else 0
         self.skipped: list[dict[str, Any]] = list(resume.skipped) if resume else []
-        self.token_capacity = token_capacity
-        self.tokens_appended = 0  # set from /offsets on resume
-        self.file: h5py.File | None = None
-        self._staging: dict[str, Staged] = {}
-        self._token_staging: list[Staged] = []  # the staged datasets indexed by token
-        # End offsets of the rows appended since row ``_ends_base`` whose durability is
-        # not yet known (per-token stores only; trimmed at every mark).
+        self.fd: int | None = None
+        self._columns: dict[str, _Column] = {}
+        self._progress_at = 0
+        # Token end offsets of the rows appended from row ``_ends_base`` on (per-token
+        # stores), to tell which rows the durable tokens cover; trimmed at every mark.
         self._ends = np.empty(0, dtype=np.int64)
-        self._ends_base = self.start_row
-        self._marked = self.start_row
+        self._ends_base = self.rows_appended
+        self._marked: list[int] = []
         self._last_mark = time.monotonic()
+        self._log: TextIO | None = None
         log = skipped_log_path(self.path)
         if resume is not None:
-            # Keep only the records before the resume point; later ones are redone.
-            rewrite_log(log, self.skipped)
-            self._open_partial()
+            rewrite_log(log, self.skipped)  # later records are redone
+            self._open()
         elif log.exists():
             log.unlink()
-        self._log: TextIO | None = None
 
     # -- creation and resume -------------------------------------------------------------
 
-    def _create(
-        self,
-        features: Mapping[str, np.ndarray],
-        feature_attrs: Mapping,
-        ragged: frozenset[str] = frozenset(),
-        token_ids: bool = False,
-    ) -> None:
-        """Create the whole file under a temporary name, then rename it to ``.partial``."""
-        if ragged and self.token_capacity is None:
+    def _create(self, features: Mapping[str, np.ndarray], feature_attrs: Mapping,
+                ragged: frozenset[str], token_ids: bool) -> None:  # fmt: skip
+        """Create the whole file under a temporary name, sync it, rename it to ``.partial``."""
+        plan = self.plan
+        if ragged and plan.token_capacity is None:
             raise FeatcacheError(
                 f"layer {sorted(ragged)[0]!r} gives per-token rows, but {self.path} was not "
                 "sized for tokens; give the dataset a token_lengths attribute"
             )
         creating = self.partial.with_name(self.partial.name + ".creating")
         try:
-            with created_sparse(creating) as building:  # zero fill left unwritten; synced
-                self._build(building, features, feature_attrs, ragged, token_ids)
-            f = h5py.File(creating, "r+", rdcc_nbytes=0)  # whole-chunk writes skip the cache
-        except BaseException:
+            with h5py.File(creating, "w", libver=LIBVER, meta_block_size=META_BLOCK_BYTES) as f:
+                self._build(f, features, feature_attrs, ragged, token_ids)
+            replace_durably(creating, self.partial)
+        finally:
             creating.unlink(missing_ok=True)
-            raise
-        os.replace(creating, self.partial)  # the open handle follows the rename
-        self.file = f
-        self._stage()
+        self._open()
 
-    def _build(
-        self,
-        f: h5py.File,
-        features: Mapping[str, np.ndarray],
-        feature_attrs: Mapping,
-        ragged: frozenset[str],
-        token_ids: bool,
-    ) -> None:
-        """Lay out every dataset of a new store in ``f``, allocated to its full size."""
-        f.attrs["featcache_format"] = FORMAT_VERSION
+    def _build(self, f: h5py.File, features: Mapping[str, np.ndarray], feature_attrs: Mapping,
+               ragged: frozenset[str], token_ids: bool) -> None:  # fmt: skip
+        plan = self.plan
+        codec.write_attrs(f, plan.attrs)
+        codec.write_attrs(f, {"featcache_format": FORMAT_VERSION, "capacity": plan.rows})
         f.attrs["complete"] = False
-        f.attrs["capacity"] = self.capacity
-        codec.write_attrs(f, self.attrs)
-        _allocate(f, "progress", (1,), np.int64, None)
-        meta_rows = self.chunk_rows or min(self.capacity, MAX_META_CHUNK_ROWS)
-        for name, dtype in self._meta_dtypes().items():
-            _allocate(f, name, (self.capacity,), dtype, meta_rows, self.checksum)
-        tokens = max(self.token_capacity or 0, 1)
+        add = allocate_checked if plan.checksum else allocate
+        meta_rows = plan.chunk_rows or chunk_rows_for((), 8, plan.rows)
+        shapes: dict[str, tuple[tuple, Any]] = {"index": ((plan.rows,), np.int64)}
+        shapes["ids"] = ((plan.rows,), h5py.string_dtype("utf-8", max(plan.ids_width, 1)))
+        if plan.has_labels:
+            shapes["labels"] = ((plan.rows,), np.int64)
+        tokens = max(plan.token_capacity or 0, 1)
         if ragged:
-            offsets = _allocate(
-                f, "offsets", (self.capacity + 1,), np.int64, meta_rows, self.checksum
-            )
-            offsets[0] = 0
+            shapes["offsets"] = ((plan.rows + 1,), np.int64)
             if token_ids:
-                _allocate(f, "token_ids", (tokens,), np.int64, meta_rows, self.checksum)
-        group = f.create_group("features", track_order=True)
+                shapes["token_ids"] = ((tokens,), np.int64)
+        for name, (shape, dtype) in shapes.items():
+            add(f, name, shape, dtype, meta_rows)
+        f.create_group("features", track_order=True)
+        stored = codec.numpy_dtype(plan.dtype)
         for key, array in features.items():
-            shape = array.shape[1:]
-            length = tokens if key in ragged else self.capacity
-            chunk = self.chunk_rows or chunk_rows_for(shape, self.dtype, length)
-            dataset = _allocate(
-                group, key, (length, *shape), codec.numpy_dtype(self.dtype), chunk, self.checksum
-            )
+            shape = (tokens if key in ragged else plan.rows, *array.shape[1:])
+            rows = plan.chunk_rows or chunk_rows_for(shape[1:], stored.itemsize, shape[0])
+            dataset = add(f, f"features/{key}", shape, stored, rows)
             layout = {"layout": "tokens"} if key in ragged else {}
-            codec.write_attrs(dataset, dict(feature_attrs.get(key, {}), dtype=self.dtype, **layout))
-        record_chunk_indexes(f)  # never changed by the run: a resume compares its file to these
+            codec.write_attrs(dataset, dict(feature_attrs.get(key, {}), dtype=plan.dtype, **layout))
+        if plan.checksum:
+            codec.set_attr(f["checksums"], "algorithm", CHECKSUM)
+        names = [*shapes, *(f"features/{key}" for key in features)]
+        progress = allocate(f, PROGRESS, (1 + len(names),), "<i8")
+        progress[...] = 0
+        codec.set_attr(progress, "datasets", json.dumps(names))
 
-    def _meta_dtypes(self) -> dict[str, Any]:
-        dtypes = {"index": np.int64, "ids": h5py.string_dtype("utf-8", self.ids_width)}
-        if self.has_labels:
-            dtypes["labels"] = np.int64
-        return dtypes
-
-    def _open_partial(self) -> None:
-        self.file = h5py.File(self.partial, "r+", rdcc_nbytes=0)
-        try:
-            if "offsets" in self.file:
-                self.tokens_appended = self._durable_offset(self.start_row)
-            self._stage()
-        except BaseException:  # e.g. damaged rows at the resume point: left as found
-            self.file.close()
-            self.file = None
-            raise
-
-    def _durable_offset(self, row: int) -> int:
-        """``/offsets[row]`` of the partial file, for a row at most the durable ones."""
-        assert self.file is not None
-        offsets = self.file["offsets"]
-        return int(read_durable(offsets, row, row + 1, durable_entries(offsets))[0])
-
-    def _stage(self) -> None:
-        f = self.file
-        assert f is not None
-        rows, tokens = self.start_row, self.tokens_appended
-        staging = {name: Staged(f[name], rows) for name in self._meta_dtypes()}
-        if "offsets" in f:
-            staging["offsets"] = Staged(f["offsets"], rows, lead=1)
-            if "token_ids" in f:
-                staging["token_ids"] = Staged(f["token_ids"], tokens, per_token=True)
-        for key, dataset in f["features"].items():
-            if codec.attr(dataset, "layout") == "tokens":
-                staging[f"features/{key}"] = Staged(dataset, tokens, per_token=True)
-            else:
-                staging[f"features/{key}"] = Staged(dataset, rows)
-        self._staging = staging
-        self._token_staging = [staged for staged in staging.values() if staged.per_token]
+    def _open(self) -> None:
+        """Open the ``.partial`` file for raw writes and find where each dataset lies."""
+        resume = self.resume
+        durable = resume.durable if resume else {}
+        with open_readonly(self.partial) as f:
+            names = json.loads(codec.attr(f[PROGRESS], "datasets"))
+            self._progress_at = int(f[PROGRESS].id.get_offset())
+            columns = {}
+            for name in names:
+                dataset = f[name]
+                addresses = chunk_addresses(dataset)
+                if addresses is None:
+                    raise CorruptStoreError(
+                        f"store {self.partial} is corrupted: the chunk index of {name} changed "
+                        f"since the store was created; pass {OVERWRITE} to start over"
+                    )
+                sums = f.get(checksums_name(name))
+                per_token = name == "token_ids" or codec.attr(dataset, "layout") == "tokens"
+                start = self.tokens_appended if per_token else self.rows_appended
+                columns[name] = _Column(
+                    dataset, addresses, None if sums is None else int(sums.id.get_offset()),
+                    start, durable.get(name, 0), int(name == "offsets"), per_token,
+                )  # fmt: skip
+        self.fd = os.open(self.partial, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        for column in columns.values():
+            column.fd = self.fd
+        self._columns = columns
+        if "offsets" in columns:  # where the first row to come starts
+            columns["offsets"].push(np.array([self.tokens_appended], dtype=np.int64))
 
     # -- appending ---------------------------------------------------------------------------
 
@@ -243,33 +242,34 @@ class StoreWriter:
         rows = len(index)
         if rows == 0:
             return
-        if self.file is None:
+        if self.fd is None:
             self._create(features, feature_attrs or {}, ragged, token_ids is not None)
-        if self.rows_appended + rows > self.capacity:
-            raise FeatcacheError(f"more rows than the {self.capacity} the store was sized for")
+        if self.rows_appended + rows > self.plan.rows:
+            raise FeatcacheError(f"more rows than the {self.plan.rows} the store was sized for")
         self._check_layout(features, ragged)
-        if self._token_staging:
+        columns = self._columns
+        if "offsets" in columns:
             if lengths is None:
                 raise FeatcacheError(f"{self.path} holds per-token rows; append their lengths")
             ends = self.tokens_appended + np.cumsum(lengths, dtype=np.int64)
-            if self.token_capacity is not None and ends[-1] > self.token_capacity:
+            if ends[-1] > (self.plan.token_capacity or 0):
                 raise FeatcacheError(
-                    f"more tokens than the {self.token_capacity} the store was sized for; "
+                    f"more tokens than the {self.plan.token_capacity} the store was sized for; "
                     "the dataset's token_lengths do not match its items"
                 )
-            self._staging["offsets"].push(ends)
-            if "token_ids" in self._staging and token_ids is not None:
-                self._staging["token_ids"].push(np.asarray(token_ids, dtype=np.int64))
+            columns["offsets"].push(ends)
+            if "token_ids" in columns and token_ids is not None:
+                columns["token_ids"].push(np.asarray(token_ids, dtype=np.int64))
             self._ends = np.concatenate([self._ends, ends])
             self.tokens_appended = int(ends[-1])
         for key, array in features.items():
-            self._staging[f"features/{key}"].push(array)
-        self._staging["index"].push(np.asarray(index, dtype=np.int64))
-        self._staging["ids"].push(np.char.encode(np.asarray(ids, dtype=str), "utf-8"))
-        if self.has_labels:
-            self._staging["labels"].push(np.asarray(labels, dtype=np.int64))
+            columns[f"features/{key}"].push(array)
+        columns["index"].push(np.asarray(index, dtype=np.int64))
+        columns["ids"].push(np.char.encode(np.asarray(ids, dtype=str), "utf-8"))
+        if "labels" in columns:
+            columns["labels"].push(np.asarray(labels, dtype=np.int64))
         self.rows_appended += rows
-        if time.monotonic() - self._last_mark >= self.mark_seconds:
+        if time.monotonic() - self._last_mark >= self.plan.mark_seconds:
             self.mark()
 
     def _log_skip(self, record: dict[str, Any]) -> None:
@@ -281,63 +281,54 @@ class StoreWriter:
     def _check_layout(self, features: Mapping[str, np.ndarray], ragged: frozenset[str]) -> None:
         """Refuse a batch whose layers differ from the store's (per-token or not, shape)."""
         for key, array in features.items():
-            staged = self._staging[f"features/{key}"]
-            if staged.per_token != (key in ragged):
+            column = self._columns[f"features/{key}"]
+            if column.per_token != (key in ragged):
                 raise FeatcacheError(
                     f"layer {key!r} gives per-token rows for padded batches and one row of "
                     "all its tokens for batches that needed no padding; give the dataset's "
                     "items an attention_mask (every batch then stores per-token rows) or "
                     "reduce the tokens (mean, max, cls, last)"
                 )
-            if staged.item_shape != array.shape[1:]:
+            if column.entry_shape != array.shape[1:]:
                 got = "per-token rows" if key in ragged else "one row per sample"
                 raise FeatcacheError(
                     f"layer {key!r} changed shape between batches (now {got} of shape "
-                    f"{list(array.shape[1:])}, stored {list(staged.item_shape)}); reduce it "
+                    f"{list(array.shape[1:])}, stored {list(column.entry_shape)}); reduce it "
                     "to a fixed shape (mean, cls, last, avg, ...)"
                 )
 
     @property
     def durable_rows(self) -> int:
-        """Rows written to every dataset (rows only staged not included)."""
-        if not self._staging:
-            return self.start_row
-        rows = min(
-            staged.written - staged.lead
-            for staged in self._staging.values()
-            if not staged.per_token
-        )
-        if self._token_staging:
-            tokens = min(staged.written for staged in self._token_staging)
-            covered = int(np.searchsorted(self._ends, tokens, side="right"))
+        """Rows whose entries lie in whole chunks written to every dataset."""
+        columns = self._columns.values()
+        if not columns:
+            return self.rows_appended
+        rows = min(c.durable - c.lead for c in columns if not c.per_token)
+        tokens = [c.durable for c in columns if c.per_token]
+        if tokens:
+            covered = int(np.searchsorted(self._ends, min(tokens), side="right"))
             rows = min(rows, self._ends_base + covered)
-        return rows
+        return min(rows, self.rows_appended)
 
-    def mark(self, *, write_staged: bool = True) -> None:
-        """Make every appended row durable, then record the count in ``/progress``.
-
-        With ``write_staged=False`` only rows already written count (after a failed write).
-        """
+    def mark(self) -> None:
+        """Sync the file, then record in ``/progress`` the whole chunks written so far."""
         self._last_mark = time.monotonic()
         if self._log is not None:
             self._log.flush()
             os.fsync(self._log.fileno())
-        if write_staged:  # else a store smaller than one chunk would mark nothing
-            for staged in self._staging.values():
-                staged.write_staged()
-        durable = self.durable_rows
-        if self.file is None or durable == self._marked:
+        if self.fd is None:
             return
-        self.file.flush()
-        # The data is on disk before the mark is. The file was allocated whole at creation,
-        # so flushing its data (fdatasync) is enough; its size and layout do not change.
-        _datasync(self.file.id.get_vfd_handle())
-        self.file["progress"][0] = durable
-        self.file.flush()
-        self._marked = durable
-        if len(self._ends):  # rows before the durable one need no more tracking
-            drop = max(0, durable - self._ends_base)
-            self._ends, self._ends_base = self._ends[drop:], self._ends_base + drop
+        rows = self.durable_rows
+        record = [rows, *(c.durable for c in self._columns.values())]
+        if record == self._marked:
+            return
+        # The chunks are on the disk before the mark that counts them is written. The
+        # file's size and layout never change, so syncing its data (fdatasync) is enough.
+        _datasync(self.fd)
+        _write_all(self.fd, np.array(record, dtype="<i8"), self._progress_at)
+        self._marked = record
+        drop = max(0, rows - self._ends_base)
+        self._ends, self._ends_base = self._ends[drop:], self._ends_base + drop
 
     # -- closing ---------------------------------------------------------------------------
 
@@ -348,7 +339,7 @@ class StoreWriter:
         row_columns: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         """Close. With ``complete=True``, finish the store and move it into place; otherwise
-        keep what was appended (best effort) so that a rerun resumes.
+        mark the whole chunks written (best effort), so that a rerun resumes from them.
 
         ``row_columns`` are per-source-row arrays (``[source rows]``, indexed by source
         position, e.g. a text source's ``truncated`` flags): each is stored, for the rows
@@ -358,69 +349,73 @@ class StoreWriter:
             if complete:
                 self._finish(attrs or {}, row_columns or {})
             else:
-                for staged in self._staging.values():
-                    with contextlib.suppress(Exception):  # e.g. the disk that just filled up
-                        staged.flush()
-                with contextlib.suppress(Exception):
-                    self.mark(write_staged=False)  # counts only the datasets that did flush
+                with contextlib.suppress(Exception):  # e.g. the disk that just filled up
+                    self.mark()
         finally:
             if self._log is not None:
                 self._log.close()
                 self._log = None
-            if self.file is not None and self.file.id.valid:
-                self.file.close()
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
 
     def _finish(self, attrs: Mapping[str, Any], row_columns: Mapping[str, np.ndarray]) -> None:
-        if self.file is None:
+        if self.fd is None:
             raise FeatcacheError(
                 f"no rows to write to {self.path}: every sample was skipped "
                 f"({len(self.skipped)} skipped; see the messages above)"
             )
-        for staged in self._staging.values():
-            staged.flush()
+        for column in self._columns.values():
+            column.write_tail()
+        _datasync(self.fd)  # every row is on the disk before the store says it is complete
         self.mark()
-        if self.resumed:  # a file that sat on disk: its chunk index may have been damaged
-            self._check_indexes()
-        f = self.file
+        os.close(self.fd)
+        self.fd = None
         rows = self.rows_appended
-        for name, staged in self._staging.items():
-            size = self.tokens_appended if staged.per_token else rows + staged.lead
-            if len(f[name]) != size:  # samples were skipped, or fewer tokens than sized for
-                f[name].resize(size, axis=0)
-        for name in [*row_columns, "skipped"]:
-            if name in f:  # written by a run that stopped while it moved the store into place
-                del f[name]
-        if row_columns:
+        if self.resume is not None:
+            self._check_written()
+        with h5py.File(self.partial, "r+", libver=LIBVER, locking=False) as f:
+            for name, column in self._columns.items():
+                size = self.tokens_appended if column.per_token else rows + column.lead
+                if len(f[name]) != size:  # samples were skipped, or fewer tokens than sized for
+                    f[name].resize(size, axis=0)
+            chunk_rows = self._columns["index"].rows
+            for name in [*row_columns, "skipped"]:
+                for stale in (name, f"checksums/{name}"):  # from a stopped completion
+                    if stale in f:
+                        del f[stale]
             index = f["index"][:rows]
-            for name, column in row_columns.items():
-                f.create_dataset(name, data=np.asarray(column)[index])
-        if self.skipped:
-            write_skipped(f, sorted(self.skipped, key=lambda r: r["index"]))
-        codec.write_attrs(f, attrs)
-        f.attrs["num_rows"] = rows
-        f.attrs["rows_written"] = rows
-        f.attrs["skipped"] = len(self.skipped)
-        f.flush()  # every row is on disk before the flag says so
-        f.attrs["complete"] = True
-        seal(f)  # last: the digest covers every attribute written above
-        f.close()
-        if self.compression is not None:
-            copy_store(self.partial, self.path, self.compression)
+            for name, per_source_row in row_columns.items():
+                values = np.asarray(per_source_row)[index]
+                write_checked(f, name, values, chunk_rows, self.plan.checksum)
+            if self.skipped:
+                records = sorted(self.skipped, key=lambda r: r["index"])
+                write_skipped(f, records, chunk_rows, self.plan.checksum)
+            codec.write_attrs(f, attrs)
+            codec.write_attrs(f, {"num_rows": rows, "rows_written": rows})
+            f.attrs["skipped"] = len(self.skipped)
+            f.flush()  # every row is on disk before the flag says so
+            f.attrs["complete"] = True
+            seal(f)  # last: the digest covers every attribute written above
+        if self.plan.compression is not None:
+            copy_store(self.partial, self.path, self.plan.compression)
             self.partial.unlink()
         else:
             replace_durably(self.partial, self.path)
         skipped_log_path(self.path).unlink(missing_ok=True)
 
-    def _check_indexes(self) -> None:
-        """Refuse to complete a resumed store whose chunk index has gone wrong: a damaged
-        index can make HDF5 write a chunk as a second copy beside the one it lists, so
-        that readers of the store would disagree on its rows."""
-        assert self.file is not None
-        problem = damaged_index(self.file)
-        if problem:
-            raise CorruptStoreError(
-                f"store {self.partial} is corrupted: {problem}; pass {OVERWRITE} to start over"
-            )
+    def _check_written(self) -> None:
+        """Check every chunk this run wrote, found as plain HDF5 finds it: a resumed store
+        sat on disk, and a damaged chunk index would make HDF5 read it otherwise than it
+        was written."""
+        assert self.resume is not None
+        with opened(self.partial) as f:
+            bad = scan_file(f, after=self.resume.durable)
+            if bad:
+                raise CorruptStoreError(
+                    f"store {self.partial} is corrupted: {bad[0].describe(f)}; pass "
+                    f"{OVERWRITE} to start over"
+                )
 
     def __enter__(self) -> StoreWriter:
         return self
@@ -429,32 +424,84 @@ class StoreWriter:
         self.close(complete=False)
 
 
-_datasync = getattr(os, "fdatasync", os.fsync)  # fdatasync: Linux; fsync elsewhere
+class _Column:
+    """One dataset being written: entries gathered into whole chunks, each written at its
+    place in the file (``addresses``, one per chunk) with its checksum.
+
+    ``start`` is the entry the first pushed value is, ``durable`` the entries already
+    durable (whole chunks: a resume drops the values it recomputes below them). The
+    dataset's last chunk, partly filled, is written when the store completes; it counts
+    as durable only once the dataset is full."""
+
+    def __init__(self, dataset: h5py.Dataset, addresses: np.ndarray, sums_at: int | None,
+                 start: int, durable: int, lead: int, per_token: bool):  # fmt: skip
+        self.name, self.addresses, self.sums_at = dataset.name, addresses, sums_at
+        self.lead, self.per_token, self.length = lead, per_token, len(dataset)
+        self.fd = -1
+        self.entry_shape = tuple(dataset.shape[1:])
+        self.rows = dataset.chunks[0]
+        self.dtype = dataset.dtype
+        self.entry_bytes = self.dtype.itemsize * int(np.prod(self.entry_shape, dtype=np.int64))
+        self.chunk = np.zeros((self.rows, *self.entry_shape), dtype=self.dtype)
+        self.next = start  # the entry the next pushed value is
+        self.written = max(durable, 0)  # entries in whole chunks written
+        self.filled = 0  # entries gathered in ``chunk`` after ``written``
+
+    @property
+    def durable(self) -> int:
+        """Entries in whole chunks written: a chunk boundary, or the dataset's length."""
+        return (
+            self.written if self.written == self.length else self.written // self.rows * self.rows
+        )
+
+    def push(self, values: np.ndarray) -> None:
+        """Take the next ``len(values)`` entries."""
+        values = np.ascontiguousarray(values, dtype=self.dtype)
+        drop = min(max(self.written - self.next, 0), len(values))
+        self.next += len(values)
+        values = values[drop:]
+        if self.filled:  # complete the chunk being filled
+            take = min(self.rows - self.filled, len(values))
+            self.chunk[self.filled : self.filled + take] = values[:take]
+            self.filled += take
+            values = values[take:]
+            if self.filled == self.rows:
+                self._write(self.chunk)
+        if not self.filled:
+            whole = len(values) // self.rows * self.rows
+            if whole:
+                self._write(values[:whole])  # straight from the batch
+            self.filled = len(values) - whole
+            self.chunk[: self.filled] = values[whole:]
+        if self.filled and self.written + self.filled == self.length:
+            self.write_tail()  # the dataset's last chunk is complete
+
+    def write_tail(self) -> None:
+        """Write the chunk being filled, its entries not gathered yet as zero bytes."""
+        if self.filled:
+            self.chunk.reshape(-1).view(np.uint8)[self.filled * self.entry_bytes :] = 0
+            self._write(self.chunk, entries=self.filled)
+
+    def _write(self, values: np.ndarray, entries: int | None = None) -> None:
+        """Write ``values`` (whole chunks) at entry ``written``, and their checksums."""
+        raw = values.reshape(-1).view(np.uint8)
+        size = self.rows * self.entry_bytes
+        first, chunks = self.written // self.rows, -(-len(raw) // size)
+        places = self.addresses[first : first + chunks]
+        for at, run, address in segments(places, size):  # one write per run back to back
+            _write_all(self.fd, raw[at * size : (at + run) * size], address)
+        if self.sums_at is not None:
+            sums = [checksum(raw[i : i + size]) for i in range(0, len(raw), size)]
+            _write_all(self.fd, np.array(sums, dtype="<u8"), self.sums_at + 8 * first)
+        self.written = min(
+            self.written + (len(values) if entries is None else entries), self.length
+        )
+        self.filled = 0
 
 
-def _allocate(
-    group: h5py.Group,
-    name: str,
-    shape: tuple,
-    dtype: Any,
-    chunk_rows: int | None,
-    checksum: bool = False,
-) -> h5py.Dataset:
-    """A dataset whose storage is allocated now, so writes never add metadata.
-
-    Unfiltered storage is only reserved (no fill). With ``checksum`` (chunked datasets
-    only) HDF5 fills every chunk at allocation, whatever the fill time: zeros with their
-    Fletcher-32 checksum (also zeros), which a file built by
-    :func:`~featcache.store.sparse.created_sparse` leaves unwritten. A chunk's
-    checksummed size never changes, so later writes stay in place.
-    """
-    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
-    options: dict[str, Any] = {}
-    if chunk_rows is not None:
-        options["chunks"] = (min(chunk_rows, shape[0]), *shape[1:])
-        options["maxshape"] = (None, *shape[1:])  # shrinks at the end if samples were skipped
-        options["fletcher32"] = checksum
-    return group.create_dataset(
-        name, shape=shape, dtype=dtype, dcpl=dcpl, fill_time="never", **options
-    )
+def _write_all(fd: int, data: np.ndarray, offset: int) -> None:
+    """Write all of ``data``'s bytes at ``offset`` (``pwrite`` may write fewer at once)."""
+    view = data.reshape(-1).view(np.uint8).data
+    while len(view):
+        done = os.pwrite(fd, view, offset)
+        view, offset = view[done:], offset + done

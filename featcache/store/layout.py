@@ -1,0 +1,178 @@
+"""The format-3 layout: datasets allocated whole, their chunk sizes, chunk checksums, progress.
+
+Every dataset a run writes (the layers, ``/labels``, ``/index``, ``/ids``, ``/offsets``,
+``/token_ids``) is chunked along its first axis, stored without HDF5 filters and
+allocated in full when the file is created: each chunk has its place in the file from
+the start (:func:`chunk_addresses`; they usually lie back to back, in order). The run
+writes the dataset only as whole chunks, straight into those places, and never changes
+HDF5's metadata until the store completes.
+
+Beside each such dataset ``<name>``, ``/checksums/<name>`` holds one XXH3-64 checksum per
+chunk (``uint64``, :func:`checksum` of the chunk's bytes as stored: padded with zero
+bytes past the last row), written with its chunk. ``/progress`` holds the durable rows
+and, for each dataset its attribute ``datasets`` names, its durable entries: always
+whole chunks (or the dataset's full length). docs/store-format.md is the specification.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import h5py
+import numpy as np
+import xxhash
+
+from featcache.store import codec
+
+CHECKSUM = "xxh3_64"  # the /checksums group's "algorithm" attribute
+TARGET_CHUNK_BYTES = 1 << 20  # a chunk holds about 1 MiB ...
+MAX_CHUNK_ROWS = 256  # ... of at most this many rows: it fills in seconds, even on a CPU
+PROGRESS = "progress"
+
+# HDF5 file formats. A store is written with version-2 object headers (checksummed) in a
+# version-2 superblock, which HDF5 does not mark as open for writing: a file whose writer
+# was killed while HDF5 had it open (at completion) still opens. A file written whole (a
+# compressed or merged copy, a combined torchrun store) uses HDF5 1.10's format, whose
+# chunk indexes carry checksums too.
+LIBVER = ("v108", "v110")
+WHOLE_FILE_LIBVER = ("v110", "v110")
+# HDF5 keeps the metadata it writes while allocating a dataset (its chunk index) in blocks
+# of this size: big ones, so that a dataset's chunks are allocated back to back.
+META_BLOCK_BYTES = 64 << 10
+
+
+def checksum(data: Any) -> int:
+    """The XXH3-64 checksum of ``data``'s bytes (any contiguous buffer), as stored."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def chunk_rows_for(entry_shape: Sequence[int], itemsize: int, length: int) -> int:
+    """Entries per chunk of a dataset of ``length`` entries of ``entry_shape``: about
+    :data:`TARGET_CHUNK_BYTES`, at most :data:`MAX_CHUNK_ROWS`, at least 1."""
+    entry_bytes = max(int(np.prod(entry_shape, dtype=np.int64)) * itemsize, 1)
+    return int(max(1, min(length, MAX_CHUNK_ROWS, TARGET_CHUNK_BYTES // entry_bytes)))
+
+
+def checksums_name(name: str) -> str:
+    """Where the chunk checksums of dataset ``name`` live."""
+    return f"checksums/{name.lstrip('/')}"
+
+
+def allocate(
+    group: h5py.Group,
+    name: str,
+    shape: tuple,
+    dtype: Any,
+    chunk_rows: int | None = None,
+    resizable: bool = True,
+) -> h5py.Dataset:
+    """A dataset whose storage is allocated now and never filled: chunked by
+    ``chunk_rows`` along its first axis (``resizable``, so that completion can shrink it;
+    a file written whole in HDF5's 1.10 format then needs no chunk index at all), or
+    contiguous without ``chunk_rows``. Writes into it never add metadata."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    options: dict[str, Any] = {}
+    if chunk_rows is not None:
+        options["chunks"] = (min(chunk_rows, shape[0]), *shape[1:])
+        options["maxshape"] = (None if resizable else shape[0], *shape[1:])
+    return group.create_dataset(
+        name, shape=shape, dtype=dtype, dcpl=dcpl, fill_time="never", **options
+    )
+
+
+def allocate_checked(file: h5py.File, name: str, shape: tuple, dtype: Any, chunk_rows: int):
+    """:func:`allocate` a chunked dataset and its ``/checksums`` entry, one per chunk."""
+    dataset = allocate(file, name, shape, dtype, chunk_rows)
+    chunks = -(-shape[0] // dataset.chunks[0])
+    allocate(file, checksums_name(name), (max(chunks, 1),), "<u8")
+    return dataset
+
+
+def write_checked(
+    file: h5py.File, name: str, data: np.ndarray, chunk_rows: int, checked: bool = True
+) -> None:
+    """A whole dataset ``name`` of ``data`` (at least one row), written at once, with its
+    chunk checksums when ``checked`` (the skip records and per-row columns a store gets
+    when it completes)."""
+    dataset = (allocate_checked if checked else allocate)(
+        file, name, data.shape, data.dtype, chunk_rows
+    )
+    dataset[...] = data
+    if checked:
+        file[checksums_name(name)][...] = stored_checksums(dataset)
+
+
+def stored_checksums(dataset: h5py.Dataset) -> np.ndarray:
+    """The checksum of each chunk of ``dataset`` as HDF5 stored it (filters applied)."""
+    dataset.id.flush()  # chunks still in HDF5's cache are written first
+    rows, zeros = dataset.chunks[0], (0,) * (dataset.ndim - 1)
+    stored = (
+        dataset.id.read_direct_chunk((start, *zeros))[1] for start in range(0, len(dataset), rows)
+    )
+    return np.array([checksum(chunk) for chunk in stored] or [0], dtype="<u8")
+
+
+LISTED_TWICE = -2  # in chunk_listing: a chunk the index lists twice (a damaged index)
+
+
+def chunk_listing(dataset: h5py.Dataset) -> np.ndarray:
+    """Where each chunk of a chunked ``dataset`` begins in the file (``int64``, in row
+    order), as HDF5's listing of its chunk index gives it: -1 for a chunk not stored as
+    its plain bytes of whole rows (not allocated, filtered, another size),
+    :data:`LISTED_TWICE` for one listed twice."""
+    rows = dataset.chunks[0]
+    row_bytes = dataset.dtype.itemsize * int(np.prod(dataset.shape[1:], dtype=np.int64))
+    plain = (
+        dataset.chunks[1:] == dataset.shape[1:] and not dataset.id.get_create_plist().get_nfilters()
+    )
+    listing = np.full(-(-len(dataset) // rows), -1, dtype=np.int64)
+    seen = np.zeros(len(listing), dtype=bool)
+
+    def note(info: h5py.h5d.StoreInfo) -> None:
+        chunk = info.chunk_offset[0] // rows
+        if chunk >= len(listing) or any(info.chunk_offset[1:]):
+            return
+        if seen[chunk]:
+            listing[chunk] = LISTED_TWICE
+        elif plain and info.byte_offset is not None and info.size == rows * row_bytes:
+            listing[chunk] = info.byte_offset
+        seen[chunk] = True
+
+    try:
+        dataset.id.chunk_iter(note)
+    except (AttributeError, NotImplementedError):  # HDF5 before 1.12.3 cannot list them
+        for start in range(0, len(dataset), rows):
+            note(dataset.id.get_chunk_info_by_coord((start, *(0,) * (dataset.ndim - 1))))
+    return listing
+
+
+def chunk_addresses(dataset: h5py.Dataset) -> np.ndarray | None:
+    """:func:`chunk_listing` when every chunk is stored as its plain bytes, once (as
+    :func:`allocate` lays a dataset out: featcache reads and writes them there); else None."""
+    if dataset.chunks is None or dataset.is_virtual or not len(dataset):
+        return None
+    listing = chunk_listing(dataset)
+    return None if (listing < 0).any() else listing
+
+
+def segments(addresses: np.ndarray, chunk_bytes: int) -> list[tuple[int, int, int]]:
+    """``(first chunk, chunks, address)`` of each run of chunks that lie back to back in
+    the file (a dataset allocated whole is usually one)."""
+    breaks = np.flatnonzero(np.diff(addresses) != chunk_bytes) + 1
+    firsts = np.r_[0, breaks].tolist()
+    stops = [*firsts[1:], len(addresses)]
+    return [(a, b - a, int(addresses[a])) for a, b in zip(firsts, stops, strict=True)]
+
+
+def dataset_names(file: h5py.File) -> list[str]:
+    """The datasets whose progress ``/progress`` records, in its order."""
+    return list(json.loads(codec.attr(file[PROGRESS], "datasets", "[]")))
+
+
+def read_progress(file: h5py.File) -> tuple[int, dict[str, int]]:
+    """``(durable rows, {dataset: durable entries})`` of a format-3 store."""
+    values = file[PROGRESS][()]
+    return int(values[0]), dict(zip(dataset_names(file), map(int, values[1:]), strict=False))

@@ -1,0 +1,159 @@
+"""Writing speed: featcache.extract with a model that costs nothing, against casting the
+same tensors to float16 and writing them with one fsync, in the same process.
+
+The model is an identity layer, so the run is all featcache's own work: the loader
+slicing batches out of a tensor in memory, the hooks, the cast to float16, the writer
+thread, the chunk checksums, the progress marks and the completed store's move into
+place. Its layer's rows are unpooled ``[256, 14, 14]`` (``--rows`` of them, 8,192 by
+default: 784 MiB of float16). The baseline casts the same batches of the same tensor to
+float16 and writes them to one file, then fsyncs it.
+
+The cases run in rounds (every case once a round, in order, after ``os.sync()``, the
+files removed between rounds), ``--repeats`` rounds after a warm-up. Printed: each
+case's median wall and CPU seconds (this process, every thread) with their ranges, and
+featcache against the baseline: ``wall`` (the baseline's wall time over featcache's: 1.00x
+means as fast) and ``CPU/byte`` (the baseline's CPU time per byte written over
+featcache's), the medians of the per-round ratios and their ranges. Target: at least
+0.90x and 0.75x, checksums on.
+
+``--checksum-cost`` adds ``featcache.extract, checksum off``. ``--hashes`` times the chunk
+checksum libraries that are installed (xxhash's XXH3-64, which featcache uses, and
+google-crc32c and crc32c if present) on 1 MiB chunks.
+
+    python scripts/bench_write.py [--rows 8192] [--batch 64] [--repeats 5]
+                                  [--checksum-cost] [--hashes] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import featcache
+
+SHAPE = (256, 14, 14)
+
+
+class Identity(nn.Module):
+    """A model that costs nothing: its one layer, ``layer``, hands back its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+def cast_write_fsync(data: torch.Tensor, batch: int, path: Path) -> None:
+    """The baseline: each batch cast to float16 and written, then one fsync."""
+    with open(path, "wb", buffering=0) as out:
+        for start in range(0, len(data), batch):
+            out.write(data[start : start + batch].to(torch.float16).numpy().data)
+        os.fsync(out.fileno())
+
+
+def extract(data: torch.Tensor, batch: int, path: Path, checksum: bool = True) -> None:
+    featcache.extract(
+        Identity(), TensorDataset(data), [{"name": "layer", "reduce": "none"}], path,
+        batch_size=batch, num_workers=0, progress=False, overwrite=True, checksum=checksum,
+    )  # fmt: skip
+
+
+def timed_rounds(
+    cases: dict[str, Callable[[Path], None]], folder: Path, repeats: int
+) -> dict[str, list[tuple[float, float]]]:
+    """(wall, CPU) seconds of each case in each round; a warm-up round first."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
+    for round_ in range(repeats + 1):
+        for i, (name, run) in enumerate(cases.items()):
+            path = folder / f"case{i}.h5"
+            os.sync()  # no case pays for writing back what an earlier one left dirty
+            wall, cpu = time.perf_counter(), time.process_time()
+            run(path)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            if round_:
+                times[name].append((wall, cpu))
+            path.unlink()
+    return times
+
+
+def spread(values: list[float]) -> str:
+    """``median (min-max)``."""
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def hashes(size: int = 1 << 20, repeats: int = 200) -> None:
+    """GB/s of each installed checksum library on ``size``-byte chunks (best of runs)."""
+    data = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+    candidates = {
+        "xxhash xxh3_64": ("xxhash", lambda m: m.xxh3_64_intdigest(data)),
+        "google-crc32c": ("google_crc32c", lambda m: m.value(data.tobytes())),
+        "crc32c": ("crc32c", lambda m: m.crc32c(data)),
+    }
+    print(f"\nchecksum of {size >> 20} MiB chunks            GB/s")
+    for name, (module_name, run) in candidates.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            print(f"{name:<32} not installed")
+            continue
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run(module)
+            best = min(best, time.perf_counter() - start)
+        print(f"{name:<32} {size / best / 1e9:6.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--checksum-cost", action="store_true")
+    parser.add_argument("--hashes", action="store_true")
+    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: tmp)")
+    args = parser.parse_args()
+    data = torch.randn(args.rows, *SHAPE, generator=torch.Generator().manual_seed(0))
+    nbytes = args.rows * int(np.prod(SHAPE)) * 2
+    cases: dict[str, Callable[[Path], None]] = {
+        "cast + write + fsync": lambda p: cast_write_fsync(data, args.batch, p),
+        "featcache.extract": lambda p: extract(data, args.batch, p),
+    }
+    if args.checksum_cost:
+        cases["featcache.extract, checksum off"] = lambda p: extract(data, args.batch, p, False)
+    with tempfile.TemporaryDirectory(prefix="featcache-bench-write-", dir=args.dir) as tmp:
+        times = timed_rounds(cases, Path(tmp), args.repeats)
+    print(
+        f"{args.rows} rows {list(SHAPE)} float16 ({nbytes / 2**20:,.0f} MiB) in batches of "
+        f"{args.batch}; {torch.get_num_threads()} torch threads; median (range) of "
+        f"{args.repeats} rounds"
+    )
+    print(f"{'case':<34} {'wall s':>18} {'CPU s':>18} {'wall':>18} {'CPU/byte':>18}")
+    base = times["cast + write + fsync"]
+    for name, rounds in times.items():
+        walls, cpus = [w for w, _ in rounds], [c for _, c in rounds]
+        wall_ratio = [b[0] / w for b, w in zip(base, walls, strict=True)]
+        cpu_ratio = [b[1] / c for b, c in zip(base, cpus, strict=True)]  # same bytes
+        print(
+            f"{name:<34} {spread(walls):>18} {spread(cpus):>18} "
+            f"{spread(wall_ratio) + 'x':>18} {spread(cpu_ratio) + 'x':>18}"
+        )
+    if args.hashes:
+        hashes()
+
+
+if __name__ == "__main__":
+    main()
