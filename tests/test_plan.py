@@ -95,7 +95,8 @@ def test_store_bytes_counts_whole_chunks_and_checksums():
     unchunked = store_bytes(12, [layer], ids_width=4, chunk_rows=4, checksum=False)
     assert chunked == unchunked  # 10 rows in chunks of 4 take 3 whole chunks, as 12 do
     summed = store_bytes(10, [layer], ids_width=4, chunk_rows=4, checksum=True)
-    assert summed - chunked == 4 * 3 * 4  # index, ids, labels, layer: 3 chunks each
+    # an XXH3 checksum (8 bytes) per chunk of index, ids, labels and the layer: 3 chunks each
+    assert summed - chunked == 8 * 3 * 4
 
 
 class CountingImages(torch.utils.data.Dataset):

@@ -86,7 +86,7 @@ def estimate_store(
     for layer in layers:
         length = max(tokens or 0, 1) if layer.per_token else rows
         chunk = layer_chunk_rows(layer, length, run.store.chunk_rows)
-        per_layer[layer.key] = dataset_bytes(length, chunk, layer.item_bytes, run.store.checksum)
+        per_layer[layer.key] = dataset_bytes(length, chunk, layer.item_bytes, checksum=False)
     return StoreEstimate(path, rows, tokens, layers, per_layer, total, run.store.compression)
 
 

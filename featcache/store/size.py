@@ -13,16 +13,16 @@ import numpy as np
 
 from featcache.errors import FeatcacheError
 from featcache.store import codec
-from featcache.store.chunks import MAX_META_CHUNK_ROWS, chunk_rows_for
+from featcache.store.layout import META_BLOCK_BYTES, chunk_rows_for
 from featcache.units import format_bytes
 
 # HDF5's own bytes in a store, measured on stores written by StoreWriter: the superblock
-# and root group, and per chunked dataset its object header (shape, type, filters,
-# featcache's attributes) and its chunk index (version-1 B-tree nodes of 64 entries).
+# and root group, and per chunked dataset its object header (shape, type, featcache's
+# attributes) and its chunk index (version-1 B-tree nodes of 64 entries).
 FILE_METADATA_BYTES = 2400
 DATASET_METADATA_BYTES = 800
 BTREE_ENTRIES = 64
-FLETCHER32_BYTES = 4  # the checksum HDF5 stores at the end of every checksummed chunk
+CHECKSUM_BYTES = 8  # one XXH3-64 per chunk, in /checksums/<dataset>
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,17 +60,19 @@ def store_bytes(
     What it counts, as the writer lays the store out:
 
     - every chunked dataset allocated in full when the file is created, in whole chunks
-      (``ceil(length / chunk)`` chunks of ``chunk`` rows, each with its 4-byte Fletcher-32
-      checksum when ``checksum``): a dense layer ``[rows, *shape]`` and a per-token layer
-      ``[tokens, *shape]``, chunked as :func:`~featcache.store.chunks.chunk_rows_for`
-      says (or ``chunk_rows``); ``/index`` and ``/labels`` (int64) and ``/ids``
-      (``ids_width`` bytes each) in chunks of at most 4,096 rows; for per-token layers
-      ``/offsets`` (``rows + 1`` int64) and, with ``token_ids``, ``/token_ids`` (int64 per
-      token); and the 8 bytes of ``/progress``;
+      (``ceil(length / chunk)`` chunks of ``chunk`` rows) and, when ``checksum``, its
+      ``/checksums`` array of 8 bytes per chunk: a dense layer ``[rows, *shape]`` and a
+      per-token layer ``[tokens, *shape]``, chunked as
+      :func:`~featcache.store.layout.chunk_rows_for` says (or ``chunk_rows``); ``/index``
+      and ``/labels`` (int64) and ``/ids`` (``ids_width`` bytes each) in the chunks of an
+      8-byte row; for per-token layers ``/offsets`` (``rows + 1`` int64) and, with
+      ``token_ids``, ``/token_ids`` (int64 per token); and ``/progress`` (8 bytes for the
+      rows and one per dataset);
     - ``row_column_bytes`` per row of the columns a source records when the store
       completes (a text source's ``num_tokens`` and ``truncated``: 9 bytes);
     - HDF5's own metadata, estimated: a fixed part per file and per dataset, the chunk
-      index (a B-tree node per 64 chunks), and ``attrs_bytes`` of attribute text.
+      index (a B-tree node per 64 chunks), and ``attrs_bytes`` of attribute text, in the
+      whole blocks of :data:`~featcache.store.layout.META_BLOCK_BYTES` HDF5 takes for it.
 
     Not counted: samples skipped during the run (the store is sized for every row and
     keeps its size), the ``/skipped`` records, and compression (a compressed store is a
@@ -78,7 +80,7 @@ def store_bytes(
     Dense layers are exact up to the metadata estimate; per-token layers are as exact as
     the token count ``tokens`` is.
     """
-    meta_chunk = chunk_rows or min(rows, MAX_META_CHUNK_ROWS)
+    meta_chunk = chunk_rows or chunk_rows_for((), 8, rows)
     datasets: list[tuple[int, int, int, int]] = []  # length, chunk rows, row bytes, rank
     datasets.append((rows, meta_chunk, 8, 1))  # index
     datasets.append((rows, meta_chunk, max(1, ids_width), 1))  # ids
@@ -93,24 +95,30 @@ def store_bytes(
         length = token_rows if layer.per_token else rows
         chunk = layer_chunk_rows(layer, length, chunk_rows)
         datasets.append((length, chunk, layer.item_bytes, 1 + len(layer.shape)))
-    total = FILE_METADATA_BYTES + attrs_bytes + 8 + rows * row_column_bytes  # 8: /progress
+    data = 8 * (1 + len(datasets)) + rows * row_column_bytes  # /progress, the columns
+    metadata = FILE_METADATA_BYTES + attrs_bytes
     for length, chunk, row_bytes, rank in datasets:
-        total += dataset_bytes(length, chunk, row_bytes, checksum)
-        total += DATASET_METADATA_BYTES + _btree_bytes(math.ceil(length / min(chunk, length)), rank)
-    return total
+        chunks = math.ceil(length / min(chunk, length))
+        data += dataset_bytes(length, chunk, row_bytes, checksum)
+        metadata += DATASET_METADATA_BYTES + _btree_bytes(chunks, rank)
+        if checksum:
+            metadata += DATASET_METADATA_BYTES  # its /checksums array's header
+    # HDF5 takes the space for metadata in whole blocks of META_BLOCK_BYTES.
+    return data + META_BLOCK_BYTES * math.ceil(metadata / META_BLOCK_BYTES)
 
 
 def layer_chunk_rows(layer: LayerSize, length: int, chunk_rows: int | None = None) -> int:
     """Rows (tokens) per chunk of ``layer``'s dataset of ``length`` rows (tokens)."""
-    return min(chunk_rows or chunk_rows_for(layer.shape, layer.dtype, length), length)
+    itemsize = codec.numpy_dtype(layer.dtype).itemsize
+    return min(chunk_rows or chunk_rows_for(layer.shape, itemsize, length), length)
 
 
 def dataset_bytes(length: int, chunk: int, row_bytes: int, checksum: bool = True) -> int:
     """Bytes of a chunked dataset of ``length`` rows of ``row_bytes``, allocated in whole
-    chunks of ``chunk`` rows (each with its Fletcher-32 checksum when ``checksum``)."""
+    chunks of ``chunk`` rows, and of its chunk checksums when ``checksum``."""
     chunk = min(chunk, length)
     chunks = math.ceil(length / chunk)
-    return chunks * (chunk * row_bytes + (FLETCHER32_BYTES if checksum else 0))
+    return chunks * (chunk * row_bytes + (CHECKSUM_BYTES if checksum else 0))
 
 
 def _btree_bytes(chunks: int, rank: int) -> int:
