@@ -66,16 +66,22 @@ def test_config_fingerprint_leaves_out_only_content_free_keys():
 
 
 def test_keys_added_later_leave_older_fingerprints_alone():
-    """Stores written before the text and bucketing keys existed still resume and verify:
-    those keys count only when set."""
+    """Stores written before the text, bucketing and decoding keys existed still resume
+    and verify: those keys count only when set to something the older stores did not do.
+    Older stores decoded JPEGs at reduced scale, so a config read from one is the demo with
+    ``loader.decode=fast``; today's default (exact) is a different computation."""
     from pathlib import Path
 
-    from featcache.provenance import config_fingerprint
-    from featcache.spec import load_config
+    from featcache.provenance import config_fingerprint, recorded_config
+    from featcache.spec import from_dict, load_config, to_dict
 
     demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
     before = "46da3231fe426448512a98c32e85c683c2b492b11245f28dd9526b58d9ab6bbf"
-    assert config_fingerprint(load_config(demo)) == before
+    assert config_fingerprint(load_config(demo, ["loader.decode=fast"])) == before
+    assert config_fingerprint(load_config(demo)) != before
+    older = to_dict(load_config(demo))
+    del older["loader"]["decode"], older["data"]["limit"], older["data"]["class_names"]
+    assert config_fingerprint(from_dict(recorded_config(older))) == before
     assert config_fingerprint(load_config(demo, ["loader.bucket_by_length=true"])) != before
     texts = "data={source: text, root: r, splits: {train: t.csv}%s}"
     plain = config_fingerprint(load_config(demo, [texts % ""]))
