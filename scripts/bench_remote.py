@@ -136,7 +136,11 @@ def main() -> None:
             f"moto S3 at {endpoint}; resnet18 at {args.size}px, batch {args.batch}, "
             f"{args.workers} workers, {args.rounds} rounds, medians"
         )
-        local = {"source": "webdataset", "root": str(folder), "splits": {"train": f"shards/{pattern}"}}
+        local = {
+            "source": "webdataset",
+            "root": str(folder),
+            "splits": {"train": f"shards/{pattern}"},
+        }
         remote = {**local, "root": url, "storage_options": {"endpoint_url": f"http://{endpoint}"}}
         cases = {"extract": extract_seconds, "read": read_seconds}
         times: dict[tuple[str, str], list[float]] = {}
