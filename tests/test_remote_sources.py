@@ -4,7 +4,6 @@ JPEGs), with requests counted and faults injected."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -159,6 +158,8 @@ def test_webdataset_shards_are_streamed_in_order_and_indexed_once(cifar, proxy, 
         reads = proxy.reads(name)
         assert reads[0].range is not None and reads[0].range.startswith("bytes=0-")  # index
         spans = [tuple(map(int, r.range.split("=")[1].split("-"))) for r in reads[1:]]
+        if s == 0:  # the run's plan looks at the first sample alone before the batches
+            spans.remove((int(source.offset[0]), int(source.offset[0] + source.size[0] - 1)))
         assert spans == sorted(spans)  # in order
         assert all(a[1] < b[0] for a, b in zip(spans, spans[1:], strict=False))  # disjoint
         rows = (source.shard == s).sum()
@@ -250,39 +251,32 @@ def test_kill_and_resume_reads_no_finished_shard_again(cifar, proxy, tmp_path):
 
 
 def test_credentials_never_appear_in_a_store_an_output_or_an_error(cifar, proxy, tmp_path):
+    from typer.testing import CliRunner
+
+    from featcache.cli import app
+
+    runner = CliRunner()
     data = s3_data("webdataset", proxy)
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config(data, tmp_path / "out", loader=LOADER)))
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    run = subprocess.run(
-        [sys.executable, "-m", "featcache", "--debug", "extract", str(path)],
-        cwd=REPO, capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr
+    run = runner.invoke(app, ["--debug", "extract", str(path)])
+    assert run.exit_code == 0, run.output
     denied = {**data, "storage_options": {"endpoint_url": proxy.url + "/nowhere"}}
     path.write_text(yaml.safe_dump(config(denied, tmp_path / "failed", loader=LOADER)))
-    failed = subprocess.run(
-        [sys.executable, "-m", "featcache", "--debug", "extract", str(path)],
-        cwd=REPO, capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    assert failed.returncode != 0
-    verified = subprocess.run(
-        [sys.executable, "-m", "featcache", "verify", str(tmp_path / "out" / "train.h5")],
-        cwd=REPO, capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    assert verified.returncode == 0, verified.stdout + verified.stderr
+    failed = runner.invoke(app, ["--debug", "extract", str(path)])
+    assert failed.exit_code != 0
+    verified = runner.invoke(app, ["verify", str(tmp_path / "out" / "train.h5")])
+    assert verified.exit_code == 0, verified.output
     stored = (tmp_path / "out" / "train.h5").read_bytes()
-    said = run.stdout + run.stderr + failed.stdout + failed.stderr + verified.stdout
+    said = run.output + failed.output + verified.output
     for secret in (ACCESS_KEY, SECRET_KEY):
         assert secret.encode() not in stored and secret not in said
     with pytest.raises(ConfigError) as info:
         load_config(config({**data, "storage_options": {"secret": SECRET_KEY}}, tmp_path))
     assert "data.storage_options.secret would put a credential" in str(info.value)
     assert SECRET_KEY not in str(info.value)
-    for url in (
-        f"s3://{ACCESS_KEY}:{SECRET_KEY}@{BUCKET}/x",
-        f"https://h/x?X-Amz-Signature={SECRET_KEY}",
-    ):
+    signed = f"https://h/x?X-Amz-Signature={SECRET_KEY}"
+    for url in (f"s3://{ACCESS_KEY}:{SECRET_KEY}@{BUCKET}/x", signed):
         with pytest.raises(ConfigError, match="carries") as info:
             load_config(config({**data, "root": url}, tmp_path))
         assert SECRET_KEY not in str(info.value)
