@@ -4,15 +4,10 @@ JPEGs), with requests counted and faults injected."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
 
-import h5py
 import pytest
 import yaml
 
@@ -20,12 +15,13 @@ import featcache
 from featcache.errors import ConfigError, FeatcacheError, FeatcacheWarning
 from featcache.sources import build_source
 from featcache.spec import DataSpec, load_config
-from featcache.store import FeatureStore, partial_path
+from featcache.store import FeatureStore
 from tests.cifar_formats import (
     CLASSES,
     assert_same_as_imagefolder,
     config,
     extract_images,
+    killed_mid_run,
     write_parquet,
     write_shards,
 )
@@ -48,14 +44,7 @@ pytest.importorskip("pyarrow")
 REPO = Path(__file__).resolve().parents[1]
 SHARDS = "shards/train-{000000..000002}.tar"
 LOADER = {"batch_size": 4, "num_workers": 0}
-
-
-@pytest.fixture(autouse=True)
-def index_cache(tmp_path, monkeypatch) -> Path:
-    """Shard indexes go to a fresh folder (inherited by the runs in subprocesses)."""
-    folder = tmp_path / "featcache-cache"
-    monkeypatch.setenv("FEATCACHE_CACHE_DIR", str(folder))
-    return folder / "wds-index"
+pytestmark = pytest.mark.usefixtures("index_cache")
 
 
 @pytest.fixture(scope="module")
@@ -223,18 +212,7 @@ def test_kill_and_resume_reads_no_finished_shard_again(cifar, proxy, tmp_path):
     path = tmp_path / "killed.yaml"
     path.write_text(yaml.safe_dump(config(data, tmp_path / "out", model=model, loader=LOADER)))
     store = tmp_path / "out" / "train.h5"
-    command = [sys.executable, "-m", "featcache", "extract", str(path)]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline, rows = time.monotonic() + 180, 0
-    while process.poll() is None and time.monotonic() < deadline and rows < 20:
-        if partial_path(store).exists():
-            with h5py.File(partial_path(store), "r", locking=False) as f:
-                rows = int(f["progress"][0]) if "progress" in f else 0
-        time.sleep(0.05)
-    assert process.poll() is None, process.stderr.read() if process.stderr else ""
-    process.send_signal(signal.SIGKILL)
-    process.wait(timeout=60)
-    durable = FeatureStore(store, allow_incomplete=True).rows_written
+    durable = killed_mid_run(path, store, 20, REPO)
     source = build_source(DataSpec(**data), "train", None)
     ends = [*source.shard_starts, len(source)]
     finished = [s for s, end in enumerate(ends) if end <= durable]
@@ -243,9 +221,10 @@ def test_kill_and_resume_reads_no_finished_shard_again(cifar, proxy, tmp_path):
     featcache.extract_from_config(path)  # the same command, resumed here
     assert_same_as_imagefolder(store, reference(cifar, "webdataset"))
     again = [r for s in finished for r in proxy.reads(source.shards[s].rsplit("/", 1)[1])]
-    # Only the resume's check recomputes rows there: its first and last durable batch.
-    assert len(again) <= 2 and not any(r.range.startswith("bytes=0-") for r in again)
-    assert sum(r.sent for r in again) <= 2 * 4 * 2000  # two batches of small JPEGs
+    # No index read there; only the plan's first sample and the resume's check, which
+    # recomputes the first and the last durable batch, read a few samples.
+    assert len(again) <= 3 and not any(r.range.startswith("bytes=0-") for r in again)
+    assert sum(r.sent for r in again) <= 3 * 4 * 2000  # three batches of small JPEGs
     unfinished = source.shards[finished[-1] + 1].rsplit("/", 1)[1]
     assert proxy.reads(unfinished)
 
@@ -330,3 +309,52 @@ def test_sources_that_read_local_files_only_refuse_urls(tmp_path):
         load_config(
             config({"source": "torchvision", "dataset": "CIFAR10", "root": "s3://b/c"}, tmp_path)
         )
+
+
+def test_text_files_and_class_names_over_http_read_as_local_ones(cifar, http_server):
+    from tests.cifar_formats import WordLengths
+
+    (cifar / "texts.csv").write_text("text,label\na small cat,cat\na big dog,dog\n")
+    (cifar / "names.txt").write_text("cat\ndog\n")
+    sources = [
+        build_source(
+            DataSpec(source="text", root=root, splits={"t": "texts.csv"}),
+            "t",
+            None,
+            tokenizer=WordLengths(),
+        )
+        for root in (str(cifar), http_server.url)
+    ]
+    local, remote = sources
+    assert remote.ids == local.ids and remote.class_names == local.class_names == ["cat", "dog"]
+    assert [remote[i][0]["input_ids"].tolist() for i in range(2)] == [[2, 6, 4], [2, 4, 4]]
+    assert remote.fingerprint() != local.fingerprint()  # it records the URL and its ETag
+    data = DataSpec(
+        **data_under("webdataset", http_server.url),
+        class_names=f"{http_server.url}/names.txt",
+    )
+    with pytest.raises(ConfigError, match="names 2 classes, but the source has label"):
+        build_source(data, "train", None)
+
+
+def test_torchrun_ranks_read_disjoint_shards(cifar, proxy, tmp_path):
+    """Each rank's block (as :func:`featcache.distributed.block` cuts it for torchrun)
+    extracted on its own: the shards one rank reads, no other rank reads."""
+    from featcache.distributed import block
+    from featcache.extraction import extract
+    from featcache.extraction.from_config import build_backbone_for, build_source_for
+
+    spec = load_config(config(s3_data("webdataset", proxy), tmp_path, loader=LOADER))
+    backbone = build_backbone_for(spec)
+    source = build_source_for(spec, "train", backbone)
+    read: list[set[str]] = []
+    for rank in range(2):
+        rows = block(len(source), 4, rank, 2, source.shard_starts)
+        proxy.requests.clear()
+        extract(
+            backbone.model, source, spec.layers, tmp_path / f"rank{rank}.h5", rows=rows,
+            batch_size=4, num_workers=0, progress=False, device="cpu",
+        )  # fmt: skip
+        read.append({r.path.rsplit("/", 1)[1] for r in proxy.requests if r.range})
+    assert read[0] and read[1] and not read[0] & read[1]
+    assert read[0] | read[1] == {url.rsplit("/", 1)[1] for url in source.shards}

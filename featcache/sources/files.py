@@ -142,12 +142,7 @@ def imagefolder_source(
                 labels.append(label)
                 ids.append((rel_root / file).as_posix())
     if not paths:
-        where = f"its {len(classes)} class folders" if classes else "class subfolders (none found)"
-        raise ConfigError(
-            f"no images in split {split!r} folder {folder}: looked for "
-            f"{' '.join(IMAGE_EXTENSIONS)} files (any case) in {where}; "
-            "put the images in one subfolder per class"
-        )
+        raise _no_images(split, folder, classes)
     return FileSource(paths, labels, ids, classes, transform)
 
 
@@ -189,14 +184,18 @@ def _remote_imagefolder(
             labels.append(label)
             ids.append(f"{directory}/{file}")
     if not paths:
-        where = f"its {len(classes)} class folders" if classes else "class subfolders (none found)"
-        raise ConfigError(
-            f"no images in split {split!r} folder {folder}: looked for "
-            f"{' '.join(IMAGE_EXTENSIONS)} files (any case) in {where}; "
-            "put the images in one subfolder per class"
-        )
+        raise _no_images(split, folder, classes)
     listed: list[str | None] = [versions[p] for p in paths]
     return FileSource(paths, labels, ids, classes, transform, remote=remote, versions=listed)
+
+
+def _no_images(split: str, folder: Path | str, classes: list[str]) -> ConfigError:
+    where = f"its {len(classes)} class folders" if classes else "class subfolders (none found)"
+    return ConfigError(
+        f"no images in split {split!r} folder {folder}: looked for "
+        f"{' '.join(IMAGE_EXTENSIONS)} files (any case) in {where}; "
+        "put the images in one subfolder per class"
+    )
 
 
 def _utf8(path: str) -> str:

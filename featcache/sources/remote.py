@@ -174,8 +174,8 @@ class Remote:
         def fetch(fs: Any, path: str) -> bytes:
             data = bytes(fs.cat_file(path, start=start, end=end))
             if start is not None and end is not None and len(data) != end - start:
-                if len(data) > end - start and start == 0:
-                    return data[:end]  # a server that ignores ranges sends it all
+                if len(data) >= end:
+                    return data[start:end]  # a server that ignores ranges sends it all
                 raise ShortRead(f"got {len(data)} of {end - start} bytes")
             return data
 
@@ -187,12 +187,14 @@ class Remote:
         comes back as its error, in its place."""
         if not urls:
             return []
-        fs = self.fs(urls[0])
-        paths = [fs._strip_protocol(u) for u in urls]
-        try:
-            got: list[Any] = fs.cat_ranges(paths, None, None, on_error="return")
-        except Exception:
-            got = [None] * len(urls)
+        got: list[Any] = [None] * len(urls)
+        if len({protocol_of(u) for u in urls}) == 1:  # else each is read on its own
+            fs = self.fs(urls[0])
+            paths = [fs._strip_protocol(u) for u in urls]
+            try:
+                got = fs.cat_ranges(paths, None, None, on_error="return")
+            except Exception:
+                pass
         out: list[bytes | FeatcacheError] = []
         for url, data in zip(urls, got, strict=True):
             if isinstance(data, (bytes, bytearray)):
