@@ -49,12 +49,12 @@ pytestmark = pytest.mark.usefixtures("index_cache")
 
 @pytest.fixture(scope="module")
 def cifar(tmp_path_factory) -> Path:
-    """40 CIFAR-10 JPEGs as an image folder, 3 shards, a Parquet file and a manifest,
+    """20 CIFAR-10 JPEGs as an image folder, 3 shards, a Parquet file and a manifest,
     and the store of each made from these local files."""
     root = tmp_path_factory.mktemp("cifar")
-    rows = extract_images(root / "images", per_class=4)
+    rows = extract_images(root / "images", per_class=2)
     write_shards(rows, root / "shards", shards=3)
-    write_parquet(rows, root / "train.parquet", row_group_size=8)
+    write_parquet(rows, root / "train.parquet", row_group_size=6)
     (root / "train.csv").write_text(
         "path,label\n" + "".join(f"images/{i},{CLASSES[label]}\n" for i, label, _ in rows)
     )
@@ -111,10 +111,11 @@ def reference(cifar: Path, name: str) -> Path:
 
 @pytest.mark.parametrize("name", ["webdataset", "parquet", "manifest", "imagefolder"])
 def test_a_store_from_s3_equals_the_store_from_local_files(cifar, proxy, tmp_path, name):
-    loader = {"batch_size": 4, "num_workers": 2}  # the source pickles into workers
+    # The source pickles into DataLoader workers (one case is enough to show it).
+    loader = {"batch_size": 4, "num_workers": 2 if name == "webdataset" else 0}
     data = s3_data(name, proxy)
     store = featcache.extract_from_config(config(data, tmp_path / "s3", loader=loader))["train"]
-    assert store.complete and len(store) == 40
+    assert store.complete and len(store) == 20
     assert_same_as_imagefolder(store.path, reference(cifar, name))
     assert (
         store.attrs["dataset_fingerprint"]
@@ -210,13 +211,15 @@ def test_kill_and_resume_reads_no_finished_shard_again(cifar, proxy, tmp_path):
     model = {"factory": "tests.cifar_formats:slow_resnet18", "kwargs": {"delay": 0.3}}
     data = s3_data("webdataset", proxy)
     path = tmp_path / "killed.yaml"
-    path.write_text(yaml.safe_dump(config(data, tmp_path / "out", model=model, loader=LOADER)))
+    chunks = {"chunk_rows": 4}  # a progress mark at every batch
+    run = config(data, tmp_path / "out", model=model, loader=LOADER, store=chunks)
+    path.write_text(yaml.safe_dump(run))
     store = tmp_path / "out" / "train.h5"
-    durable = killed_mid_run(path, store, 20, REPO)
+    durable = killed_mid_run(path, store, 8, REPO)
     source = build_source(DataSpec(**data), "train", None)
     ends = [*source.shard_starts, len(source)]
     finished = [s for s, end in enumerate(ends) if end <= durable]
-    assert finished and durable < 40
+    assert finished and durable < 20
     proxy.requests.clear()
     featcache.extract_from_config(path)  # the same command, resumed here
     assert_same_as_imagefolder(store, reference(cifar, "webdataset"))

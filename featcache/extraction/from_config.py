@@ -187,10 +187,10 @@ def report_retries(split: str, source: SourceDataset) -> None:
 
     retried = retries_of(source)
     if retried:
-        kinds = ", ".join(f"{n} {kind}" for kind, n in retried.items())
+        kinds = ", ".join(f"{kind}: {n}" for kind, n in retried.items())
         warnings.warn(
             f"split {split}: {sum(retried.values())} remote reads were retried after "
-            f"transient failures ({kinds}) and then succeeded",
+            f"transient failures ({kinds})",
             FeatcacheWarning,
             stacklevel=3,
         )
