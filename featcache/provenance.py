@@ -38,6 +38,9 @@ CONTENT_FREE_KEYS: dict[str, tuple[str, ...] | None] = {
     "loader": ("num_workers", "pin_memory", "on_error"),
     # Checksums guard the stored bytes without changing them.
     "store": ("checksum",),
+    # How to reach remote data (endpoint, profile); the dataset fingerprint records what
+    # was read (the objects' URLs and ETags).
+    "data": ("storage_options",),
 }
 
 
@@ -54,6 +57,7 @@ LATER_KEYS: dict[str, dict[str, Any]] = {
         "max_length": None,
         "class_names": None,
         "limit": None,
+        "storage_options": {},
     },
     # Older stores decoded JPEGs at reduced scale whenever the preprocessing resized them.
     "loader": {"bucket_by_length": False, "decode": "fast"},

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from featcache.spec import Spec, load_config
+from featcache.urls import is_url
 
 # Where a config keeps paths, as (section, key); model.name only after "hf:".
 PATH_KEYS = (
@@ -73,6 +74,8 @@ def resolve_paths(config: Mapping[str, Any], folder: Path) -> dict[str, Any]:
         if prefix and not value.startswith(prefix):
             continue
         path = value[len(prefix) :]
+        if is_url(path):  # a URL is the same from any folder
+            continue
         if path and not os.path.isabs(path) and (folder / path).exists():
             part[key] = prefix + str(folder / path)
     return resolved

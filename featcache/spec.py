@@ -22,6 +22,7 @@ import yaml
 
 from featcache.config_yaml import RepeatedKeyError, read_yaml
 from featcache.errors import ConfigError
+from featcache.urls import check_storage_options, check_url, is_url
 from featcache.validation import build, check, choices, option
 
 Reduction = Literal[
@@ -151,7 +152,11 @@ _READ_BY: dict[str, tuple[str, ...]] = {
     "label_column": ("text", "hf", "parquet", "webdataset"),
     # webdataset refuses id_column itself, saying why: its ids are the sample keys.
     "id_column": ("text", "hf", "parquet", "webdataset"),
+    "storage_options": ("imagefolder", "manifest", "text", "parquet", "webdataset"),
 }
+
+# The sources whose paths may be fsspec URLs (s3://, https://, ...).
+URL_SOURCES = ("imagefolder", "manifest", "text", "parquet", "webdataset")
 
 
 @dataclass
@@ -159,7 +164,9 @@ class DataSpec:
     """Where the images come from; one store is written per split."""
 
     source: SourceKind = "imagefolder"
-    root: str | None = None  # folder the split paths are relative to
+    # folder the split paths are relative to: a local folder or an fsspec URL
+    # (s3://bucket/prefix, gs://, az://, https://, hf://)
+    root: str | None = None
     dataset: str | None = None  # torchvision dataset class name, for source="torchvision"
     kwargs: dict[str, Any] = field(default_factory=dict)  # extra dataset arguments
     # split name -> subfolder (imagefolder), manifest file (manifest), or a mapping of
@@ -179,6 +186,10 @@ class DataSpec:
     # Only the first N samples of each split (a quick trial); their stores go to
     # <output.dir>/first-N/, beside the full ones
     limit: int | None = option(None, ge=1)
+    # Passed to the fsspec filesystem of URLs (endpoint_url, profile, anon, ...; per
+    # protocol as {s3: {...}, https: {...}}). Never credentials: those come from where
+    # the storage library reads them (environment, credentials file, the machine's role)
+    storage_options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def inputs(self) -> Literal["image", "text"]:
@@ -204,6 +215,7 @@ class DataSpec:
             )
         if self.source in ("imagefolder", "manifest") and not self.root:
             raise ConfigError(f"{at}.root is required for data.source={self.source}")
+        self._check_urls(at)
         names = self.class_names
         if isinstance(names, list) and (not names or len(set(names)) != len(names)):
             raise ConfigError(
@@ -211,6 +223,23 @@ class DataSpec:
                 f"got {names!r}"
             )
         self.refuse_unused(at)
+
+    def _check_urls(self, at: str) -> None:
+        """URLs only where a source reads them, and none carrying credentials."""
+        check_storage_options(self.storage_options, f"{at}.storage_options")
+        named = [("root", self.root), ("dataset", self.dataset), ("class_names", self.class_names)]
+        named += [(f"splits.{k}", v) for k, v in self.splits.items()]
+        for key, value in named:
+            for item in value if isinstance(value, list) else [value]:
+                if not is_url(item):
+                    continue
+                check_url(str(item), f"{at}.{key}")
+                if self.source not in URL_SOURCES and key != "class_names":
+                    raise ConfigError(
+                        f"{at}.{key} is a URL, but data.source={self.source} reads local "
+                        f"files only; URLs work with {', '.join(URL_SOURCES)} (a Hugging Face "
+                        "dataset's Parquet files: data.source parquet with hf:// URLs)"
+                    )
 
     def refuse_unused(self, at: str = "data") -> None:
         """Refuse a key that this source would ignore (a ``label_column`` for a manifest,

@@ -7,6 +7,9 @@ Every format's store is compared with the imagefolder store over the same images
 from __future__ import annotations
 
 import io
+import signal
+import subprocess
+import sys
 import tarfile
 import time
 from pathlib import Path
@@ -17,6 +20,7 @@ import numpy as np
 import torch
 
 from featcache.models.tokenizer import Tokenized
+from featcache.store import FeatureStore, partial_path
 from tests.conftest import shared_file
 
 PER_CLASS = 20
@@ -156,6 +160,23 @@ def assert_same_as_imagefolder(
     for layer in ("layer1", "avgpool"):
         assert got[layer].shape == want[layer].shape
         np.testing.assert_array_equal(got[layer], want[layer], err_msg=layer)
+
+
+def killed_mid_run(config_file: Path, store: Path, rows: int, cwd: Path) -> int:
+    """``featcache extract config_file`` in a subprocess, killed with SIGKILL once the
+    partial ``store`` holds ``rows`` durable rows; returns the rows it kept."""
+    command = [sys.executable, "-m", "featcache", "extract", str(config_file)]
+    process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline, written = time.monotonic() + 180, 0
+    while process.poll() is None and time.monotonic() < deadline and written < rows:
+        if partial_path(store).exists():
+            with h5py.File(partial_path(store), "r", locking=False) as f:
+                written = int(f["progress"][0]) if "progress" in f else 0
+        time.sleep(0.05)
+    assert process.poll() is None, process.stderr.read() if process.stderr else ""
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    return FeatureStore(store, allow_incomplete=True).rows_written
 
 
 def slow_resnet18(delay: float = 0.1) -> torch.nn.Module:

@@ -47,6 +47,15 @@ def hymenoptera_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
+def index_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """WebDataset shard indexes go to a fresh folder (inherited by the runs in
+    subprocesses); the folder the indexes are written to."""
+    folder = tmp_path / "featcache-cache"
+    monkeypatch.setenv("FEATCACHE_CACHE_DIR", str(folder))
+    return folder / "wds-index"
+
+
+@pytest.fixture
 def resnet18() -> torch.nn.Module:
     """A seeded, randomly initialised torchvision resnet18 in eval mode."""
     import torchvision

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import os
 import pickle
-import signal
-import subprocess
-import sys
 import tarfile
 import time
 import warnings
 from pathlib import Path
 
-import h5py
 import pytest
 import yaml
 
@@ -28,6 +24,7 @@ from tests.cifar_formats import (
     config,
     extract_images,
     key_of,
+    killed_mid_run,
     write_shards,
 )
 from tests.test_distributed import _torchrun, assert_same_rows
@@ -35,14 +32,7 @@ from tests.test_resume import assert_same_store
 
 REPO = Path(__file__).resolve().parents[1]
 SHARDS = "shards/train-{000000..000003}.tar"
-
-
-@pytest.fixture(autouse=True)
-def index_cache(tmp_path, monkeypatch) -> Path:
-    """Shard indexes go to a fresh folder (inherited by the runs in subprocesses)."""
-    folder = tmp_path / "featcache-cache"
-    monkeypatch.setenv("FEATCACHE_CACHE_DIR", str(folder))
-    return folder / "wds-index"
+pytestmark = pytest.mark.usefixtures("index_cache")
 
 
 @pytest.fixture(scope="module")
@@ -141,20 +131,9 @@ def test_kill_and_resume_equals_uninterrupted(cifar, tmp_path):
     path.write_text(
         yaml.safe_dump(config(wds(cifar), tmp_path / "killed", model=model, loader=loader))
     )
-    command = [sys.executable, "-m", "featcache", "extract", str(path)]
     store = tmp_path / "killed" / "train.h5"
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    rows = 0
-    while process.poll() is None and time.monotonic() < deadline and rows < 40:
-        if partial_path(store).exists():
-            with h5py.File(partial_path(store), "r", locking=False) as f:
-                rows = int(f["progress"][0]) if "progress" in f else 0
-        time.sleep(0.05)
-    assert process.poll() is None, process.stderr.read() if process.stderr else ""
-    process.send_signal(signal.SIGKILL)
-    process.wait(timeout=60)
-    assert not store.exists() and 0 < FeatureStore(store, allow_incomplete=True).rows_written < 200
+    kept = killed_mid_run(path, store, 40, REPO)
+    assert not store.exists() and 0 < kept < 200
     featcache.extract_from_config(path)  # the same command, resumed here
     assert not partial_path(store).exists()
     assert_same_store(store, tmp_path / "reference" / "train.h5")

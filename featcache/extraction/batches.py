@@ -177,13 +177,17 @@ class SourceRows(Dataset):
     def __getitems__(self, js: list[int]) -> list[tuple[Any, int, int, str]] | Batch:
         """A whole batch at once. Consecutive rows of a :class:`TensorDataset` of images
         (and labels) are sliced out as one block, without a per-sample copy and stack;
-        anything else goes sample by sample."""
+        anything else goes sample by sample, after the dataset's ``prefetch(rows)`` (a
+        source's hint, see :meth:`~featcache.sources.SourceDataset.prefetch`)."""
         tensors = self._blocks
         if tensors and js == list(range(js[0], js[0] + len(js))):
             block = slice(self.rows[js[0]], self.rows[js[-1]] + 1)
             rows = torch.arange(block.start, block.stop, dtype=torch.long)
             labels = tensors[1][block].long() if len(tensors) == 2 else torch.full_like(rows, -1)
             return Batch(tensors[0][block], labels, rows, [])
+        prefetch = getattr(self.dataset, "prefetch", None)
+        if callable(prefetch):  # a remote source fetches the batch's bytes together
+            prefetch([self.rows[j] for j in js])
         return [self[j] for j in js]
 
     def __getitem__(self, j: int) -> tuple[Any, int, int, str]:

@@ -6,12 +6,13 @@ import contextlib
 import dataclasses
 import os
 import shlex
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from featcache.distributed import Rank, check_other_world_sizes, current_rank, launch_words
-from featcache.errors import ConfigError
+from featcache.errors import ConfigError, FeatcacheWarning
 from featcache.extraction.api import estimate, extract
 from featcache.extraction.estimate import check_free_space
 from featcache.extraction.sharding import extract_shard
@@ -253,4 +254,20 @@ def _extract_splits(
                 check_space,
                 rows,
             )
+        report_retries(split, source)
     return stores
+
+
+def report_retries(split: str, source: SourceDataset) -> None:
+    """Warn, with their count by kind, when remote reads of ``split`` were retried."""
+    from featcache.sources.remote import retries_of
+
+    retried = retries_of(source)
+    if retried:
+        kinds = ", ".join(f"{kind}: {n}" for kind, n in retried.items())
+        warnings.warn(
+            f"split {split}: {sum(retried.values())} remote reads were retried after "
+            f"transient failures ({kinds})",
+            FeatcacheWarning,
+            stacklevel=3,
+        )

@@ -10,14 +10,17 @@ workers under both fork and spawn.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from featcache.errors import ConfigError
 from featcache.sources.base import IMAGE_EXTENSIONS, SourceDataset, Transform
 from featcache.sources.decode import load_rgb
+from featcache.sources.remote import Remote
 from featcache.sources.synthetic import SyntheticOptions
 from featcache.spec import SOURCES, DataSpec
+from featcache.urls import is_url
 
 if TYPE_CHECKING:
     from featcache.models.tokenizer import Tokenizer
@@ -81,12 +84,16 @@ def build_source(
     if hasattr(source, "decode_size"):  # image sources that decode JPEGs in draft mode
         source.decode_size = decode_size
     if data.class_names is not None:
-        source.class_names = given_class_names(data.class_names, source)
+        source.class_names = given_class_names(data.class_names, source, data.storage_options)
     return source
 
 
-def given_class_names(given: list[str] | str, source: SourceDataset) -> list[str]:
-    """``data.class_names`` (a list, or a file of one name per line) for ``source``.
+def given_class_names(
+    given: list[str] | str,
+    source: SourceDataset,
+    storage_options: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """``data.class_names`` (a list, or a file or URL of one name per line) for ``source``.
 
     Raises:
         ConfigError: the file cannot be read or names nothing; the source names its
@@ -96,8 +103,11 @@ def given_class_names(given: list[str] | str, source: SourceDataset) -> list[str
     where = "data.class_names"
     if isinstance(given, str):
         try:
-            text = Path(given).expanduser().read_text(encoding="utf-8-sig")
-        except OSError as exc:
+            if is_url(given):
+                text = Remote(storage_options).read(given).decode("utf-8-sig")
+            else:
+                text = Path(given).expanduser().read_text(encoding="utf-8-sig")
+        except OSError as exc:  # a URL that cannot be read says so itself
             raise ConfigError(
                 f"{where} file {given} cannot be read ({exc.strerror or exc}); give a text file "
                 "of one class name per line, or the names as a list"

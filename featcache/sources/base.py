@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import io
 import json
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from PIL import Image
 from torch.utils.data import Dataset
 
 from featcache.errors import ConfigError
 from featcache.fingerprints import lines_sha256
+from featcache.sources.remote import Remote
+from featcache.urls import is_url
 
 IMAGE_EXTENSIONS: tuple[str, ...] = (
     ".jpg",
@@ -86,6 +89,10 @@ class SourceDataset(Dataset):
         """Row ``i`` (already in range) as a PIL RGB image and its label."""
         raise NotImplementedError
 
+    def prefetch(self, rows: list[int]) -> None:
+        """A hint that ``rows`` (one batch, in order) are read next, so that a source
+        over remote files fetches them together; local sources need none."""
+
     def fingerprint(self, content: bool = False) -> str:
         """sha256 identifying the samples: their sorted ids (file sources add sizes, and
         with ``content=True`` the bytes of every file)."""
@@ -96,8 +103,20 @@ class SourceDataset(Dataset):
         return f"{type(self).__name__}(rows={len(self)}, {classes})"
 
 
-def jsonl_objects(file: Path, what: str, example: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(line number, object)`` for each non-blank line of a JSONL file.
+def open_text(file: Path | str, remote: Remote | None, newline: str | None = None) -> TextIO:
+    """A text file (UTF-8, a BOM skipped) to read: a local one, or a URL read whole
+    through ``remote``; ``newline`` as for :func:`open`."""
+    if not is_url(file):
+        return open(file, encoding="utf-8-sig", newline=newline)
+    data = (remote or Remote()).read(str(file))
+    return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8-sig", newline=newline)
+
+
+def jsonl_objects(
+    file: Path | str, what: str, example: str, remote: Remote | None = None
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` for each non-blank line of a JSONL file (or URL, read
+    through ``remote``).
 
     ``what`` leads the error lines (``"manifest data/train.jsonl"``); ``example`` shows a
     good object in them.
@@ -105,7 +124,7 @@ def jsonl_objects(file: Path, what: str, example: str) -> Iterator[tuple[int, di
     Raises:
         ConfigError: a line that is not valid JSON, or not a JSON object.
     """
-    with open(file, encoding="utf-8-sig") as f:
+    with open_text(file, remote) as f:
         for line, text in enumerate(f, start=1):
             if not text.strip():
                 continue

@@ -1,16 +1,24 @@
-"""Sources over image files: class folders (imagefolder) and CSV/JSONL manifests."""
+"""Sources over image files: class folders (imagefolder) and CSV/JSONL manifests.
+
+Folders, manifests and the images a manifest lists may be fsspec URLs
+(:mod:`featcache.sources.remote`): a remote class folder is listed once (every object
+with its size and ETag), and the images of each batch are fetched concurrently.
+"""
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import os
+import posixpath
 import re
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from PIL import Image
 
-from featcache.errors import ConfigError
+from featcache.errors import ConfigError, FeatcacheError
 from featcache.fingerprints import file_line, lines_sha256
 from featcache.sources.base import (
     IMAGE_EXTENSIONS,
@@ -18,16 +26,22 @@ from featcache.sources.base import (
     Transform,
     jsonl_objects,
     label_indices,
+    open_text,
 )
 from featcache.sources.decode import load_rgb
+from featcache.sources.remote import Remote, object_version
+from featcache.sources.tabular import decode_bytes
 from featcache.spec import DataSpec
+from featcache.urls import check_url, is_url, join, parent, relative
 
 
 class FileSource(SourceDataset):
     """Image files with optional labels: the imagefolder and manifest sources.
 
     ``listed`` when a manifest decides the row order and the labels; in a class folder
-    both follow from the file names (the ids).
+    both follow from the file names (the ids). Paths that are URLs are read through
+    ``remote``; ``versions`` holds their size and ETag as listed (None for local files),
+    and the bytes of the batch fetched last are kept per process.
     """
 
     def __init__(
@@ -38,33 +52,75 @@ class FileSource(SourceDataset):
         class_names: list[str] | None,
         transform: Transform | None,
         listed: bool = False,
+        remote: Remote | None = None,
+        versions: list[str | None] | None = None,
     ) -> None:
         super().__init__(ids, class_names, labels is not None, transform)
         self.paths = paths
         self.labels = labels
         self.listed = listed
         self.decode_size: int | None = None  # see build_source
+        self.remote = remote
+        self.versions = versions
+        self._fetched: dict[int, bytes | Exception] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_fetched"] = {}
+        return state
+
+    def prefetch(self, rows: list[int]) -> None:
+        """Fetch the remote images of ``rows`` (a batch) concurrently; each row's bytes,
+        or the error that failed it, are kept until the next batch."""
+        if self.remote is None:
+            return
+        remote_rows = [r for r in rows if is_url(self.paths[r])]
+        got = self.remote.read_many([self.paths[r] for r in remote_rows])
+        self._fetched = dict(zip(remote_rows, got, strict=True))
 
     def _load(self, i: int) -> tuple[Image.Image, int]:
         label = -1 if self.labels is None else self.labels[i]
-        return load_rgb(self.paths[i], self.decode_size), label
+        path = self.paths[i]
+        if not is_url(path):
+            return load_rgb(path, self.decode_size), label
+        data = self._fetched.get(i)
+        if data is None:
+            data = (self.remote or Remote()).read(path)
+        if isinstance(data, Exception):
+            raise FeatcacheError(f"cannot decode image {path}: {data}")
+        return decode_bytes(data, path, self.decode_size), label
 
     def fingerprint(self, content: bool = False) -> str:
-        """sha256 over each file's id and size (and bytes with ``content``), in id order;
-        for a manifest also its rows in order with their labels and the class names, so
-        that rows reordered or relabelled between a run and its resume are seen."""
-        files = sorted(zip(self.ids, self.paths, strict=True))
-        entries = [file_line(sample_id, path, content) for sample_id, path in files]
+        """sha256 over each file's id and size (and bytes with ``content``), in id order
+        (a URL's line: its id, size and ETag as listed); for a manifest also its rows in
+        order with their labels and the class names, so that rows reordered or
+        relabelled between a run and its resume are seen."""
+        versions = self.versions or [None] * len(self.ids)
+        files = sorted(zip(self.ids, self.paths, versions, strict=True))
+        entries = [
+            file_line(sample_id, path, content)
+            if version is None
+            else self._url_line(sample_id, path, version, content)
+            for sample_id, path, version in files
+        ]
         if self.listed:
             labels: list[int | None] = [*self.labels] if self.labels else [None] * len(self.ids)
             rows = (f"{i}\t{label}" for i, label in zip(self.ids, labels, strict=True))
             entries.append(f"rows\t{lines_sha256(rows)}\tclasses\t{self.class_names}")
         return lines_sha256(entries)
 
+    def _url_line(self, sample_id: str, url: str, version: str, content: bool) -> str:
+        line = f"{sample_id}\t{url}\t{version}"
+        if content:
+            line += "\t" + hashlib.sha256((self.remote or Remote()).read(url)).hexdigest()
+        return line
+
 
 def imagefolder_source(
     data: DataSpec, split: str, value: Any, transform: Transform | None
 ) -> FileSource:
+    if is_url(data.root):
+        return _remote_imagefolder(data, split, value, transform)
     folder = _under_root(data, split, value, "a subfolder of data.root")
     if not folder.is_dir():
         raise ConfigError(_not_found(folder))
@@ -86,13 +142,60 @@ def imagefolder_source(
                 labels.append(label)
                 ids.append((rel_root / file).as_posix())
     if not paths:
-        where = f"its {len(classes)} class folders" if classes else "class subfolders (none found)"
-        raise ConfigError(
-            f"no images in split {split!r} folder {folder}: looked for "
-            f"{' '.join(IMAGE_EXTENSIONS)} files (any case) in {where}; "
-            "put the images in one subfolder per class"
-        )
+        raise _no_images(split, folder, classes)
     return FileSource(paths, labels, ids, classes, transform)
+
+
+def _remote_imagefolder(
+    data: DataSpec, split: str, value: Any, transform: Transform | None
+) -> FileSource:
+    """:func:`imagefolder_source` under a URL: the folder listed once, its classes,
+    files, order and ids as a local copy of it gives them."""
+    if not isinstance(value, str):
+        raise ConfigError(f"data.splits.{split} must be a subfolder of data.root, got {value!r}")
+    folder = join(str(data.root), value).rstrip("/")
+    check_url(folder, f"data.splits.{split}")
+    remote = Remote(data.storage_options)
+    folders: dict[str, list[tuple[str, str, str]]] = {}  # class folder -> (dir, file, url)
+    versions: dict[str, str] = {}
+    for url, info in remote.find(folder):
+        parts = relative(url, folder).strip("/").split("/")
+        if url.rstrip("/") == folder or parts[0].startswith("."):
+            continue
+        is_folder = info.get("type") == "directory"
+        if len(parts) == 1 and not is_folder:
+            continue  # a file beside the class folders
+        members = folders.setdefault(parts[0], [])
+        if is_folder or any(part.startswith(".") for part in parts[1:-1]):
+            continue
+        file = parts[-1]
+        if file.startswith(".") or not file.lower().endswith(IMAGE_EXTENSIONS):
+            continue
+        members.append(("/".join(parts[:-1]), file, url))
+        versions[url] = object_version(info)
+    classes = sorted(folders)
+    paths: list[str] = []
+    labels: list[int] = []
+    ids: list[str] = []
+    for label, name in enumerate(classes):
+        # torchvision's order, as for a local folder: by folder, then by file name.
+        for directory, file, url in sorted(folders[name]):
+            paths.append(url)
+            labels.append(label)
+            ids.append(f"{directory}/{file}")
+    if not paths:
+        raise _no_images(split, folder, classes)
+    listed: list[str | None] = [versions[p] for p in paths]
+    return FileSource(paths, labels, ids, classes, transform, remote=remote, versions=listed)
+
+
+def _no_images(split: str, folder: Path | str, classes: list[str]) -> ConfigError:
+    where = f"its {len(classes)} class folders" if classes else "class subfolders (none found)"
+    return ConfigError(
+        f"no images in split {split!r} folder {folder}: looked for "
+        f"{' '.join(IMAGE_EXTENSIONS)} files (any case) in {where}; "
+        "put the images in one subfolder per class"
+    )
 
 
 def _utf8(path: str) -> str:
@@ -130,51 +233,105 @@ def _leads_up(folder: str, here: str) -> bool:
 def manifest_source(
     data: DataSpec, split: str, value: Any, transform: Transform | None
 ) -> FileSource:
-    file = _under_root(data, split, value, "a .csv or .jsonl manifest under data.root")
-    if not file.is_file():
-        raise ConfigError(
-            f"manifest not found: {file}; set data.splits.{split} to a .csv or .jsonl file "
-            "(relative to data.root)"
-        )
-    suffix = file.suffix.lower()
+    remote = None
+    file: Path | str
+    if is_url(data.root) or is_url(value):
+        file = _manifest_url(data, split, value)
+        remote = Remote(data.storage_options)
+        suffix = posixpath.splitext(urlsplit(file).path)[1].lower()
+    else:
+        file = _under_root(data, split, value, "a .csv or .jsonl manifest under data.root")
+        if not file.is_file():
+            raise ConfigError(
+                f"manifest not found: {file}; set data.splits.{split} to a .csv or .jsonl "
+                "file (relative to data.root)"
+            )
+        suffix = file.suffix.lower()
     if suffix == ".csv":
-        rows = _csv_rows(file)
+        rows = _csv_rows(file, remote)
     elif suffix == ".jsonl":
-        rows = _jsonl_rows(file)
+        rows = _jsonl_rows(file, remote)
     else:
         raise ConfigError(f"manifest {file} must be a .csv or .jsonl file, not {suffix or '?'}")
     if not rows:
         raise ConfigError(f"manifest {file} has no rows; list one image per row")
 
-    paths = []
-    for line, path, _ in rows:
-        full = Path(path).expanduser()
-        full = full if full.is_absolute() else file.parent / full
-        if not full.is_file():
-            raise ConfigError(f"manifest {file} line {line}: image not found: {full}")
-        paths.append(str(full))
+    paths, versions = _manifest_images(file, rows, remote or Remote(data.storage_options))
     ids = [path for _, path, _ in rows]
+    if remote is None and any(versions):
+        remote = Remote(data.storage_options)
 
+    labels, class_names = None, None
     labelled = [(line, label) for line, _, label in rows if label is not None]
-    if not labelled:
-        return FileSource(paths, None, ids, None, transform, listed=True)
-    if len(labelled) < len(rows):
+    if labelled and len(labelled) < len(rows):
         line = next(line for line, _, label in rows if label is None)
         raise ConfigError(
             f"manifest {file} line {line}: no label, but other rows have one; "
             "label every row or none"
         )
-    labels, class_names = label_indices(
-        [(f"line {line}", label) for line, label in labelled], f"manifest {file}"
+    if labelled:
+        labels, class_names = label_indices(
+            [(f"line {line}", label) for line, label in labelled], f"manifest {file}"
+        )
+    return FileSource(
+        paths,
+        labels,
+        ids,
+        class_names,
+        transform,
+        listed=True,
+        remote=remote,
+        versions=versions if remote else None,
     )
-    return FileSource(paths, labels, ids, class_names, transform, listed=True)
+
+
+def _manifest_url(data: DataSpec, split: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(
+            f"data.splits.{split} must be a .csv or .jsonl manifest under data.root, got {value!r}"
+        )
+    file = join(data.root, value) if data.root else value
+    check_url(file, f"data.splits.{split}")
+    return file
+
+
+def _manifest_images(
+    file: Path | str, rows: list[_Row], remote: Remote
+) -> tuple[list[str], list[str | None]]:
+    """The image of each manifest row (a local path, or a URL: as written, or relative
+    to a manifest that is one) and each URL's size and ETag (None for a local file).
+
+    Raises:
+        ConfigError: an image that does not exist, naming the manifest's line.
+    """
+    paths: list[str] = []
+    for line, path, _ in rows:
+        if is_url(path) or (is_url(file) and not path.startswith(("/", "~"))):
+            full = join(parent(str(file)), path)
+            check_url(full, f"manifest {file} line {line}")
+            paths.append(full)
+            continue
+        local = Path(path).expanduser()
+        local = local if local.is_absolute() else Path(file).parent / local
+        if not local.is_file():
+            raise ConfigError(f"manifest {file} line {line}: image not found: {local}")
+        paths.append(str(local))
+    urls = [p for p in paths if is_url(p)]
+    infos = dict(zip(urls, remote.stat(urls, missing_ok=True), strict=True))
+    versions: list[str | None] = []
+    for (line, _, _), path in zip(rows, paths, strict=True):
+        info = infos.get(path)
+        if info is not None and not info:
+            raise ConfigError(f"manifest {file} line {line}: image not found: {path}")
+        versions.append(None if info is None else object_version(info))
+    return paths, versions
 
 
 _Row = tuple[int, str, "int | str | None"]  # (line number, path as written, label)
 
 
-def _csv_rows(file: Path) -> list[_Row]:
-    with open(file, newline="", encoding="utf-8-sig") as f:  # -sig: Excel writes a BOM
+def _csv_rows(file: Path | str, remote: Remote | None) -> list[_Row]:
+    with open_text(file, remote, newline="") as f:  # -sig: Excel writes a BOM
         reader = csv.reader(f)
         header = [name.strip() for name in next(reader, [])]
         if "path" not in header:
@@ -203,10 +360,10 @@ def _csv_rows(file: Path) -> list[_Row]:
     return rows
 
 
-def _jsonl_rows(file: Path) -> list[_Row]:
+def _jsonl_rows(file: Path | str, remote: Remote | None) -> list[_Row]:
     rows: list[_Row] = []
     example = '{"path": "img/1.jpg", "label": 3}'
-    for line, obj in jsonl_objects(file, f"manifest {file}", example):
+    for line, obj in jsonl_objects(file, f"manifest {file}", example, remote):
         if "path" not in obj:
             raise ConfigError(
                 f"manifest {file} line {line}: no 'path' key; write objects like {example}"
@@ -220,7 +377,7 @@ def _jsonl_rows(file: Path) -> list[_Row]:
     return rows
 
 
-def _check_row(file: Path, line: int, path: Any, label: int | str | None) -> str:
+def _check_row(file: Path | str, line: int, path: Any, label: int | str | None) -> str:
     if not isinstance(path, str) or not path:
         raise ConfigError(f"manifest {file} line {line}: path must be a non-empty string")
     if isinstance(label, int) and label < 0:

@@ -10,6 +10,10 @@ by default the first column of bytes or of such structs. The label column (defau
 Only the row-group layout, labels and ids are read up front. ``ds[i]`` reads the image
 column of the row group holding row ``i`` and keeps it until a row of another group is
 asked for, per process: consecutive rows (a loader's batches) cost one read per group.
+
+Files named by URLs (``s3://bucket/table/*.parquet``, ``hf://datasets/...``) are read
+through fsspec (:mod:`featcache.sources.remote`): the footer once per file and process,
+then each row group's image column chunk with one range request, each retried alone.
 """
 
 from __future__ import annotations
@@ -28,16 +32,20 @@ from featcache.errors import ConfigError, FeatcacheError, first_line
 from featcache.extras import require
 from featcache.fingerprints import file_sha256, lines_sha256
 from featcache.sources.base import SourceDataset, Transform
+from featcache.sources.remote import Remote, object_version
 from featcache.sources.tabular import (
     EncodedImageSource,
     check_columns,
     class_indices,
     display_name,
+    is_remote,
     missing_column,
     split_files,
+    split_urls,
     text_rows,
 )
 from featcache.spec import DataSpec
+from featcache.urls import is_url
 
 if TYPE_CHECKING:
     from featcache.models.tokenizer import Tokenizer
@@ -46,9 +54,9 @@ if TYPE_CHECKING:
 class ParquetSource(EncodedImageSource):
     """Images (and labels) of the rows of Parquet files.
 
-    Holds the file paths, the first row of every file and of every row group (int64
-    arrays), labels and ids; file handles and the cached row group are per process and
-    never pickled.
+    Holds the file paths (or URLs, read through ``remote``, with their sizes), the first
+    row of every file and of every row group (int64 arrays), labels and ids; file handles
+    and the cached row group are per process and never pickled.
     """
 
     def __init__(
@@ -64,9 +72,12 @@ class ParquetSource(EncodedImageSource):
         labels: np.ndarray | None,
         class_names: list[str] | None,
         transform: Transform | None,
+        remote: Remote | None = None,
+        sizes: list[int] | None = None,
     ) -> None:
         super().__init__(ids, class_names, labels is not None, transform)
         self.files, self.names = files, names
+        self.remote, self.sizes = remote, sizes  # set when the files are URLs
         self.file_starts = file_starts  # [F + 1]: row of the first row of each file
         self.group_starts = group_starts  # per file, [G + 1]: first row of each group
         self.column, self.kind, self.root = column, kind, root
@@ -92,11 +103,17 @@ class ParquetSource(EncodedImageSource):
         _, pq = _arrow()
         handle = self._handles.get(file)
         if handle is None:
-            handle = self._handles[file] = pq.ParquetFile(self.files[file])
+            handle = self._handles[file] = pq.ParquetFile(self._open(file))
         table = handle.read_row_group(group, columns=[self.column])
         values = table.column(0).combine_chunks()
         self._group = (file, group, values)
         return values
+
+    def _open(self, file: int) -> Any:
+        """A local file's path, or a remote file as a file object of range requests."""
+        if self.remote is None or self.sizes is None:
+            return self.files[file]
+        return self.remote.open(self.files[file], self.sizes[file], buffer_size=0)
 
     def _cell(self, i: int) -> tuple[Any, str]:
         file = int(np.searchsorted(self.file_starts, i, side="right")) - 1
@@ -124,8 +141,20 @@ class ParquetSource(EncodedImageSource):
         return self.decode(value, f"{self.ids[i]} ({where})", self.root), label
 
     def fingerprint(self, content: bool = False) -> str:
+        """sha256 over the row count, the image column and each file's name, size and
+        schema (and bytes with ``content``); for URLs, each file's URL, size and ETag as
+        the store lists them now, so that a file replaced since is seen."""
         _, pq = _arrow()
         lines = [f"parquet\t{len(self)} rows\t{self.column}"]
+        if self.remote is not None:
+            infos = self.remote.stat(self.files)
+            for f, (url, info) in enumerate(zip(self.files, infos, strict=True)):
+                schema = pq.read_schema(self._open(f)).remove_metadata().to_string()
+                line = f"{url}\t{object_version(info)}\t{schema}"
+                if content:
+                    line += "\t" + self.remote.sha256(url, int(info["size"]))
+                lines.append(line)
+            return lines_sha256(lines)
         for path, name in zip(self.files, self.names, strict=True):
             schema = pq.read_schema(path).remove_metadata().to_string()
             line = f"{name}\t{os.path.getsize(path)}\t{schema}"
@@ -156,12 +185,23 @@ def parquet_source(
     """
     pa, pq = _arrow()
     check_columns(data)
-    paths = split_files(data, split, value, "Parquet files")
+    remote = Remote(data.storage_options) if is_remote(data, value) else None
+    paths: list[Path | str]
+    sizes: list[int] | None = None
+    if remote is not None:
+        objects = split_urls(data, split, value, "Parquet files", remote)
+        paths = [url for url, _ in objects]
+        versions = [object_version(info) for _, info in objects]
+        sizes = [int(info["size"]) for _, info in objects]
+    else:
+        paths = [*split_files(data, split, value, "Parquet files")]
     names = [display_name(p, data) for p in paths]
     metas = []
-    for path, name in zip(paths, names, strict=True):
+    for f, (path, name) in enumerate(zip(paths, names, strict=True)):
         try:
-            metas.append(pq.ParquetFile(path))
+            metas.append(
+                pq.ParquetFile(remote.open(str(path), sizes[f], 0) if remote and sizes else path)
+            )
         except (pa.ArrowException, OSError) as exc:
             raise ConfigError(
                 f"{name} cannot be read as a Parquet file ({first_line(exc)})"
@@ -186,7 +226,7 @@ def parquet_source(
         if column is not None and column not in columns:
             raise missing_column(option, column, what, columns)
     wanted = [c for c in (label_column, data.id_column, data.text_column) if c]
-    tables = [pq.read_table(p, columns=wanted) for p in paths] if wanted else []
+    tables = [meta.read(columns=wanted) for meta in metas] if wanted else []
 
     counts = [meta.metadata.num_rows for meta in metas]
     if not sum(counts):
@@ -211,10 +251,11 @@ def parquet_source(
 
     if data.text_column:
         texts = [v or "" for t in tables for v in t.column(data.text_column).to_pylist()]
-        sizes = lines_sha256(
-            f"{n}\t{os.path.getsize(p)}" for p, n in zip(paths, names, strict=True)
+        version = lines_sha256(
+            f"{n}\t{versions[f] if remote else os.path.getsize(p)}"
+            for f, (p, n) in enumerate(zip(paths, names, strict=True))
         )
-        where = f"{', '.join(names)} ({sizes[:16]})"
+        where = f"{', '.join(names)} ({version[:16]})"
         return text_rows(texts, labels, ids, class_names, tokenizer, data.max_length, where)
 
     column, kind = _image_column(pa, schema, data.image_column, what)
@@ -223,9 +264,11 @@ def parquet_source(
     for meta in metas:
         rows = [meta.metadata.row_group(g).num_rows for g in range(meta.num_row_groups)]
         groups.append(np.concatenate([[0], np.cumsum(rows)]).astype(np.int64))
-    root = str(Path(data.root).expanduser()) if data.root else None
+    root = None
+    if data.root:
+        root = data.root if is_url(data.root) else str(Path(data.root).expanduser())
     return ParquetSource(
-        files=[str(p.resolve()) for p in paths],
+        files=[str(p) if remote else str(Path(p).resolve()) for p in paths],
         names=names,
         file_starts=starts,
         group_starts=groups,
@@ -236,6 +279,8 @@ def parquet_source(
         labels=labels,
         class_names=class_names,
         transform=transform,
+        remote=remote,
+        sizes=sizes,
     )
 
 

@@ -15,6 +15,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import numpy as np
 from PIL import Image
@@ -22,7 +23,9 @@ from PIL import Image
 from featcache.errors import ConfigError, FeatcacheError, first_line
 from featcache.sources.base import SourceDataset, Transform
 from featcache.sources.decode import _draft_size, _to_rgb, load_rgb
+from featcache.sources.remote import Remote
 from featcache.spec import DataSpec
+from featcache.urls import check_url, is_url, join, relative
 
 if TYPE_CHECKING:
     from featcache.models.tokenizer import Tokenizer
@@ -37,20 +40,26 @@ class EncodedImageSource(SourceDataset):
     """
 
     decode_size: int | None = None
+    remote: Remote | None = None  # reads the paths that are URLs
 
     def decode(self, value: Any, where: str, root: str | None = None) -> Image.Image:
         """``value`` (encoded bytes, a ``{"bytes", "path"}`` mapping, a path or a PIL
         image) as an RGB PIL image; ``where`` names the sample in errors."""
-        return decode_image(value, where, self.decode_size, root)
+        return decode_image(value, where, self.decode_size, root, self.remote)
 
 
 def decode_image(
-    value: Any, where: str, min_side: int | None = None, root: str | None = None
+    value: Any,
+    where: str,
+    min_side: int | None = None,
+    root: str | None = None,
+    remote: Remote | None = None,
 ) -> Image.Image:
     """An image cell as an 8-bit RGB PIL image.
 
     ``value`` is encoded bytes, a mapping with ``bytes`` (or, when that is empty,
-    ``path``), a path (relative to ``root``), or a PIL image.
+    ``path``), a path (relative to ``root``, a folder or a URL; a URL is read through
+    ``remote``), or a PIL image.
 
     Raises:
         FeatcacheError: ``cannot decode image {where}: {reason}``.
@@ -63,6 +72,9 @@ def decode_image(
     if isinstance(value, (bytes, bytearray, memoryview)):
         return decode_bytes(bytes(value), where, min_side)
     if isinstance(value, str) and value:
+        if is_url(value) or (is_url(root) and not os.path.isabs(value)):
+            url = join(str(root), value)
+            return decode_bytes((remote or Remote()).read(url), url, min_side)
         path = value if root is None or os.path.isabs(value) else os.path.join(root, value)
         return load_rgb(path, min_side)
     raise FeatcacheError(
@@ -188,13 +200,11 @@ def _zero_padded(bound: str) -> bool:
     return len(digits) > 1 and digits[0] == "0"
 
 
-def split_files(data: DataSpec, split: str, value: Any, what: str) -> list[Path]:
-    """The files a split value names: a path, a glob or brace pattern, or a list of them,
-    relative to ``data.root`` (the working directory when unset), in the order given
-    (globs sorted), each once.
+def split_patterns(split: str, value: Any, what: str) -> list[str]:
+    """A split value as a list of paths or patterns.
 
     Raises:
-        ConfigError: a bad value, a pattern that matches nothing, a missing file.
+        ConfigError: not a non-empty string or list of them.
     """
     patterns = [value] if isinstance(value, str) else value
     if (
@@ -206,6 +216,24 @@ def split_files(data: DataSpec, split: str, value: Any, what: str) -> list[Path]
             f"data.splits.{split} must be {what} (a path, a pattern, or a list of them), "
             f"got {value!r}"
         )
+    return patterns
+
+
+def is_remote(data: DataSpec, value: Any) -> bool:
+    """Whether the split value ``value`` names URLs: ``data.root`` is one, or it does."""
+    values = value if isinstance(value, list) else [value]
+    return is_url(data.root) or any(is_url(v) for v in values)
+
+
+def split_files(data: DataSpec, split: str, value: Any, what: str) -> list[Path]:
+    """The files a split value names: a path, a glob or brace pattern, or a list of them,
+    relative to ``data.root`` (the working directory when unset), in the order given
+    (globs sorted), each once.
+
+    Raises:
+        ConfigError: a bad value, a pattern that matches nothing, a missing file.
+    """
+    patterns = split_patterns(split, value, what)
     root = Path(data.root).expanduser() if data.root else Path()
     if data.root and not root.is_dir():
         raise ConfigError(
@@ -233,8 +261,44 @@ def split_files(data: DataSpec, split: str, value: Any, what: str) -> list[Path]
     return unique
 
 
-def display_name(path: Path, data: DataSpec) -> str:
+def split_urls(
+    data: DataSpec, split: str, value: Any, what: str, remote: Remote
+) -> list[tuple[str, dict[str, Any]]]:
+    """:func:`split_files` for URLs: ``(url, info)`` of every object the split value
+    names under the URL ``data.root`` (or as URLs itself), globs listed once, every
+    object's size and ETag from one listing per folder.
+
+    Raises:
+        ConfigError: a bad value, a local path among URLs, a pattern that matches nothing.
+        RemoteError: an object that does not exist, or cannot be listed.
+    """
+    urls: list[str] = []
+    for pattern in split_patterns(split, value, what):
+        for name in brace_expand(pattern):
+            full = join(data.root, name) if data.root else name
+            if not is_url(full):
+                raise ConfigError(
+                    f"data.splits.{split}: {name} is a local path among URLs; give the files "
+                    "of a split all under data.root, or all as URLs"
+                )
+            check_url(full, f"data.splits.{split}")
+            if glob.has_magic(urlsplit(full).path):
+                found = remote.glob(full)
+                if not found:
+                    raise ConfigError(
+                        f"data.splits.{split}: {full} matches no object; check the pattern"
+                    )
+                urls.extend(found)
+            else:
+                urls.append(full)
+    unique = list(dict.fromkeys(urls))
+    return list(zip(unique, remote.stat(unique), strict=True))
+
+
+def display_name(path: Path | str, data: DataSpec) -> str:
     """``path`` relative to ``data.root`` (as the config names it), for ids and fingerprints."""
+    if isinstance(path, str):
+        return relative(path, data.root)
     if data.root:
         try:
             return path.relative_to(Path(data.root).expanduser()).as_posix()
@@ -253,6 +317,8 @@ __all__ = [
     "decode_image",
     "display_name",
     "missing_column",
+    "is_remote",
     "split_files",
+    "split_urls",
     "text_rows",
 ]

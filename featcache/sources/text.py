@@ -15,10 +15,12 @@ import csv
 import hashlib
 import itertools
 import os
+import posixpath
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 import torch
@@ -27,8 +29,10 @@ from tqdm.auto import tqdm
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.fingerprints import file_sha256
 from featcache.models.tokenizer import Tokenizer
-from featcache.sources.base import SourceDataset, jsonl_objects, label_indices
+from featcache.sources.base import SourceDataset, jsonl_objects, label_indices, open_text
+from featcache.sources.remote import Remote, object_version
 from featcache.spec import DataSpec
+from featcache.urls import check_url, is_url, join
 
 TOKENIZE_BLOCK = 1024  # texts per tokenizer call
 PROGRESS_FROM = 10_000  # texts from which building shows a progress bar
@@ -78,6 +82,7 @@ class TextSource(SourceDataset):
         self.max_length = max_length
         self.identity = identity
         self.file = file  # the file the texts were read from, for the fingerprint
+        self.remote: Remote | None = None  # reads ``file`` when it is a URL
 
     @property
     def token_lengths(self) -> np.ndarray:
@@ -111,10 +116,15 @@ class TextSource(SourceDataset):
         for sample_id in sorted(self.ids):
             digest.update(sample_id.encode() + b"\n")
         digest.update(f"identity\t{self.identity}\n".encode())
-        if self.file is not None:
+        if self.file is not None and self.remote is not None:  # a URL: as listed now
+            info = self.remote.info(self.file) or {}
+            digest.update(f"object\t{self.file}\t{object_version(info)}\n".encode())
+            if content:
+                digest.update(f"sha256\t{self.remote.sha256(self.file, info['size'])}\n".encode())
+        elif self.file is not None:
             size = os.path.getsize(self.file) if os.path.exists(self.file) else -1
             digest.update(f"size\t{size}\n".encode())
-        if content:
+        if content and self.remote is None:
             if self.file is not None and os.path.exists(self.file):
                 digest.update(f"sha256\t{file_sha256(self.file)}\n".encode())
             else:
@@ -222,17 +232,20 @@ def text_source(
             "dicts of tensors through the Python API"
         )
     file = _text_file(data, split, value)
-    suffix = file.suffix.lower()
+    remote = Remote(data.storage_options) if is_url(file) else None
+    suffix = _suffix(file)
     if suffix == ".txt":
         for option in ("text_column", "label_column", "id_column"):
             if getattr(data, option) is not None:
                 raise ConfigError(
-                    f"data.{option} is set but {file.name} is a .txt file (one text per line, "
-                    "no columns); remove it, or use a .csv or .jsonl file"
+                    f"data.{option} is set but {_name(file)} is a .txt file (one text per "
+                    "line, no columns); remove it, or use a .csv or .jsonl file"
                 )
-        records = list(_txt_records(file))
+        records = list(_txt_records(file, remote))
+    elif suffix == ".csv":
+        records = list(_csv_records(file, remote))
     else:
-        records = list(_csv_records(file) if suffix == ".csv" else _jsonl_records(file))
+        records = list(_jsonl_records(file, remote))
     if not records:
         raise ConfigError(f"text file {file} has no rows; write one text per row")
     columns = _columns(records) if suffix != ".txt" else ["text"]
@@ -244,8 +257,9 @@ def text_source(
     ids = _ids(file, records, id_col)
     labels, class_names = _labels(file, records, label_col)
     max_length = data.max_length if data.max_length is not None else tokenizer.max_length
-    source = texts_source(texts, labels, ids, class_names, tokenizer, max_length, file.name)
+    source = texts_source(texts, labels, ids, class_names, tokenizer, max_length, _name(file))
     source.file = str(file)
+    source.remote = remote
     return source
 
 
@@ -253,11 +267,29 @@ def text_source(
 _Record = tuple[str, int, dict[str, Any]]
 
 
-def _text_file(data: DataSpec, split: str, value: Any) -> Path:
+def _name(file: Path | str) -> str:
+    """The file name of a path or URL."""
+    return posixpath.basename(urlsplit(file).path) if isinstance(file, str) else file.name
+
+
+def _suffix(file: Path | str) -> str:
+    return posixpath.splitext(_name(file))[1].lower()
+
+
+def _text_file(data: DataSpec, split: str, value: Any) -> Path | str:
     if not isinstance(value, str) or not value:
         raise ConfigError(
             f"data.splits.{split} must be a text file ({', '.join(TEXT_SUFFIXES)}), got {value!r}"
         )
+    if is_url(value) or is_url(data.root):
+        url = join(str(data.root), value) if data.root else value
+        check_url(url, f"data.splits.{split}")
+        if _suffix(url) not in TEXT_SUFFIXES:
+            raise ConfigError(
+                f"text file {url} must end in one of {', '.join(TEXT_SUFFIXES)}, "
+                f"not {_suffix(url) or '(no suffix)'}"
+            )
+        return url  # a missing object is named when it is read
     file = Path(value).expanduser()
     if data.root and not file.is_absolute():
         file = Path(data.root).expanduser() / file
@@ -274,8 +306,8 @@ def _text_file(data: DataSpec, split: str, value: Any) -> Path:
     return file
 
 
-def _csv_records(file: Path) -> Iterator[_Record]:
-    with open(file, newline="", encoding="utf-8-sig") as f:  # -sig: Excel writes a BOM
+def _csv_records(file: Path | str, remote: Remote | None) -> Iterator[_Record]:
+    with open_text(file, remote, newline="") as f:  # -sig: Excel writes a BOM
         reader = csv.reader(f)
         header = [name.strip() for name in next(reader, [])]
         if not any(header):
@@ -294,13 +326,13 @@ def _csv_records(file: Path) -> Iterator[_Record]:
             yield where, number, dict(zip(header, cells, strict=True))
 
 
-def _jsonl_records(file: Path) -> Iterator[_Record]:
-    for line, obj in jsonl_objects(file, str(file), '{"text": "...", "label": 1}'):
+def _jsonl_records(file: Path | str, remote: Remote | None) -> Iterator[_Record]:
+    for line, obj in jsonl_objects(file, str(file), '{"text": "...", "label": 1}', remote):
         yield f"line {line}", line, obj
 
 
-def _txt_records(file: Path) -> Iterator[_Record]:
-    with open(file, encoding="utf-8-sig", newline="") as f:
+def _txt_records(file: Path | str, remote: Remote | None) -> Iterator[_Record]:
+    with open_text(file, remote, newline="") as f:
         for line, text in enumerate(f, start=1):
             text = text.rstrip("\r\n")
             if text.strip():
@@ -320,7 +352,7 @@ def _column(
     default: str,
     option: str,
     columns: list[str],
-    file: Path,
+    file: Path | str,
     required: bool = False,
 ) -> str | None:
     """The column to read: ``named``, else ``default`` when the file has it (a
@@ -330,17 +362,17 @@ def _column(
         if default in columns or not required:
             return default if default in columns else None
         raise ConfigError(
-            f"{file.name} has no {default!r} column; its columns: {have}; set data.{option} "
+            f"{_name(file)} has no {default!r} column; its columns: {have}; set data.{option} "
             "to the column that holds the texts"
         )
     if named not in columns:
         raise ConfigError(
-            f"data.{option} {named!r} is not a column of {file.name}; its columns: {have}"
+            f"data.{option} {named!r} is not a column of {_name(file)}; its columns: {have}"
         )
     return named
 
 
-def _text(file: Path, where: str, row: dict[str, Any], column: str | None) -> str:
+def _text(file: Path | str, where: str, row: dict[str, Any], column: str | None) -> str:
     value = row.get(column) if column is not None else None
     if value is None:
         return ""  # no text in this row: it fails when read, like an empty one
@@ -351,9 +383,9 @@ def _text(file: Path, where: str, row: dict[str, Any], column: str | None) -> st
     return value
 
 
-def _ids(file: Path, records: list[_Record], column: str | None) -> list[str]:
+def _ids(file: Path | str, records: list[_Record], column: str | None) -> list[str]:
     if column is None:
-        return [f"{file.name}:{number}" for _, number, _ in records]
+        return [f"{_name(file)}:{number}" for _, number, _ in records]
     ids: list[str] = []
     first_at: dict[str, str] = {}
     for where, _, row in records:
@@ -377,7 +409,7 @@ def _ids(file: Path, records: list[_Record], column: str | None) -> list[str]:
 
 
 def _labels(
-    file: Path, records: list[_Record], column: str | None
+    file: Path | str, records: list[_Record], column: str | None
 ) -> tuple[list[int] | None, list[str] | None]:
     """Class indices (and class names when the labels are strings), or (None, None)."""
     if column is None:

@@ -18,6 +18,13 @@ The pass reads about 15,000 samples a second when every sample has a ``cls`` mem
 the shard's path, size and modification time and the options that shape the index; a
 changed shard is indexed again. Set ``FEATCACHE_CACHE_DIR`` to an empty string to keep
 no index.
+
+Shards named by URLs (``s3://bucket/shards-{000000..000099}.tar``) are read through
+fsspec (:mod:`featcache.sources.remote`): a shard is indexed by reading it once from
+start to end in large range requests (its index cached under the object's URL and ETag,
+so a rerun or a resume reads no shard it has indexed), and the samples of each batch
+are then fetched together, one range request per batch, in order; nothing is written
+to disk but the index.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import posixpath
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 from PIL import Image
@@ -38,13 +45,16 @@ from PIL import Image
 from featcache.errors import ConfigError, FeatcacheError, first_line
 from featcache.fingerprints import file_line, lines_sha256
 from featcache.sources.base import IMAGE_EXTENSIONS, SourceDataset, Transform
+from featcache.sources.remote import Remote, object_version
 from featcache.sources.tabular import (
     EncodedImageSource,
     check_columns,
     class_indices,
     decode_bytes,
     display_name,
+    is_remote,
     split_files,
+    split_urls,
     text_rows,
 )
 from featcache.spec import DataSpec
@@ -58,8 +68,9 @@ IMAGE_EXTS = tuple(ext[1:] for ext in IMAGE_EXTENSIONS)
 class WebDatasetSource(EncodedImageSource):
     """Images (and labels) of the samples of tar shards; ids are the samples' keys.
 
-    Holds the shard paths and per-sample int arrays (shard, offset, size); file handles
-    are opened on first read in each process and never pickled.
+    Holds the shard paths (or URLs, read through ``remote``) and per-sample int arrays
+    (shard, offset, size); file handles, and the bytes of the batch fetched from a
+    remote shard, are per process and never pickled.
     """
 
     def __init__(
@@ -74,15 +85,18 @@ class WebDatasetSource(EncodedImageSource):
         labels: np.ndarray | None,
         class_names: list[str] | None,
         transform: Transform | None,
+        remote: Remote | None = None,
     ) -> None:
         super().__init__(ids, class_names, labels is not None, transform)
-        self.shards = shards  # absolute paths
+        self.shards = shards  # absolute paths, or URLs
         self.names = names  # as the config names them (relative to data.root)
         self.shard, self.offset, self.size = shard, offset, size
         self.exts = exts
         self.labels = labels
         self.decode_size: int | None = None
+        self.remote = remote  # set when the shards are URLs
         self._fds: dict[int, int] = {}
+        self._span: tuple[int, int, bytes | Exception] | None = None  # (shard, start, bytes)
         self._pid = os.getpid()
 
     @property
@@ -93,7 +107,7 @@ class WebDatasetSource(EncodedImageSource):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_fds"] = {}
+        state.update(_fds={}, _span=None)
         return state
 
     def __del__(self) -> None:
@@ -112,10 +126,28 @@ class WebDatasetSource(EncodedImageSource):
             fd = self._fds[shard] = os.open(self.shards[shard], os.O_RDONLY)
         return fd
 
+    def prefetch(self, rows: list[int]) -> None:
+        """Fetch the bytes of ``rows`` (a batch: rows of one shard) from a remote shard in
+        one range request, from the first row's image to the last's; a failure is kept
+        and raised by the rows it covers."""
+        if self.remote is None or not rows:
+            return
+        shard = int(self.shard[rows[0]])
+        rows = [r for r in rows if int(self.shard[r]) == shard]
+        start = int(min(self.offset[r] for r in rows))
+        end = int(max(self.offset[r] + self.size[r] for r in rows))
+        try:
+            data: bytes | Exception = self.remote.read(self.shards[shard], start, end)
+        except FeatcacheError as exc:
+            data = exc
+        self._span = (shard, start, data)
+
     def read_bytes(self, i: int) -> bytes:
         """The encoded image of row ``i``."""
         shard, size = int(self.shard[i]), int(self.size[i])
         where = self._where(i)
+        if self.remote is not None:
+            return self._read_remote(i, shard, size, where)
         try:
             data = os.pread(self._fd(shard), size, int(self.offset[i]))
         except OSError as exc:
@@ -127,6 +159,23 @@ class WebDatasetSource(EncodedImageSource):
             )
         return data
 
+    def _read_remote(self, i: int, shard: int, size: int, where: str) -> bytes:
+        offset = int(self.offset[i])
+        if self._pid != os.getpid():
+            self._span, self._pid = None, os.getpid()
+        span = self._span
+        if span is not None and span[0] == shard:
+            start, data = span[1], span[2]
+            if isinstance(data, Exception) and start <= offset:
+                raise FeatcacheError(f"cannot read image {where}: {data}")
+            if isinstance(data, bytes) and start <= offset and offset + size <= start + len(data):
+                return data[offset - start : offset - start + size]
+        assert self.remote is not None
+        try:
+            return self.remote.read(self.shards[shard], offset, offset + size)
+        except FeatcacheError as exc:
+            raise FeatcacheError(f"cannot read image {where}: {exc}") from None
+
     def _where(self, i: int) -> str:
         return f"{self.ids[i]}.{self.exts[i]} in shard {self.names[int(self.shard[i])]}"
 
@@ -135,7 +184,18 @@ class WebDatasetSource(EncodedImageSource):
         return decode_bytes(self.read_bytes(i), self._where(i), self.decode_size), label
 
     def fingerprint(self, content: bool = False) -> str:
+        """sha256 over the sample count and each shard's name and size (and bytes with
+        ``content``); for URLs, each shard's URL, size and ETag as the store lists them
+        now, so that a shard replaced since is seen."""
         lines = [f"webdataset\t{len(self)} samples"]
+        if self.remote is not None:
+            infos = self.remote.stat(self.shards)
+            for url, info in zip(self.shards, infos, strict=True):
+                line = f"{url}\t{object_version(info)}"
+                if content:
+                    line += "\t" + self.remote.sha256(url, int(info["size"]))
+                lines.append(line)
+            return lines_sha256(lines)
         for path, name in zip(self.shards, self.names, strict=True):
             lines.append(file_line(name, path, content))
         return lines_sha256(lines)
@@ -183,13 +243,24 @@ def webdataset_source(
         label_field_set=data.label_column is not None,
         text_ext=data.text_column.lower().lstrip(".") if data.text_column else None,
     )
-    paths = split_files(data, split, value, "tar shards")
+    remote = Remote(data.storage_options) if is_remote(data, value) else None
+    paths: list[Path | str]
+    if remote is not None:
+        objects = split_urls(data, split, value, "tar shards", remote)
+        paths = [url for url, _ in objects]
+        versions = [object_version(info) for _, info in objects]
+    else:
+        paths = [*split_files(data, split, value, "tar shards")]
     names = [display_name(p, data) for p in paths]
     first_shard: dict[str, int] = {}
     samples: list[_Sample] = []
     shard_of: list[int] = []
     for s, (path, name) in enumerate(zip(paths, names, strict=True)):
-        for sample in _cached_index(path, name, options):
+        if remote is not None:
+            index = _cached_remote_index(str(path), versions[s], name, options, remote)
+        else:
+            index = _cached_index(Path(path), name, options)
+        for sample in index:
             other = first_shard.setdefault(sample.key, s)
             if other != s:
                 raise ConfigError(
@@ -207,7 +278,8 @@ def webdataset_source(
     ids = [sample.key for sample in samples]
     if options.text_ext is not None:
         sizes = lines_sha256(
-            f"{n}\t{os.path.getsize(p)}" for p, n in zip(paths, names, strict=True)
+            f"{n}\t{versions[k] if remote else os.path.getsize(p)}"
+            for k, (p, n) in enumerate(zip(paths, names, strict=True))
         )
         where = f"webdataset split {split} ({len(paths)} shards, {sizes[:16]})"
         texts = [sample.text or "" for sample in samples]
@@ -226,7 +298,7 @@ def webdataset_source(
             )
     images = [sample.image for sample in samples]
     return WebDatasetSource(
-        shards=[str(p.resolve()) for p in paths],
+        shards=[str(p) if remote else str(Path(p).resolve()) for p in paths],
         names=names,
         ids=ids,
         shard=np.asarray(shard_of, dtype=np.int32),
@@ -236,6 +308,7 @@ def webdataset_source(
         labels=labels,
         class_names=class_names,
         transform=transform,
+        remote=remote,
     )
 
 
@@ -255,8 +328,7 @@ def index_cache_dir() -> Path | None:
 
 def _cached_index(path: Path, name: str, options: _Options) -> list[_Sample]:
     """:func:`_index_shard`, from the index cache when the shard has not changed."""
-    folder = index_cache_dir()
-    if folder is None:
+    if index_cache_dir() is None:
         return _index_shard(path, name, options)
     try:
         stat = path.stat()
@@ -266,6 +338,28 @@ def _cached_index(path: Path, name: str, options: _Options) -> list[_Sample]:
         INDEX_VERSION, str(path.resolve()), stat.st_size, stat.st_mtime_ns,
         dataclasses.astuple(options),
     ]  # fmt: skip
+    return _through_cache(identity, lambda: _index_shard(path, name, options))
+
+
+def _cached_remote_index(
+    url: str, version: str, name: str, options: _Options, remote: Remote
+) -> list[_Sample]:
+    """The index of the remote shard ``url``, from the index cache while the object's
+    size and ETag (``version``) are those it was made from; else read once, start to end."""
+
+    def index() -> list[_Sample]:
+        size = int(version.split("\t")[0])
+        with remote.open(url, size) as raw:
+            return _index_tar(raw, size, name, options)
+
+    identity = [INDEX_VERSION, url, version, dataclasses.astuple(options)]
+    return _through_cache(identity, index) if index_cache_dir() is not None else index()
+
+
+def _through_cache(identity: list[Any], make: Any) -> list[_Sample]:
+    """The samples cached under ``identity``, else ``make()``'s, cached."""
+    folder = index_cache_dir()
+    assert folder is not None
     file = folder / (hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:32] + ".json")
     try:
         cached = json.loads(file.read_text())
@@ -273,7 +367,7 @@ def _cached_index(path: Path, name: str, options: _Options) -> list[_Sample]:
             return [_Sample(**sample) for sample in cached["samples"]]
     except (OSError, ValueError, KeyError, TypeError):
         pass  # absent, unreadable or of another version: index again
-    samples = _index_shard(path, name, options)
+    samples: list[_Sample] = make()
     try:
         folder.mkdir(parents=True, exist_ok=True)
         partial = file.with_suffix(f".{os.getpid()}.tmp")
@@ -286,10 +380,24 @@ def _cached_index(path: Path, name: str, options: _Options) -> list[_Sample]:
 
 
 def _index_shard(path: Path, name: str, options: _Options) -> list[_Sample]:
-    """The samples of one shard, from its tar headers (and its small label members)."""
+    """The samples of one local shard."""
     try:
         file_size = path.stat().st_size
-        tar = tarfile.open(path, mode="r:")  # noqa: SIM115  (closed below, with its reader)
+        raw = open(path, "rb")  # noqa: SIM115  (closed below)
+    except OSError as exc:
+        raise ConfigError(
+            f"webdataset shard {name} cannot be read as a tar file ({first_line(exc)}); "
+            "shards must be uncompressed .tar files"
+        ) from None
+    with raw:
+        return _index_tar(raw, file_size, name, options)
+
+
+def _index_tar(raw: BinaryIO, file_size: int, name: str, options: _Options) -> list[_Sample]:
+    """The samples of one shard (the seekable file ``raw`` of ``file_size`` bytes), from
+    its tar headers (and its small label members)."""
+    try:
+        tar = tarfile.open(fileobj=raw, mode="r:")  # noqa: SIM115  (closed below)
     except (tarfile.TarError, OSError) as exc:
         raise ConfigError(
             f"webdataset shard {name} cannot be read as a tar file ({first_line(exc)}); "
@@ -298,7 +406,7 @@ def _index_shard(path: Path, name: str, options: _Options) -> list[_Sample]:
     samples: list[_Sample] = []
     seen: set[str] = set()
     current: _Sample | None = None
-    with tar, open(path, "rb") as raw:
+    with tar:
 
         def read(member: tarfile.TarInfo) -> bytes:
             raw.seek(member.offset_data)
