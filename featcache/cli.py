@@ -71,6 +71,14 @@ def extract(
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace stores that already exist.")
     ] = False,
+    update: Annotated[
+        bool,
+        typer.Option(
+            "--update",
+            help="Bring stores that exist up to date: compute only new or changed samples "
+            "and new layers, copy the rest (output.update).",
+        ),
+    ] = False,
     limit: Annotated[
         int | None,
         typer.Option(
@@ -96,10 +104,13 @@ def extract(
     from featcache.distributed import current_rank
     from featcache.extraction import extract_from_config
     from featcache.extraction.from_config import resume_command
+    from featcache.history import describe_run
 
     overrides = list(set_ or [])
     if overwrite:
         overrides.append("output.overwrite=true")
+    if update:
+        overrides.append("output.update=true")
     if limit is not None:
         overrides.append(f"data.limit={limit}")
     rank = current_rank()
@@ -116,6 +127,9 @@ def extract(
         for store in stores.values():
             done_before = store.path.stat().st_mtime_ns < started  # a rerun found it complete
             say(store.describe().summary() + ("; already complete" if done_before else ""))
+            history = store.attrs.get("history") or []
+            if update and not done_before and history:
+                say(f"{store.path}: {describe_run(history[-1])}")
 
 
 @app.command()

@@ -320,10 +320,21 @@ class StoreSpec:
     checksum: bool = True  # Fletcher-32 checksum per chunk: a corrupted chunk fails to read
 
 
+# The refusal of a run asked both to update and to overwrite its stores.
+UPDATE_AND_OVERWRITE = (
+    "--update and --overwrite exclude each other (output.update, output.overwrite): "
+    "--update keeps what a store holds and computes the rest, --overwrite computes it all "
+    "afresh; pass one of them"
+)
+
+
 @dataclass
 class OutputSpec:
     dir: str = "features"  # one store per split: <dir>/<split>.h5
     overwrite: bool = False
+    # Bring complete stores up to date: compute only new or changed samples and new
+    # layers, copy the rest (docs/guides/update.md)
+    update: bool = False
 
 
 @dataclass
@@ -358,6 +369,8 @@ class Spec:
     def validate(self, at: str) -> None:
         if not self.layers:
             raise ConfigError("layers: name at least one layer to capture (see `featcache layers`)")
+        if self.output.update and self.output.overwrite:
+            raise ConfigError(UPDATE_AND_OVERWRITE)
 
 
 def load_config(

@@ -22,6 +22,7 @@ from featcache.extraction.batches import (
     check_inputs,
     first_sample,
     num_workers,
+    pins,
     source_length,
     started,
     token_lengths,
@@ -32,15 +33,18 @@ from featcache.extraction.dataset_info import dataset_classes, dataset_ids
 from featcache.extraction.estimate import StoreEstimate, check_free_space, estimate_store
 from featcache.extraction.grid import GridBatches, shard_starts
 from featcache.extraction.loop import LoopPlan, run_loop
+from featcache.extraction.update import is_update_partial, update_store
 from featcache.extraction.writer_thread import WriterThread
 from featcache.fingerprints import ids_fingerprint, module_fingerprint
+from featcache.history import run_record
 from featcache.provenance import StoreKey, store_attributes
 from featcache.reduce import ReduceContext, token_layout
 from featcache.runtime import Layout, choose_layout
 from featcache.selectors import Tap, resolve_taps, tap_record
-from featcache.spec import LayerSpec, LoaderSpec, RuntimeSpec, StoreSpec
+from featcache.spec import UPDATE_AND_OVERWRITE, LayerSpec, LoaderSpec, RuntimeSpec, StoreSpec
 from featcache.store import (
     FeatureStore,
+    ResumePoint,
     StorePlan,
     StoreWriter,
     check_output_path,
@@ -51,9 +55,11 @@ from featcache.store import (
     stored_resume_key,
 )
 from featcache.store.lock import writer_lock
+from featcache.store.paths import OVERWRITE
 from featcache.validation import build
 
 _SECTIONS = {"loader": LoaderSpec, "store": StoreSpec, "runtime": RuntimeSpec}
+_RUN_KEYS = ("overwrite", "update")  # options of the run itself, outside the sections
 
 
 @dataclasses.dataclass
@@ -64,21 +70,26 @@ class RunOptions:
     store: StoreSpec = dataclasses.field(default_factory=StoreSpec)
     runtime: RuntimeSpec = dataclasses.field(default_factory=RuntimeSpec)
     overwrite: bool = False
+    update: bool = False  # compute only what the complete store lacks (extraction.update)
+
+    def __post_init__(self) -> None:
+        if self.overwrite and self.update:
+            raise ConfigError(UPDATE_AND_OVERWRITE)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> RunOptions:
         """Build from flat keyword arguments named like the config keys (``batch_size=...``)."""
         owner = {f.name: name for name, kind in _SECTIONS.items() for f in dataclasses.fields(kind)}
-        unknown = sorted(set(kwargs) - set(owner) - {"overwrite"})
+        unknown = sorted(set(kwargs) - set(owner) - set(_RUN_KEYS))
         if unknown:
             raise ConfigError(
-                f"unknown option {unknown[0]!r}; known options: overwrite, "
+                f"unknown option {unknown[0]!r}; known options: overwrite, update, "
                 + ", ".join(sorted(owner))
             )
         raw: dict[str, Any] = {name: {} for name in _SECTIONS}
         for key, value in kwargs.items():
-            if key == "overwrite":
-                raw["overwrite"] = value
+            if key in _RUN_KEYS:
+                raw[key] = value
             else:
                 raw[owner[key]][key] = value
         return build(cls, raw)
@@ -231,10 +242,21 @@ def _extract(
     plan: _Plan,
     check_space: bool = True,
 ) -> FeatureStore:
-    """Write (or resume, or find complete) the store ``plan`` describes at ``path``."""
+    """Write (or resume, or find complete, or update) the store ``plan`` describes at
+    ``path``."""
+    current = path.exists() and plan.key().matches(stored_resume_key(path))
+    if run.update and path.exists() and not current:
+        return update_store(model, dataset, path, run, plan, check_space)
+    if run.update and is_update_partial(path):
+        remove_partial(path)  # a stopped update of a store no longer there
     if run.overwrite:
         remove_partial(path)  # a complete store stays until the new one replaces it
-    elif path.exists() and plan.key().matches(stored_resume_key(path)):
+    elif is_update_partial(path):
+        raise ConfigError(
+            f"{partial_path(path)} is a stopped update of {path}; rerun with --update "
+            f"(update=True in Python) to redo it, or pass {OVERWRITE} to extract afresh"
+        )
+    elif current:
         # A rerun after this store completed: nothing left to do, once a few of its rows
         # recomputed now prove that it holds this computation's result.
         check_continues(path, model, dataset, plan, run)
@@ -263,7 +285,7 @@ def _extract(
     if check_space:  # before the first batch, and before the store's file is created
         check_free_space([estimate_store(model, dataset, path, plan, run)], run.overwrite)
     device = plan.layout.device
-    pin = device.type == "cuda" if run.loader.pin_memory == "auto" else bool(run.loader.pin_memory)
+    pin = pins(run.loader.pin_memory, device)
     source_rows = SourceRows(dataset, todo, has_labels=plan.has_labels)
     lengths = None  # sorts each window by length when bucketing
     if plan.bucket_window is not None:
@@ -278,10 +300,54 @@ def _extract(
         collate_fn=Collate(source_rows.pad_values),
     )
 
-    def open_writer() -> StoreWriter:
-        attrs = store_attributes(
-            plan.key(), plan.provenance, device=str(device), class_names=plan.class_names
+    start = time.perf_counter()
+    loop = LoopPlan(
+        plan.taps, plan.ids, (run.loader, run.store, run.runtime), plan.layout, pin,
+        total=len(plan.rows), done_before=len(plan.rows) - len(todo), tokens=plan.tokens,
+        reorder=None if lengths is None else WindowReorder(grid.window_sizes()),
+        unit=plan.unit,
+    )  # fmt: skip
+    with started(loader) as batches:
+        with WriterThread(open_writer_for(path, plan, run, resume=resume), path) as sink:
+            timing = run_loop(model, batches, sink, loop)
+        timing["seconds_waiting_for_disk"] = sink.waited
+        timing["seconds"] = time.perf_counter() - start
+        timing["images_per_second"] = len(todo) / max(timing["seconds"], 1e-9)
+        writer = sink.writer
+        assert writer is not None  # the thread raised otherwise
+        layers = (len(plan.taps), 0)
+        record = run_record("extract", (writer.rows_appended, 0), layers, plan.key().to_json())
+        attrs = {**timing, "row_unit": ROW_UNITS[plan.unit], "history": [record]}
+        writer.close(complete=True, attrs=attrs, row_columns=getattr(dataset, "row_columns", None))
+    if writer.skipped:
+        warnings.warn(
+            f"{len(writer.skipped)} of {len(plan.rows)} samples skipped (first: "
+            f"{writer.skipped[0]['reason']}); the store lists them under /skipped",
+            FeatcacheWarning,
+            stacklevel=2,
         )
+    return FeatureStore.just_sealed(path)
+
+
+def open_writer_for(
+    path: Path,
+    plan: _Plan,
+    run: RunOptions,
+    mark: Mapping[str, Any] | None = None,
+    resume: ResumePoint | None = None,
+) -> Callable[[], StoreWriter]:
+    """What opens the writer of the store ``plan`` describes at ``path`` (on the writer
+    thread: the weights may still be being fingerprinted). ``mark`` adds entries to the
+    store key recorded while it is written (an update's); ``resume`` continues a
+    partial store."""
+
+    def open_writer() -> StoreWriter:
+        key = plan.key()
+        attrs = store_attributes(
+            key, plan.provenance, device=str(plan.layout.device), class_names=plan.class_names
+        )
+        if mark:
+            attrs["resume_key"] = {**key.to_json(), **mark}
         store = StorePlan(
             path,
             len(plan.rows),
@@ -296,31 +362,7 @@ def _extract(
         )
         return StoreWriter(store, resume)
 
-    start = time.perf_counter()
-    loop = LoopPlan(
-        plan.taps, plan.ids, (run.loader, run.store, run.runtime), plan.layout, pin,
-        total=len(plan.rows), done_before=len(plan.rows) - len(todo), tokens=plan.tokens,
-        reorder=None if lengths is None else WindowReorder(grid.window_sizes()),
-        unit=plan.unit,
-    )  # fmt: skip
-    with started(loader) as batches:
-        with WriterThread(open_writer, path) as sink:
-            timing = run_loop(model, batches, sink, loop)
-        timing["seconds_waiting_for_disk"] = sink.waited
-        timing["seconds"] = time.perf_counter() - start
-        timing["images_per_second"] = len(todo) / max(timing["seconds"], 1e-9)
-        writer = sink.writer
-        assert writer is not None  # the thread raised otherwise
-        attrs = {**timing, "row_unit": ROW_UNITS[plan.unit]}
-        writer.close(complete=True, attrs=attrs, row_columns=getattr(dataset, "row_columns", None))
-    if writer.skipped:
-        warnings.warn(
-            f"{len(writer.skipped)} of {len(plan.rows)} samples skipped (first: "
-            f"{writer.skipped[0]['reason']}); the store lists them under /skipped",
-            FeatcacheWarning,
-            stacklevel=2,
-        )
-    return FeatureStore.just_sealed(path)
+    return open_writer
 
 
 def check_unique(ids: Sequence[str]) -> None:

@@ -363,6 +363,11 @@ def num_workers(setting: int | str, num_rows: int, batch_size: int) -> int:
     return min(4, cpus or 1)
 
 
+def pins(setting: bool | str, device: torch.device) -> bool:
+    """Whether batches come in pinned memory: ``loader.pin_memory``, "auto" on CUDA."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
+
+
 @contextlib.contextmanager
 def started(loader: DataLoader) -> Iterator[Iterator[Batch]]:
     """The loader's iterator, with its workers started now and always shut down.

@@ -32,8 +32,13 @@ def extract_from_config(
     overrides: Iterable[str] = (),
     *,
     check_space: bool = True,
+    update: bool = False,
 ) -> dict[str, FeatureStore]:
     """Run the extraction a config describes; one complete store per split.
+
+    ``update=True`` (the config's ``output.update``, ``--update``) brings stores that
+    exist up to date: only new or changed samples and new layers are computed, the rest
+    is copied (:mod:`featcache.extraction.update`).
 
     ``config`` is a YAML path, a mapping, or a loaded :class:`~featcache.spec.Spec`;
     ``overrides`` are ``key.sub=value`` strings applied first. Every split's output path
@@ -49,6 +54,10 @@ def extract_from_config(
             "config itself, or apply them with featcache.spec.load_config(config, overrides)"
         )
     spec = config if isinstance(config, Spec) else load_config(config, overrides)
+    if update and not spec.output.update:
+        output = dataclasses.replace(spec.output, update=True)
+        spec = dataclasses.replace(spec, output=output)
+        spec.validate("")
     rank = current_rank()
     with contextlib.ExitStack() as held:
         if rank is None or rank.is_main:  # other ranks lock only their own shards
@@ -127,12 +136,13 @@ def preprocessing_record(backbone: Backbone, max_length: int | None) -> str:
 
 def run_options(spec: Spec) -> dict[str, Any]:
     """The keyword options of :func:`~featcache.extraction.extract` the config sets: its
-    loader, store and runtime keys, and ``overwrite``."""
+    loader, store and runtime keys, ``overwrite`` and ``update``."""
     return {
         **dataclasses.asdict(spec.loader),
         **dataclasses.asdict(spec.store),
         **dataclasses.asdict(spec.runtime),
         "overwrite": spec.output.overwrite,
+        "update": spec.output.update,
     }
 
 
@@ -194,6 +204,11 @@ def complete_already(spec: Spec, split: str) -> bool:
 def _extract_splits(
     spec: Spec, rank: Rank | None, command: str | None, check_space: bool
 ) -> dict[str, FeatureStore]:
+    if spec.output.update and rank is not None:
+        raise ConfigError(
+            "--update runs in one process; run `featcache extract CONFIG --update` without "
+            "torchrun (the copied rows are I/O, the computed ones usually few)"
+        )
     stale: dict[str, list[Path]] = {}
     for split in spec.data.splits:  # fail before any work on a store made differently
         path = spec.store_path(split)
@@ -205,7 +220,7 @@ def _extract_splits(
         fingerprint = config_fingerprint(spec)
         if key is None or key.get("config_fingerprint") != fingerprint:
             resumes = interrupted_overwrite(path, {"config_fingerprint": fingerprint})
-            check_output_path(path, spec.output.overwrite or resumes)
+            check_output_path(path, spec.output.overwrite or spec.output.update or resumes)
     backbone = build_backbone_for(spec)
     sources = {split: build_source_for(spec, split, backbone) for split in spec.data.splits}
     check_same_classes({split: source.class_names for split, source in sources.items()})

@@ -83,6 +83,8 @@ def build_source(
         source = builder(data, split, data.splits[split], transform)
     if hasattr(source, "decode_size"):  # image sources that decode JPEGs in draft mode
         source.decode_size = decode_size
+    if hasattr(source, "hash_content"):  # sources that can record each row's bytes' hash
+        source.hash_content = data.content_hash
     if data.class_names is not None:
         source.class_names = given_class_names(data.class_names, source, data.storage_options)
     return source

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import numpy as np
 from PIL import Image
 
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.fingerprints import file_line, lines_sha256
+from featcache.fingerprints import file_line, file_sha256, lines_sha256
 from featcache.sources.base import (
     IMAGE_EXTENSIONS,
     SourceDataset,
@@ -63,6 +64,8 @@ class FileSource(SourceDataset):
         self.remote = remote
         self.versions = versions
         self._fetched: dict[int, bytes | Exception] = {}
+        self.hash_content = False  # record each file's sha256 (data.content_hash)
+        self._hashes: np.ndarray | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -89,6 +92,24 @@ class FileSource(SourceDataset):
         if isinstance(data, Exception):
             raise FeatcacheError(f"cannot decode image {path}: {data}")
         return decode_bytes(data, path, self.decode_size), label
+
+    @property
+    def row_columns(self) -> dict[str, np.ndarray]:
+        """Per-row arrays to record beside the features: with :attr:`hash_content`,
+        ``content_hash`` (``S64``: each file's hex sha256), by which an update of the
+        store tells a sample whose bytes changed (see :mod:`featcache.extraction.update`)."""
+        return {"content_hash": self.content_hashes()} if self.hash_content else {}
+
+    def content_hashes(self) -> np.ndarray:
+        """``[rows]`` ``S64``: the hex sha256 of each row's file (read once, then kept)."""
+        if self._hashes is None:
+            remote = self.remote or Remote()
+            digests = [
+                hashlib.sha256(remote.read(path)).hexdigest() if is_url(path) else file_sha256(path)
+                for path in self.paths
+            ]
+            self._hashes = np.array(digests, dtype="S64")
+        return self._hashes
 
     def fingerprint(self, content: bool = False) -> str:
         """sha256 over each file's id and size (and bytes with ``content``), in id order

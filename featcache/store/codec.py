@@ -45,6 +45,7 @@ JSON_ATTRS = frozenset(
         "layout",
         "shards",
         "merged_from",
+        "history",
     }
 )
 

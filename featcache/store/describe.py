@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from featcache.history import history_lines
 from featcache.store.lock import Holder, holder
 from featcache.store.paths import store_path_of
 from featcache.units import format_bytes
@@ -180,6 +181,8 @@ class StoreDescription:
             )
         if "seconds" in attrs:
             lines.append(self._run_text())
+        for at, line in enumerate(history_lines(attrs.get("history") or [])):
+            lines.append(f"{'history' if at == 0 else '':<10} {line}")
         return "\n".join(lines)
 
     __str__ = format

@@ -1,0 +1,431 @@
+"""Updating a complete store: copy what it already holds, compute only the rest.
+
+An update (``featcache extract CONFIG --update``, ``update=True``) writes a new store at
+the store's ``.partial`` path, as every run does, and moves it into place when complete:
+the old store stays whole and readable until then. The new store's rows are the current
+dataset's, in its order. A row whose sample id is in the old store (and, where the old
+store recorded one, whose ``content_hash`` row column, each file's sha256, is the same:
+``data.content_hash: true``) is *reused*: its values of every layer whose definition (the
+store key's tap record: module, capture, reduce, size, ...) is unchanged are copied,
+byte for byte, from the old store. Everything else is *computed*: new or changed samples
+get every layer, and a new or redefined layer is computed for every row (when no sample
+needs every layer, the forward then stops at the deepest new layer). Rows of vanished
+samples and layers no longer configured are left out. So the updated store is the store
+a fresh extraction of the current dataset and config writes, up to the rounding of a
+different batch composition in the rows computed now (:data:`TOLERANCE`).
+
+What the rows are computed with must not have changed: the model, its weights, the
+preprocessing, the store dtype and the other settings that decide a stored value
+(:func:`update_refusal`); otherwise the update is refused in one line naming the
+difference, since only a fresh ``--overwrite`` run can make the store then.
+
+An update stopped by a crash leaves its ``.partial``, which the next run tells from an
+interrupted extraction by the ``update`` entry of its store key: rerunning the update
+starts it over (the old store is still in place), and a plain run refuses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from featcache.errors import ConfigError
+from featcache.extraction.batches import Collate, SourceRows, num_workers, pins, started
+from featcache.extraction.estimate import check_free_space, estimate_store
+from featcache.extraction.grid import GridBatches
+from featcache.extraction.loop import LoopPlan, run_loop
+from featcache.extraction.writer_thread import CapturedBatch, WriterThread
+from featcache.history import history_of, run_record
+from featcache.provenance import config_differences
+from featcache.selectors import tap_record
+from featcache.store import FeatureStore, partial_path, stored_resume_key
+from featcache.store.codec import encode
+from featcache.store.paths import OVERWRITE
+
+if TYPE_CHECKING:
+    from featcache.extraction.api import RunOptions, _Plan
+
+# The entry of a partial store's key that marks it as an update's.
+UPDATE_MARK = "update"
+# Per-row hashes of the samples' bytes, when the source records them (its row_columns).
+HASH_COLUMN = "content_hash"
+# Relative tolerance between an updated store's computed rows and a fresh extraction's:
+# the same model on the same inputs in batches of other samples rounds its last float32
+# bits differently; stored in float16 or bfloat16, values differ by at most a unit in the
+# last place of the stored dtype.
+TOLERANCE = 1e-4
+# Store key entries an update may change: what the rows are (the dataset), which layers,
+# and how the store is batched and laid out, none of which changes a stored value beyond
+# batch rounding. Any other difference needs a fresh run.
+UPDATABLE_KEYS = frozenset(
+    {
+        "config_fingerprint",  # compared key by key: see UPDATABLE_CONFIG
+        "dataset_fingerprint",
+        "source_rows",
+        "rows",
+        "taps",
+        "batch_size",
+        "chunk_rows",
+        "compression",
+        "featcache_format",  # an older store is read and rewritten in this format
+        "world_size",  # a store combined from torchrun shards becomes a plain one
+    }
+)
+# Config keys (dotted, as config_differences names them) an update may change.
+UPDATABLE_CONFIG = ("data.", "layers", "loader.batch_size", "store.compression", "store.chunk_rows")
+COPY_ROWS = 256  # rows copied from the old store per write, between computed batches
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateWork:
+    """What an update copies and what it computes.
+
+    ``old_rows[j]`` is the old store's row reused for the ``j``-th row of ``plan.rows``
+    (-1: the sample is new or changed, and computed with every layer); ``new_layers`` are
+    computed for every row, ``kept_layers`` copied for the reused rows.
+    """
+
+    old_rows: np.ndarray  # [len(plan.rows)] int64
+    new_layers: list[str]
+    kept_layers: list[str]
+
+    @property
+    def rows_computed(self) -> int:
+        return int((self.old_rows < 0).sum())
+
+    @property
+    def rows_reused(self) -> int:
+        return int((self.old_rows >= 0).sum())
+
+    def positions_run(self, rows: range) -> np.ndarray:
+        """The source positions that go through the model: every row when a layer is
+        new, else the computed rows."""
+        if self.new_layers:
+            return np.arange(rows.start, rows.stop)
+        return rows.start + np.flatnonzero(self.old_rows < 0)
+
+
+def is_update_partial(path: str | Path) -> bool:
+    """Whether the ``.partial`` beside the store at ``path`` is a stopped update's."""
+    partial = partial_path(path)
+    key = stored_resume_key(partial) if partial.is_file() else None
+    return bool(key and UPDATE_MARK in key)
+
+
+def update_refusal(
+    stored_key: Mapping[str, Any],
+    key: Mapping[str, Any],
+    stored_config: Mapping[str, Any] | None,
+    config: Mapping[str, Any] | None,
+) -> str:
+    """What differs between a store's key (and config) and this run's that an update
+    cannot take: ``"its weights differ (...)"``; "" when nothing does."""
+    for name in sorted(set(stored_key) | set(key)):
+        if name not in UPDATABLE_KEYS and stored_key.get(name) != key.get(name):
+            return (
+                f"its {name.replace('_', ' ')} differs from this run's "
+                f"({_short(stored_key.get(name))} vs {_short(key.get(name))})"
+            )
+    if stored_config is None or config is None:
+        return ""
+    fixed = [
+        name
+        for name in config_differences(stored_config, config)
+        if not name.startswith(UPDATABLE_CONFIG) or name == "data.max_length"
+    ]
+    if not fixed:
+        return ""
+    return (
+        f"its config differs from this run's at {', '.join(fixed[:3])} "
+        f"({_short(_value_at(stored_config, fixed[0]))} vs {_short(_value_at(config, fixed[0]))})"
+    )
+
+
+def plan_work(old: FeatureStore, plan: _Plan, hashes: np.ndarray | None) -> UpdateWork:
+    """Match the rows and layers of ``plan`` to those of the ``old`` store.
+
+    ``hashes`` (``[source rows]``, the source's ``content_hash`` column, None without
+    one) must equal the old store's for a row to be reused; an old store that recorded
+    none then reuses no row.
+    """
+    old_ids = old.ids
+    row_of = {sample_id: row for row, sample_id in enumerate(old_ids)}
+    old_rows = np.array(
+        [row_of.get(str(plan.ids[p]), -1) for p in plan.rows], dtype=np.int64
+    ).reshape(-1)
+    if hashes is not None:
+        held = old.file.get(HASH_COLUMN)
+        if held is None:
+            old_rows[:] = -1
+        else:
+            stored = np.asarray(held[: len(old_ids)])
+            reused = np.flatnonzero(old_rows >= 0)
+            current = np.asarray(hashes)[plan.rows.start + reused]
+            old_rows[reused[stored[old_rows[reused]] != current]] = -1
+    stored_taps = {record["key"]: record for record in old.attrs.get("taps") or []}
+    kept = [
+        tap.key
+        for tap in plan.taps
+        if tap.key in old.layers and stored_taps.get(tap.key) == tap_record(tap)
+    ]
+    new = [tap.key for tap in plan.taps if tap.key not in kept]
+    return UpdateWork(old_rows, new, kept)
+
+
+def update_store(
+    model: nn.Module,
+    dataset: Dataset,
+    path: Path,
+    run: RunOptions,
+    plan: _Plan,
+    check_space: bool = True,
+) -> FeatureStore:
+    """Bring the complete store at ``path`` up to ``plan``: copy what it holds, compute
+    the rest (see the module's description). Returns the new store, whose ``history``
+    attribute's last record says what was computed and what reused.
+
+    Raises:
+        ConfigError: the store was made with another model, weights, preprocessing or
+            store settings (one line naming the difference), or holds per-token rows.
+    """
+    from featcache.extraction.api import ROW_UNITS, open_writer_for
+
+    partial_path(path).unlink(missing_ok=True)  # a stopped update starts over
+    with FeatureStore(path) as old:
+        _check_updatable(old, path, plan)
+        columns = dict(getattr(dataset, "row_columns", None) or {})
+        work = plan_work(old, plan, columns.get(HASH_COLUMN))
+        if _hashing(plan) and HASH_COLUMN not in columns:
+            raise ConfigError(
+                f"cannot update {path}: data.content_hash is on but this source records no "
+                "hash per sample (image folders and manifests do), so a changed sample "
+                f"would go unseen; turn data.content_hash off, or pass {OVERWRITE}"
+            )
+        if check_space:  # the old store stays until the new one replaces it
+            check_free_space([estimate_store(model, dataset, path, plan, run)], True)
+        run_taps = list(plan.taps)
+        if work.new_layers and not work.rows_computed:  # the forward stops at the new layers
+            run_taps = [tap for tap in plan.taps if tap.key in work.new_layers]
+        positions = work.positions_run(plan.rows)
+        batches: Any
+        if work.new_layers:  # every row: the grid of a fresh run, so the same batches
+            batches = GridBatches(plan.rows, run.loader.batch_size, plan.shard_starts)
+        else:
+            offsets = positions - plan.rows.start
+            size = run.loader.batch_size
+            batches = [offsets[at : at + size].tolist() for at in range(0, len(offsets), size)]
+        device = plan.layout.device
+        pin = pins(run.loader.pin_memory, device)
+        source_rows = SourceRows(dataset, plan.rows, has_labels=plan.has_labels)
+        loader = DataLoader(
+            source_rows,
+            batch_sampler=batches,
+            num_workers=num_workers(run.loader.num_workers, len(positions), run.loader.batch_size),
+            pin_memory=pin,
+            collate_fn=Collate(source_rows.pad_values),
+        )
+        loop = LoopPlan(
+            run_taps, plan.ids, (run.loader, run.store, run.runtime), plan.layout, pin,
+            total=len(plan.rows), done_before=len(plan.rows) - len(positions),
+            tokens=plan.tokens, unit=plan.unit,
+        )  # fmt: skip
+        mark = {UPDATE_MARK: old.attrs.get("created") or str(path)}
+        start = time.perf_counter()
+        with started(loader) as loaded:
+            with WriterThread(open_writer_for(path, plan, run, mark), path) as thread:
+                merged = MergedRows(thread, old, plan, work, run.store.dtype)
+                timing = run_loop(model, loaded, merged, loop)
+                merged.finish()
+            writer = thread.writer
+            assert writer is not None  # the thread raised otherwise
+            timing["seconds_waiting_for_disk"] = thread.waited
+            timing["seconds"] = time.perf_counter() - start
+            timing["images_per_second"] = len(positions) / max(timing["seconds"], 1e-9)
+            key = plan.key().to_json()
+            layers = (len(work.new_layers), len(work.kept_layers))
+            record = run_record("update", (work.rows_computed, work.rows_reused), layers, key)
+            history = [*history_of(old.attrs, len(old), len(old.layers)), record]
+            attrs = {**timing, "row_unit": ROW_UNITS[plan.unit], "resume_key": key}
+            old.close()  # before the new store takes its name
+            writer.close(complete=True, attrs={**attrs, "history": history}, row_columns=columns)
+    return FeatureStore.just_sealed(path)
+
+
+def _check_updatable(old: FeatureStore, path: Path, plan: _Plan) -> None:
+    """Refuse an update whose rows would not be computed as the old store's were."""
+    fix = f"pass {OVERWRITE} to extract it afresh"
+    if old.offsets is not None or plan.row_tokens is not None or plan.bucket_window:
+        raise ConfigError(
+            f"cannot update {path}: it holds per-token rows or length-bucketed batches, "
+            f"which an update does not rewrite; {fix}"
+        )
+    stored_config = old.config
+    why = update_refusal(
+        old.attrs.get("resume_key") or {},
+        plan.key().to_json(),
+        stored_config,
+        plan.provenance.get("config"),
+    )
+    stored_preprocessing = old.attrs.get("preprocessing")
+    preprocessing = plan.provenance.get("preprocessing")
+    if not why and preprocessing is not None and stored_preprocessing != preprocessing:
+        why = "its preprocessing differs from this run's"
+    if why:
+        raise ConfigError(
+            f"cannot update {path}: {why}; an update computes new rows with the model, "
+            f"weights, preprocessing and store settings the store was made with, so {fix}"
+        )
+
+
+def _hashing(plan: _Plan) -> bool:
+    """Whether the run's config asks for samples to be known by their bytes too."""
+    config = plan.provenance.get("config") or {}
+    return bool((config.get("data") or {}).get("content_hash"))
+
+
+class MergedRows:
+    """The run loop's sink for an update: it puts the old store's rows among the computed
+    ones, in source order, and hands whole rows (every layer) to the writer thread.
+
+    Rows copied whole go in blocks of :data:`COPY_ROWS` as the computed batches pass
+    them (and the rest at :meth:`finish`); in a computed batch, the reused rows' kept
+    layers are copied over what was computed (or filled in where the forward did not
+    capture them), so that they are byte for byte the old store's.
+    """
+
+    def __init__(
+        self, sink: WriterThread, old: FeatureStore, plan: _Plan, work: UpdateWork, dtype: str
+    ):
+        self.sink, self.old, self.plan, self.work, self.dtype = sink, old, plan, work, dtype
+        self.path = sink.path
+        self.waited = 0.0  # seconds the forward waited on the writer thread
+        run = set(work.positions_run(plan.rows).tolist())
+        # Source positions copied whole, in order, and how many of them are written.
+        self.copied = np.array([p for p in plan.rows if p not in run], dtype=np.int64)
+        self.next = 0
+        self.attrs: dict[str, dict[str, Any]] = {}
+
+    @property
+    def skipped(self) -> int:
+        return self.sink.skipped
+
+    def put(self, batch: CapturedBatch, feature_attrs: Any) -> None:
+        if batch.ready is not None:
+            batch.ready.synchronize()
+        features = {key: value.clone() for key, value in batch.features.items()}
+        if batch.release is not None:
+            batch.release()  # the host buffers go back: the values are copied
+        self._layer_attrs(feature_attrs)
+        seen = [*batch.index.tolist(), *(int(r["index"]) for r in batch.skipped)]
+        upto = max(seen) if seen else -1
+        before = int(batch.index.min()) if len(batch.index) else upto + 1
+        self._copy_until(before)  # whole blocks ahead of the batch
+        stop = int(np.searchsorted(self.copied, upto, side="right"))
+        between = self.copied[self.next : stop]  # rows interleaved with the batch's
+        self.next = stop
+        rows = np.concatenate([batch.index, between])
+        order = np.argsort(rows, kind="stable")
+        labels = np.concatenate([batch.labels, self._labels(between)])[order]
+        parts = [self._filled(batch.index, features)] if len(batch.index) else []
+        if len(between):
+            parts.append(self._copies(between))
+        picked = torch.from_numpy(order)
+        values = {key: torch.cat([p[key] for p in parts])[picked] for key in (parts or [{}])[0]}
+        self._put(rows[order], labels, values, batch.skipped)
+
+    def finish(self) -> None:
+        """Write the copied rows after the last computed batch."""
+        self._copy_until(self.plan.rows.stop)
+
+    def _layer_attrs(self, computed: Mapping[str, Mapping[str, Any]] | None) -> None:
+        """Each layer's dataset attributes: as the forward found them, or as the old
+        store recorded them for a layer copied without being computed."""
+        if self.attrs:
+            return
+        for tap in self.plan.taps:
+            found = (computed or {}).get(tap.key)
+            if found is None:
+                found = {
+                    name: value
+                    for name, value in self.old.layer_attrs(tap.key).items()
+                    if name not in ("dtype", "layout")
+                }
+            self.attrs[tap.key] = dict(found)
+
+    def _copy_until(self, position: int) -> None:
+        stop = int(np.searchsorted(self.copied, position, side="left"))
+        while self.next < stop:
+            block = self.copied[self.next : min(self.next + COPY_ROWS, stop)]
+            self.next += len(block)
+            self._layer_attrs(None)
+            self._put(block, self._labels(block), self._copies(block), [])
+
+    def _old_rows(self, positions: np.ndarray) -> np.ndarray:
+        return self.work.old_rows[positions - self.plan.rows.start]
+
+    def _labels(self, positions: np.ndarray) -> np.ndarray:
+        labels = self.old.labels
+        if labels is None:
+            return np.full(len(positions), -1, dtype=np.int64)
+        return labels[self._old_rows(positions)]
+
+    def _copies(self, positions: np.ndarray) -> dict[str, torch.Tensor]:
+        """Every layer of the rows at source ``positions``, read from the old store."""
+        rows = self._old_rows(positions)
+        return {tap.key: self._read(tap.key, rows) for tap in self.plan.taps}
+
+    def _read(self, layer: str, rows: np.ndarray) -> torch.Tensor:
+        return encode(self.old.read(layer, rows), self.dtype)  # the stored bits, as computed ones
+
+    def _filled(
+        self, positions: np.ndarray, computed: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """A computed batch's values of every layer, the kept layers of its reused rows
+        copied from the old store."""
+        rows = self._old_rows(positions)
+        reused = np.flatnonzero(rows >= 0)
+        values = {}
+        for tap in self.plan.taps:
+            value = computed.get(tap.key)
+            if tap.key in self.work.kept_layers and len(reused):
+                old = self._read(tap.key, rows[reused])
+                if value is None:
+                    value = old.new_zeros((len(positions), *old.shape[1:]))
+                value[torch.from_numpy(reused)] = old
+            assert value is not None  # every row of a batch without it is reused
+            values[tap.key] = value
+        return values
+
+    def _put(
+        self,
+        rows: np.ndarray,
+        labels: np.ndarray,
+        values: dict[str, torch.Tensor],
+        skipped: Sequence[Mapping[str, Any]],
+    ) -> None:
+        ids = [self.plan.ids[int(p)] for p in rows]
+        batch = CapturedBatch(rows, ids, labels, values, None, [dict(r) for r in skipped])
+        self.sink.put(batch, self.attrs)
+        self.waited = self.sink.waited
+
+
+def _value_at(config: Mapping[str, Any], dotted: str) -> Any:
+    """The value at a dotted key of a config (None when absent)."""
+    value: Any = config
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
+    return value
+
+
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    return text if len(text) <= 40 else text[:16] + "..." + text[-8:]
