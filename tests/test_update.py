@@ -21,7 +21,7 @@ from PIL import Image
 import featcache
 from featcache.cli import app
 from featcache.errors import ConfigError
-from featcache.extraction.update import TOLERANCE
+from featcache.extraction.continuity import tolerance_of
 from featcache.store import FeatureStore, partial_path
 from featcache.verify import verify_store
 from tests.test_resume import assert_same_store
@@ -100,7 +100,7 @@ def test_update_of_a_grown_and_changed_folder_computes_only_new_and_changed(tmp_
     assert (run["layers_computed"], run["layers_reused"]) == (0, 2)
     assert [r["kind"] for r in updated.attrs["history"]] == ["extract", "update"]
     fresh = featcache.extract_from_config(dict(cfg, output={"dir": str(tmp_path / "fresh")}))
-    assert_equal_stores(updated, fresh["train"], TOLERANCE)
+    assert_equal_stores(updated, fresh["train"], tolerance_of("float32", None)[0])
     # The reused rows are the old store's bytes.
     sample = "bees/img0005.png"
     np.testing.assert_array_equal(
@@ -270,3 +270,30 @@ def test_sigkill_during_an_update_then_rerun_equals_the_uninterrupted_update(tmp
     assert reads > 10
     run = last_run(FeatureStore(store))
     assert (run["rows_computed"], run["rows_reused"]) == (40, 23)
+
+
+def test_python_update_of_a_tensor_dataset(resnet18, tmp_path):
+    import torch
+
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(30, 3, 32, 32, generator=generator)
+    y = torch.arange(30) % 3
+    ids = [f"sample-{i}" for i in range(30)]
+    path = tmp_path / "store.h5"
+    layers = ["layer2", {"name": "layer4", "reduce": "avg"}]
+    options = {"batch_size": 8, "dtype": "float32", "progress": False}
+    dataset = torch.utils.data.TensorDataset(x[:24], y[:24])
+    featcache.extract(resnet18, dataset, layers, path, ids=ids[:24], **options).close()
+    grown = torch.utils.data.TensorDataset(x, y)
+    updated = featcache.extract(resnet18, grown, layers, path, ids=ids, update=True, **options)
+    assert (last_run(updated)["rows_computed"], last_run(updated)["rows_reused"]) == (6, 24)
+    fresh = featcache.extract(resnet18, grown, layers, tmp_path / "fresh.h5", ids=ids, **options)
+    assert_equal_stores(updated, fresh, tolerance_of("float32", None)[0])
+    import torchvision
+
+    torch.manual_seed(1)
+    other = torchvision.models.resnet18().eval()  # other weights
+    with pytest.raises(ConfigError, match="cannot update .*weights differ"):
+        featcache.extract(other, grown, layers, path, ids=ids, update=True, **options)
+    with pytest.raises(ConfigError, match="exclude each other"):
+        featcache.extract(resnet18, grown, layers, path, update=True, overwrite=True)

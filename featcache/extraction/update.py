@@ -11,8 +11,13 @@ byte for byte, from the old store. Everything else is *computed*: new or changed
 get every layer, and a new or redefined layer is computed for every row (when no sample
 needs every layer, the forward then stops at the deepest new layer). Rows of vanished
 samples and layers no longer configured are left out. So the updated store is the store
-a fresh extraction of the current dataset and config writes, up to the rounding of a
-different batch composition in the rows computed now (:data:`TOLERANCE`).
+a fresh extraction of the current dataset and config writes: the same ids in the same
+order, the same labels, the copied values bit for bit those of the old store, and the
+computed ones equal to a fresh run's where the batches are the same (a new layer: every
+row runs on the fresh run's batch grid), else within the rounding of a different batch
+composition, which the resume check's tolerance bounds
+(:data:`~featcache.extraction.continuity.RELATIVE_TOLERANCE`: 1e-4 of a row's largest
+magnitude in float32, 4 units in the last place in float16 and bfloat16).
 
 What the rows are computed with must not have changed: the model, its weights, the
 preprocessing, the store dtype and the other settings that decide a stored value
@@ -58,11 +63,6 @@ if TYPE_CHECKING:
 UPDATE_MARK = "update"
 # Per-row hashes of the samples' bytes, when the source records them (its row_columns).
 HASH_COLUMN = "content_hash"
-# Relative tolerance between an updated store's computed rows and a fresh extraction's:
-# the same model on the same inputs in batches of other samples rounds its last float32
-# bits differently; stored in float16 or bfloat16, values differ by at most a unit in the
-# last place of the stored dtype.
-TOLERANCE = 1e-4
 # Store key entries an update may change: what the rows are (the dataset), which layers,
 # and how the store is batched and laid out, none of which changes a stored value beyond
 # batch rounding. Any other difference needs a fresh run.
@@ -242,7 +242,7 @@ def update_store(
         start = time.perf_counter()
         with started(loader) as loaded:
             with WriterThread(open_writer_for(path, plan, run, mark), path) as thread:
-                merged = MergedRows(thread, old, plan, work, run.store.dtype)
+                merged = MergedRows(thread, old, dataset, plan, work, run.store.dtype)
                 timing = run_loop(model, loaded, merged, loop)
                 merged.finish()
             writer = thread.writer
@@ -303,7 +303,13 @@ class MergedRows:
     """
 
     def __init__(
-        self, sink: WriterThread, old: FeatureStore, plan: _Plan, work: UpdateWork, dtype: str
+        self,
+        sink: WriterThread,
+        old: FeatureStore,
+        dataset: Dataset,
+        plan: _Plan,
+        work: UpdateWork,
+        dtype: str,
     ):
         self.sink, self.old, self.plan, self.work, self.dtype = sink, old, plan, work, dtype
         self.path = sink.path
@@ -313,6 +319,7 @@ class MergedRows:
         self.copied = np.array([p for p in plan.rows if p not in run], dtype=np.int64)
         self.next = 0
         self.attrs: dict[str, dict[str, Any]] = {}
+        self.labels = _source_labels(dataset)
 
     @property
     def skipped(self) -> int:
@@ -373,6 +380,10 @@ class MergedRows:
         return self.work.old_rows[positions - self.plan.rows.start]
 
     def _labels(self, positions: np.ndarray) -> np.ndarray:
+        """The labels of copied rows: the source's own where it lists them (a manifest
+        may relabel a sample), else the old store's."""
+        if self.labels is not None:
+            return self.labels[positions]
         labels = self.old.labels
         if labels is None:
             return np.full(len(positions), -1, dtype=np.int64)
@@ -416,6 +427,19 @@ class MergedRows:
         batch = CapturedBatch(rows, ids, labels, values, None, [dict(r) for r in skipped])
         self.sink.put(batch, self.attrs)
         self.waited = self.sink.waited
+
+
+def _source_labels(dataset: Dataset) -> np.ndarray | None:
+    """A featcache source's labels (int64 ``[rows]``, -1 where none) when it lists them
+    without decoding a sample; None otherwise."""
+    from featcache.sources.base import SourceDataset
+
+    if not isinstance(dataset, SourceDataset):
+        return None
+    labels = getattr(dataset, "labels", None)
+    if labels is None or len(labels) != len(dataset):
+        return None
+    return np.array([-1 if label is None else int(label) for label in labels], dtype=np.int64)
 
 
 def _value_at(config: Mapping[str, Any], dotted: str) -> Any:
