@@ -165,7 +165,7 @@ def extract(
     of the loader, store and runtime sections (``batch_size``, ``num_workers``,
     ``on_error``, ``bucket_by_length``, ``dtype``, ``compression``,
     ``chunk_rows``, ``on_nonfinite``, ``checksum``, ``device``, ``amp``,
-    ``channels_last``, ``progress`` ...) plus ``overwrite``.
+    ``channels_last``, ``progress`` ...) plus ``overwrite`` and ``update``.
 
     ``prefix_tokens`` and ``sequence_first`` describe the model's token outputs for the
     token reductions (see :func:`~featcache.reduce.reduce_tensor`): the number of class or
@@ -179,7 +179,11 @@ def extract(
     the same way is returned as it is. Either way, the rows of two of its batches are
     recomputed first and must equal the stored ones (within the store dtype's rounding:
     :mod:`featcache.extraction.continuity`), since a fingerprint cannot see everything
-    (a Python dataset's transform, another folder of the same file names). The model is
+    (a Python dataset's transform, another folder of the same file names). With
+    ``update=True`` a complete store made otherwise is brought up to date instead of
+    refused: only samples it lacks (by id, and by the ``content_hash`` the dataset's
+    ``row_columns`` give, when it gives them) and layers it lacks are computed, the rest
+    is copied (:mod:`featcache.extraction.update`). The model is
     put in eval mode and moved to the device (its train/eval flag is restored
     afterwards). Returns the complete store, opened for reading.
 

@@ -52,7 +52,7 @@ from featcache.extraction.writer_thread import CapturedBatch, WriterThread
 from featcache.history import history_of, run_record
 from featcache.provenance import config_differences
 from featcache.selectors import tap_record
-from featcache.store import FeatureStore, partial_path, stored_resume_key
+from featcache.store import FeatureStore, partial_path, remove_partial, stored_resume_key
 from featcache.store.codec import encode
 from featcache.store.paths import OVERWRITE
 
@@ -199,17 +199,17 @@ def update_store(
     """
     from featcache.extraction.api import ROW_UNITS, open_writer_for
 
-    partial_path(path).unlink(missing_ok=True)  # a stopped update starts over
     with FeatureStore(path) as old:
         _check_updatable(old, path, plan)
         columns = dict(getattr(dataset, "row_columns", None) or {})
-        work = plan_work(old, plan, columns.get(HASH_COLUMN))
         if _hashing(plan) and HASH_COLUMN not in columns:
             raise ConfigError(
                 f"cannot update {path}: data.content_hash is on but this source records no "
                 "hash per sample (image folders and manifests do), so a changed sample "
                 f"would go unseen; turn data.content_hash off, or pass {OVERWRITE}"
             )
+        remove_partial(path)  # a stopped update (or other run) starts over
+        work = plan_work(old, plan, columns.get(HASH_COLUMN))
         if check_space:  # the old store stays until the new one replaces it
             check_free_space([estimate_store(model, dataset, path, plan, run)], True)
         run_taps = list(plan.taps)
