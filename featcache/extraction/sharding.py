@@ -14,6 +14,7 @@ from featcache.distributed import Rank, block, check_other_world_sizes, combine_
 from featcache.extraction.api import RunOptions, _plan, extract
 from featcache.extraction.batches import source_length
 from featcache.extraction.grid import shard_starts
+from featcache.history import run_record
 from featcache.provenance import StoreKey
 from featcache.reduce import token_layout
 from featcache.spec import LayerSpec
@@ -87,6 +88,9 @@ def extract_shard(
     rank.barrier()
     if rank.is_main:
         shards = [shard_path(path, r, world) for r in range(world) if blocks[r]]
-        combine_shards(path, shards, {"resume_key": done_key.to_json()})
+        key = done_key.to_json()
+        counts = (len(plan.taps), 0)
+        history = [run_record("extract", (num_rows, 0), counts, key)]  # every shard's rows
+        combine_shards(path, shards, {"resume_key": key, "history": history})
     rank.barrier()
     return FeatureStore(path)
