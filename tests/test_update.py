@@ -297,3 +297,33 @@ def test_python_update_of_a_tensor_dataset(resnet18, tmp_path):
         featcache.extract(other, grown, layers, path, ids=ids, update=True, **options)
     with pytest.raises(ConfigError, match="exclude each other"):
         featcache.extract(resnet18, grown, layers, path, update=True, overwrite=True)
+
+
+def test_a_stopped_update_is_redone_by_update_and_refused_by_a_plain_run(tmp_path, monkeypatch):
+    from featcache.extraction import update
+
+    root = tmp_path / "photos"
+    image_folder(root, 40)
+    cfg = config(root, tmp_path / "out", layers=[{"name": "layer2", "reduce": "avg"}])
+    store = featcache.extract_from_config(cfg)["train"]
+    stored = store.path.read_bytes()
+    store.close()
+    for i in range(40, 48):
+        write_image(root / "train" / CLASSES[i % len(CLASSES)] / f"img{i:04d}.png", i)
+
+    def stop(self):
+        raise RuntimeError("stopped")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(update.MergedRows, "finish", stop)
+        with pytest.raises(RuntimeError, match="stopped"):
+            featcache.extract_from_config(cfg, update=True)
+    assert update.is_update_partial(store.path)
+    assert store.path.read_bytes() == stored  # the old store, whole
+    with pytest.raises(ConfigError, match="stopped update.*--update"):
+        featcache.extract_from_config(cfg)
+    updated = featcache.extract_from_config(cfg, update=True)["train"]
+    assert not partial_path(store.path).exists()
+    assert last_run(updated)["rows_computed"] == 8
+    fresh = featcache.extract_from_config(dict(cfg, output={"dir": str(tmp_path / "fresh")}))
+    assert_equal_stores(updated, fresh["train"], tolerance_of("float32", None)[0])
