@@ -297,6 +297,10 @@ def test_python_update_of_a_tensor_dataset(resnet18, tmp_path):
         featcache.extract(other, grown, layers, path, ids=ids, update=True, **options)
     with pytest.raises(ConfigError, match="exclude each other"):
         featcache.extract(resnet18, grown, layers, path, update=True, overwrite=True)
+    # A transform the fingerprints cannot see: the reused rows, recomputed, differ.
+    brighter = torch.utils.data.TensorDataset(x[:28] * 2, y[:28])
+    with pytest.raises(ConfigError, match="cannot update .*recomputed now differs"):
+        featcache.extract(resnet18, brighter, layers, path, ids=ids[:28], update=True, **options)
 
 
 def test_a_stopped_update_is_redone_by_update_and_refused_by_a_plain_run(tmp_path, monkeypatch):

@@ -145,7 +145,7 @@ def _first_mismatch(
 ) -> Mismatch | None:
     tolerance = tolerance_of(run.store.dtype, plan.layout.amp)[0]
     labels = store.labels
-    for captured in _recomputed(model, dataset, plan, run, batches):
+    for captured in recompute(model, dataset, plan, run, batches):
         positions = captured.index
         rows = np.searchsorted(index, positions)
         held = (rows < len(index)) & (index[np.minimum(rows, len(index) - 1)] == positions)
@@ -166,7 +166,7 @@ def _first_mismatch(
                 )
             else:
                 stored = store.read(key, stored_rows).float()
-                found = _row_mismatch(recomputed[torch.from_numpy(held)], stored, tolerance)
+                found = row_mismatch(recomputed[torch.from_numpy(held)], stored, tolerance)
             if found is not None:
                 at, difference, what = found
                 return _mismatch(plan, index, stored_rows[at], key, difference, what)
@@ -179,7 +179,7 @@ def _mismatch(
     return Mismatch(int(row), str(plan.ids[int(index[row])]), layer, difference, what)
 
 
-def _row_mismatch(
+def row_mismatch(
     recomputed: torch.Tensor, stored: torch.Tensor, tolerance: float
 ) -> tuple[int, float, str] | None:
     """The first of the rows ``[n, ...]`` whose recomputation differs from the stored
@@ -217,7 +217,7 @@ def _token_mismatch(
         old = stored[offsets[at] : offsets[at + 1]]
         if len(new) != len(old):
             return at, float("inf"), f"{len(new)} tokens vs {len(old)} stored"
-        found = _row_mismatch(new.reshape(1, -1), old.reshape(1, -1), tolerance)
+        found = row_mismatch(new.reshape(1, -1), old.reshape(1, -1), tolerance)
         if found is not None:
             return at, found[1], ""
     return None
@@ -232,7 +232,7 @@ def tolerance_of(store_dtype: str, amp: torch.dtype | None) -> tuple[float, str]
     return RELATIVE_TOLERANCE[dtype], str(dtype).removeprefix("torch.")
 
 
-def _recomputed(
+def recompute(
     model: nn.Module, dataset: Dataset, plan: _Plan, run: RunOptions, batches: list[list[int]]
 ) -> list[CapturedBatch]:
     """The captured values of ``batches`` (positions into ``plan.rows``), run as the run

@@ -45,6 +45,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from featcache.errors import ConfigError
 from featcache.extraction.batches import Collate, SourceRows, num_workers, pins, started
+from featcache.extraction.continuity import recompute, row_mismatch, tolerance_of
 from featcache.extraction.estimate import check_free_space, estimate_store
 from featcache.extraction.grid import GridBatches
 from featcache.extraction.loop import LoopPlan, run_loop
@@ -53,7 +54,7 @@ from featcache.history import history_of, run_record
 from featcache.provenance import config_differences
 from featcache.selectors import tap_record
 from featcache.store import FeatureStore, partial_path, remove_partial, stored_resume_key
-from featcache.store.codec import encode
+from featcache.store.codec import encode, values
 from featcache.store.paths import OVERWRITE
 
 if TYPE_CHECKING:
@@ -83,6 +84,7 @@ UPDATABLE_KEYS = frozenset(
 # Config keys (dotted, as config_differences names them) an update may change.
 UPDATABLE_CONFIG = ("data.", "layers", "loader.batch_size", "store.compression", "store.chunk_rows")
 COPY_ROWS = 256  # rows copied from the old store per write, between computed batches
+CHECKED_ROWS = 8  # reused rows recomputed before an update, to prove they still hold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,8 +210,9 @@ def update_store(
                 "hash per sample (image folders and manifests do), so a changed sample "
                 f"would go unseen; turn data.content_hash off, or pass {OVERWRITE}"
             )
-        remove_partial(path)  # a stopped update (or other run) starts over
         work = plan_work(old, plan, columns.get(HASH_COLUMN))
+        check_reused(old, path, model, dataset, plan, run, work)
+        remove_partial(path)  # a stopped update (or other run) starts over
         if check_space:  # the old store stays until the new one replaces it
             check_free_space([estimate_store(model, dataset, path, plan, run)], True)
         run_taps = list(plan.taps)
@@ -284,6 +287,45 @@ def _check_updatable(old: FeatureStore, path: Path, plan: _Plan) -> None:
             f"cannot update {path}: {why}; an update computes new rows with the model, "
             f"weights, preprocessing and store settings the store was made with, so {fix}"
         )
+
+
+def check_reused(
+    old: FeatureStore,
+    path: Path,
+    model: nn.Module,
+    dataset: Dataset,
+    plan: _Plan,
+    run: RunOptions,
+    work: UpdateWork,
+) -> None:
+    """Recompute the first :data:`CHECKED_ROWS` reused rows' kept layers and refuse the
+    update when they differ from the store beyond the resume check's tolerance: a Python
+    dataset's transform, or files changed under the same names without
+    ``data.content_hash``, are invisible to the store key.
+
+    Raises:
+        ConfigError: naming the row, its id, the layer and the difference.
+    """
+    reused = np.flatnonzero(work.old_rows >= 0)[:CHECKED_ROWS]
+    if not len(reused) or not work.kept_layers:
+        return
+    kept = dataclasses.replace(plan, taps=[t for t in plan.taps if t.key in work.kept_layers])
+    (captured,) = recompute(model, dataset, kept, run, [reused.tolist()])
+    tolerance, dtype = tolerance_of(run.store.dtype, plan.layout.amp)
+    rows = work.old_rows[captured.index - plan.rows.start]
+    for key, value in captured.features.items():
+        stored = old.read(key, rows).float()
+        found = row_mismatch(values(value, run.store.dtype).float(), stored, tolerance)
+        if found is not None:
+            at, difference, _ = found
+            sample = plan.ids[int(captured.index[at])]
+            raise ConfigError(
+                f"cannot update {path}: row {sample!r}, layer {key!r}, recomputed now differs "
+                f"from the store by {difference:.1%} of its largest value, beyond {dtype} "
+                "rounding, although the model, weights and settings match; the data, its "
+                "transform or the model changed in a way the store's fingerprints cannot "
+                f"see; pass {OVERWRITE} to extract it afresh"
+            )
 
 
 def _hashing(plan: _Plan) -> bool:
