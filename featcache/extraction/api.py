@@ -248,8 +248,7 @@ def _extract(
 ) -> FeatureStore:
     """Write (or resume, or find complete, or update) the store ``plan`` describes at
     ``path``."""
-    current = path.exists() and plan.key().matches(stored_resume_key(path))
-    if run.update and path.exists() and not current:
+    if run.update and path.exists() and not plan.key().matches(stored_resume_key(path)):
         return update_store(model, dataset, path, run, plan, check_space)
     if run.update and is_update_partial(path):
         remove_partial(path)  # a stopped update of a store no longer there
@@ -260,7 +259,7 @@ def _extract(
             f"{partial_path(path)} is a stopped update of {path}; rerun with --update "
             f"(update=True in Python) to redo it, or pass {OVERWRITE} to extract afresh"
         )
-    elif current:
+    elif path.exists() and plan.key().matches(stored_resume_key(path)):
         # A rerun after this store completed: nothing left to do, once a few of its rows
         # recomputed now prove that it holds this computation's result.
         check_continues(path, model, dataset, plan, run)
