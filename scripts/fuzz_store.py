@@ -207,7 +207,7 @@ def in_child(trial: Callable[[], str]) -> str:
         try:
             outcome = trial()
         except BaseException:  # noqa: BLE001 (reported to the parent)
-            outcome = "FAIL: " + traceback.format_exc(limit=3).replace("\n", " | ")
+            outcome = "FAIL: " + traceback.format_exc().replace("\n", " | ")
         os.write(write, pickle.dumps(outcome))
         os._exit(0)
     os.close(write)

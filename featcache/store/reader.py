@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -74,6 +75,7 @@ class StoreFile:
         self._file: h5py.File | None = None
         self._pid: int | None = None
         self._datasets: dict[str, h5py.Dataset] = {}
+        self._closer: weakref.finalize | None = None
 
     def _open_here(self) -> h5py.File | None:
         """The handle, if this process opened it and it is still open."""
@@ -93,6 +95,10 @@ class StoreFile:
             file = self._file = open_for_reading(readable_path(self.path))
             self._pid = os.getpid()
             self._datasets = {}
+            # Closed when this object goes, or else when the interpreter exits: HDF5 crashes
+            # (SIGSEGV) closing, in its own shutdown, the creation property list that an
+            # h5py Dataset of a combined store's virtual dataset still holds.
+            self._closer = weakref.finalize(self, _close, file, self._datasets)
         return file
 
     def dataset(self, name: str, chunk_cache: tuple[int, int] | None = None) -> h5py.Dataset:
@@ -116,15 +122,21 @@ class StoreFile:
 
     def close(self) -> None:
         """Close this process's handle; one inherited from another process is left alone."""
-        file = self._open_here()
-        if file is not None:
-            forget(file)
-            file.close()
+        if self._open_here() is not None and self._closer is not None:
+            self._closer()
         self._file = None
         self._datasets = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "_file": None, "_pid": None, "_datasets": {}}
+        return {"path": self.path, "_file": None, "_pid": None, "_datasets": {}, "_closer": None}
+
+
+def _close(file: h5py.File, datasets: dict[str, h5py.Dataset]) -> None:
+    """Close a store handle, its datasets and what is known of them."""
+    datasets.clear()
+    if file.id.valid:
+        forget(file)
+        file.close()
 
 
 class FeatureStore:

@@ -27,7 +27,7 @@ def stored_resume_key(path: str | os.PathLike) -> dict[str, Any] | None:
     try:
         with open_readonly(path) as f:
             return codec.attr(f, "resume_key")
-    except (OSError, KeyError, ValueError):
+    except UNREADABLE_METADATA:  # a torn file's headers fail their checksums
         return None
 
 
