@@ -5,6 +5,7 @@ from shards is read from the shards."""
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import h5py
@@ -250,3 +251,38 @@ def test_a_closed_combined_store_lets_go_of_its_shards(tmp_path):
     del shards
     gc.collect()
     h5py.File(shard, "r", locking=False).close()  # closed: opened anew as asked
+
+
+def test_a_store_the_garbage_collector_closes_inside_a_read_does_not_hang_it(tmp_path, monkeypatch):
+    # A dropped store in a reference cycle is closed by the garbage collector, which can run
+    # in the middle of rows_of while it holds its lock; the closing must not wait on it.
+    dropped, _ = _store(tmp_path / "dropped.h5")
+    read, encoded = _store(tmp_path / "read.h5", seed=3)
+    store = FeatureStore(dropped)
+    store.read("a", [0])
+    store.cycle = store  # only the collector frees it
+    handle = store._handle._file
+    del store
+    real_chunks = rows_module.Chunks
+
+    def collecting(dataset):
+        gc.collect()
+        return real_chunks(dataset)
+
+    monkeypatch.setattr(rows_module, "Chunks", collecting)
+    results: list[np.ndarray] = []
+
+    def reading():
+        with h5py.File(read, "r") as f:
+            results.append(codec.as_array(read_rows(f["features/a"], np.array([5, 1]))))
+
+    gc.disable()  # the collection is the one inside rows_of
+    try:
+        thread = threading.Thread(target=reading, daemon=True)
+        thread.start()
+        thread.join(timeout=30)
+    finally:
+        gc.enable()
+    assert not thread.is_alive(), "the read waited on itself"
+    np.testing.assert_array_equal(results[0], encoded[[5, 1]])
+    assert not handle.id.valid  # the collector closed it

@@ -122,7 +122,9 @@ class StoreFile:
 
     def close(self) -> None:
         """Close this process's handle; one inherited from another process is left alone."""
-        if self._open_here() is not None and self._closer is not None:
+        file = self._open_here()
+        if file is not None and self._closer is not None:
+            forget(file)
             self._closer()
         self._file = None
         self._datasets = {}
@@ -132,10 +134,12 @@ class StoreFile:
 
 
 def _close(file: h5py.File, datasets: dict[str, h5py.Dataset]) -> None:
-    """Close a store handle, its datasets and what is known of them."""
+    """Close a store handle, its datasets and what is known of them. The garbage collector
+    may call it in the middle of a read that holds the chunk-knowledge lock: it never waits
+    on that lock (waiting would deadlock the reading thread on itself)."""
     datasets.clear()
     if file.id.valid:
-        forget(file)
+        forget(file, wait=False)
         file.close()
 
 

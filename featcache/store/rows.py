@@ -296,15 +296,24 @@ def opened(path: str | os.PathLike, **options: Any) -> Iterator[h5py.File]:
             forget(file)
 
 
-def forget(file: h5py.File) -> None:
-    """Drop what is known of ``file``'s datasets (a combined store's let go of its shards)."""
+def forget(file: h5py.File, wait: bool = True) -> None:
+    """Drop what is known of ``file``'s datasets (a combined store's let go of its shards).
+
+    With ``wait=False`` (from the garbage collector, which may run inside :func:`rows_of`
+    on any thread) nothing is done while another read holds the lock: :func:`rows_of`
+    drops what it knows of closed files itself.
+    """
     try:
         serial = tuple(file.id.fileno)
     except (OSError, RuntimeError, KeyError, ValueError):  # a damaged root: nothing read
         return
-    with _LOCK:
+    if not _LOCK.acquire(blocking=wait):
+        return
+    try:
         for key in [key for key in _OPEN if key[0] == serial]:
             del _OPEN[key]
+    finally:
+        _LOCK.release()
 
 
 def _shard_rows(dataset: h5py.Dataset) -> PartRows | None:
