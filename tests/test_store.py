@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from featcache.cli import app
 from featcache.dataset import FeatureDataset
+from featcache.describe import describe
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.store import (
     FeatureStore,
@@ -24,7 +25,6 @@ from featcache.store import (
     codec,
     combine_shards,
     copy_store,
-    describe,
     merge_store,
     partial_path,
     plan_resume,
@@ -594,7 +594,7 @@ def test_time_split_is_in_seconds_and_printed_as_shares(tmp_path):
     ],
 )
 def test_a_recorded_resume_command_is_shown_only_as_a_featcache_command(recorded, shown):
-    from featcache.store.describe import shown_command
+    from featcache.describe import shown_command
 
     expected = recorded if shown is None else (shown or None)
     assert shown_command(recorded) == expected

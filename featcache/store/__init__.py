@@ -30,7 +30,6 @@ allocation, chunk sizes, checksums, progress), :mod:`.paths` (file names), :mod:
 
 from featcache.store import codec
 from featcache.store.checks import BadChunk, has_checksums, scan_chunks
-from featcache.store.describe import StoreDescription, describe
 from featcache.store.merge import combine_shards, copy_store, merge_store
 from featcache.store.metadata import seal
 from featcache.store.paths import check_output_path, partial_path, remove_partial, remove_store
@@ -48,14 +47,12 @@ __all__ = [
     "BadChunk",
     "FeatureStore",
     "ResumePoint",
-    "StoreDescription",
     "StorePlan",
     "StoreWriter",
     "check_output_path",
     "codec",
     "combine_shards",
     "copy_store",
-    "describe",
     "has_checksums",
     "interrupted_overwrite",
     "merge_store",

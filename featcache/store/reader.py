@@ -48,7 +48,7 @@ from featcache.store.rows import (
 from featcache.store.skipped import read_log, read_skipped
 
 if TYPE_CHECKING:
-    from featcache.store.describe import StoreDescription
+    from featcache.describe import StoreDescription
 
 READ_CACHE_BYTES = 16 << 20  # HDF5 chunk cache per open dataset: holds several whole chunks
 
@@ -377,7 +377,7 @@ class FeatureStore:
 
     def describe(self) -> StoreDescription:
         """What ``featcache info`` shows: sizes, layers, rows, provenance, the time split."""
-        from featcache.store.describe import describe
+        from featcache.describe import describe
 
         return describe(self)
 

@@ -30,7 +30,6 @@ from featcache.store.layout import (
     checksums_name,
     chunk_addresses,
     chunk_rows_for,
-    segments,
     write_checked,
 )
 from featcache.store.merge import copy_store
@@ -486,10 +485,9 @@ class _Column:
         """Write ``values`` (whole chunks) at entry ``written``, and their checksums."""
         raw = values.reshape(-1).view(np.uint8)
         size = self.rows * self.entry_bytes
-        first, chunks = self.written // self.rows, -(-len(raw) // size)
-        places = self.addresses[first : first + chunks]
-        for at, run, address in segments(places, size):  # one write per run back to back
-            _write_all(self.fd, raw[at * size : (at + run) * size], address)
+        first = self.written // self.rows
+        for at in range(0, len(raw), size):
+            _write_all(self.fd, raw[at : at + size], int(self.addresses[first + at // size]))
         if self.sums_at is not None:
             sums = [checksum(raw[i : i + size]) for i in range(0, len(raw), size)]
             _write_all(self.fd, np.array(sums, dtype="<u8"), self.sums_at + 8 * first)
