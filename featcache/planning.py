@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 
 from featcache.extraction.api import RunOptions, _Plan, _plan
 from featcache.extraction.dry_run import dry_run
-from featcache.extraction.estimate import StoreEstimate, estimate_store, free_bytes
+from featcache.extraction.estimate import StoreEstimate, estimate_store
 from featcache.extraction.from_config import (
     build_backbone_for,
     build_source_for,
@@ -25,6 +25,7 @@ from featcache.extraction.from_config import (
     run_options,
     split_arguments,
 )
+from featcache.files import free_bytes
 from featcache.reduce import token_layout
 from featcache.spec import Spec, load_config
 from featcache.units import format_bytes

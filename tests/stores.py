@@ -64,7 +64,7 @@ def written_store(path, rows=20, *, checksum=True, seed=0):
     values = torch.from_numpy(np.random.default_rng(seed).standard_normal((rows, 8)))
     writer = StoreWriter(StorePlan(path, rows, ids_width=4, chunk_rows=4, checksum=checksum))
     index = np.arange(rows)
-    encoded = codec.to_numpy(codec.encode(values, "float16"))
+    encoded = codec.as_array(codec.encode(values, "float16"))
     writer.append(index, [f"{i:04d}" for i in index], index % 3, {"a": encoded})
     writer.close(complete=True)
     return path

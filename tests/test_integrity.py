@@ -248,9 +248,7 @@ def test_a_chunk_the_index_lists_twice_is_refused_by_readers_and_verify(tmp_path
     with h5py.File(path, "r") as f:
         f["features/a"].id.chunk_iter(lambda info: listed.append(info.chunk_offset[0]))
     assert sorted(listed) == [0, 4, 8, 8, 12, 16]
-    message = (
-        f"store {path} is corrupted: layer a rows 8-11 fail their checksum; {FIX}"
-    )
+    message = f"store {path} is corrupted: layer a rows 8-11 fail their checksum; {FIX}"
     store = FeatureStore(path)
     for rows in (slice(None), [9], slice(4, 12)):
         with pytest.raises(CorruptStoreError) as caught:

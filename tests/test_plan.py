@@ -118,7 +118,7 @@ def small_disk(monkeypatch, free: int) -> None:
     """Make every free-space query see ``free`` bytes."""
     usage = shutil.disk_usage("/")
     fake = type(usage)(usage.total, usage.total - free, free)
-    monkeypatch.setattr("featcache.extraction.estimate.shutil.disk_usage", lambda path: fake)
+    monkeypatch.setattr("featcache.files.shutil.disk_usage", lambda path: fake)
 
 
 def test_a_run_the_disk_cannot_hold_is_refused_before_the_first_batch(

@@ -32,7 +32,7 @@ def _store(path, rows=23, dtype="float16", checksum=True, compression=None, seed
     )  # fmt: skip
     writer = StoreWriter(plan)
     index = np.arange(rows)
-    encoded = codec.to_numpy(codec.encode(values.float(), dtype))
+    encoded = codec.as_array(codec.encode(values.float(), dtype))
     writer.append(index, [str(i) for i in index], index, {"a": encoded})
     writer.close(complete=True)
     return path, encoded

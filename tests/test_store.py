@@ -14,10 +14,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from featcache import files
 from featcache.cli import app
 from featcache.dataset import FeatureDataset
 from featcache.describe import describe
 from featcache.errors import ConfigError, FeatcacheError
+from featcache.files import replace_durably
 from featcache.store import (
     FeatureStore,
     StorePlan,
@@ -35,7 +37,7 @@ from featcache.store import (
 )
 from featcache.store import merge as store_merge
 from featcache.store import writer as store_writer
-from featcache.store.paths import replace_durably, shard_path, skipped_log_path
+from featcache.store.paths import shard_path, skipped_log_path
 from featcache.store.reader import StoreFile
 from tests.stores import crash
 
@@ -47,7 +49,7 @@ def write_store(path, rows=50, *, dtype="float16", dim=8, complete=True, seed=0,
     writer = StoreWriter(StorePlan(path, rows, ids_width=4, dtype=dtype, chunk_rows=16, **options))
     index = np.arange(rows)
     encoded = codec.encode(values, dtype)
-    writer.append(index, [f"{i:04d}" for i in index], index % 3, {"a": codec.to_numpy(encoded)})
+    writer.append(index, [f"{i:04d}" for i in index], index % 3, {"a": codec.as_array(encoded)})
     writer.close(complete=complete)
     return path, codec.values(encoded, dtype).float()
 
@@ -64,9 +66,9 @@ def bf16(tmp_path_factory):
 def test_codec_round_trip_keeps_every_bit(dtype):
     x = torch.randn(5, 3, generator=torch.Generator().manual_seed(0)) * 1e3
     encoded = codec.encode(x, dtype)
-    array = codec.to_numpy(encoded)
+    array = codec.as_array(encoded)
     assert array.dtype == codec.numpy_dtype(dtype)
-    decoded = codec.decode(array, dtype)
+    decoded = codec.from_array(array, dtype)
     assert decoded.dtype == codec.torch_dtype(dtype)
     assert torch.equal(decoded, codec.values(encoded, dtype))
     assert torch.equal(decoded, x.to(codec.torch_dtype(dtype)))
@@ -642,13 +644,13 @@ def test_info_warns_of_a_resume_command_that_runs_code(tmp_path, overrides, name
 
 def test_a_copy_that_the_disk_cannot_hold_is_refused_before_it_starts(bf16, tmp_path, monkeypatch):
     path, _ = bf16
-    usage = store_merge.shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(
-        store_merge.shutil, "disk_usage", lambda folder: usage._replace(free=200 << 10)
-    )
+    usage = files.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda folder: usage._replace(free=200 << 10))
     target = tmp_path / "copy" / "c.h5"
     target.parent.mkdir()
-    with pytest.raises(FeatcacheError, match=r"^not enough space for .*c.h5: the copy needs about"):
+    with pytest.raises(
+        FeatcacheError, match=r"^not enough disk space for .*c.h5: the copy needs about"
+    ):
         merge_store(path, target, progress=False)
     assert list(target.parent.iterdir()) == []
     copy_store(path, tmp_path / "gzip.h5", "gzip")  # a compressed copy's size is unknown

@@ -7,7 +7,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,10 +17,10 @@ from torch.utils.data import Dataset
 
 from featcache.errors import FeatcacheError
 from featcache.extraction.dry_run import DryRun, LayerSize, dry_run
+from featcache.files import require_space
 from featcache.store import codec
 from featcache.store.layout import META_BLOCK_BYTES, chunk_rows_for
 from featcache.store.paths import partial_path
-from featcache.units import format_bytes
 
 if TYPE_CHECKING:
     from featcache.extraction.api import RunOptions, _Plan
@@ -124,7 +123,7 @@ def check_free_space(estimates: Sequence[StoreEstimate], overwrite: bool) -> Non
     """
     if estimates:
         needed = sum(estimate.needed(overwrite) for estimate in estimates)
-        require_space(needed, [estimate.path for estimate in estimates], GO_AHEAD)
+        require_space(needed, [e.path for e in estimates], "the run", GO_AHEAD)
 
 
 def store_bytes(
@@ -201,24 +200,3 @@ def bytes_on_disk(path: str | os.PathLike) -> int:
         return 0
     blocks = getattr(stat, "st_blocks", None)
     return stat.st_size if blocks is None else min(stat.st_size, blocks * 512)
-
-
-def free_bytes(path: str | os.PathLike) -> tuple[int, Path]:
-    """Free bytes on the filesystem that will hold ``path`` (a folder that may not exist
-    yet), and the existing folder they were measured at."""
-    folder = Path(path).absolute()
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    return shutil.disk_usage(folder).free, folder
-
-
-def require_space(needed: int, where: Sequence[Path], option: str) -> None:
-    """Refuse (one :class:`FeatcacheError` line) a run whose stores at ``where`` need
-    ``needed`` more bytes than their filesystem has free; ``option`` says how to go ahead."""
-    free, folder = free_bytes(where[0].parent)
-    if needed > free:
-        raise FeatcacheError(
-            f"not enough disk space for {', '.join(map(str, where))}: the run needs about "
-            f"{format_bytes(needed)} and {format_bytes(free)} is free on {folder}; free some "
-            f"space, write elsewhere (output.dir), or {option} to run anyway"
-        )

@@ -2,9 +2,9 @@
 
 HDF5 has no bfloat16, so bfloat16 rows are stored as their raw 16 bits in a ``uint16``
 dataset whose ``dtype`` attribute says ``"bfloat16"``. This module is the only place that
-knows it: tensors go in through :func:`encode` and :func:`to_numpy`, and come back out
-through :func:`decode`; :func:`as_array` and :func:`from_array` give tensors of any
-dtype, bfloat16 included, a numpy view for HDF5 reads and numpy gathers.
+knows it: tensors go in through :func:`encode` and :func:`as_array`, and come back out
+through :func:`from_array`; :func:`as_array` gives tensors of any dtype, bfloat16
+included, a numpy view for HDF5 writes, reads and numpy gathers.
 
 Text attributes are stored as fixed-length UTF-8 strings (:func:`set_attr`), which HDF5
 keeps inside the checksummed object header or attribute heap. h5py's default, a
@@ -82,30 +82,20 @@ def values(encoded: torch.Tensor, dtype: str) -> torch.Tensor:
     return encoded.view(torch.bfloat16) if dtype == "bfloat16" else encoded
 
 
-def to_numpy(encoded: torch.Tensor) -> np.ndarray:
-    """A host tensor from :func:`encode` as the array HDF5 stores (no copy)."""
-    if encoded.dtype == torch.int16:  # bfloat16 bits
-        return encoded.numpy().view(np.uint16)
-    return encoded.numpy()
-
-
-def decode(array: np.ndarray, dtype: str) -> torch.Tensor:
-    """Stored rows (as read from HDF5) back to a tensor of the store dtype (no copy)."""
-    return from_array(array, torch.bfloat16) if dtype == "bfloat16" else torch.from_numpy(array)
-
-
 def as_array(tensor: torch.Tensor) -> np.ndarray:
-    """A CPU tensor as a numpy array over the same memory; bfloat16, which numpy lacks,
-    as its ``uint16`` bits (the stored form). Undone by :func:`from_array`."""
-    if tensor.dtype == torch.bfloat16:
+    """A CPU tensor as the numpy array HDF5 stores, over the same memory: bfloat16 (or
+    the int16 bits :func:`encode` makes of it) as ``uint16`` bits. Undone by
+    :func:`from_array`."""
+    if tensor.dtype in (torch.bfloat16, torch.int16):
         return tensor.view(torch.int16).numpy().view(np.uint16)
     return tensor.numpy()
 
 
-def from_array(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """An array from :func:`as_array` (or read from HDF5) as a tensor of ``dtype``, no copy."""
+def from_array(array: np.ndarray, dtype: torch.dtype | str) -> torch.Tensor:
+    """Stored values (from :func:`as_array`, or read from HDF5) as a tensor of ``dtype``
+    (a torch dtype or a store dtype name), no copy."""
     tensor = torch.from_numpy(array)
-    if dtype == torch.bfloat16:
+    if dtype in (torch.bfloat16, "bfloat16"):
         return tensor.view(torch.int16).view(torch.bfloat16)
     return tensor
 

@@ -13,7 +13,7 @@ zeros or through a damaged chunk index.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,37 +56,24 @@ def foreign_data_problem(file: h5py.File) -> str:
 
 
 def _problem(file: h5py.File, shards: Sequence[str]) -> str:
-    for name, link, obj in _entries(file):
-        if link is not None:
+    links: dict[str, Any] = {}
+    file.visititems_links(links.__setitem__)
+    for name, link in links.items():
+        if not isinstance(link, h5py.HardLink):
             target = getattr(link, "filename", None) or getattr(link, "path", "")
             return f"{name} is a link to {target}, not a dataset or group of the store"
+        obj = file[name]
         if not isinstance(obj, h5py.Dataset):
             continue
         if obj.id.get_create_plist().get_external_count():
             return f"{name} keeps its values in another file (HDF5 external storage)"
-        if obj.is_virtual:
-            for source in obj.virtual_sources():
-                if source.file_name != "." and source.file_name not in shards:
-                    return (
-                        f"{name} is a virtual dataset over {source.file_name}, which is not "
-                        "one of the store's shards"
-                    )
+        for source in obj.virtual_sources() if obj.is_virtual else ():
+            if source.file_name != "." and source.file_name not in shards:
+                return (
+                    f"{name} is a virtual dataset over {source.file_name}, which is not "
+                    "one of the store's shards"
+                )
     return ""
-
-
-def _entries(group: h5py.Group, prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
-    """``(name, link, None)`` for each link that is not a plain (hard) one, else
-    ``(name, None, object)``, everywhere below ``group``."""
-    for key in group:
-        name = f"{prefix}{key}"
-        link = group.get(key, getlink=True)
-        if not isinstance(link, h5py.HardLink):
-            yield name, link, None
-            continue
-        obj = group[key]
-        yield name, None, obj
-        if isinstance(obj, h5py.Group):
-            yield from _entries(obj, f"{name}/")
 
 
 def _plain_name(name: Any) -> bool:

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from featcache.errors import ConfigError
-from featcache.store.paths import prepare_output_folder
+from featcache.files import prepare_output_folder
 
 LOCK_SUFFIX = ".lock"
 # A probe (`featcache info`) holds the lock for an instant; a writer retries that long.

@@ -27,8 +27,6 @@ from featcache.provenance import FORMAT_VERSION
 from featcache.store import codec
 
 DIGEST_ATTR = "attrs_sha256"
-# What format-2 stores recorded of their chunk indexes (left out of copies and listings).
-CHUNKS_ATTR = "chunks_sha256"
 
 # What h5py can raise on metadata it cannot make sense of: a header failing its checksum
 # (OSError, KeyError, RuntimeError), a string that is not UTF-8 (UnicodeDecodeError, a

@@ -22,7 +22,6 @@ from featcache.store import codec
 from featcache.store.checks import durable_problem
 from featcache.store.containment import foreign_data_problem
 from featcache.store.metadata import (
-    CHUNKS_ATTR,
     UNREADABLE_METADATA,
     metadata_problem,
     newer_format,
@@ -306,10 +305,8 @@ class FeatureStore:
         return codec.torch_dtype(codec.attr(self._features(layer), "dtype"))
 
     def layer_attrs(self, layer: str) -> dict[str, Any]:
-        """The attributes of ``layer``'s dataset: ``dtype``, ``module``, ``capture``, ...
-        (a format-2 store's chunk index digest left out)."""
-        attrs = codec.read_attrs(self._features(layer))
-        return {k: v for k, v in attrs.items() if k != CHUNKS_ATTR}
+        """The attributes of ``layer``'s dataset: ``dtype``, ``module``, ``capture``, ..."""
+        return codec.read_attrs(self._features(layer))
 
     def _features(self, layer: str) -> h5py.Dataset:
         # Opened anew each time, not kept open: a FeatureDataset opened meanwhile in this

@@ -334,7 +334,7 @@ def read_rows(dataset: h5py.Dataset, rows: slice | np.ndarray) -> torch.Tensor:
         rows_of(dataset).take(unique, array)
     if not np.array_equal(unique, rows):
         array = array[inverse.reshape(-1)]
-    return codec.decode(array, codec.attr(dataset, "dtype", ""))
+    return codec.from_array(array, codec.attr(dataset, "dtype", ""))
 
 
 def read_token_rows(
@@ -353,7 +353,7 @@ def read_token_rows(
         pieces = [packed[starts[j] : starts[j + 1]] for j in order]
         packed = np.concatenate(pieces) if pieces else packed[:0]
         starts = np.concatenate([[0], np.cumsum(counts[order])])
-    return codec.decode(packed, codec.attr(dataset, "dtype", "")), starts.astype(np.int64)
+    return codec.from_array(packed, codec.attr(dataset, "dtype", "")), starts.astype(np.int64)
 
 
 def named(key: str) -> str:

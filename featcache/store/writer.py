@@ -16,6 +16,7 @@ import h5py
 import numpy as np
 
 from featcache.errors import CorruptStoreError, FeatcacheError
+from featcache.files import replace_durably
 from featcache.provenance import FORMAT_VERSION
 from featcache.store import codec
 from featcache.store.checks import scan_file
@@ -34,13 +35,7 @@ from featcache.store.layout import (
 )
 from featcache.store.merge import copy_store
 from featcache.store.metadata import seal
-from featcache.store.paths import (
-    OVERWRITE,
-    open_readonly,
-    partial_path,
-    replace_durably,
-    skipped_log_path,
-)
+from featcache.store.paths import OVERWRITE, open_readonly, partial_path, skipped_log_path
 from featcache.store.resume import ResumePoint
 from featcache.store.rows import opened
 from featcache.store.skipped import rewrite_log, write_skipped
@@ -231,7 +226,7 @@ class StoreWriter:
 
         ``index``: ``[rows]`` source positions; ``labels``: ``[rows]`` ints (None without
         labels); ``features[key]``: ``[rows, *shape]`` in the HDF5 dtype of the store dtype
-        (``codec.to_numpy(codec.encode(x, dtype))``: ``uint16`` bits for bfloat16). The
+        (``codec.as_array(codec.encode(x, dtype))``: ``uint16`` bits for bfloat16). The
         layers in ``ragged`` are per-token rows instead: ``[sum(lengths), *shape]``, row
         ``i`` owning ``lengths[i]`` consecutive tokens, whose ids ``token_ids`` (int64
         ``[sum(lengths)]``) are stored beside them when given.
