@@ -1,18 +1,11 @@
 """How values and attributes are encoded in a store: the dtype table and attribute JSON.
 
-HDF5 has no bfloat16, so bfloat16 rows are stored as their raw 16 bits in a ``uint16``
-dataset whose ``dtype`` attribute says ``"bfloat16"``. This module is the only place that
-knows it: tensors go in through :func:`encode` and :func:`as_array`, and come back out
-through :func:`from_array`; :func:`as_array` gives tensors of any dtype, bfloat16
-included, a numpy view for HDF5 writes, reads and numpy gathers.
-
-Text attributes are stored as fixed-length UTF-8 strings (:func:`set_attr`), which HDF5
-keeps inside the checksummed object header or attribute heap. h5py's default, a
-variable-length string, lives in HDF5's global heap, which has no checksum: a damaged
-byte there changes the text unnoticed, and a damaged length can hang the reader inside
-HDF5 (HDFGroup/hdf5#1707). h5py reads fixed-length strings back as bytes, so every
-attribute featcache reads goes through :func:`attr` or :func:`read_attrs`, which give
-text as ``str`` whichever way it was stored.
+HDF5 has no bfloat16: bfloat16 rows are stored as their 16 bits in a ``uint16`` dataset
+whose ``dtype`` attribute says ``"bfloat16"``; tensors go in through :func:`encode` and
+:func:`as_array` and come back through :func:`from_array`. Text attributes are
+fixed-length UTF-8 (:func:`set_attr`), kept in HDF5's checksummed headers, never in its
+global heap, which has no checksum (a damaged length there can hang HDF5,
+HDFGroup/hdf5#1707); :func:`attr` and :func:`read_attrs` give them back as ``str``.
 """
 
 from __future__ import annotations
@@ -34,7 +27,7 @@ DTYPES: dict[str, tuple[torch.dtype, type[np.generic]]] = {
 
 # File attributes that hold JSON text rather than a plain HDF5 scalar.
 JSON_ATTRS = frozenset(
-    {
+    [
         "config",
         "weights",
         "versions",
@@ -45,7 +38,7 @@ JSON_ATTRS = frozenset(
         "layout",
         "shards",
         "merged_from",
-    }
+    ]
 )
 
 
@@ -111,14 +104,9 @@ def fixed_texts(texts: Sequence[str]) -> np.ndarray:
     return np.array(raw, dtype=h5py.string_dtype("utf-8", width))
 
 
-def text_attr(text: str) -> np.ndarray:
-    """``text`` as a fixed-length UTF-8 attribute value (a 0-d array of :func:`fixed_texts`)."""
-    return fixed_texts([text]).reshape(())
-
-
 def set_attr(target: HDF5Object, key: str, value: Any) -> None:
     """Write one attribute as featcache stores it: text fixed-length, the rest as given."""
-    target.attrs[key] = text_attr(value) if isinstance(value, str) else value
+    target.attrs[key] = fixed_texts([value]).reshape(()) if isinstance(value, str) else value
 
 
 def copy_attrs(source: HDF5Object, target: HDF5Object, skip: Collection[str] = ()) -> None:

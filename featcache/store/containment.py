@@ -1,14 +1,10 @@
 """A store reads only its own bytes: what it may name outside itself, and nothing else.
 
-HDF5 lets a file take a dataset's values from elsewhere: a link into another HDF5 file
-(an external link), raw bytes kept in any file (external storage), or the datasets of
-other HDF5 files (a virtual dataset). A store shared or downloaded could use them to
-make its readers return, copy or train on any file the reader can open. featcache
-writes none of them, except the virtual datasets of a torchrun store over its own shard
-files, which lie beside it and are listed in its ``shards`` attribute; anything else is
-refused before a value is read. A torchrun store's shards must be there, complete and
-undamaged (their digests checked as the store's own are), or their rows would read as
-zeros or through a damaged chunk index.
+HDF5 lets a file take values from elsewhere (external links, external storage, virtual
+datasets over other files): a store shared or downloaded could make its readers return
+any file they can open. featcache writes none of them but a torchrun store's virtual
+datasets over the shard files listed in its ``shards`` attribute, beside it; anything
+else is refused before a value is read, as are shards missing, incomplete or damaged.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """The format-3 layout: datasets allocated whole, their chunk sizes, chunk checksums, progress.
 
-Every dataset a run writes (the layers, ``/labels``, ``/index``, ``/ids``, ``/offsets``,
-``/token_ids``) is chunked along its first axis, stored without HDF5 filters and
-allocated in full when the file is created: each chunk has its place in the file from
-the start (:func:`chunk_addresses`; they usually lie back to back, in order). The run
-writes the dataset only as whole chunks, straight into those places, and never changes
-HDF5's metadata until the store completes.
-
-Beside each such dataset ``<name>``, ``/checksums/<name>`` holds one XXH3-64 checksum per
-chunk (``uint64``, :func:`checksum` of the chunk's bytes as stored: padded with zero
-bytes past the last row), written with its chunk. ``/progress`` holds the durable rows
-and, for each dataset its attribute ``datasets`` names, its durable entries: always
-whole chunks (or the dataset's full length). docs/store-format.md is the specification.
+Every dataset a run writes is chunked along its first axis, unfiltered and allocated in
+full when the file is created, so the run writes whole chunks straight into their places
+(:func:`chunk_addresses`) and never changes HDF5's metadata until the store completes.
+``/checksums/<name>`` holds the XXH3-64 of each chunk's bytes as stored (zero-padded past
+the last row); ``/progress`` the durable rows and each dataset's durable entries, whole
+chunks. docs/store-format.md is the specification.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import glob
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import h5py
 
@@ -16,6 +17,7 @@ PARTIAL_SUFFIX = ".partial"
 SKIPPED_SUFFIX = ".skipped.jsonl"
 # How to replace a store, for an error line read on the command line or in Python.
 OVERWRITE = "--overwrite (overwrite=True in Python)"
+READ_CACHE_BYTES = 16 << 20  # HDF5 chunk cache per open dataset
 SHARD_PATTERN = re.compile(r"\.shard-(\d{5})-of-(\d{5})\.h5(\.partial)?$")
 
 
@@ -48,13 +50,14 @@ def readable_path(path: str | os.PathLike) -> Path:
     return partial_path(path)
 
 
-def open_readonly(path: str | os.PathLike, **options: object) -> h5py.File:
-    """Open a store file read-only. A ``.partial`` one is opened without HDF5's file lock,
-    which its running writer may hold (HDF5 requires the same choice for every handle a
-    process holds on one file, so every reader opens it this way)."""
+def open_readonly(path: str | os.PathLike, **options: Any) -> h5py.File:
+    """Open a store file read-only, with an HDF5 chunk cache that holds several whole
+    chunks (for the layers HDF5 reads). A ``.partial`` one is opened without HDF5's file
+    lock, which its running writer may hold (HDF5 requires the same choice for every
+    handle a process holds on one file, so every reader opens it this way)."""
     if str(path).endswith(PARTIAL_SUFFIX):
         options["locking"] = False
-    return h5py.File(path, "r", **options)
+    return h5py.File(path, "r", **{"rdcc_nbytes": READ_CACHE_BYTES, **options})
 
 
 def shard_path(path: str | os.PathLike, rank: int, world_size: int) -> Path:

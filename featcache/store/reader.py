@@ -49,15 +49,7 @@ from featcache.store.skipped import read_log, read_skipped
 if TYPE_CHECKING:
     from featcache.describe import StoreDescription
 
-READ_CACHE_BYTES = 16 << 20  # HDF5 chunk cache per open dataset: holds several whole chunks
-
 Rows = slice | Sequence[int] | np.ndarray
-
-
-def open_for_reading(path: str | os.PathLike) -> h5py.File:
-    """Open a store read-only with a chunk cache that holds whole chunks (for the layers
-    HDF5 reads). Of a ``.partial`` store, only the rows its writer marked durable are read."""
-    return open_readonly(path, rdcc_nbytes=READ_CACHE_BYTES)
 
 
 class StoreFile:
@@ -89,7 +81,7 @@ class StoreFile:
         """The open ``h5py.File`` of this process."""
         file = self._open_here()
         if file is None:
-            file = self._file = open_for_reading(readable_path(self.path))
+            file = self._file = open_readonly(readable_path(self.path))
             self._pid = os.getpid()
             self._datasets = {}
         return file
@@ -287,12 +279,7 @@ class FeatureStore:
         features = self._features(layer)
         if not self.is_per_token(layer):
             raise ConfigError(f"layer {layer!r} holds one row per sample; read it with read()")
-        n = len(self)
-        picked = (
-            np.arange(*rows.indices(n), dtype=np.int64)
-            if isinstance(rows, slice)
-            else row_numbers(rows, n)
-        )
+        picked = row_numbers(rows, len(self))
         # Only the offsets of the rows asked for are read: a row at a time stays cheap.
         first = int(picked.min()) if len(picked) else 0
         last = int(picked.max()) + 1 if len(picked) else 0
@@ -368,8 +355,6 @@ class FeatureStore:
                 f"layer {layer!r} holds per-token rows of different lengths; read them with "
                 "read_tokens(), FeatureDataset (one [T, D] row per item) or TokenDataset"
             )
-        if isinstance(rows, slice):
-            return read_rows(features, slice(*rows.indices(len(self))))
         return read_rows(features, row_numbers(rows, len(self)))
 
     def describe(self) -> StoreDescription:
@@ -396,7 +381,7 @@ def _rows_in(file: Path) -> int:
     ``.partial`` (opened without HDF5's file lock, which its running writer holds); 0
     when it cannot be read."""
     try:
-        with open_for_reading(file) as f:
+        with open_readonly(file) as f:
             return int(f.attrs["num_rows"] if f.attrs.get("complete") else f["progress"][0])
     except (OSError, KeyError):
         return 0

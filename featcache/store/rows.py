@@ -1,10 +1,10 @@
 """Reading rows: plain chunks through a memory map, others through HDF5, each chunk checked
 against its checksum the first time it is read while its file is open.
 
-A dataset whose chunks lie back to back as plain bytes (every dataset of an uncompressed
-format-3 store) is read through a memory map of its file: a row costs a copy out of the
-page cache, a random batch one ``numpy.take``, a chunk's check a hash of its mapped
-bytes. Any other dataset (compressed, format 2, laid out otherwise) is read by HDF5,
+A dataset stored as plain chunks of whole rows (every dataset of an uncompressed format-3
+store) is read through a memory map of its file: any set of rows is one ``numpy.take`` of
+their byte offsets, wherever HDF5 placed each chunk, and a chunk's check is a hash of its
+mapped bytes. Any other dataset (compressed, format 2) is read by HDF5,
 which checks format-2 chunks itself (Fletcher-32); a format-3 chunk read so is checked
 against its checksum from HDF5's own bytes. A chunk that fails raises
 :class:`~featcache.errors.CorruptStoreError` naming the layer and rows before any of its
@@ -39,8 +39,9 @@ _BAD = (OSError, RuntimeError, KeyError, ValueError)  # what h5py raises on dama
 
 class Chunks:
     """What is known of a dataset while its file is open: its chunks' checksums, which
-    passed, and its rows over a map of the file (``mapped``, padded to whole chunks; None
-    when HDF5 reads it). Nothing of HDF5: the file closes with its handles."""
+    passed, and for a dataset read through the map, the map (``bytes``; ``rows``, whose
+    row ``i`` is the ``row_bytes`` bytes from byte ``i``) and where each chunk begins
+    (``addresses``). Nothing of HDF5: the file closes with its handles."""
 
     def __init__(self, dataset: h5py.Dataset):
         self.length = len(dataset)
@@ -50,8 +51,12 @@ class Chunks:
         sums = dataset.file.get(checksums_name(dataset.name))
         plain = sums is not None and not dataset.is_virtual and len(sums) >= chunks
         self.sums = sums[()] if plain else None  # else nothing to check against
+        self.row_bytes = dataset.dtype.itemsize * int(np.prod(dataset.shape[1:], dtype=np.int64))
         self.map: mmap.mmap | None = None
-        self.mapped: np.ndarray | None = None
+        self.addresses: np.ndarray | None = None
+        self.bytes: np.ndarray | None = None
+        self.rows: np.ndarray | None = None
+        self.base = self.step = 1
         with contextlib.suppress(*_BAD, TypeError):  # a damaged index: HDF5 says what
             self._map(dataset)
 
@@ -60,17 +65,39 @@ class Chunks:
         if dataset.file.driver != "sec2" or dataset.dtype.kind not in "biufS" or not native:
             return
         addresses = chunk_addresses(dataset)
-        items = self.chunk_rows * int(np.prod(dataset.shape[1:], dtype=np.int64))
-        size = items * dataset.dtype.itemsize
-        if addresses is None or (np.diff(addresses) != size).any():
-            return  # not back to back: HDF5 reads it
-        whole = mmap.mmap(
-            h5py.h5i.get_file_id(dataset.id).get_vfd_handle(), 0, access=mmap.ACCESS_READ
-        )
-        if addresses[0] + len(addresses) * size > len(whole):  # a file cut short
+        if addresses is None or not self.row_bytes:
             return
-        values = np.frombuffer(whole, dataset.dtype, len(addresses) * items, int(addresses[0]))
-        self.map, self.mapped = whole, values.reshape(-1, *dataset.shape[1:])
+        handle = h5py.h5i.get_file_id(dataset.id).get_vfd_handle()
+        whole = mmap.mmap(handle, 0, access=mmap.ACCESS_READ)
+        if addresses.max() + self.chunk_rows * self.row_bytes > len(whole):  # a file cut short
+            return
+        self.map, self.addresses = whole, addresses
+        self.bytes = np.frombuffer(whole, dtype=np.uint8)
+        # Rows of ``row_bytes`` from byte ``base`` on, every ``step`` bytes: whole rows
+        # (a plain array, the fast numpy.take) when every chunk lies on that grid.
+        self.base = int(addresses[0]) % self.row_bytes
+        aligned = not ((addresses - self.base) % self.row_bytes).any()
+        self.step = self.row_bytes if aligned else 1
+        count = (len(self.bytes) - self.base - self.row_bytes) // self.step + 1
+        self.rows = np.lib.stride_tricks.as_strided(
+            self.bytes[self.base :], (count, self.row_bytes), (self.step, 1), writeable=False
+        )
+
+    def offset(self, row: int) -> int:
+        """The byte offset of row ``row`` in the file (a mapped dataset)."""
+        assert self.addresses is not None
+        return int(self.addresses[row // self.chunk_rows]) + row % self.chunk_rows * self.row_bytes
+
+    def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
+        """Copy the mapped ``rows`` into ``out``, one numpy gather."""
+        assert self.addresses is not None and self.rows is not None
+        chunk, row = np.divmod(rows, self.chunk_rows)
+        index = (self.addresses[chunk] + row * self.row_bytes - self.base) // self.step
+        raw = out.reshape(len(rows), -1).view(np.uint8)
+        if self.rows.flags.c_contiguous:
+            np.take(self.rows, index, axis=0, out=raw)
+        else:  # numpy.take would copy the whole strided view first
+            raw[...] = self.rows[index]
 
 
 class Rows:
@@ -84,17 +111,16 @@ class Rows:
         self.store, self.first = store or dataset.file.filename, first
         self.name = dataset.name.lstrip("/")
         self.length, self.chunk_rows, self.sums = chunks.length, chunks.chunk_rows, chunks.sums
-        self.mapped = chunks.mapped
-        self.direct = self.mapped is not None  # read without HDF5 (and without the GIL)
+        self.direct = chunks.rows is not None  # read without HDF5 (and without the GIL)
 
     def read(self, start: int, stop: int, out: np.ndarray) -> None:
         """Copy rows ``[start, stop)`` into ``out`` (C-contiguous, the dataset's dtype)."""
         if stop <= start:
             return
-        self.check(range(start // self.chunk_rows, -(-stop // self.chunk_rows)))
-        if self.mapped is not None:
-            np.copyto(out, self.mapped[start:stop])
+        if self.direct:
+            self.take(np.arange(start, stop), out)
             return
+        self.check(range(start // self.chunk_rows, -(-stop // self.chunk_rows)))
         try:
             self.dataset.read_direct(out, np.s_[start:stop])
         except OSError as exc:
@@ -111,21 +137,21 @@ class Rows:
     def take(self, rows: np.ndarray, out: np.ndarray) -> None:
         """Copy the rows numbered ``rows`` (sorted, unique) into ``out``."""
         self.check(np.unique(rows // self.chunk_rows))
-        if self.mapped is not None:
-            np.take(self.mapped, rows, axis=0, out=out)
-            return
-        read_runs(self.dataset, runs(rows), out, reader=self)
+        if self.chunks.rows is None:
+            read_runs(self.dataset, runs(rows), out, reader=self)
+        elif len(rows):
+            self.chunks.gather(rows, out)
 
     def advise(self, start: int, stop: int) -> None:
         """Ask the kernel to read rows ``[start, stop)`` in the background (mapped only)."""
-        if self.mapped is None or self.chunks.map is None or not hasattr(mmap, "MADV_WILLNEED"):
+        if self.chunks.map is None or not hasattr(mmap, "MADV_WILLNEED"):
             return
-        base = np.frombuffer(self.chunks.map, dtype=np.uint8, count=1).ctypes.data
-        begin = self.mapped[start:].ctypes.data - base
-        page = begin - begin % mmap.PAGESIZE
-        with contextlib.suppress(OSError, ValueError):  # advice only
-            length = begin - page + (stop - start) * self.mapped.strides[0]
-            self.chunks.map.madvise(mmap.MADV_WILLNEED, page, length)
+        size = self.chunk_rows * self.chunks.row_bytes
+        for chunk in range(start // self.chunk_rows, -(-stop // self.chunk_rows)):
+            begin = self.chunks.offset(chunk * self.chunk_rows)
+            with contextlib.suppress(OSError, ValueError):  # advice only
+                page = begin - begin % mmap.PAGESIZE
+                self.chunks.map.madvise(mmap.MADV_WILLNEED, page, begin - page + size)
 
     def check(self, chunks: Iterable[int]) -> None:
         """Check the chunks numbered ``chunks`` not checked yet; raise for one that fails."""
@@ -144,8 +170,11 @@ class Rows:
         by HDF5's lookup by position, as plain HDF5 reads it."""
         start = chunk * self.chunk_rows
         try:
-            if self.mapped is not None and not by_hdf5:
-                found = checksum(self.mapped[start : start + self.chunk_rows])
+            if self.chunks.bytes is not None and not by_hdf5:
+                at = self.chunks.offset(start)
+                found = checksum(
+                    self.chunks.bytes[at : at + self.chunk_rows * self.chunks.row_bytes]
+                )
             elif self.sums is not None:
                 origin = (start, *(0,) * (self.dataset.ndim - 1))
                 found = checksum(self.dataset.id.read_direct_chunk(origin)[1])
@@ -300,12 +329,12 @@ def read_text_head(dataset: h5py.Dataset, rows: int) -> list[str]:
     return [raw.decode("utf-8") for raw in read_head(dataset, rows)]
 
 
-def row_numbers(rows: Sequence[int] | np.ndarray, num_rows: int) -> np.ndarray:
-    """``rows`` as int64 row numbers in ``[0, num_rows)``; negative ones count from the end.
-
-    Raises :class:`IndexError` for a row outside the ``num_rows`` rows, and
-    :class:`TypeError` for one that is not a whole number (``1.5``, ``True``, ``"3"``).
-    """
+def row_numbers(rows: slice | Sequence[int] | np.ndarray, num_rows: int) -> np.ndarray:
+    """``rows`` (a slice, or numbers of which negative ones count from the end) as int64
+    row numbers in ``[0, num_rows)``. Raises :class:`IndexError` for a row out of range,
+    :class:`TypeError` for one that is not a whole number (``1.5``, ``True``, ``"3"``)."""
+    if isinstance(rows, slice):
+        return np.arange(*rows.indices(num_rows), dtype=np.int64)
     given = np.asarray(rows)
     if given.size and given.dtype.kind not in "iu":
         raise TypeError(
@@ -323,9 +352,7 @@ def read_rows(dataset: h5py.Dataset, rows: slice | np.ndarray) -> torch.Tensor:
     """Rows of a features dataset as a tensor ``[n, *shape]`` of its store dtype (bfloat16
     as ``torch.bfloat16``). ``rows``: a slice, or int64 row numbers in range in any order,
     with repeats (each read once, in increasing order, then put in the order asked)."""
-    if isinstance(rows, slice):
-        start, stop, step = rows.indices(len(dataset))
-        rows = np.arange(start, stop, step, dtype=np.int64)
+    rows = row_numbers(rows, len(dataset)) if isinstance(rows, slice) else rows
     unique, inverse = np.unique(rows, return_inverse=True)
     array = np.empty((len(unique), *dataset.shape[1:]), dtype=dataset.dtype)
     if len(unique) and unique[-1] - unique[0] + 1 == len(unique):

@@ -46,28 +46,19 @@ _datasync = getattr(os, "fdatasync", os.fsync)  # fdatasync: Linux; fsync elsewh
 
 @dataclasses.dataclass(frozen=True)
 class StorePlan:
-    """What a store holds and how it is written: everything :class:`StoreWriter` needs.
-
-    ``rows``: the source rows the store is sized for (fewer are stored when samples are
-    skipped); ``ids_width``: bytes of the longest id; ``dtype``: the stored dtype of the
-    layers; ``compression``: ``"gzip"`` or ``"lzf"`` for a compressed copy made at
-    completion (None: none); ``chunk_rows``: rows (or tokens) per chunk, None for
-    :func:`~featcache.store.layout.chunk_rows_for`; ``checksum``: an XXH3 checksum per
-    chunk; ``attrs``: the file attributes (provenance); ``token_capacity``: the tokens
-    that per-token layers are sized for; ``mark_seconds``: how often progress is marked.
-    """
+    """What a store holds and how it is written: everything :class:`StoreWriter` needs."""
 
     path: Path
-    rows: int
-    ids_width: int = 1
-    dtype: str = "float16"
-    compression: str | None = None
-    chunk_rows: int | None = None
-    checksum: bool = True
+    rows: int  # source rows the store is sized for (fewer are stored when some are skipped)
+    ids_width: int = 1  # bytes of the longest id
+    dtype: str = "float16"  # of the layers
+    compression: str | None = None  # "gzip" or "lzf": a compressed copy made at completion
+    chunk_rows: int | None = None  # rows (tokens) per chunk; None: layout.chunk_rows_for
+    checksum: bool = True  # an XXH3 checksum per chunk
     has_labels: bool = True
-    attrs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    token_capacity: int | None = None
-    mark_seconds: float = MARK_SECONDS
+    attrs: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # the provenance
+    token_capacity: int | None = None  # the tokens per-token layers are sized for
+    mark_seconds: float = MARK_SECONDS  # how often progress is marked
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path))
@@ -77,26 +68,17 @@ class StoreWriter:
     """Writes the store ``plan`` describes, crash-safely, to ``<path>.partial``; renamed to
     ``path`` when complete.
 
-    The file is created on the first batch, when the layers' shapes are known, with every
-    dataset allocated whole (:mod:`~featcache.store.layout`), under a temporary name and
-    synced before it is renamed to ``.partial``. From then on the run writes raw bytes
-    only: each dataset gathers entries in a one-chunk buffer and writes whole chunks, at
-    their place in the file, each with its checksum; a batch that covers whole chunks is
-    written from the batch itself. At most every ``mark_seconds`` the writer syncs the
-    file and then records in ``/progress`` the whole chunks written so far: a crash loses
-    at most the chunk each dataset was filling, and no durable chunk is written again (a
-    resume, :func:`~featcache.store.resume.plan_resume`, drops the entries it recomputes
-    below them). Skipped samples go to an append-only log beside the file.
-
-    Per-token rows: a layer appended as *ragged* (``[tokens, ...]``, row ``i`` owning
-    ``lengths[i]`` tokens) is stored as one ``[total_tokens, ...]`` dataset (attribute
-    ``layout="tokens"``), sized for ``plan.token_capacity`` tokens, with ``/offsets``
-    ``[N + 1]`` int64 (row ``i`` is tokens ``offsets[i]:offsets[i + 1]``) and, when given,
-    ``/token_ids`` ``[total_tokens]`` int64.
-
-    ``close(complete=True)`` writes the last, partly filled chunks, shrinks the datasets
-    to the rows written, adds the skip records and the final attributes, compresses if
-    asked (a copy into a new file) and moves the store into place.
+    The file is created whole on the first batch, when the layers' shapes are known
+    (:mod:`~featcache.store.layout`). Then each dataset gathers entries into whole chunks
+    and writes each at its place with its checksum (a batch's whole chunks straight from
+    the batch). At most every ``mark_seconds`` the file is synced and ``/progress``
+    records the whole chunks written: a crash loses at most the chunk each dataset was
+    filling, and a resume never writes a durable chunk again. Skipped samples go to a log
+    beside the file. A *ragged* layer (row ``i`` owning ``lengths[i]`` tokens) is stored
+    as ``[total_tokens, ...]`` (``layout="tokens"``) with ``/offsets`` ``[N + 1]`` and,
+    when given, ``/token_ids``. ``close(complete=True)`` writes the last chunks, shrinks
+    the datasets to the rows written, adds the skip records and attributes, compresses
+    if asked and moves the store into place.
     """
 
     def __init__(self, plan: StorePlan, resume: ResumePoint | None = None):
