@@ -4,9 +4,9 @@ an incomplete store's progress mark against what its datasets hold."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import h5py
 
@@ -17,6 +17,8 @@ from featcache.store.rows import PartRows, chunk_text, opened, read_head, rows_o
 
 if TYPE_CHECKING:
     from featcache.store.reader import FeatureStore
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -38,10 +40,7 @@ def scan_chunks(store: str | os.PathLike | FeatureStore) -> list[BadChunk]:
     its checksum, or, in a format-2 store, read through HDF5's Fletcher-32 filter. A
     store combined from shards is checked shard by shard, named by its own rows; an
     incomplete one in its durable chunks only (a resume writes the others again)."""
-    if isinstance(store, (str, os.PathLike)):
-        with opened(readable_path(store)) as file:
-            return scan_file(file)
-    return scan_file(store.file)
+    return _of_file(store, scan_file)
 
 
 def scan_file(file: h5py.File, after: Mapping[str, int] | None = None) -> list[BadChunk]:
@@ -80,14 +79,18 @@ def row_datasets(file: h5py.File) -> list[h5py.Dataset]:
 def has_checksums(store: str | os.PathLike | FeatureStore) -> bool:
     """Whether every layer of ``store`` carries chunk checksums (XXH3 in format 3,
     Fletcher-32 in format 2; for a store combined from shards, in every shard)."""
+    return _of_file(store, _has_checksums)
+
+
+def _of_file(store: str | os.PathLike | FeatureStore, check: Callable[[h5py.File], T]) -> T:
+    """``check`` of the open file of ``store`` (a path opened for it, or a FeatureStore)."""
     if isinstance(store, (str, os.PathLike)):
         with opened(readable_path(store)) as file:
-            return has_checksums_in(file)
-    return has_checksums_in(store.file)
+            return check(file)
+    return check(store.file)
 
 
-def has_checksums_in(file: h5py.File) -> bool:
-    """:func:`has_checksums` of an open store file."""
+def _has_checksums(file: h5py.File) -> bool:
     features = file.get("features")
     if not isinstance(features, h5py.Group) or not len(features):
         return False

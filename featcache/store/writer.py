@@ -120,45 +120,42 @@ class StoreWriter:
         creating = self.partial.with_name(self.partial.name + ".creating")
         try:
             with h5py.File(creating, "w", libver=LIBVER, meta_block_size=META_BLOCK_BYTES) as f:
-                self._build(f, features, feature_attrs, ragged, token_ids)
+                codec.write_attrs(f, plan.attrs)
+                codec.write_attrs(f, {"featcache_format": FORMAT_VERSION, "capacity": plan.rows})
+                f.attrs["complete"] = False
+                add = allocate_checked if plan.checksum else allocate
+                meta_rows = plan.chunk_rows or chunk_rows_for((), 8, plan.rows)
+                shapes: dict[str, tuple[tuple, Any]] = {"index": ((plan.rows,), np.int64)}
+                shapes["ids"] = ((plan.rows,), h5py.string_dtype("utf-8", max(plan.ids_width, 1)))
+                if plan.has_labels:
+                    shapes["labels"] = ((plan.rows,), np.int64)
+                tokens = max(plan.token_capacity or 0, 1)
+                if ragged:
+                    shapes["offsets"] = ((plan.rows + 1,), np.int64)
+                    if token_ids:
+                        shapes["token_ids"] = ((tokens,), np.int64)
+                for name, (shape, dtype) in shapes.items():
+                    add(f, name, shape, dtype, meta_rows)
+                f.create_group("features", track_order=True)
+                stored = codec.numpy_dtype(plan.dtype)
+                for key, array in features.items():
+                    shape = (tokens if key in ragged else plan.rows, *array.shape[1:])
+                    rows = plan.chunk_rows or chunk_rows_for(shape[1:], stored.itemsize, shape[0])
+                    dataset = add(f, f"features/{key}", shape, stored, rows)
+                    layout = {"layout": "tokens"} if key in ragged else {}
+                    codec.write_attrs(
+                        dataset, dict(feature_attrs.get(key, {}), dtype=plan.dtype, **layout)
+                    )
+                if plan.checksum:
+                    codec.set_attr(f["checksums"], "algorithm", CHECKSUM)
+                names = [*shapes, *(f"features/{key}" for key in features)]
+                progress = allocate(f, PROGRESS, (1 + len(names),), "<i8")
+                progress[...] = 0
+                codec.set_attr(progress, "datasets", json.dumps(names))
             replace_durably(creating, self.partial)
         finally:
             creating.unlink(missing_ok=True)
         self._open()
-
-    def _build(self, f: h5py.File, features: Mapping[str, np.ndarray], feature_attrs: Mapping,
-               ragged: frozenset[str], token_ids: bool) -> None:  # fmt: skip
-        plan = self.plan
-        codec.write_attrs(f, plan.attrs)
-        codec.write_attrs(f, {"featcache_format": FORMAT_VERSION, "capacity": plan.rows})
-        f.attrs["complete"] = False
-        add = allocate_checked if plan.checksum else allocate
-        meta_rows = plan.chunk_rows or chunk_rows_for((), 8, plan.rows)
-        shapes: dict[str, tuple[tuple, Any]] = {"index": ((plan.rows,), np.int64)}
-        shapes["ids"] = ((plan.rows,), h5py.string_dtype("utf-8", max(plan.ids_width, 1)))
-        if plan.has_labels:
-            shapes["labels"] = ((plan.rows,), np.int64)
-        tokens = max(plan.token_capacity or 0, 1)
-        if ragged:
-            shapes["offsets"] = ((plan.rows + 1,), np.int64)
-            if token_ids:
-                shapes["token_ids"] = ((tokens,), np.int64)
-        for name, (shape, dtype) in shapes.items():
-            add(f, name, shape, dtype, meta_rows)
-        f.create_group("features", track_order=True)
-        stored = codec.numpy_dtype(plan.dtype)
-        for key, array in features.items():
-            shape = (tokens if key in ragged else plan.rows, *array.shape[1:])
-            rows = plan.chunk_rows or chunk_rows_for(shape[1:], stored.itemsize, shape[0])
-            dataset = add(f, f"features/{key}", shape, stored, rows)
-            layout = {"layout": "tokens"} if key in ragged else {}
-            codec.write_attrs(dataset, dict(feature_attrs.get(key, {}), dtype=plan.dtype, **layout))
-        if plan.checksum:
-            codec.set_attr(f["checksums"], "algorithm", CHECKSUM)
-        names = [*shapes, *(f"features/{key}" for key in features)]
-        progress = allocate(f, PROGRESS, (1 + len(names),), "<i8")
-        progress[...] = 0
-        codec.set_attr(progress, "datasets", json.dumps(names))
 
     def _open(self) -> None:
         """Open the ``.partial`` file for raw writes and find where each dataset lies."""
