@@ -9,6 +9,7 @@ import json
 import os
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -98,6 +99,9 @@ class StoreWriter:
         self._ends_base = self.rows_appended
         self._marked: list[int] = []
         self._last_mark = time.monotonic()
+        # Marks sync the file on a thread of their own: appends go on meanwhile.
+        self._syncer = ThreadPoolExecutor(1, thread_name_prefix="featcache-sync")
+        self._syncing: Future[None] | None = None
         self._log: TextIO | None = None
         log = skipped_log_path(self.path)
         if resume is not None:
@@ -283,25 +287,40 @@ class StoreWriter:
             rows = min(rows, self._ends_base + covered)
         return min(rows, self.rows_appended)
 
-    def mark(self) -> None:
-        """Sync the file, then record in ``/progress`` the whole chunks written so far."""
+    def mark(self, wait: bool = False) -> None:
+        """Record in ``/progress`` the whole chunks written so far once the file is synced,
+        on the sync thread (a mark still syncing takes the next one's place); ``wait``:
+        until it is recorded."""
         self._last_mark = time.monotonic()
-        if self._log is not None:
+        if self._log is not None:  # the skip records before any mark that counts them
             self._log.flush()
             os.fsync(self._log.fileno())
         if self.fd is None:
             return
+        if wait or self._syncing is not None and self._syncing.done():
+            self._wait()
         rows = self.durable_rows
         record = [rows, *(c.durable for c in self._columns.values())]
-        if record == self._marked:
-            return
+        if record != self._marked and self._syncing is None:
+            self._marked = record
+            marked = np.array(record, dtype="<i8")
+            self._syncing = self._syncer.submit(self._sync, self.fd, marked)
+            drop = max(0, rows - self._ends_base)
+            self._ends, self._ends_base = self._ends[drop:], self._ends_base + drop
+        if wait:
+            self._wait()
+
+    def _wait(self) -> None:
+        """Wait for the mark being recorded, if any: its error is the writer's."""
+        syncing, self._syncing = self._syncing, None
+        if syncing is not None:
+            syncing.result()
+
+    def _sync(self, fd: int, record: np.ndarray) -> None:
         # The chunks are on the disk before the mark that counts them is written. The
         # file's size and layout never change, so syncing its data (fdatasync) is enough.
-        _datasync(self.fd)
-        _write_all(self.fd, np.array(record, dtype="<i8"), self._progress_at)
-        self._marked = record
-        drop = max(0, rows - self._ends_base)
-        self._ends, self._ends_base = self._ends[drop:], self._ends_base + drop
+        _datasync(fd)
+        _write_all(fd, record, self._progress_at)
 
     # -- closing ---------------------------------------------------------------------------
 
@@ -323,8 +342,11 @@ class StoreWriter:
                 self._finish(attrs or {}, row_columns or {})
             else:
                 with contextlib.suppress(Exception):  # e.g. the disk that just filled up
-                    self.mark()
+                    self.mark(wait=True)
         finally:
+            with contextlib.suppress(Exception):  # a failed run's mark: nothing to add
+                self._wait()
+            self._syncer.shutdown()
             if self._log is not None:
                 self._log.close()
                 self._log = None
@@ -341,7 +363,7 @@ class StoreWriter:
         for column in self._columns.values():
             column.write_tail()
         _datasync(self.fd)  # every row is on the disk before the store says it is complete
-        self.mark()
+        self.mark(wait=True)
         os.close(self.fd)
         self.fd = None
         rows = self.rows_appended
