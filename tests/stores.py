@@ -71,7 +71,9 @@ def written_store(path, rows=20, *, checksum=True, seed=0):
 
 
 def crash(writer: StoreWriter) -> None:
-    """Stop ``writer`` as a kill would: nothing more is written, not even a mark."""
+    """Stop ``writer`` as a kill would once the mark of its last append is recorded (marks
+    sync on their own thread): nothing more is written, not even a mark."""
+    writer.mark(wait=True)
     assert writer.fd is not None
     os.close(writer.fd)
     writer.fd = None

@@ -254,6 +254,7 @@ def test_marks_count_whole_chunks_and_a_resume_writes_the_same_store(tmp_path, c
     writer = StoreWriter(StorePlan(path, 60, mark_seconds=0, **options))
     for start in range(0, 28, 7):
         _append_rows(writer, range(start, start + 7))
+        writer.mark(wait=True)  # the append's mark, recorded on the sync thread
         with h5py.File(partial_path(path), "r", locking=False) as f:
             assert f["progress"][0] == (start + 7) // 8 * 8  # whole chunks only
     written = {}
@@ -310,6 +311,7 @@ def test_marks_make_per_token_rows_durable_and_a_resume_writes_the_same_store(tm
     # 9 rows, 30 tokens appended, in chunks of 4: index, ids and labels hold 8 rows in
     # whole chunks, offsets 8 entries (its leading 0 and the ends of rows 0-6), the tokens
     # 28, which hold rows 0-7 (row 7 ends at token 27): 7 rows durable
+    writer.mark(wait=True)
     with h5py.File(partial_path(path), "r", locking=False) as f:
         assert f["progress"][0] == 7
     crash(writer)
