@@ -285,7 +285,7 @@ class StoreWriter:
         if tokens:
             covered = int(np.searchsorted(self._ends, min(tokens), side="right"))
             rows = min(rows, self._ends_base + covered)
-        return min(rows, self.rows_appended)
+        return max(0, min(rows, self.rows_appended))  # offsets lead: -1 before a whole chunk
 
     def mark(self, wait: bool = False) -> None:
         """Record in ``/progress`` the whole chunks written so far once the file is synced,
