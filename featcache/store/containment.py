@@ -18,7 +18,7 @@ import numpy as np
 
 from featcache.errors import first_line
 from featcache.store import codec
-from featcache.store.metadata import metadata_problem
+from featcache.store.metadata import UNREADABLE_METADATA, metadata_problem
 
 
 def foreign_data_problem(file: h5py.File) -> str:
@@ -53,7 +53,10 @@ def foreign_data_problem(file: h5py.File) -> str:
 
 def _problem(file: h5py.File, shards: Sequence[str]) -> str:
     links: dict[str, Any] = {}
-    file.visititems_links(links.__setitem__)
+    try:
+        file.visititems_links(links.__setitem__)
+    except UNREADABLE_METADATA as exc:  # a damaged group: HDF5 fails its checksum
+        return f"its metadata cannot be read ({first_line(exc)})"
     for name, link in links.items():
         if not isinstance(link, h5py.HardLink):
             target = getattr(link, "filename", None) or getattr(link, "path", "")
