@@ -409,6 +409,7 @@ def probe(
 ) -> None:
     """Evaluate stored layers: linear probes (lambda chosen on validation), weighted k-NN,
     few-shot probes; accuracy reported on test."""
+    from featcache.files import output_file
     from featcache.probe import (
         default_output,
         evaluate,
@@ -418,7 +419,6 @@ def probe(
         requested_layers,
         save_results,
     )
-    from featcache.store.paths import output_file
 
     # The output names are checked before the fit: a bad one fails now, not after minutes.
     names = requested_layers(train, layer)

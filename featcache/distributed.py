@@ -19,12 +19,14 @@ import datetime
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from featcache.errors import ConfigError
 from featcache.store.merge import combine_shards, merge_store
-from featcache.store.paths import check_other_world_sizes, shard_path
+from featcache.store.paths import OVERWRITE, shard_path, shards_of
 
 __all__ = [
     "Rank",
@@ -130,3 +132,23 @@ def block(
     first = batches * rank // world_size
     last = batches * (rank + 1) // world_size
     return range(min(first * batch_size, num_rows), min(last * batch_size, num_rows))
+
+
+def check_other_world_sizes(
+    path: str | os.PathLike, world_size: int, overwrite: bool, delete: bool = True
+) -> list[Path]:
+    """Refuse shards left by a run with another number of processes; with ``overwrite``,
+    delete them (or, without ``delete``, leave that to the caller) and return them."""
+    stale = {shard: size for shard, size in shards_of(path).items() if size != world_size}
+    if stale and overwrite:
+        for candidate in stale if delete else ():
+            candidate.unlink(missing_ok=True)
+        return list(stale)
+    if stale:
+        first = next(iter(stale))
+        raise ConfigError(
+            f"{path} has shards of a run with {', '.join(map(str, sorted(set(stale.values()))))} "
+            f"processes ({first.name}, ...); rerun with that many processes to resume it "
+            f"(`featcache info {first}` prints the command), or pass {OVERWRITE} to start over"
+        )
+    return []

@@ -25,9 +25,9 @@ from featcache.extraction.from_config import (
     run_options,
     split_arguments,
 )
+from featcache.files import free_bytes
 from featcache.reduce import token_layout
 from featcache.spec import Spec, load_config
-from featcache.store.size import free_bytes
 from featcache.units import format_bytes
 
 TIMED_BATCHES = 3  # batches timed per batch size, after one that warms up

@@ -118,6 +118,41 @@ def config_differences(stored: Mapping[str, Any], current: Mapping[str, Any]) ->
     return sorted(k.rstrip(".") for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
 
 
+def key_difference(
+    key: str,
+    stored: Mapping[str, Any],
+    current: Mapping[str, Any],
+    stored_config: Mapping[str, Any] | None = None,
+    config: Mapping[str, Any] | None = None,
+) -> str:
+    """What differs between a stored store key and this run's at ``key``, in words: for
+    the config fingerprint, the config keys themselves when both configs are known."""
+    what, before, now = f"its {key.replace('_', ' ')} differs from this run's", stored, current
+    keys = []
+    if key == "config_fingerprint" and stored_config and config is not None:
+        keys = config_differences(stored_config, config)
+    if keys:
+        key = keys[0]
+        named = " and ".join(keys)
+        if len(keys) > 2:
+            named = f"{key}, {keys[1]} and {len(keys) - 2} more"
+        what = f"its config differs from this run's at {named}"
+        before, now = {key: _value_at(stored_config, key)}, {key: _value_at(config, key)}
+    return f"{what} ({_short(before.get(key))} vs {_short(now.get(key))})"
+
+
+def _value_at(config: Any, dotted: str) -> Any:
+    """The value at a dotted key of a config (None when absent)."""
+    for part in dotted.split("."):
+        config = config.get(part) if isinstance(config, Mapping) else None
+    return config
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
+    return text if len(text) <= 40 else text[:16] + "..." + text[-8:]
+
+
 @dataclasses.dataclass(frozen=True)
 class StoreKey:
     """The settings that decide a store's bytes; equal keys make equal stores.

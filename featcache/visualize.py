@@ -23,11 +23,11 @@ from torchvision.transforms import functional as TF
 from torchvision.utils import make_grid, save_image
 
 from featcache.errors import ConfigError, FeatcacheWarning
+from featcache.files import output_file
 from featcache.plotting import require_matplotlib
 from featcache.recorded import recorded_spec
 from featcache.selectors import Tap
 from featcache.store import FeatureStore
-from featcache.store.paths import output_file
 from featcache.taps import zero_gradient_note
 
 # Picture formats save_image (PIL) writes, by the file's suffix.

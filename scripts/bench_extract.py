@@ -195,7 +195,7 @@ def own_work(model: nn.Module, cut: nn.Module, data: torch.Tensor, batch: int, l
         writer = StoreWriter(StorePlan(path, len(data), ids_width=4))
         for i, value in enumerate(outputs):
             rows = np.arange(i * batch, i * batch + len(value))
-            encoded = codec.to_numpy(codec.encode(value, "float16"))
+            encoded = codec.as_array(codec.encode(value, "float16"))
             writer.append(rows, [ids[r] for r in rows], np.zeros(len(rows)), {layer: encoded})
         writer.close(complete=True)
         remove_store(path)

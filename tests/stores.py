@@ -64,14 +64,16 @@ def written_store(path, rows=20, *, checksum=True, seed=0):
     values = torch.from_numpy(np.random.default_rng(seed).standard_normal((rows, 8)))
     writer = StoreWriter(StorePlan(path, rows, ids_width=4, chunk_rows=4, checksum=checksum))
     index = np.arange(rows)
-    encoded = codec.to_numpy(codec.encode(values, "float16"))
+    encoded = codec.as_array(codec.encode(values, "float16"))
     writer.append(index, [f"{i:04d}" for i in index], index % 3, {"a": encoded})
     writer.close(complete=True)
     return path
 
 
 def crash(writer: StoreWriter) -> None:
-    """Stop ``writer`` as a kill would: nothing more is written, not even a mark."""
+    """Stop ``writer`` as a kill would once the mark of its last append is recorded (marks
+    sync on their own thread): nothing more is written, not even a mark."""
+    writer.mark(wait=True)
     assert writer.fd is not None
     os.close(writer.fd)
     writer.fd = None

@@ -66,7 +66,7 @@ def write_store(path, rows=203, dims=None, *, chunk_rows=16, dtype="float16", **
     )
     index = np.arange(rows)
     features = {
-        key: codec.to_numpy(codec.encode(torch.from_numpy(rng.standard_normal((rows, dim))), dtype))
+        key: codec.as_array(codec.encode(torch.from_numpy(rng.standard_normal((rows, dim))), dtype))
         for key, dim in dims.items()
     }
     writer.append(index, [f"{i:06d}" for i in index], index % 7, features)

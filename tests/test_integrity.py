@@ -235,8 +235,8 @@ def test_a_resumed_store_keeps_the_checksums_it_was_created_with(tmp_path):
 
 def test_a_chunk_the_index_lists_twice_is_refused_by_readers_and_verify(tmp_path):
     """A store whose chunk index lists a chunk twice (what a write through a damaged index
-    key leaves, sealed as it was): readers that take either copy would disagree, so
-    featcache's readers refuse those rows and verify --quick's scan names them."""
+    key leaves, sealed as it was): featcache reads it as HDF5 finds it, and the copy HDF5
+    finds fails its checksum, in readers and in verify --quick's scan."""
     path = written_store(tmp_path / "s.h5", rows=20)  # layer a, chunks of 4 rows
     with h5py.File(path, "r") as f:
         size = f["features/a"].id.get_chunk_info_by_coord((8, 0)).size
@@ -248,16 +248,13 @@ def test_a_chunk_the_index_lists_twice_is_refused_by_readers_and_verify(tmp_path
     with h5py.File(path, "r") as f:
         f["features/a"].id.chunk_iter(lambda info: listed.append(info.chunk_offset[0]))
     assert sorted(listed) == [0, 4, 8, 8, 12, 16]
-    message = (
-        f"store {path} is corrupted: layer a rows 8-11 are in a chunk the chunk index lists "
-        f"twice (a damaged index); {FIX}"
-    )
+    message = f"store {path} is corrupted: layer a rows 8-11 fail their checksum; {FIX}"
     store = FeatureStore(path)
     for rows in (slice(None), [9], slice(4, 12)):
         with pytest.raises(CorruptStoreError) as caught:
             store.read("a", rows)
         assert str(caught.value) == message
     assert torch.equal(store.read("a", slice(0, 8)), FeatureStore(path).read("a", [*range(8)]))
-    with pytest.raises(CorruptStoreError, match="rows 8-11 are in a chunk the chunk index"):
+    with pytest.raises(CorruptStoreError, match="rows 8-11 fail their checksum"):
         list(FeatureDataset(path, "a").batches(5, shuffle=False))
     assert [(b.key, b.start, b.stop) for b in scan_chunks(path)] == [("features/a", 8, 12)]

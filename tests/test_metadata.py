@@ -170,7 +170,7 @@ def _skipping_store(path):
         index,
         [f"{i:04d}" for i in index],
         index % 3,
-        {"a": codec.to_numpy(codec.encode(values, "float16"))},
+        {"a": codec.as_array(codec.encode(values, "float16"))},
         {"a": {"module": "layer4", "layout": "rows"}},
         skipped=skipped,
     )
@@ -272,7 +272,7 @@ def test_skip_records_read_right_past_a_damaged_chunk_key(tmp_path):
     path = tmp_path / "s.h5"
     writer = StoreWriter(StorePlan(path, 4004, ids_width=4))
     skipped = [{"index": 4 + i, "id": f"s{i}", "reason": f"unreadable {i}"} for i in range(4000)]
-    values = codec.to_numpy(codec.encode(torch.ones(4, 8), "float16"))
+    values = codec.as_array(codec.encode(torch.ones(4, 8), "float16"))
     ids = ["0", "1", "2", "3"]
     writer.append(np.arange(4), ids, np.zeros(4), {"a": values}, {"a": {}}, skipped=skipped)
     writer.close(complete=True)

@@ -18,7 +18,7 @@ from featcache.dataset import FeatureDataset
 from featcache.errors import CorruptStoreError
 from featcache.store import FeatureStore, StorePlan, StoreWriter, codec, combine_shards, read_rows
 from featcache.store import rows as rows_module
-from featcache.store.layout import chunk_addresses, segments
+from featcache.store.layout import chunk_addresses
 from featcache.store.paths import shard_path
 from featcache.store.rows import PartRows, read_runs, rows_of
 from tests.stores import corrupt_row
@@ -33,7 +33,7 @@ def _store(path, rows=23, dtype="float16", checksum=True, compression=None, seed
     )  # fmt: skip
     writer = StoreWriter(plan)
     index = np.arange(rows)
-    encoded = codec.to_numpy(codec.encode(values.float(), dtype))
+    encoded = codec.as_array(codec.encode(values.float(), dtype))
     writer.append(index, [str(i) for i in index], index, {"a": encoded})
     writer.close(complete=True)
     return path, encoded
@@ -128,7 +128,7 @@ def test_values_not_stored_as_native_numbers_are_read_by_hdf5(tmp_path):
             np.testing.assert_array_equal(out, dataset[np.r_[3:5, 14 - 2 : 17]])
 
 
-def test_chunks_that_do_not_lie_back_to_back_read_as_several_runs(tmp_path):
+def test_chunks_that_do_not_lie_back_to_back_read_the_same(tmp_path):
     # A dataset whose chunks HDF5 placed apart (here: written by another program, one
     # chunk at a time between the chunks of another dataset) reads the same.
     with h5py.File(tmp_path / "apart.h5", "w", rdcc_nbytes=0) as f:  # each chunk placed as written
@@ -138,9 +138,8 @@ def test_chunks_that_do_not_lie_back_to_back_read_as_several_runs(tmp_path):
             a[start : start + 200] = values[start : start + 200]
             f[f"between/{start}"] = np.zeros(700)  # raw data allocated after the chunk
         addresses = chunk_addresses(a)
-        assert addresses is not None and len(segments(addresses, 2400)) == 20
-        reader = rows_of(a)
-        assert reader.direct and len(reader.mapped) == 20
+        assert addresses is not None and (np.diff(addresses) != 2400).any()
+        assert rows_of(a).direct
         rows = np.array([0, 3, 199, 200, 1700, 1899, 3999])
         np.testing.assert_array_equal(read_rows(a, rows).numpy(), values[rows])
         np.testing.assert_array_equal(read_rows(a, slice(2, 3700)).numpy(), values[2:3700])

@@ -14,9 +14,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from featcache import files
 from featcache.cli import app
 from featcache.dataset import FeatureDataset
+from featcache.describe import describe
 from featcache.errors import ConfigError, FeatcacheError
+from featcache.files import replace_durably
 from featcache.store import (
     FeatureStore,
     StorePlan,
@@ -24,7 +27,6 @@ from featcache.store import (
     codec,
     combine_shards,
     copy_store,
-    describe,
     merge_store,
     partial_path,
     plan_resume,
@@ -35,7 +37,7 @@ from featcache.store import (
 )
 from featcache.store import merge as store_merge
 from featcache.store import writer as store_writer
-from featcache.store.paths import replace_durably, shard_path, skipped_log_path
+from featcache.store.paths import shard_path, skipped_log_path
 from featcache.store.reader import StoreFile
 from tests.stores import crash
 
@@ -47,7 +49,7 @@ def write_store(path, rows=50, *, dtype="float16", dim=8, complete=True, seed=0,
     writer = StoreWriter(StorePlan(path, rows, ids_width=4, dtype=dtype, chunk_rows=16, **options))
     index = np.arange(rows)
     encoded = codec.encode(values, dtype)
-    writer.append(index, [f"{i:04d}" for i in index], index % 3, {"a": codec.to_numpy(encoded)})
+    writer.append(index, [f"{i:04d}" for i in index], index % 3, {"a": codec.as_array(encoded)})
     writer.close(complete=complete)
     return path, codec.values(encoded, dtype).float()
 
@@ -64,9 +66,9 @@ def bf16(tmp_path_factory):
 def test_codec_round_trip_keeps_every_bit(dtype):
     x = torch.randn(5, 3, generator=torch.Generator().manual_seed(0)) * 1e3
     encoded = codec.encode(x, dtype)
-    array = codec.to_numpy(encoded)
+    array = codec.as_array(encoded)
     assert array.dtype == codec.numpy_dtype(dtype)
-    decoded = codec.decode(array, dtype)
+    decoded = codec.from_array(array, dtype)
     assert decoded.dtype == codec.torch_dtype(dtype)
     assert torch.equal(decoded, codec.values(encoded, dtype))
     assert torch.equal(decoded, x.to(codec.torch_dtype(dtype)))
@@ -252,6 +254,7 @@ def test_marks_count_whole_chunks_and_a_resume_writes_the_same_store(tmp_path, c
     writer = StoreWriter(StorePlan(path, 60, mark_seconds=0, **options))
     for start in range(0, 28, 7):
         _append_rows(writer, range(start, start + 7))
+        writer.mark(wait=True)  # the append's mark, recorded on the sync thread
         with h5py.File(partial_path(path), "r", locking=False) as f:
             assert f["progress"][0] == (start + 7) // 8 * 8  # whole chunks only
     written = {}
@@ -308,6 +311,7 @@ def test_marks_make_per_token_rows_durable_and_a_resume_writes_the_same_store(tm
     # 9 rows, 30 tokens appended, in chunks of 4: index, ids and labels hold 8 rows in
     # whole chunks, offsets 8 entries (its leading 0 and the ends of rows 0-6), the tokens
     # 28, which hold rows 0-7 (row 7 ends at token 27): 7 rows durable
+    writer.mark(wait=True)
     with h5py.File(partial_path(path), "r", locking=False) as f:
         assert f["progress"][0] == 7
     crash(writer)
@@ -594,7 +598,7 @@ def test_time_split_is_in_seconds_and_printed_as_shares(tmp_path):
     ],
 )
 def test_a_recorded_resume_command_is_shown_only_as_a_featcache_command(recorded, shown):
-    from featcache.store.describe import shown_command
+    from featcache.describe import shown_command
 
     expected = recorded if shown is None else (shown or None)
     assert shown_command(recorded) == expected
@@ -642,13 +646,13 @@ def test_info_warns_of_a_resume_command_that_runs_code(tmp_path, overrides, name
 
 def test_a_copy_that_the_disk_cannot_hold_is_refused_before_it_starts(bf16, tmp_path, monkeypatch):
     path, _ = bf16
-    usage = store_merge.shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(
-        store_merge.shutil, "disk_usage", lambda folder: usage._replace(free=200 << 10)
-    )
+    usage = files.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda folder: usage._replace(free=200 << 10))
     target = tmp_path / "copy" / "c.h5"
     target.parent.mkdir()
-    with pytest.raises(FeatcacheError, match=r"^not enough space for .*c.h5: the copy needs about"):
+    with pytest.raises(
+        FeatcacheError, match=r"^not enough disk space for .*c.h5: the copy needs about"
+    ):
         merge_store(path, target, progress=False)
     assert list(target.parent.iterdir()) == []
     copy_store(path, tmp_path / "gzip.h5", "gzip")  # a compressed copy's size is unknown

@@ -4,6 +4,7 @@ and how long a batch takes, to size and plan a run before it starts."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,10 +18,26 @@ from featcache.extraction.batches import Collate, SourceRows, num_workers, start
 from featcache.extraction.grid import GridBatches
 from featcache.extraction.loop import LoopPlan, run_loop
 from featcache.extraction.writer_thread import CapturedBatch
-from featcache.store.size import LayerSize
+from featcache.store import codec
 
 if TYPE_CHECKING:
     from featcache.extraction.api import RunOptions, _Plan
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSize:
+    """One stored layer: ``shape`` of a row (of a token, for a per-token layer) and the
+    store dtype its values are kept in."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    per_token: bool = False
+
+    @property
+    def item_bytes(self) -> int:
+        """Bytes of one row (one token) as stored."""
+        return math.prod(self.shape) * codec.numpy_dtype(self.dtype).itemsize
 
 
 @dataclasses.dataclass

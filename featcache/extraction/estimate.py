@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,16 +16,11 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from featcache.errors import FeatcacheError
-from featcache.extraction.dry_run import DryRun, dry_run
+from featcache.extraction.dry_run import DryRun, LayerSize, dry_run
+from featcache.files import require_space
+from featcache.store import codec
+from featcache.store.layout import META_BLOCK_BYTES, chunk_rows_for
 from featcache.store.paths import partial_path
-from featcache.store.size import (
-    LayerSize,
-    bytes_on_disk,
-    dataset_bytes,
-    layer_chunk_rows,
-    require_space,
-    store_bytes,
-)
 
 if TYPE_CHECKING:
     from featcache.extraction.api import RunOptions, _Plan
@@ -34,6 +31,13 @@ SIZING_ROWS = 8  # rows tried, one at a time, until one reads (the others may be
 OTHER_ATTRS_BYTES = 1536
 # How to run anyway when the check refuses, from the command line and from Python.
 GO_AHEAD = "pass --ignore-free-space (check_space=False from Python)"
+# HDF5's own bytes in a store, measured on stores written by StoreWriter: the superblock
+# and root group, and per chunked dataset its object header (shape, type, featcache's
+# attributes) and its chunk index (version-1 B-tree nodes of 64 entries).
+FILE_METADATA_BYTES = 2400
+DATASET_METADATA_BYTES = 800
+BTREE_ENTRIES = 64
+CHECKSUM_BYTES = 8  # one XXH3-64 per chunk, in /checksums/<dataset>
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,4 +123,80 @@ def check_free_space(estimates: Sequence[StoreEstimate], overwrite: bool) -> Non
     """
     if estimates:
         needed = sum(estimate.needed(overwrite) for estimate in estimates)
-        require_space(needed, [estimate.path for estimate in estimates], GO_AHEAD)
+        require_space(needed, [e.path for e in estimates], "the run", GO_AHEAD)
+
+
+def store_bytes(
+    rows: int,
+    layers: Sequence[LayerSize],
+    *,
+    ids_width: int,
+    has_labels: bool = True,
+    tokens: int | None = None,
+    token_ids: bool = False,
+    chunk_rows: int | None = None,
+    checksum: bool = True,
+    row_column_bytes: int = 0,
+    attrs_bytes: int = 0,
+) -> int:
+    """Bytes on disk of the finished, uncompressed store that
+    :class:`~featcache.store.StoreWriter` writes for ``rows`` rows of ``layers``.
+
+    Every chunked dataset is allocated whole at creation, in whole chunks (as
+    :func:`~featcache.store.layout.chunk_rows_for` says, or ``chunk_rows``), with 8 bytes
+    of checksum per chunk when ``checksum``: the layers (``[rows, *shape]``, or
+    ``[tokens, *shape]`` per token), ``/index``, ``/labels``, ``/ids`` (``ids_width``
+    bytes each), and for per-token layers ``/offsets`` and, with ``token_ids``,
+    ``/token_ids``. Added: ``row_column_bytes`` per row of the columns a source records
+    at completion, ``/progress``, and HDF5's metadata (estimated per file and dataset,
+    a B-tree node per 64 chunks, ``attrs_bytes`` of attribute text) in whole
+    :data:`~featcache.store.layout.META_BLOCK_BYTES` blocks. Not counted: skipped rows
+    (the store keeps its size), the skip records, compression. Dense layers are exact
+    up to the metadata estimate; per-token layers as exact as ``tokens`` is.
+    """
+    meta_chunk = chunk_rows or chunk_rows_for((), 8, rows)
+    token_rows = max(tokens or 0, 1)
+    # length, chunk rows, row bytes, rank of each dataset
+    datasets = [(rows, meta_chunk, 8, 1), (rows, meta_chunk, max(1, ids_width), 1)]
+    datasets += [(rows, meta_chunk, 8, 1)] if has_labels else []
+    if any(layer.per_token for layer in layers):
+        datasets += [(rows + 1, meta_chunk, 8, 1)] + (
+            [(token_rows, meta_chunk, 8, 1)] if token_ids else []
+        )
+    for layer in layers:
+        length = token_rows if layer.per_token else rows
+        chunk = layer_chunk_rows(layer, length, chunk_rows)
+        datasets.append((length, chunk, layer.item_bytes, 1 + len(layer.shape)))
+    data = 8 * (1 + len(datasets)) + rows * row_column_bytes  # /progress, the columns
+    metadata = FILE_METADATA_BYTES + attrs_bytes
+    for length, chunk, row_bytes, rank in datasets:
+        leaves = math.ceil(math.ceil(length / min(chunk, length)) / BTREE_ENTRIES)
+        node = 24 + (BTREE_ENTRIES + 1) * (16 + 8 * rank) + 8 * BTREE_ENTRIES  # keyed by offsets
+        data += dataset_bytes(length, chunk, row_bytes, checksum)
+        metadata += DATASET_METADATA_BYTES * (1 + checksum)  # its header, its checksums'
+        metadata += node * (leaves + (leaves > 1))
+    return data + META_BLOCK_BYTES * math.ceil(metadata / META_BLOCK_BYTES)
+
+
+def layer_chunk_rows(layer: LayerSize, length: int, chunk_rows: int | None = None) -> int:
+    """Rows (tokens) per chunk of ``layer``'s dataset of ``length`` rows (tokens)."""
+    itemsize = codec.numpy_dtype(layer.dtype).itemsize
+    return min(chunk_rows or chunk_rows_for(layer.shape, itemsize, length), length)
+
+
+def dataset_bytes(length: int, chunk: int, row_bytes: int, checksum: bool = True) -> int:
+    """Bytes of a dataset of ``length`` rows of ``row_bytes`` in whole chunks of
+    ``chunk`` rows, and of its chunk checksums when ``checksum``."""
+    chunk = min(chunk, length)
+    return math.ceil(length / chunk) * (chunk * row_bytes + CHECKSUM_BYTES * checksum)
+
+
+def bytes_on_disk(path: str | os.PathLike) -> int:
+    """Bytes the file at ``path`` occupies (its allocated blocks: a store's unwritten
+    rows take none); 0 when there is no such file."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return 0
+    blocks = getattr(stat, "st_blocks", None)
+    return stat.st_size if blocks is None else min(stat.st_size, blocks * 512)

@@ -22,7 +22,7 @@ import torch
 
 from featcache.errors import FeatcacheError
 from featcache.store import StoreWriter
-from featcache.store.codec import to_numpy
+from featcache.store.codec import as_array
 
 MAX_PENDING_BATCHES = 4  # batches between the forward and the writer thread
 
@@ -118,7 +118,7 @@ class WriterThread:
         assert self.writer is not None
         if batch.ready is not None:
             batch.ready.synchronize()
-        features = {key: to_numpy(value) for key, value in batch.features.items()}
+        features = {key: as_array(value) for key, value in batch.features.items()}
         self.writer.append(
             batch.index,
             batch.ids,

@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
+from featcache.files import building_beside, output_file
 from featcache.probe.options import ProbeOptions
 from featcache.probe.recipes import PUBLISHED, recipe
 from featcache.probe.results import FewShotResult, KnnResult, ProbeResult, Result
 from featcache.probe.splits import Source
 from featcache.store import FeatureStore
-from featcache.store.paths import building_beside, output_file
 
 PROBE_FORMAT = 1
 

@@ -1,18 +1,11 @@
 """How values and attributes are encoded in a store: the dtype table and attribute JSON.
 
-HDF5 has no bfloat16, so bfloat16 rows are stored as their raw 16 bits in a ``uint16``
-dataset whose ``dtype`` attribute says ``"bfloat16"``. This module is the only place that
-knows it: tensors go in through :func:`encode` and :func:`to_numpy`, and come back out
-through :func:`decode`; :func:`as_array` and :func:`from_array` give tensors of any
-dtype, bfloat16 included, a numpy view for HDF5 reads and numpy gathers.
-
-Text attributes are stored as fixed-length UTF-8 strings (:func:`set_attr`), which HDF5
-keeps inside the checksummed object header or attribute heap. h5py's default, a
-variable-length string, lives in HDF5's global heap, which has no checksum: a damaged
-byte there changes the text unnoticed, and a damaged length can hang the reader inside
-HDF5 (HDFGroup/hdf5#1707). h5py reads fixed-length strings back as bytes, so every
-attribute featcache reads goes through :func:`attr` or :func:`read_attrs`, which give
-text as ``str`` whichever way it was stored.
+HDF5 has no bfloat16: bfloat16 rows are stored as their 16 bits in a ``uint16`` dataset
+whose ``dtype`` attribute says ``"bfloat16"``; tensors go in through :func:`encode` and
+:func:`as_array` and come back through :func:`from_array`. Text attributes are
+fixed-length UTF-8 (:func:`set_attr`), kept in HDF5's checksummed headers, never in its
+global heap, which has no checksum (a damaged length there can hang HDF5,
+HDFGroup/hdf5#1707); :func:`attr` and :func:`read_attrs` give them back as ``str``.
 """
 
 from __future__ import annotations
@@ -34,7 +27,7 @@ DTYPES: dict[str, tuple[torch.dtype, type[np.generic]]] = {
 
 # File attributes that hold JSON text rather than a plain HDF5 scalar.
 JSON_ATTRS = frozenset(
-    {
+    [
         "config",
         "weights",
         "versions",
@@ -46,7 +39,7 @@ JSON_ATTRS = frozenset(
         "shards",
         "merged_from",
         "history",
-    }
+    ]
 )
 
 
@@ -83,30 +76,20 @@ def values(encoded: torch.Tensor, dtype: str) -> torch.Tensor:
     return encoded.view(torch.bfloat16) if dtype == "bfloat16" else encoded
 
 
-def to_numpy(encoded: torch.Tensor) -> np.ndarray:
-    """A host tensor from :func:`encode` as the array HDF5 stores (no copy)."""
-    if encoded.dtype == torch.int16:  # bfloat16 bits
-        return encoded.numpy().view(np.uint16)
-    return encoded.numpy()
-
-
-def decode(array: np.ndarray, dtype: str) -> torch.Tensor:
-    """Stored rows (as read from HDF5) back to a tensor of the store dtype (no copy)."""
-    return from_array(array, torch.bfloat16) if dtype == "bfloat16" else torch.from_numpy(array)
-
-
 def as_array(tensor: torch.Tensor) -> np.ndarray:
-    """A CPU tensor as a numpy array over the same memory; bfloat16, which numpy lacks,
-    as its ``uint16`` bits (the stored form). Undone by :func:`from_array`."""
-    if tensor.dtype == torch.bfloat16:
+    """A CPU tensor as the numpy array HDF5 stores, over the same memory: bfloat16 (or
+    the int16 bits :func:`encode` makes of it) as ``uint16`` bits. Undone by
+    :func:`from_array`."""
+    if tensor.dtype in (torch.bfloat16, torch.int16):
         return tensor.view(torch.int16).numpy().view(np.uint16)
     return tensor.numpy()
 
 
-def from_array(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """An array from :func:`as_array` (or read from HDF5) as a tensor of ``dtype``, no copy."""
+def from_array(array: np.ndarray, dtype: torch.dtype | str) -> torch.Tensor:
+    """Stored values (from :func:`as_array`, or read from HDF5) as a tensor of ``dtype``
+    (a torch dtype or a store dtype name), no copy."""
     tensor = torch.from_numpy(array)
-    if dtype == torch.bfloat16:
+    if dtype in (torch.bfloat16, "bfloat16"):
         return tensor.view(torch.int16).view(torch.bfloat16)
     return tensor
 
@@ -122,14 +105,9 @@ def fixed_texts(texts: Sequence[str]) -> np.ndarray:
     return np.array(raw, dtype=h5py.string_dtype("utf-8", width))
 
 
-def text_attr(text: str) -> np.ndarray:
-    """``text`` as a fixed-length UTF-8 attribute value (a 0-d array of :func:`fixed_texts`)."""
-    return fixed_texts([text]).reshape(())
-
-
 def set_attr(target: HDF5Object, key: str, value: Any) -> None:
     """Write one attribute as featcache stores it: text fixed-length, the rest as given."""
-    target.attrs[key] = text_attr(value) if isinstance(value, str) else value
+    target.attrs[key] = fixed_texts([value]).reshape(()) if isinstance(value, str) else value
 
 
 def copy_attrs(source: HDF5Object, target: HDF5Object, skip: Collection[str] = ()) -> None:

@@ -1,19 +1,15 @@
 """A store reads only its own bytes: what it may name outside itself, and nothing else.
 
-HDF5 lets a file take a dataset's values from elsewhere: a link into another HDF5 file
-(an external link), raw bytes kept in any file (external storage), or the datasets of
-other HDF5 files (a virtual dataset). A store shared or downloaded could use them to
-make its readers return, copy or train on any file the reader can open. featcache
-writes none of them, except the virtual datasets of a torchrun store over its own shard
-files, which lie beside it and are listed in its ``shards`` attribute; anything else is
-refused before a value is read. A torchrun store's shards must be there, complete and
-undamaged (their digests checked as the store's own are), or their rows would read as
-zeros or through a damaged chunk index.
+HDF5 lets a file take values from elsewhere (external links, external storage, virtual
+datasets over other files): a store shared or downloaded could make its readers return
+any file they can open. featcache writes none of them but a torchrun store's virtual
+datasets over the shard files listed in its ``shards`` attribute, beside it; anything
+else is refused before a value is read, as are shards missing, incomplete or damaged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +18,7 @@ import numpy as np
 
 from featcache.errors import first_line
 from featcache.store import codec
-from featcache.store.metadata import metadata_problem
+from featcache.store.metadata import UNREADABLE_METADATA, metadata_problem
 
 
 def foreign_data_problem(file: h5py.File) -> str:
@@ -56,37 +52,27 @@ def foreign_data_problem(file: h5py.File) -> str:
 
 
 def _problem(file: h5py.File, shards: Sequence[str]) -> str:
-    for name, link, obj in _entries(file):
-        if link is not None:
+    links: dict[str, Any] = {}
+    try:
+        file.visititems_links(links.__setitem__)
+    except UNREADABLE_METADATA as exc:  # a damaged group: HDF5 fails its checksum
+        return f"its metadata cannot be read ({first_line(exc)})"
+    for name, link in links.items():
+        if not isinstance(link, h5py.HardLink):
             target = getattr(link, "filename", None) or getattr(link, "path", "")
             return f"{name} is a link to {target}, not a dataset or group of the store"
+        obj = file[name]
         if not isinstance(obj, h5py.Dataset):
             continue
         if obj.id.get_create_plist().get_external_count():
             return f"{name} keeps its values in another file (HDF5 external storage)"
-        if obj.is_virtual:
-            for source in obj.virtual_sources():
-                if source.file_name != "." and source.file_name not in shards:
-                    return (
-                        f"{name} is a virtual dataset over {source.file_name}, which is not "
-                        "one of the store's shards"
-                    )
+        for source in obj.virtual_sources() if obj.is_virtual else ():
+            if source.file_name != "." and source.file_name not in shards:
+                return (
+                    f"{name} is a virtual dataset over {source.file_name}, which is not "
+                    "one of the store's shards"
+                )
     return ""
-
-
-def _entries(group: h5py.Group, prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
-    """``(name, link, None)`` for each link that is not a plain (hard) one, else
-    ``(name, None, object)``, everywhere below ``group``."""
-    for key in group:
-        name = f"{prefix}{key}"
-        link = group.get(key, getlink=True)
-        if not isinstance(link, h5py.HardLink):
-            yield name, link, None
-            continue
-        obj = group[key]
-        yield name, None, obj
-        if isinstance(obj, h5py.Group):
-            yield from _entries(obj, f"{name}/")
 
 
 def _plain_name(name: Any) -> bool:

@@ -1,17 +1,11 @@
 """The format-3 layout: datasets allocated whole, their chunk sizes, chunk checksums, progress.
 
-Every dataset a run writes (the layers, ``/labels``, ``/index``, ``/ids``, ``/offsets``,
-``/token_ids``) is chunked along its first axis, stored without HDF5 filters and
-allocated in full when the file is created: each chunk has its place in the file from
-the start (:func:`chunk_addresses`; they usually lie back to back, in order). The run
-writes the dataset only as whole chunks, straight into those places, and never changes
-HDF5's metadata until the store completes.
-
-Beside each such dataset ``<name>``, ``/checksums/<name>`` holds one XXH3-64 checksum per
-chunk (``uint64``, :func:`checksum` of the chunk's bytes as stored: padded with zero
-bytes past the last row), written with its chunk. ``/progress`` holds the durable rows
-and, for each dataset its attribute ``datasets`` names, its durable entries: always
-whole chunks (or the dataset's full length). docs/store-format.md is the specification.
+Every dataset a run writes is chunked along its first axis, unfiltered and allocated in
+full when the file is created, so the run writes whole chunks straight into their places
+(:func:`chunk_addresses`) and never changes HDF5's metadata until the store completes.
+``/checksums/<name>`` holds the XXH3-64 of each chunk's bytes as stored (zero-padded past
+the last row); ``/progress`` the durable rows and each dataset's durable entries, whole
+chunks. docs/store-format.md is the specification.
 """
 
 from __future__ import annotations
@@ -115,56 +109,29 @@ def stored_checksums(dataset: h5py.Dataset) -> np.ndarray:
     return np.array([checksum(chunk) for chunk in stored] or [0], dtype="<u8")
 
 
-LISTED_TWICE = -2  # in chunk_listing: a chunk the index lists twice (a damaged index)
-
-
-def chunk_listing(dataset: h5py.Dataset) -> np.ndarray:
-    """Where each chunk of a chunked ``dataset`` begins in the file (``int64``, in row
-    order), as HDF5's listing of its chunk index gives it: -1 for a chunk not stored as
-    its plain bytes of whole rows (not allocated, filtered, another size),
-    :data:`LISTED_TWICE` for one listed twice."""
+def chunk_addresses(dataset: h5py.Dataset) -> np.ndarray | None:
+    """Where each chunk of ``dataset`` begins in the file (``int64``, in row order), as
+    HDF5's chunk index lists them, when every chunk is stored once as its plain bytes of
+    whole rows (as :func:`allocate` lays a dataset out: featcache reads and writes them
+    there); else None (not chunked, virtual, filtered, a chunk missing or listed twice)."""
+    if dataset.chunks is None or dataset.is_virtual or not len(dataset):
+        return None
+    if dataset.chunks[1:] != dataset.shape[1:] or dataset.id.get_create_plist().get_nfilters():
+        return None
     rows = dataset.chunks[0]
-    row_bytes = dataset.dtype.itemsize * int(np.prod(dataset.shape[1:], dtype=np.int64))
-    plain = (
-        dataset.chunks[1:] == dataset.shape[1:] and not dataset.id.get_create_plist().get_nfilters()
-    )
+    size = rows * dataset.dtype.itemsize * int(np.prod(dataset.shape[1:], dtype=np.int64))
     listing = np.full(-(-len(dataset) // rows), -1, dtype=np.int64)
-    seen = np.zeros(len(listing), dtype=bool)
 
     def note(info: h5py.h5d.StoreInfo) -> None:
         chunk = info.chunk_offset[0] // rows
-        if chunk >= len(listing) or any(info.chunk_offset[1:]):
-            return
-        if seen[chunk]:
-            listing[chunk] = LISTED_TWICE
-        elif plain and info.byte_offset is not None and info.size == rows * row_bytes:
-            listing[chunk] = info.byte_offset
-        seen[chunk] = True
+        plain = (
+            info.byte_offset is not None and info.size == size and not any(info.chunk_offset[1:])
+        )
+        if chunk < len(listing):
+            listing[chunk] = info.byte_offset if plain and listing[chunk] == -1 else -2
 
-    try:
-        dataset.id.chunk_iter(note)
-    except (AttributeError, NotImplementedError):  # HDF5 before 1.12.3 cannot list them
-        for start in range(0, len(dataset), rows):
-            note(dataset.id.get_chunk_info_by_coord((start, *(0,) * (dataset.ndim - 1))))
-    return listing
-
-
-def chunk_addresses(dataset: h5py.Dataset) -> np.ndarray | None:
-    """:func:`chunk_listing` when every chunk is stored as its plain bytes, once (as
-    :func:`allocate` lays a dataset out: featcache reads and writes them there); else None."""
-    if dataset.chunks is None or dataset.is_virtual or not len(dataset):
-        return None
-    listing = chunk_listing(dataset)
+    dataset.id.chunk_iter(note)
     return None if (listing < 0).any() else listing
-
-
-def segments(addresses: np.ndarray, chunk_bytes: int) -> list[tuple[int, int, int]]:
-    """``(first chunk, chunks, address)`` of each run of chunks that lie back to back in
-    the file (a dataset allocated whole is usually one)."""
-    breaks = np.flatnonzero(np.diff(addresses) != chunk_bytes) + 1
-    firsts = np.r_[0, breaks].tolist()
-    stops = [*firsts[1:], len(addresses)]
-    return [(a, b - a, int(addresses[a])) for a, b in zip(firsts, stops, strict=True)]
 
 
 def dataset_names(file: h5py.File) -> list[str]:

@@ -2,11 +2,9 @@
 
 A run takes an exclusive POSIX record lock (``fcntl.lockf``; NFS v4 honours it) on
 ``<store>.lock`` before it removes, creates or opens anything of the store, and keeps it
-until the complete store is renamed into place. The lock file records who holds it
-(pid, host, start time), so that a second run can say whom it is waiting for. The
-kernel drops the lock when its process dies, even by kill -9: a lock file left behind
-without a live holder blocks nothing and is taken over by the next run. Readers of
-complete stores never look at it.
+until the complete store is in place. The file records the holder (pid, host, start
+time) for a second run to name. The kernel drops the lock when its process dies, even
+by kill -9, so a lock file left behind blocks nothing. Readers never look at it.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from featcache.errors import ConfigError
-from featcache.store.paths import prepare_output_folder
+from featcache.files import prepare_output_folder
 
 LOCK_SUFFIX = ".lock"
 # A probe (`featcache info`) holds the lock for an instant; a writer retries that long.
@@ -66,8 +64,7 @@ def lock_path(path: str | os.PathLike) -> Path:
 @contextlib.contextmanager
 def writer_lock(path: str | os.PathLike) -> Iterator[Holder]:
     """Hold the store at ``path`` for writing for the ``with`` block; yields the record.
-
-    Nested use in one process shares the one lock. The lock file is removed on release.
+    Nested use in one process shares the one lock; the lock file is removed on release.
 
     Raises:
         StoreBusyError: another process holds it (one line naming that process).
@@ -79,7 +76,6 @@ def writer_lock(path: str | os.PathLike) -> Iterator[Holder]:
     if outer is not None:  # the outermost hold releases
         yield outer
         return
-
     prepare_output_folder(key.parent)
     fd, record = _acquire(key)
     with _guard:
@@ -97,30 +93,34 @@ def writer_lock(path: str | os.PathLike) -> Iterator[Holder]:
 
 
 def holder(path: str | os.PathLike) -> Holder | None:
-    """The process writing the store at ``path``, or None when no process is.
-
-    Probing takes the lock for an instant when it is free; writers retry for that long.
-    """
+    """The process writing the store at ``path``, or None when no process is. A probe
+    takes the lock for an instant when it is free; writers retry for that long."""
     key = Path(os.path.abspath(path))
     with _guard:
         if key in _held:
             return _held[key]
-    lock = lock_path(key)
     try:
-        fd = os.open(lock, os.O_RDWR)
+        fd = os.open(lock_path(key), os.O_RDWR)
     except OSError:
         return None  # no lock file (or not ours to probe): nobody is writing here
     try:
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in (errno.EACCES, errno.EAGAIN):
-                raise
-            return _read_holder(fd) or Holder(0, "?", "?", str(key))
-        fcntl.lockf(fd, fcntl.LOCK_UN)
-        return None
+        if _try_lock(fd):
+            fcntl.lockf(fd, fcntl.LOCK_UN)
+            return None
+        return _read_holder(fd) or Holder(0, "?", "?", str(key))
     finally:
         os.close(fd)
+
+
+def _try_lock(fd: int) -> bool:
+    """Take the lock on ``fd`` if no other process holds it."""
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EAGAIN):
+            raise
+        return False
+    return True
 
 
 def _acquire(key: Path) -> tuple[int, Holder]:
@@ -132,41 +132,28 @@ def _acquire(key: Path) -> tuple[int, Holder]:
             raise ConfigError(
                 f"cannot create the lock file {lock} ({exc.strerror}); choose another output dir"
             ) from exc
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
+        if not _try_lock(fd):
             other = _read_holder(fd)
             os.close(fd)
-            if exc.errno not in (errno.EACCES, errno.EAGAIN):
-                raise
             if attempt + 1 < _ATTEMPTS:
                 time.sleep(_PAUSE)
                 continue
-            who = other.describe() if other else "another process"
             raise StoreBusyError(
-                f"{key} is being written by {who}; wait for it to finish or stop it "
-                "(its partial store resumes), and do not pass --overwrite while it runs"
-            ) from None
-        if not _same_file(fd, lock):
-            os.close(fd)  # released and removed between our open and our lock
-            continue
-        record = Holder(
-            os.getpid(),
-            socket.gethostname(),
-            datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            str(key),
-        )
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(asdict(record)).encode(), 0)
-        return fd, record
+                f"{key} is being written by {other.describe() if other else 'another process'}; "
+                "wait for it to finish or stop it (its partial store resumes), and do not pass "
+                "--overwrite while it runs"
+            )
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(lock)):
+                started = datetime.datetime.now(datetime.timezone.utc)
+                record = Holder(
+                    os.getpid(), socket.gethostname(), started.isoformat("T", "seconds"), str(key)
+                )
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(asdict(record)).encode(), 0)
+                return fd, record
+        os.close(fd)  # released and removed between our open and our lock
     raise StoreBusyError(f"{key} is being locked and released by other processes; try again")
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        return os.path.samestat(os.fstat(fd), os.stat(path))
-    except FileNotFoundError:
-        return False
 
 
 def _read_holder(fd: int) -> Holder | None:

@@ -1,15 +1,10 @@
 """A store's metadata checks: checksummed HDF5 headers and a digest of every attribute.
 
-The chunks have their checksums (:mod:`~featcache.store.layout`); this module covers the
-rest. Stores are written with version-2 object headers, which carry their own checksum:
-a damaged header (a dataset's shape, type, filters or attributes) fails when it is read
-instead of being taken at its word. Text attributes are fixed-length strings
-(:func:`~featcache.store.codec.set_attr`), kept in those headers or in the checksummed
-heap HDF5 keeps a header's many attributes in, and never in HDF5's global heap, which
-has no checksum. An attribute over 64 KiB (the class names of a large label set) is
-stored outside any checksum, so :func:`seal` gives a complete store :data:`DIGEST_ATTR`,
-a SHA-256 over every attribute of every object, which :func:`metadata_problem` checks
-whenever a complete store is opened.
+Stores are written with version-2 object headers, which carry their own checksum, so a
+damaged header (shape, type, filters, attributes) fails when read. An attribute over 64
+KiB (the class names of a large label set) lies outside any checksum, so :func:`seal`
+gives a complete store :data:`DIGEST_ATTR`, a SHA-256 over every attribute of every
+object, which :func:`metadata_problem` checks whenever a complete store is opened.
 """
 
 from __future__ import annotations
@@ -27,8 +22,6 @@ from featcache.provenance import FORMAT_VERSION
 from featcache.store import codec
 
 DIGEST_ATTR = "attrs_sha256"
-# What format-2 stores recorded of their chunk indexes (left out of copies and listings).
-CHUNKS_ATTR = "chunks_sha256"
 
 # What h5py can raise on metadata it cannot make sense of: a header failing its checksum
 # (OSError, KeyError, RuntimeError), a string that is not UTF-8 (UnicodeDecodeError, a

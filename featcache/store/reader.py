@@ -23,7 +23,6 @@ from featcache.store import codec
 from featcache.store.checks import durable_problem
 from featcache.store.containment import foreign_data_problem
 from featcache.store.metadata import (
-    CHUNKS_ATTR,
     UNREADABLE_METADATA,
     metadata_problem,
     newer_format,
@@ -49,17 +48,9 @@ from featcache.store.rows import (
 from featcache.store.skipped import read_log, read_skipped
 
 if TYPE_CHECKING:
-    from featcache.store.describe import StoreDescription
-
-READ_CACHE_BYTES = 16 << 20  # HDF5 chunk cache per open dataset: holds several whole chunks
+    from featcache.describe import StoreDescription
 
 Rows = slice | Sequence[int] | np.ndarray
-
-
-def open_for_reading(path: str | os.PathLike) -> h5py.File:
-    """Open a store read-only with a chunk cache that holds whole chunks (for the layers
-    HDF5 reads). Of a ``.partial`` store, only the rows its writer marked durable are read."""
-    return open_readonly(path, rdcc_nbytes=READ_CACHE_BYTES)
 
 
 class StoreFile:
@@ -92,7 +83,7 @@ class StoreFile:
         """The open ``h5py.File`` of this process."""
         file = self._open_here()
         if file is None:
-            file = self._file = open_for_reading(readable_path(self.path))
+            file = self._file = open_readonly(readable_path(self.path))
             self._pid = os.getpid()
             self._datasets = {}
             # Closed when this object goes, or else when the interpreter exits: HDF5 crashes
@@ -304,12 +295,7 @@ class FeatureStore:
         features = self._features(layer)
         if not self.is_per_token(layer):
             raise ConfigError(f"layer {layer!r} holds one row per sample; read it with read()")
-        n = len(self)
-        picked = (
-            np.arange(*rows.indices(n), dtype=np.int64)
-            if isinstance(rows, slice)
-            else row_numbers(rows, n)
-        )
+        picked = row_numbers(rows, len(self))
         # Only the offsets of the rows asked for are read: a row at a time stays cheap.
         first = int(picked.min()) if len(picked) else 0
         last = int(picked.max()) + 1 if len(picked) else 0
@@ -322,10 +308,8 @@ class FeatureStore:
         return codec.torch_dtype(codec.attr(self._features(layer), "dtype"))
 
     def layer_attrs(self, layer: str) -> dict[str, Any]:
-        """The attributes of ``layer``'s dataset: ``dtype``, ``module``, ``capture``, ...
-        (a format-2 store's chunk index digest left out)."""
-        attrs = codec.read_attrs(self._features(layer))
-        return {k: v for k, v in attrs.items() if k != CHUNKS_ATTR}
+        """The attributes of ``layer``'s dataset: ``dtype``, ``module``, ``capture``, ..."""
+        return codec.read_attrs(self._features(layer))
 
     def _features(self, layer: str) -> h5py.Dataset:
         # Opened anew each time, not kept open: a FeatureDataset opened meanwhile in this
@@ -387,13 +371,11 @@ class FeatureStore:
                 f"layer {layer!r} holds per-token rows of different lengths; read them with "
                 "read_tokens(), FeatureDataset (one [T, D] row per item) or TokenDataset"
             )
-        if isinstance(rows, slice):
-            return read_rows(features, slice(*rows.indices(len(self))))
         return read_rows(features, row_numbers(rows, len(self)))
 
     def describe(self) -> StoreDescription:
         """What ``featcache info`` shows: sizes, layers, rows, provenance, the time split."""
-        from featcache.store.describe import describe
+        from featcache.describe import describe
 
         return describe(self)
 
@@ -415,7 +397,7 @@ def _rows_in(file: Path) -> int:
     ``.partial`` (opened without HDF5's file lock, which its running writer holds); 0
     when it cannot be read."""
     try:
-        with open_for_reading(file) as f:
+        with open_readonly(file) as f:
             return int(f.attrs["num_rows"] if f.attrs.get("complete") else f["progress"][0])
     except (OSError, KeyError):
         return 0

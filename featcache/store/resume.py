@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -12,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from featcache.errors import ConfigError, first_line
-from featcache.provenance import config_differences
+from featcache.provenance import key_difference
 from featcache.store import codec
 from featcache.store.checks import durable_problem, scan_file
 from featcache.store.layout import read_progress
@@ -100,7 +99,7 @@ def plan_resume(
             for key in sorted(set(stored_key) | set(resume_key)):
                 if stored_key.get(key) != resume_key.get(key):
                     stored_config = codec.attr(f, "config")
-                    raise refuse(_difference(key, stored_key, resume_key, stored_config, config))
+                    raise refuse(key_difference(key, stored_key, resume_key, stored_config, config))
             problem = durable_problem(f)
             bad = [] if problem else scan_file(f)
             if problem or bad:
@@ -121,42 +120,3 @@ def plan_resume(
         raise refuse(f"it is not readable ({first_line(exc)})") from exc
     skipped = read_log(skipped_log_path(path), before=position)
     return ResumePoint(row, position, skipped, durable, int(tokens[0]))
-
-
-def _difference(
-    key: str,
-    stored: Mapping[str, Any],
-    current: Mapping[str, Any],
-    stored_config: Mapping[str, Any] | None,
-    config: Mapping[str, Any] | None,
-) -> str:
-    """What differs between a partial store's key and this run's, at ``key``: for the
-    config fingerprint, the config keys themselves when both configs are known."""
-    what, before, now = f"its {key.replace('_', ' ')} differs from this run's", stored, current
-    keys = []
-    if key == "config_fingerprint" and stored_config and config is not None:
-        keys = config_differences(stored_config, config)
-    if keys:
-        key = keys[0]
-        what = f"its config differs from this run's at {_keys(keys)}"
-        before, now = {key: _value_at(stored_config, key)}, {key: _value_at(config, key)}
-    return f"{what} ({_short(before.get(key))} vs {_short(now.get(key))})"
-
-
-def _keys(keys: Sequence[str]) -> str:
-    """``"layers"``, ``"layers and preprocess.resize"``, ``"a, b and 3 more"``."""
-    if len(keys) <= 2:
-        return " and ".join(keys)
-    return f"{keys[0]}, {keys[1]} and {len(keys) - 2} more"
-
-
-def _value_at(config: Any, dotted: str) -> Any:
-    """The value at a dotted key of a config (None when absent)."""
-    for part in dotted.split("."):
-        config = config.get(part) if isinstance(config, Mapping) else None
-    return config
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
-    return text if len(text) <= 40 else text[:16] + "..." + text[-8:]

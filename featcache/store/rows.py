@@ -1,13 +1,15 @@
 """Reading rows: plain chunks through a memory map, others through HDF5, each chunk checked
 against its checksum the first time it is read while its file is open.
 
-Plain chunks (every dataset of an uncompressed format-3 store) are read through a memory
-map of the file: a row costs a copy out of the page cache, a random batch one
-``numpy.take``, a chunk's check a hash of its mapped bytes. A compressed layer, and a
-format-2 store, are read by HDF5 (which checks format-2 chunks itself, Fletcher-32, on
-every read). A chunk that fails raises :class:`~featcache.errors.CorruptStoreError`
-naming the layer and rows before any of its values are returned. A store combined from
-torchrun shards is read from each shard so, its rows named as the combined store's.
+A dataset stored as plain chunks of whole rows (every dataset of an uncompressed format-3
+store) is read through a memory map of its file: any set of rows is one ``numpy.take`` of
+their byte offsets, wherever HDF5 placed each chunk, and a chunk's check is a hash of its
+mapped bytes. Any other dataset (compressed, format 2) is read by HDF5,
+which checks format-2 chunks itself (Fletcher-32); a format-3 chunk read so is checked
+against its checksum from HDF5's own bytes. A chunk that fails raises
+:class:`~featcache.errors.CorruptStoreError` naming the layer and rows before any of its
+values are returned. A store combined from torchrun shards is read from each shard so,
+its rows named as the combined store's.
 """
 
 from __future__ import annotations
@@ -28,22 +30,18 @@ import torch
 
 from featcache.errors import CorruptStoreError, FeatcacheError, first_line
 from featcache.store import codec
-from featcache.store.layout import (
-    LISTED_TWICE,
-    checksum,
-    checksums_name,
-    chunk_addresses,
-    chunk_listing,
-    segments,
-)
+from featcache.store.layout import checksum, checksums_name, chunk_addresses
 from featcache.store.paths import open_readonly
 
 FIX = "re-extract it (featcache extract <config> --overwrite) or restore it from a copy"
+_BAD = (OSError, RuntimeError, KeyError, ValueError)  # what h5py raises on damaged bytes
 
 
 class Chunks:
     """What is known of a dataset while its file is open: its chunks' checksums, which
-    passed, where its rows are mapped. Nothing of HDF5: the file closes with its handles."""
+    passed, and for a dataset read through the map, the map (``bytes``; ``rows``, whose
+    row ``i`` is the ``row_bytes`` bytes from byte ``i``) and where each chunk begins
+    (``addresses``). Nothing of HDF5: the file closes with its handles."""
 
     def __init__(self, dataset: h5py.Dataset):
         self.length = len(dataset)
@@ -51,25 +49,55 @@ class Chunks:
         chunks = -(-self.length // self.chunk_rows)
         self.checked = np.zeros(chunks, dtype=bool)
         sums = dataset.file.get(checksums_name(dataset.name))
-        self.sums = None if sums is None or dataset.is_virtual else sums[()]
-        if self.sums is not None and len(self.sums) < chunks:
-            self.sums = None  # not a format-3 checksum list: nothing to check against
-        # Runs of chunks lying back to back, each (first row, array over the mapping, the
-        # padding of its last chunk included). A chunk the index lists twice cannot be
-        # trusted (which copy HDF5 reads depends on the lookup), nor any of an index that
-        # cannot be read.
-        self.index_error, listed = "", None
-        try:
-            self.addresses, self.mapped, self.map = _mapped(dataset)
-            if self.addresses is None and dataset.chunks:
-                listed = chunk_listing(dataset)
-        except (OSError, RuntimeError, KeyError, ValueError) as exc:
-            self.addresses, self.mapped, self.map = None, [], None
-            self.index_error = f"its chunk index cannot be read: {first_line(exc)}"
-        self.firsts = [first for first, _ in self.mapped]
-        self.twice = (
-            set() if listed is None else set(np.flatnonzero(listed == LISTED_TWICE).tolist())
+        plain = sums is not None and not dataset.is_virtual and len(sums) >= chunks
+        self.sums = sums[()] if plain else None  # else nothing to check against
+        self.row_bytes = dataset.dtype.itemsize * int(np.prod(dataset.shape[1:], dtype=np.int64))
+        self.map: mmap.mmap | None = None
+        self.addresses: np.ndarray | None = None
+        self.bytes: np.ndarray | None = None
+        self.rows: np.ndarray | None = None
+        self.base = self.step = 1
+        with contextlib.suppress(*_BAD, TypeError):  # a damaged index: HDF5 says what
+            self._map(dataset)
+
+    def _map(self, dataset: h5py.Dataset) -> None:
+        native = dataset.dtype.isnative or dataset.dtype.itemsize == 1
+        if dataset.file.driver != "sec2" or dataset.dtype.kind not in "biufS" or not native:
+            return
+        addresses = chunk_addresses(dataset)
+        if addresses is None or not self.row_bytes:
+            return
+        handle = h5py.h5i.get_file_id(dataset.id).get_vfd_handle()
+        whole = mmap.mmap(handle, 0, access=mmap.ACCESS_READ)
+        if addresses.max() + self.chunk_rows * self.row_bytes > len(whole):  # a file cut short
+            return
+        self.map, self.addresses = whole, addresses
+        self.bytes = np.frombuffer(whole, dtype=np.uint8)
+        # Rows of ``row_bytes`` from byte ``base`` on, every ``step`` bytes: whole rows
+        # (a plain array, the fast numpy.take) when every chunk lies on that grid.
+        self.base = int(addresses[0]) % self.row_bytes
+        aligned = not ((addresses - self.base) % self.row_bytes).any()
+        self.step = self.row_bytes if aligned else 1
+        count = (len(self.bytes) - self.base - self.row_bytes) // self.step + 1
+        self.rows = np.lib.stride_tricks.as_strided(
+            self.bytes[self.base :], (count, self.row_bytes), (self.step, 1), writeable=False
         )
+
+    def offset(self, row: int) -> int:
+        """The byte offset of row ``row`` in the file (a mapped dataset)."""
+        assert self.addresses is not None
+        return int(self.addresses[row // self.chunk_rows]) + row % self.chunk_rows * self.row_bytes
+
+    def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
+        """Copy the mapped ``rows`` into ``out``, one numpy gather."""
+        assert self.addresses is not None and self.rows is not None
+        chunk, row = np.divmod(rows, self.chunk_rows)
+        index = (self.addresses[chunk] + row * self.row_bytes - self.base) // self.step
+        raw = out.reshape(len(rows), -1).view(np.uint8)
+        if self.rows.flags.c_contiguous:
+            np.take(self.rows, index, axis=0, out=raw)
+        else:  # numpy.take would copy the whole strided view first
+            raw[...] = self.rows[index]
 
 
 class Rows:
@@ -83,102 +111,18 @@ class Rows:
         self.store, self.first = store or dataset.file.filename, first
         self.name = dataset.name.lstrip("/")
         self.length, self.chunk_rows, self.sums = chunks.length, chunks.chunk_rows, chunks.sums
-        self.mapped = chunks.mapped
-        self.direct = bool(self.mapped)  # read without HDF5 (and without the GIL)
+        self.direct = chunks.rows is not None  # read without HDF5 (and without the GIL)
 
     def read(self, start: int, stop: int, out: np.ndarray) -> None:
         """Copy rows ``[start, stop)`` into ``out`` (C-contiguous, the dataset's dtype)."""
         if stop <= start:
             return
+        if self.direct:
+            self.take(np.arange(start, stop), out)
+            return
         self.check(range(start // self.chunk_rows, -(-stop // self.chunk_rows)))
-        if not self.mapped:
-            self._hdf5(lambda: self.dataset.read_direct(out, np.s_[start:stop]), start, stop)
-            return
-        at = bisect.bisect_right(self.chunks.firsts, start) - 1
-        for first, rows in self.mapped[at:]:
-            a, b = max(start, first), min(stop, first + len(rows))
-            if a >= stop:
-                break
-            np.copyto(out[a - start : b - start], rows[a - first : b - first])
-
-    def take(self, rows: np.ndarray, out: np.ndarray) -> None:
-        """Copy the rows numbered ``rows`` (sorted, unique) into ``out``."""
-        if not len(rows):
-            return
-        self.check(np.unique(rows // self.chunk_rows))
-        if not self.mapped:
-            at = 0
-            for start, stop in runs(rows):
-                self.read(start, stop, out[at : at + stop - start])
-                at += stop - start
-            return
-        cuts = np.searchsorted(rows, self.chunks.firsts[1:]).tolist()
-        for (first, values), a, b in zip(self.mapped, [0, *cuts], [*cuts, len(rows)], strict=True):
-            if b > a:
-                np.take(values, rows[a:b] - first, axis=0, out=out[a:b])
-
-    def advise(self, start: int, stop: int) -> None:
-        """Ask the kernel to read rows ``[start, stop)`` in the background (mapped only)."""
-        whole = self.chunks.map
-        if whole is None or not hasattr(mmap, "MADV_WILLNEED"):
-            return
-        base = _base(whole)
-        for first, rows in self.mapped:
-            a, b = max(start, first), min(stop, first + len(rows))
-            if a < b:
-                begin = rows[a - first :].ctypes.data - base
-                page = begin - begin % mmap.PAGESIZE
-                with contextlib.suppress(OSError, ValueError):  # advice only
-                    whole.madvise(
-                        mmap.MADV_WILLNEED, page, begin - page + (b - a) * rows.strides[0]
-                    )
-
-    def check(self, chunks: Iterable[int]) -> None:
-        """Check the chunks numbered ``chunks`` not checked yet; raise for one that fails."""
-        if self.sums is None and not self.chunks.twice and not self.chunks.index_error:
-            return
-        checked = self.chunks.checked
-        for chunk in chunks:
-            if not checked[chunk]:
-                problem = self.chunk_problem(int(chunk))
-                if problem:
-                    raise self.error(int(chunk), problem)
-                checked[chunk] = True
-
-    def chunk_problem(self, chunk: int, by_hdf5: bool = False) -> str:
-        """Why chunk ``chunk`` cannot be read as stored ("" when it can); ``by_hdf5``: found
-        by HDF5's lookup by position, as plain HDF5 reads it (a damaged index key can send
-        that elsewhere than featcache's reads)."""
-        start = chunk * self.chunk_rows
-        if chunk in self.chunks.twice:
-            return "is in a chunk the chunk index lists twice (a damaged index)"
-        if self.chunks.index_error:
-            return f"cannot be read ({self.chunks.index_error})"
         try:
-            if self.mapped and not by_hdf5:
-                first, rows = self.mapped[bisect.bisect_right(self.chunks.firsts, start) - 1]
-                found = checksum(rows[start - first : start - first + self.chunk_rows])
-            elif self.sums is not None:
-                origin = (start, *(0,) * (self.dataset.ndim - 1))
-                found = checksum(self.dataset.id.read_direct_chunk(origin)[1])
-            else:  # HDF5 checks it (Fletcher-32) as it reads it
-                self.dataset[start : start + self.chunk_rows]
-                return ""
-        except (OSError, RuntimeError, KeyError, ValueError) as exc:
-            return f"cannot be read by HDF5 ({first_line(exc)})"
-        return "" if self.sums is None or found == int(self.sums[chunk]) else "fails its checksum"
-
-    def error(self, chunk: int, problem: str) -> CorruptStoreError:
-        """The one-line error for chunk ``chunk``: store, dataset, rows, fix."""
-        start = chunk * self.chunk_rows
-        stop = min(start + self.chunk_rows, self.length)
-        what = chunk_text(self.dataset, start, stop, problem, self.first)
-        return CorruptStoreError(f"store {self.store} is corrupted: {what}; {FIX}")
-
-    def _hdf5(self, read, start: int, stop: int) -> None:
-        """Run ``read``, an HDF5 read of rows ``[start, stop)``; name the chunk it fails on."""
-        try:
-            read()
+            self.dataset.read_direct(out, np.s_[start:stop])
         except OSError as exc:
             for chunk in range(start // self.chunk_rows, -(-stop // self.chunk_rows)):
                 problem = self.chunk_problem(chunk)
@@ -190,72 +134,94 @@ class Rows:
                 f"({first_line(exc)}); check it with featcache verify --quick {self.store}"
             ) from exc
 
+    def take(self, rows: np.ndarray, out: np.ndarray) -> None:
+        """Copy the rows numbered ``rows`` (sorted, unique) into ``out``."""
+        self.check(np.unique(rows // self.chunk_rows))
+        if self.chunks.rows is None:
+            read_runs(self.dataset, runs(rows), out, reader=self)
+        elif len(rows):
+            self.chunks.gather(rows, out)
+
+    def advise(self, start: int, stop: int) -> None:
+        """Ask the kernel to read rows ``[start, stop)`` in the background (mapped only)."""
+        if self.chunks.map is None or not hasattr(mmap, "MADV_WILLNEED"):
+            return
+        size = self.chunk_rows * self.chunks.row_bytes
+        for chunk in range(start // self.chunk_rows, -(-stop // self.chunk_rows)):
+            begin = self.chunks.offset(chunk * self.chunk_rows)
+            with contextlib.suppress(OSError, ValueError):  # advice only
+                page = begin - begin % mmap.PAGESIZE
+                self.chunks.map.madvise(mmap.MADV_WILLNEED, page, begin - page + size)
+
+    def check(self, chunks: Iterable[int]) -> None:
+        """Check the chunks numbered ``chunks`` not checked yet; raise for one that fails."""
+        if self.sums is None:
+            return
+        checked = self.chunks.checked
+        for chunk in chunks:
+            if not checked[chunk]:
+                problem = self.chunk_problem(int(chunk))
+                if problem:
+                    raise self.error(int(chunk), problem)
+                checked[chunk] = True
+
+    def chunk_problem(self, chunk: int, by_hdf5: bool = False) -> str:
+        """Why chunk ``chunk`` cannot be read as stored ("" when it can); ``by_hdf5``: found
+        by HDF5's lookup by position, as plain HDF5 reads it."""
+        start = chunk * self.chunk_rows
+        try:
+            if self.chunks.bytes is not None and not by_hdf5:
+                at = self.chunks.offset(start)
+                found = checksum(
+                    self.chunks.bytes[at : at + self.chunk_rows * self.chunks.row_bytes]
+                )
+            elif self.sums is not None:
+                origin = (start, *(0,) * (self.dataset.ndim - 1))
+                found = checksum(self.dataset.id.read_direct_chunk(origin)[1])
+            else:  # HDF5 checks it (Fletcher-32) as it reads it
+                self.dataset[start : start + self.chunk_rows]
+                return ""
+        except _BAD as exc:
+            return f"cannot be read by HDF5 ({first_line(exc)})"
+        return "" if self.sums is None or found == int(self.sums[chunk]) else "fails its checksum"
+
+    def error(self, chunk: int, problem: str) -> CorruptStoreError:
+        """The one-line error for chunk ``chunk``: store, dataset, rows, fix."""
+        start = chunk * self.chunk_rows
+        stop = min(start + self.chunk_rows, self.length)
+        what = chunk_text(self.dataset, start, stop, problem, self.first)
+        return CorruptStoreError(f"store {self.store} is corrupted: {what}; {FIX}")
+
 
 class PartRows:
     """Row reads of a combined store's dataset from its shards' (a :class:`Rows` each)."""
 
     def __init__(self, parts: list[Rows]):
-        self.parts = parts
-        self.firsts = [part.first for part in parts]
+        self.parts, self.firsts = parts, [part.first for part in parts]
         self.length = sum(part.length for part in parts)
-        self.dataset = parts[0].dataset
-        self.chunk_rows = parts[0].chunk_rows
+        self.dataset, self.chunk_rows = parts[0].dataset, parts[0].chunk_rows
         self.direct = all(part.direct for part in parts)
 
-    def _spans(self, start: int, stop: int) -> Iterable[tuple[Rows, int, int]]:
-        at = max(bisect.bisect_right(self.firsts, start) - 1, 0)
-        for part in self.parts[at:]:
+    def _spans(self, start: int, stop: int) -> Iterator[tuple[Rows, int, int]]:
+        for part in self.parts[max(bisect.bisect_right(self.firsts, start) - 1, 0) :]:
             first, last = max(start, part.first), min(stop, part.first + part.length)
             if part.first >= stop:
                 return
             if first < last:
-                yield part, first, last
+                yield part, first - part.first, last - part.first
 
     def read(self, start: int, stop: int, out: np.ndarray) -> None:
-        for part, first, last in self._spans(start, stop):
-            part.read(first - part.first, last - part.first, out[first - start : last - start])
+        for part, a, b in self._spans(start, stop):
+            part.read(a, b, out[a + part.first - start : b + part.first - start])
 
     def take(self, rows: np.ndarray, out: np.ndarray) -> None:
-        for part, first, last in self._spans(int(rows[0]), int(rows[-1]) + 1) if len(rows) else ():
-            a, b = np.searchsorted(rows, [first, last])
-            part.take(rows[a:b] - part.first, out[a:b])
+        for part, a, b in self._spans(int(rows[0]), int(rows[-1]) + 1) if len(rows) else ():
+            i, j = np.searchsorted(rows, [a + part.first, b + part.first])
+            part.take(rows[i:j] - part.first, out[i:j])
 
     def advise(self, start: int, stop: int) -> None:
-        for part, first, last in self._spans(start, stop):
-            part.advise(first - part.first, last - part.first)
-
-
-def _mapped(
-    dataset: h5py.Dataset,
-) -> tuple[np.ndarray | None, list[tuple[int, np.ndarray]], mmap.mmap | None]:
-    """Where the dataset's chunks lie, its rows over a read-only map of its file (one array
-    per run of chunks back to back, with its first row), and the map; ``(None, [], None)``
-    for a dataset not stored as plain chunks of whole rows."""
-    native = dataset.dtype.isnative or dataset.dtype.itemsize == 1
-    if dataset.file.driver != "sec2" or dataset.dtype.kind not in "biufS" or not native:
-        return None, [], None
-    addresses = chunk_addresses(dataset)
-    if addresses is None:
-        return None, [], None
-    rows = dataset.chunks[0]
-    items = rows * int(np.prod(dataset.shape[1:], dtype=np.int64))
-    try:
-        fd = h5py.h5i.get_file_id(dataset.id).get_vfd_handle()
-        whole = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError, TypeError):
-        return None, [], None
-    found = []
-    for chunk, count, address in segments(addresses, items * dataset.dtype.itemsize):
-        if address + count * items * dataset.dtype.itemsize > len(whole):  # a file cut short
-            return None, [], None  # HDF5 says what is missing
-        values = np.frombuffer(whole, dtype=dataset.dtype, count=count * items, offset=address)
-        found.append((chunk * rows, values.reshape(count * rows, *dataset.shape[1:])))
-    return addresses, found, whole
-
-
-def _base(whole: mmap.mmap) -> int:
-    """The address of a mapping's first byte."""
-    return np.frombuffer(whole, dtype=np.uint8, count=1).ctypes.data
+        for part, a, b in self._spans(start, stop):
+            part.advise(a, b)
 
 
 MAX_TRACKED = 64  # datasets known, most recent first
@@ -305,7 +271,7 @@ def forget(file: h5py.File, wait: bool = True) -> None:
     """
     try:
         serial = tuple(file.id.fileno)
-    except (OSError, RuntimeError, KeyError, ValueError):  # a damaged root: nothing read
+    except _BAD:  # a damaged root: nothing read
         return
     if not _LOCK.acquire(blocking=wait):
         return
@@ -346,11 +312,15 @@ def runs(rows: np.ndarray) -> Iterable[tuple[int, int]]:
 
 
 def read_runs(
-    dataset: h5py.Dataset, spans: Iterable[tuple[int, int]], out: np.ndarray, at: int = 0
+    dataset: h5py.Dataset,
+    spans: Iterable[tuple[int, int]],
+    out: np.ndarray,
+    at: int = 0,
+    reader: Rows | PartRows | None = None,
 ) -> None:
     """Copy the row ranges ``[start, stop)`` of ``dataset`` into ``out`` (its numpy dtype:
     ``uint16`` for bfloat16), one after the other from row ``at``."""
-    reader = rows_of(dataset)
+    reader = reader or rows_of(dataset)
     for start, stop in spans:
         reader.read(start, stop, out[at : at + stop - start])
         at += max(stop - start, 0)
@@ -368,12 +338,12 @@ def read_text_head(dataset: h5py.Dataset, rows: int) -> list[str]:
     return [raw.decode("utf-8") for raw in read_head(dataset, rows)]
 
 
-def row_numbers(rows: Sequence[int] | np.ndarray, num_rows: int) -> np.ndarray:
-    """``rows`` as int64 row numbers in ``[0, num_rows)``; negative ones count from the end.
-
-    Raises :class:`IndexError` for a row outside the ``num_rows`` rows, and
-    :class:`TypeError` for one that is not a whole number (``1.5``, ``True``, ``"3"``).
-    """
+def row_numbers(rows: slice | Sequence[int] | np.ndarray, num_rows: int) -> np.ndarray:
+    """``rows`` (a slice, or numbers of which negative ones count from the end) as int64
+    row numbers in ``[0, num_rows)``. Raises :class:`IndexError` for a row out of range,
+    :class:`TypeError` for one that is not a whole number (``1.5``, ``True``, ``"3"``)."""
+    if isinstance(rows, slice):
+        return np.arange(*rows.indices(num_rows), dtype=np.int64)
     given = np.asarray(rows)
     if given.size and given.dtype.kind not in "iu":
         raise TypeError(
@@ -391,22 +361,16 @@ def read_rows(dataset: h5py.Dataset, rows: slice | np.ndarray) -> torch.Tensor:
     """Rows of a features dataset as a tensor ``[n, *shape]`` of its store dtype (bfloat16
     as ``torch.bfloat16``). ``rows``: a slice, or int64 row numbers in range in any order,
     with repeats (each read once, in increasing order, then put in the order asked)."""
-    if isinstance(rows, slice) and rows.step in (None, 1):
-        start, stop, _ = rows.indices(len(dataset))
-        array = np.empty((max(stop - start, 0), *dataset.shape[1:]), dtype=dataset.dtype)
-        rows_of(dataset).read(start, stop, array)
-        return codec.decode(array, codec.attr(dataset, "dtype", ""))
-    if isinstance(rows, slice):
-        rows = np.arange(*rows.indices(len(dataset)), dtype=np.int64)
+    rows = row_numbers(rows, len(dataset)) if isinstance(rows, slice) else rows
     unique, inverse = np.unique(rows, return_inverse=True)
     array = np.empty((len(unique), *dataset.shape[1:]), dtype=dataset.dtype)
     if len(unique) and unique[-1] - unique[0] + 1 == len(unique):
         rows_of(dataset).read(int(unique[0]), int(unique[-1]) + 1, array)
-    else:
+    elif len(unique):
         rows_of(dataset).take(unique, array)
     if not np.array_equal(unique, rows):
         array = array[inverse.reshape(-1)]
-    return codec.decode(array, codec.attr(dataset, "dtype", ""))
+    return codec.from_array(array, codec.attr(dataset, "dtype", ""))
 
 
 def read_token_rows(
@@ -425,7 +389,7 @@ def read_token_rows(
         pieces = [packed[starts[j] : starts[j + 1]] for j in order]
         packed = np.concatenate(pieces) if pieces else packed[:0]
         starts = np.concatenate([[0], np.cumsum(counts[order])])
-    return codec.decode(packed, codec.attr(dataset, "dtype", "")), starts.astype(np.int64)
+    return codec.from_array(packed, codec.attr(dataset, "dtype", "")), starts.astype(np.int64)
 
 
 def named(key: str) -> str:
@@ -437,7 +401,7 @@ def chunk_text(dataset: h5py.Dataset, start: int, stop: int, problem: str, first
     """``layer a rows 8-11 fail their checksum``: rows ``[start, stop)`` of ``dataset`` and
     what is wrong with their chunk, ``problem`` (said of one row: "fails its checksum")."""
     if stop - start > 1:
-        problem = problem.replace("fails its", "fail their").replace("is in a", "are in a")
+        problem = problem.replace("fails its", "fail their")
     return f"{named(dataset.name.lstrip('/'))} {span_text(dataset, start, stop, first)} {problem}"
 
 
@@ -451,9 +415,8 @@ def span_text(dataset: h5py.Dataset, start: int, stop: int, first: int = 0) -> s
     try:
         offsets = read_head(dataset.file["offsets"], len(dataset.file["offsets"]))
     except (OSError, KeyError, FeatcacheError):  # the offsets themselves are unreadable
-        offsets = None
-    if first or offsets is None:
         return tokens
-    row = int(np.searchsorted(offsets, start, side="right")) - 1
-    last = int(np.searchsorted(offsets, stop - 1, side="right")) - 1
+    if first:
+        return tokens
+    row, last = np.searchsorted(offsets, [start, stop - 1], side="right") - 1
     return f"{tokens} (row {row})" if row == last else f"{tokens} (rows {row}-{last})"

@@ -17,9 +17,9 @@ from typing import Any
 import h5py
 import numpy as np
 
+from featcache.files import replace_durably
 from featcache.store import codec
 from featcache.store.layout import write_checked
-from featcache.store.paths import replace_durably
 from featcache.store.rows import read_head, read_text_head
 
 
@@ -52,9 +52,8 @@ def read_skipped(f: h5py.File) -> list[dict[str, Any]]:
 
 
 def _column(dataset: h5py.Dataset) -> np.ndarray | list[str]:
-    """A whole dataset of the group, text as ``str``. Read as the features are (see
-    :func:`~featcache.store.rows.read_head`), but for the variable-length text of stores
-    written before featcache stored text at a fixed length, which HDF5 reads."""
+    """A whole dataset of the group, read and checked as the features are, text as ``str``
+    (HDF5 reads the variable-length text of stores made before text had a fixed length)."""
     if dataset.dtype.kind == "O":
         return list(dataset.asstr()[:])
     if dataset.dtype.kind in "iu":

@@ -9,6 +9,7 @@ import json
 import os
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -16,6 +17,7 @@ import h5py
 import numpy as np
 
 from featcache.errors import CorruptStoreError, FeatcacheError
+from featcache.files import replace_durably
 from featcache.provenance import FORMAT_VERSION
 from featcache.store import codec
 from featcache.store.checks import scan_file
@@ -30,18 +32,11 @@ from featcache.store.layout import (
     checksums_name,
     chunk_addresses,
     chunk_rows_for,
-    segments,
     write_checked,
 )
 from featcache.store.merge import copy_store
 from featcache.store.metadata import seal
-from featcache.store.paths import (
-    OVERWRITE,
-    open_readonly,
-    partial_path,
-    replace_durably,
-    skipped_log_path,
-)
+from featcache.store.paths import OVERWRITE, open_readonly, partial_path, skipped_log_path
 from featcache.store.resume import ResumePoint
 from featcache.store.rows import opened
 from featcache.store.skipped import rewrite_log, write_skipped
@@ -52,28 +47,19 @@ _datasync = getattr(os, "fdatasync", os.fsync)  # fdatasync: Linux; fsync elsewh
 
 @dataclasses.dataclass(frozen=True)
 class StorePlan:
-    """What a store holds and how it is written: everything :class:`StoreWriter` needs.
-
-    ``rows``: the source rows the store is sized for (fewer are stored when samples are
-    skipped); ``ids_width``: bytes of the longest id; ``dtype``: the stored dtype of the
-    layers; ``compression``: ``"gzip"`` or ``"lzf"`` for a compressed copy made at
-    completion (None: none); ``chunk_rows``: rows (or tokens) per chunk, None for
-    :func:`~featcache.store.layout.chunk_rows_for`; ``checksum``: an XXH3 checksum per
-    chunk; ``attrs``: the file attributes (provenance); ``token_capacity``: the tokens
-    that per-token layers are sized for; ``mark_seconds``: how often progress is marked.
-    """
+    """What a store holds and how it is written: everything :class:`StoreWriter` needs."""
 
     path: Path
-    rows: int
-    ids_width: int = 1
-    dtype: str = "float16"
-    compression: str | None = None
-    chunk_rows: int | None = None
-    checksum: bool = True
+    rows: int  # source rows the store is sized for (fewer are stored when some are skipped)
+    ids_width: int = 1  # bytes of the longest id
+    dtype: str = "float16"  # of the layers
+    compression: str | None = None  # "gzip" or "lzf": a compressed copy made at completion
+    chunk_rows: int | None = None  # rows (tokens) per chunk; None: layout.chunk_rows_for
+    checksum: bool = True  # an XXH3 checksum per chunk
     has_labels: bool = True
-    attrs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    token_capacity: int | None = None
-    mark_seconds: float = MARK_SECONDS
+    attrs: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # the provenance
+    token_capacity: int | None = None  # the tokens per-token layers are sized for
+    mark_seconds: float = MARK_SECONDS  # how often progress is marked
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path))
@@ -83,26 +69,17 @@ class StoreWriter:
     """Writes the store ``plan`` describes, crash-safely, to ``<path>.partial``; renamed to
     ``path`` when complete.
 
-    The file is created on the first batch, when the layers' shapes are known, with every
-    dataset allocated whole (:mod:`~featcache.store.layout`), under a temporary name and
-    synced before it is renamed to ``.partial``. From then on the run writes raw bytes
-    only: each dataset gathers entries in a one-chunk buffer and writes whole chunks, at
-    their place in the file, each with its checksum; a batch that covers whole chunks is
-    written from the batch itself. At most every ``mark_seconds`` the writer syncs the
-    file and then records in ``/progress`` the whole chunks written so far: a crash loses
-    at most the chunk each dataset was filling, and no durable chunk is written again (a
-    resume, :func:`~featcache.store.resume.plan_resume`, drops the entries it recomputes
-    below them). Skipped samples go to an append-only log beside the file.
-
-    Per-token rows: a layer appended as *ragged* (``[tokens, ...]``, row ``i`` owning
-    ``lengths[i]`` tokens) is stored as one ``[total_tokens, ...]`` dataset (attribute
-    ``layout="tokens"``), sized for ``plan.token_capacity`` tokens, with ``/offsets``
-    ``[N + 1]`` int64 (row ``i`` is tokens ``offsets[i]:offsets[i + 1]``) and, when given,
-    ``/token_ids`` ``[total_tokens]`` int64.
-
-    ``close(complete=True)`` writes the last, partly filled chunks, shrinks the datasets
-    to the rows written, adds the skip records and the final attributes, compresses if
-    asked (a copy into a new file) and moves the store into place.
+    The file is created whole on the first batch, when the layers' shapes are known
+    (:mod:`~featcache.store.layout`). Then each dataset gathers entries into whole chunks
+    and writes each at its place with its checksum (a batch's whole chunks straight from
+    the batch). At most every ``mark_seconds`` the file is synced and ``/progress``
+    records the whole chunks written: a crash loses at most the chunk each dataset was
+    filling, and a resume never writes a durable chunk again. Skipped samples go to a log
+    beside the file. A *ragged* layer (row ``i`` owning ``lengths[i]`` tokens) is stored
+    as ``[total_tokens, ...]`` (``layout="tokens"``) with ``/offsets`` ``[N + 1]`` and,
+    when given, ``/token_ids``. ``close(complete=True)`` writes the last chunks, shrinks
+    the datasets to the rows written, adds the skip records and attributes, compresses
+    if asked and moves the store into place.
     """
 
     def __init__(self, plan: StorePlan, resume: ResumePoint | None = None):
@@ -122,6 +99,9 @@ class StoreWriter:
         self._ends_base = self.rows_appended
         self._marked: list[int] = []
         self._last_mark = time.monotonic()
+        # Marks sync the file on a thread of their own: appends go on meanwhile.
+        self._syncer = ThreadPoolExecutor(1, thread_name_prefix="featcache-sync")
+        self._syncing: Future[None] | None = None
         self._log: TextIO | None = None
         log = skipped_log_path(self.path)
         if resume is not None:
@@ -144,45 +124,42 @@ class StoreWriter:
         creating = self.partial.with_name(self.partial.name + ".creating")
         try:
             with h5py.File(creating, "w", libver=LIBVER, meta_block_size=META_BLOCK_BYTES) as f:
-                self._build(f, features, feature_attrs, ragged, token_ids)
+                codec.write_attrs(f, plan.attrs)
+                codec.write_attrs(f, {"featcache_format": FORMAT_VERSION, "capacity": plan.rows})
+                f.attrs["complete"] = False
+                add = allocate_checked if plan.checksum else allocate
+                meta_rows = plan.chunk_rows or chunk_rows_for((), 8, plan.rows)
+                shapes: dict[str, tuple[tuple, Any]] = {"index": ((plan.rows,), np.int64)}
+                shapes["ids"] = ((plan.rows,), h5py.string_dtype("utf-8", max(plan.ids_width, 1)))
+                if plan.has_labels:
+                    shapes["labels"] = ((plan.rows,), np.int64)
+                tokens = max(plan.token_capacity or 0, 1)
+                if ragged:
+                    shapes["offsets"] = ((plan.rows + 1,), np.int64)
+                    if token_ids:
+                        shapes["token_ids"] = ((tokens,), np.int64)
+                for name, (shape, dtype) in shapes.items():
+                    add(f, name, shape, dtype, meta_rows)
+                f.create_group("features", track_order=True)
+                stored = codec.numpy_dtype(plan.dtype)
+                for key, array in features.items():
+                    shape = (tokens if key in ragged else plan.rows, *array.shape[1:])
+                    rows = plan.chunk_rows or chunk_rows_for(shape[1:], stored.itemsize, shape[0])
+                    dataset = add(f, f"features/{key}", shape, stored, rows)
+                    layout = {"layout": "tokens"} if key in ragged else {}
+                    codec.write_attrs(
+                        dataset, dict(feature_attrs.get(key, {}), dtype=plan.dtype, **layout)
+                    )
+                if plan.checksum:
+                    codec.set_attr(f["checksums"], "algorithm", CHECKSUM)
+                names = [*shapes, *(f"features/{key}" for key in features)]
+                progress = allocate(f, PROGRESS, (1 + len(names),), "<i8")
+                progress[...] = 0
+                codec.set_attr(progress, "datasets", json.dumps(names))
             replace_durably(creating, self.partial)
         finally:
             creating.unlink(missing_ok=True)
         self._open()
-
-    def _build(self, f: h5py.File, features: Mapping[str, np.ndarray], feature_attrs: Mapping,
-               ragged: frozenset[str], token_ids: bool) -> None:  # fmt: skip
-        plan = self.plan
-        codec.write_attrs(f, plan.attrs)
-        codec.write_attrs(f, {"featcache_format": FORMAT_VERSION, "capacity": plan.rows})
-        f.attrs["complete"] = False
-        add = allocate_checked if plan.checksum else allocate
-        meta_rows = plan.chunk_rows or chunk_rows_for((), 8, plan.rows)
-        shapes: dict[str, tuple[tuple, Any]] = {"index": ((plan.rows,), np.int64)}
-        shapes["ids"] = ((plan.rows,), h5py.string_dtype("utf-8", max(plan.ids_width, 1)))
-        if plan.has_labels:
-            shapes["labels"] = ((plan.rows,), np.int64)
-        tokens = max(plan.token_capacity or 0, 1)
-        if ragged:
-            shapes["offsets"] = ((plan.rows + 1,), np.int64)
-            if token_ids:
-                shapes["token_ids"] = ((tokens,), np.int64)
-        for name, (shape, dtype) in shapes.items():
-            add(f, name, shape, dtype, meta_rows)
-        f.create_group("features", track_order=True)
-        stored = codec.numpy_dtype(plan.dtype)
-        for key, array in features.items():
-            shape = (tokens if key in ragged else plan.rows, *array.shape[1:])
-            rows = plan.chunk_rows or chunk_rows_for(shape[1:], stored.itemsize, shape[0])
-            dataset = add(f, f"features/{key}", shape, stored, rows)
-            layout = {"layout": "tokens"} if key in ragged else {}
-            codec.write_attrs(dataset, dict(feature_attrs.get(key, {}), dtype=plan.dtype, **layout))
-        if plan.checksum:
-            codec.set_attr(f["checksums"], "algorithm", CHECKSUM)
-        names = [*shapes, *(f"features/{key}" for key in features)]
-        progress = allocate(f, PROGRESS, (1 + len(names),), "<i8")
-        progress[...] = 0
-        codec.set_attr(progress, "datasets", json.dumps(names))
 
     def _open(self) -> None:
         """Open the ``.partial`` file for raw writes and find where each dataset lies."""
@@ -232,7 +209,7 @@ class StoreWriter:
 
         ``index``: ``[rows]`` source positions; ``labels``: ``[rows]`` ints (None without
         labels); ``features[key]``: ``[rows, *shape]`` in the HDF5 dtype of the store dtype
-        (``codec.to_numpy(codec.encode(x, dtype))``: ``uint16`` bits for bfloat16). The
+        (``codec.as_array(codec.encode(x, dtype))``: ``uint16`` bits for bfloat16). The
         layers in ``ragged`` are per-token rows instead: ``[sum(lengths), *shape]``, row
         ``i`` owning ``lengths[i]`` consecutive tokens, whose ids ``token_ids`` (int64
         ``[sum(lengths)]``) are stored beside them when given.
@@ -310,25 +287,40 @@ class StoreWriter:
             rows = min(rows, self._ends_base + covered)
         return max(0, min(rows, self.rows_appended))  # offsets lead: -1 before a whole chunk
 
-    def mark(self) -> None:
-        """Sync the file, then record in ``/progress`` the whole chunks written so far."""
+    def mark(self, wait: bool = False) -> None:
+        """Record in ``/progress`` the whole chunks written so far once the file is synced,
+        on the sync thread (a mark still syncing takes the next one's place); ``wait``:
+        until it is recorded."""
         self._last_mark = time.monotonic()
-        if self._log is not None:
+        if self._log is not None:  # the skip records before any mark that counts them
             self._log.flush()
             os.fsync(self._log.fileno())
         if self.fd is None:
             return
+        if wait or self._syncing is not None and self._syncing.done():
+            self._wait()
         rows = self.durable_rows
         record = [rows, *(c.durable for c in self._columns.values())]
-        if record == self._marked:
-            return
+        if record != self._marked and self._syncing is None:
+            self._marked = record
+            marked = np.array(record, dtype="<i8")
+            self._syncing = self._syncer.submit(self._sync, self.fd, marked)
+            drop = max(0, rows - self._ends_base)
+            self._ends, self._ends_base = self._ends[drop:], self._ends_base + drop
+        if wait:
+            self._wait()
+
+    def _wait(self) -> None:
+        """Wait for the mark being recorded, if any: its error is the writer's."""
+        syncing, self._syncing = self._syncing, None
+        if syncing is not None:
+            syncing.result()
+
+    def _sync(self, fd: int, record: np.ndarray) -> None:
         # The chunks are on the disk before the mark that counts them is written. The
         # file's size and layout never change, so syncing its data (fdatasync) is enough.
-        _datasync(self.fd)
-        _write_all(self.fd, np.array(record, dtype="<i8"), self._progress_at)
-        self._marked = record
-        drop = max(0, rows - self._ends_base)
-        self._ends, self._ends_base = self._ends[drop:], self._ends_base + drop
+        _datasync(fd)
+        _write_all(fd, record, self._progress_at)
 
     # -- closing ---------------------------------------------------------------------------
 
@@ -350,8 +342,11 @@ class StoreWriter:
                 self._finish(attrs or {}, row_columns or {})
             else:
                 with contextlib.suppress(Exception):  # e.g. the disk that just filled up
-                    self.mark()
+                    self.mark(wait=True)
         finally:
+            with contextlib.suppress(Exception):  # a failed run's mark: nothing to add
+                self._wait()
+            self._syncer.shutdown()
             if self._log is not None:
                 self._log.close()
                 self._log = None
@@ -368,7 +363,7 @@ class StoreWriter:
         for column in self._columns.values():
             column.write_tail()
         _datasync(self.fd)  # every row is on the disk before the store says it is complete
-        self.mark()
+        self.mark(wait=True)
         os.close(self.fd)
         self.fd = None
         rows = self.rows_appended
@@ -486,10 +481,9 @@ class _Column:
         """Write ``values`` (whole chunks) at entry ``written``, and their checksums."""
         raw = values.reshape(-1).view(np.uint8)
         size = self.rows * self.entry_bytes
-        first, chunks = self.written // self.rows, -(-len(raw) // size)
-        places = self.addresses[first : first + chunks]
-        for at, run, address in segments(places, size):  # one write per run back to back
-            _write_all(self.fd, raw[at * size : (at + run) * size], address)
+        first = self.written // self.rows
+        for at in range(0, len(raw), size):
+            _write_all(self.fd, raw[at : at + size], int(self.addresses[first + at // size]))
         if self.sums_at is not None:
             sums = [checksum(raw[i : i + size]) for i in range(0, len(raw), size)]
             _write_all(self.fd, np.array(sums, dtype="<u8"), self.sums_at + 8 * first)

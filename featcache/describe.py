@@ -1,4 +1,4 @@
-"""What a store holds, for people and for JSON: :func:`describe` -> :class:`StoreDescription`."""
+"""What ``featcache info`` shows of a store: :func:`describe` -> :class:`StoreDescription`."""
 
 from __future__ import annotations
 
