@@ -20,11 +20,13 @@ _PUBLIC = {
     "FeatcacheError": "featcache.errors",
     "FeatureDataset": "featcache.dataset",
     "FeatureStore": "featcache.store",
+    "ModelRun": "featcache.extraction",
     "PadTokens": "featcache.padding",
     "ShuffledBatches": "featcache.dataset",
     "TokenDataset": "featcache.token_view",
     "extract": "featcache.extraction",
     "extract_from_config": "featcache.extraction",
+    "extract_models": "featcache.extraction",
     "pad_tokens": "featcache.padding",
     "plan": "featcache.planning",
 }
@@ -37,11 +39,13 @@ __all__ = [
     "FeatcacheError",
     "FeatureDataset",
     "FeatureStore",
+    "ModelRun",
     "PadTokens",
     "ShuffledBatches",
     "TokenDataset",
     "extract",
     "extract_from_config",
+    "extract_models",
     "pad_tokens",
     "plan",
 ]
@@ -49,7 +53,7 @@ __all__ = [
 if TYPE_CHECKING:
     from featcache.dataset import FeatureDataset, ShuffledBatches
     from featcache.errors import ConfigError, FeatcacheError
-    from featcache.extraction import extract, extract_from_config
+    from featcache.extraction import ModelRun, extract, extract_from_config, extract_models
     from featcache.padding import PadTokens, pad_tokens
     from featcache.planning import plan
     from featcache.store import FeatureStore

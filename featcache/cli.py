@@ -145,11 +145,16 @@ def plan(
 
     One row runs through the model to size the stores, and a few batches of the first
     split at the config's batch size, half of it and twice it to time the run; nothing
-    is written.
+    is written. Of a config of several models (models:), each model is planned alone.
     """
     from featcache.planning import plan as plan_run
+    from featcache.spec import load_config
 
-    say(plan_run(config, set_ or [], batches=batches).format())
+    spec = load_config(config, set_ or [])
+    for key, one in spec.per_model().items() if spec.models else [("", spec)]:
+        if key:  # a config of several models: each planned as a run of its own
+            say(f"model {key}:")
+        say(plan_run(one, batches=batches).format())
 
 
 @app.command()

@@ -120,6 +120,8 @@ def _type_name(hint: Any) -> str:
         return f"list[{_type_name(args[0])}]" if args else "list"
     if origin is dict or hint is dict:
         return "mapping"
+    if dataclasses.is_dataclass(hint):  # a section's keys under another key (models[])
+        return "mapping"
     names = {str: "str", int: "int", float: "float", bool: "bool", type(None): "null"}
     if hint is Any:
         return "any"
@@ -133,6 +135,8 @@ def _default(f: dataclasses.Field) -> str:
         value = f.default_factory()
     else:
         return REQUIRED
+    if dataclasses.is_dataclass(value):
+        return "{}"
     return json.dumps(value) if not isinstance(value, str) else value
 
 

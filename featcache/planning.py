@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from featcache.errors import ConfigError
 from featcache.extraction.api import RunOptions, _Plan, _plan
 from featcache.extraction.dry_run import dry_run
 from featcache.extraction.estimate import StoreEstimate, estimate_store
@@ -159,6 +160,11 @@ def plan(
     out of CUDA memory is left out, and on CUDA each one's peak memory is reported).
     """
     spec = config if isinstance(config, Spec) else load_config(config, overrides)
+    if spec.models:
+        raise ConfigError(
+            "plan takes a config of one model; plan each model of models: alone "
+            "(featcache plan does, or plan(one) for one in spec.per_model().values())"
+        )
     backbone = build_backbone_for(spec)
     sources = {split: build_source_for(spec, split, backbone) for split in spec.data.splits}
     check_same_classes({split: source.class_names for split, source in sources.items()})

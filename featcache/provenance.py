@@ -84,6 +84,8 @@ def content_config(config: Mapping[str, Any]) -> dict[str, Any]:
         for key, default in defaults.items():
             if data.get(section, {}).get(key, default) == default:
                 data.get(section, {}).pop(key, None)
+    if not data.get("models"):  # added later too: a store's config is of one model
+        data.pop("models", None)
     for layer in data.get("layers", []):
         for key, default in LATER_LAYER_KEYS.items():
             if isinstance(layer, dict) and layer.get(key, default) == default:

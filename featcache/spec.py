@@ -54,6 +54,9 @@ ON_NONFINITE = choices(OnNonfinite)
 INTERPOLATIONS = choices(Interpolation)
 
 
+ONE_MODEL = "set exactly one of model.name (a torchvision name or zoo reference) and model.factory"
+
+
 @dataclass
 class ModelSpec:
     """Which backbone to build. Exactly one of ``name`` and ``factory`` is set."""
@@ -73,13 +76,15 @@ class ModelSpec:
     # files). Only for repositories you trust; never taken from a store by verify.
     trust_remote_code: bool = False
 
+    def is_set(self) -> bool:
+        return self.name is not None or self.factory is not None
+
     def validate(self, at: str) -> None:
         at = at or "model"
+        if not self.is_set() and at == "model":
+            return  # a config of several models names none here (see Spec.validate)
         if (self.name is None) == (self.factory is None):
-            raise ConfigError(
-                f"{at}: set exactly one of model.name (a torchvision name or zoo reference) "
-                "and model.factory"
-            )
+            raise ConfigError(f"{at}: {ONE_MODEL}")
         if self.factory is not None and ":" not in self.factory:
             raise ConfigError(
                 f"{at}.factory {self.factory!r} must look like 'package.module:callable'"
@@ -348,6 +353,30 @@ class RuntimeSpec:
 
 
 @dataclass
+class ModelEntry:
+    """One model of a config that runs several over one pass of the data."""
+
+    key: str  # names its stores: <output.dir>/<key>/<split>.h5
+    model: ModelSpec = field(default_factory=ModelSpec)  # the keys of the model section
+    # the layers to capture, as the top-level layers list
+    layers: list[LayerSpec] = option(default_factory=list, convert=_layer_list)
+    preprocess: PreprocessSpec = field(default_factory=PreprocessSpec)  # as the section
+
+    def validate(self, at: str) -> None:
+        if not self.key or self.key != Path(self.key).name or self.key.startswith("."):
+            raise ConfigError(f"{at}.key {self.key!r} must be a plain folder name, e.g. resnet50")
+        self.model.validate(f"{at}.model")
+        if not self.layers:
+            raise ConfigError(f"{at}.layers: name at least one layer to capture")
+
+
+def _model_list(value: Any, at: str) -> Any:
+    if value is not None and not isinstance(value, list):
+        raise ConfigError(f"{at} must be a list of models (key, model, layers, preprocess)")
+    return value or []
+
+
+@dataclass
 class Spec:
     model: ModelSpec = field(default_factory=ModelSpec)
     layers: list[LayerSpec] = option(default_factory=list, convert=_layer_list)
@@ -357,6 +386,24 @@ class Spec:
     store: StoreSpec = field(default_factory=StoreSpec)
     output: OutputSpec = field(default_factory=OutputSpec)
     runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
+    # Several models over one pass of the data, instead of model, layers and preprocess:
+    # each entry's key, model, layers and preprocess; its stores in <output.dir>/<key>/
+    models: list[ModelEntry] = option(default_factory=list, convert=_model_list)
+
+    def per_model(self) -> dict[str, Spec]:
+        """The config of each model of ``models``, as a config of that model alone: its
+        model, layers and preprocess, its stores in ``<output.dir>/<key>/``."""
+        return {
+            entry.key: dataclasses.replace(
+                self,
+                model=entry.model,
+                layers=entry.layers,
+                preprocess=entry.preprocess,
+                output=dataclasses.replace(self.output, dir=str(Path(self.output.dir) / entry.key)),
+                models=[],
+            )
+            for entry in self.models
+        }
 
     def store_path(self, split: str) -> Path:
         """Where the store of ``split`` goes: ``<output.dir>/<split>.h5``, or for the
@@ -367,7 +414,19 @@ class Spec:
         return folder / f"{split}.h5"
 
     def validate(self, at: str) -> None:
-        if not self.layers:
+        if self.models:
+            if self.model.is_set() or self.layers or self.preprocess.is_set():
+                raise ConfigError(
+                    "models: a config of several models gives each its model, layers and "
+                    "preprocess under models; remove the top-level model, layers and preprocess"
+                )
+            keys = [entry.key for entry in self.models]
+            repeated = sorted({key for key in keys if keys.count(key) > 1})
+            if repeated:
+                raise ConfigError(f"models: key {repeated[0]!r} is used twice; give each its own")
+        elif not self.model.is_set():
+            raise ConfigError(f"model: {ONE_MODEL}")
+        if not self.layers and not self.models:
             raise ConfigError("layers: name at least one layer to capture (see `featcache layers`)")
         if self.output.update and self.output.overwrite:
             raise ConfigError(UPDATE_AND_OVERWRITE)

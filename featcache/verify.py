@@ -37,7 +37,7 @@ from featcache.recorded import RecordedSpec, recorded_spec
 from featcache.reduce import ReduceContext, token_layout
 from featcache.runtime import Layout, choose_layout
 from featcache.selectors import resolve_taps, tap_record
-from featcache.spec import StoreSpec, load_config
+from featcache.spec import Spec, StoreSpec, load_config
 from featcache.store import FeatureStore, codec
 from featcache.store.checks import has_checksums, scan_chunks
 from featcache.store.metadata import is_sealed
@@ -203,7 +203,7 @@ def _rebuild_spec(
     """The spec to rebuild from: ``config``, or the store's own with its relative paths
     from the folder its run started in."""
     if config is not None:
-        given = load_config(config)
+        given = _of_store(load_config(config), store.path)
         return RecordedSpec(given, None, given)
     recorded = store.config
     if recorded is None:
@@ -455,3 +455,16 @@ def _rows_text(wrong: Sequence[int], good: str) -> str:
 
 def _layers_text(bad: Sequence[str], good: str) -> str:
     return good if not bad else f"NaN or Inf in layer {', '.join(bad)}"
+
+
+def _of_store(spec: Spec, path: Path) -> Spec:
+    """``spec``, or of a config of several models the config of the one whose store is at
+    ``path``."""
+    if not spec.models:
+        return spec
+    for one in spec.per_model().values():
+        if any(one.store_path(split).resolve() == path.resolve() for split in spec.data.splits):
+            return one
+    raise ConfigError(
+        f"none of the models of the given config writes {path}; give the config that made it"
+    )

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from featcache.errors import ConfigError, FeatcacheWarning
 from featcache.extraction.batches import (
+    Batch,
     Collate,
     SourceRows,
     check_inputs,
@@ -58,6 +61,9 @@ from featcache.store.lock import writer_lock
 from featcache.store.paths import OVERWRITE
 from featcache.validation import build
 
+# Batches of the source rows in a range, from a loader shared with other runs.
+Feed = Callable[[range], contextlib.AbstractContextManager[Iterator[Batch]]]
+_FEED: contextvars.ContextVar[Feed | None] = contextvars.ContextVar("feed", default=None)
 _SECTIONS = {"loader": LoaderSpec, "store": StoreSpec, "runtime": RuntimeSpec}
 _RUN_KEYS = ("overwrite", "update")  # options of the run itself, outside the sections
 
@@ -205,7 +211,19 @@ def extract(
             model, dataset, layers, run, ids, class_names, provenance, dataset_fingerprint,
             rows, tokens,
         )  # fmt: skip
-        return _extract(model, dataset, path, run, plan, check_space)
+        return _extract(model, dataset, path, run, plan, check_space, _FEED.get())
+
+
+@contextlib.contextmanager
+def fed_by(feed: Feed) -> Iterator[None]:
+    """Inside the block, :func:`extract` on this thread takes its batches from ``feed``
+    (a pass shared with other models, :mod:`featcache.extraction.many`) instead of a
+    loader of its own."""
+    token = _FEED.set(feed)
+    try:
+        yield
+    finally:
+        _FEED.reset(token)
 
 
 def estimate(
@@ -245,9 +263,10 @@ def _extract(
     run: RunOptions,
     plan: _Plan,
     check_space: bool = True,
+    feed: Feed | None = None,
 ) -> FeatureStore:
     """Write (or resume, or find complete, or update) the store ``plan`` describes at
-    ``path``."""
+    ``path``, its batches from ``feed`` when given (an update reads its own)."""
     if run.update and path.exists() and not plan.key().matches(stored_resume_key(path)):
         return update_store(model, dataset, path, run, plan, check_space)
     if run.update and is_update_partial(path):
@@ -295,13 +314,18 @@ def _extract(
         assert plan.row_tokens is not None  # counted whenever bucketing is on
         lengths = plan.row_tokens[todo.start : todo.stop]
     grid = GridBatches(todo, batch_size, plan.shard_starts, lengths, step)
-    loader = DataLoader(
-        source_rows,
-        batch_sampler=grid,
-        num_workers=num_workers(run.loader.num_workers, len(todo), batch_size),
-        pin_memory=pin,
-        collate_fn=Collate(source_rows.pad_values),
-    )
+    batches_of: contextlib.AbstractContextManager[Iterator[Batch]]
+    if feed is None:
+        loader = DataLoader(
+            source_rows,
+            batch_sampler=grid,
+            num_workers=num_workers(run.loader.num_workers, len(todo), batch_size),
+            pin_memory=pin,
+            collate_fn=Collate(source_rows.pad_values),
+        )
+        batches_of = started(loader)
+    else:
+        batches_of = feed(todo)
 
     start = time.perf_counter()
     loop = LoopPlan(
@@ -310,7 +334,7 @@ def _extract(
         reorder=None if lengths is None else WindowReorder(grid.window_sizes()),
         unit=plan.unit,
     )  # fmt: skip
-    with started(loader) as batches:
+    with batches_of as batches:
         with WriterThread(open_writer_for(path, plan, run, resume=resume), path) as sink:
             timing = run_loop(model, batches, sink, loop)
         timing["seconds_waiting_for_disk"] = sink.waited

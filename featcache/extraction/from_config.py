@@ -15,6 +15,7 @@ from featcache.distributed import Rank, check_other_world_sizes, current_rank, l
 from featcache.errors import ConfigError, FeatcacheWarning
 from featcache.extraction.api import estimate, extract
 from featcache.extraction.estimate import check_free_space
+from featcache.extraction.many import Decoded, ModelRun, Transformed, extract_models
 from featcache.extraction.sharding import extract_shard
 from featcache.provenance import config_fingerprint
 from featcache.spec import Spec, load_config, override_list, to_dict
@@ -61,9 +62,12 @@ def extract_from_config(
     rank = current_rank()
     with contextlib.ExitStack() as held:
         if rank is None or rank.is_main:  # other ranks lock only their own shards
-            for split in spec.data.splits:
-                held.enter_context(writer_lock(spec.store_path(split)))
+            for one in spec.per_model().values() if spec.models else [spec]:
+                for split in spec.data.splits:
+                    held.enter_context(writer_lock(one.store_path(split)))
         command = resume_command(config, overrides, rank)
+        if spec.models:
+            return _extract_models(spec, rank, command, check_space)
         return _extract_splits(spec, rank, command, check_space)
 
 
@@ -201,16 +205,91 @@ def complete_already(spec: Spec, split: str) -> bool:
     return key is not None and key.get("config_fingerprint") == config_fingerprint(spec)
 
 
-def _extract_splits(
+def _extract_models(
     spec: Spec, rank: Rank | None, command: str | None, check_space: bool
 ) -> dict[str, FeatureStore]:
-    if spec.output.update and rank is not None:
+    """The stores of every model of ``spec.models``, keyed ``<model key>/<split>``: over
+    one pass of each split's samples, decoded once for all models
+    (:mod:`featcache.extraction.many`); under torchrun or ``--update``, one model after
+    the other, each as a config of its own."""
+    from featcache.sources import build_source
+
+    specs = spec.per_model()
+    if rank is not None or spec.output.update:
+        return {
+            f"{key}/{split}": store
+            for key, one in specs.items()
+            for split, store in _extract_splits(one, rank, command, check_space).items()
+        }
+    if spec.data.inputs == "text":
         raise ConfigError(
-            "--update runs in one process; run `featcache extract CONFIG --update` without "
-            "torchrun (the copied rows are I/O, the computed ones usually few)"
+            "models: several models share one pass over images; each text model tokenizes "
+            "the text its own way, so give each its own config"
         )
+    if spec.loader.decode == "fast":
+        raise ConfigError(
+            "loader.decode: fast decodes JPEGs at each model's own size, but several models "
+            "share one decoding; set loader.decode: exact (the default)"
+        )
+    stale = {key: _check_outputs(one, rank) for key, one in specs.items()}
+    backbones = {key: build_backbone_for(one) for key, one in specs.items()}
+    sources = {split: build_source(spec.data, split, None) for split in spec.data.splits}
+    # Decoded once: each model's checks before the pass read the same first rows.
+    decoded = {split: Decoded(source) for split, source in sources.items()}
+    check_same_classes({split: source.class_names for split, source in sources.items()})
+    runs: dict[str, list[ModelRun]] = {}
+    fingerprints = {}
+    for split, source in sources.items():
+        fingerprints[split] = source.fingerprint(content=spec.data.content_hash)
+        runs[split] = []
+        for key, one in specs.items():
+            backbone = backbones[key]
+            arguments = split_arguments(one, split, source, backbone, command, fingerprint=False)
+            own = {k: arguments[k] for k in ("provenance", "prefix_tokens", "sequence_first")}
+            path = one.store_path(split)
+            runs[split].append(ModelRun(backbone.model, one.layers, path, backbone.transform, own))
+    options = run_options(spec)
+    if check_space:  # every model's and split's store, before any work
+        estimates = [
+            estimate(
+                run.model,
+                Transformed(decoded[split], run.transform),
+                run.layers,
+                run.path,
+                rows=first_rows(spec, source),
+                dataset_fingerprint=fingerprints[split],
+                **run.options,
+                **options,
+            )
+            for split, source in sources.items()
+            for key, run in zip(specs, runs[split], strict=True)
+            if not complete_already(specs[key], split)
+        ]
+        check_free_space(estimates, spec.output.overwrite)
+    stores = {}
+    for split, source in sources.items():
+        made = extract_models(
+            runs[split],
+            decoded[split],
+            rows=first_rows(spec, source),
+            dataset_fingerprint=fingerprints[split],
+            check_space=False,
+            **options,
+        )
+        for key, store in zip(specs, made, strict=True):
+            stores[f"{key}/{split}"] = store
+            for shard in stale[key][split]:
+                shard.unlink(missing_ok=True)
+        report_retries(split, source)
+    return stores
+
+
+def _check_outputs(spec: Spec, rank: Rank | None) -> dict[str, list[Path]]:
+    """Refuse, before any work, a split whose store exists and was made differently
+    (unless overwritten or updated); the shards of an earlier torchrun run that a
+    one-process run replaces, by split."""
     stale: dict[str, list[Path]] = {}
-    for split in spec.data.splits:  # fail before any work on a store made differently
+    for split in spec.data.splits:
         path = spec.store_path(split)
         if rank is None:  # a one-process run does not resume a torchrun run's shards
             # Under --overwrite they go once the new store has replaced the one they make
@@ -221,6 +300,18 @@ def _extract_splits(
         if key is None or key.get("config_fingerprint") != fingerprint:
             resumes = interrupted_overwrite(path, {"config_fingerprint": fingerprint})
             check_output_path(path, spec.output.overwrite or spec.output.update or resumes)
+    return stale
+
+
+def _extract_splits(
+    spec: Spec, rank: Rank | None, command: str | None, check_space: bool
+) -> dict[str, FeatureStore]:
+    if spec.output.update and rank is not None:
+        raise ConfigError(
+            "--update runs in one process; run `featcache extract CONFIG --update` without "
+            "torchrun (the copied rows are I/O, the computed ones usually few)"
+        )
+    stale = _check_outputs(spec, rank)  # fail before any work on a store made differently
     backbone = build_backbone_for(spec)
     sources = {split: build_source_for(spec, split, backbone) for split in spec.data.splits}
     check_same_classes({split: source.class_names for split, source in sources.items()})

@@ -144,6 +144,12 @@ def backbone_layers(
     spec = None
     if model_or_config.endswith((".yaml", ".yml")) or Path(model_or_config).is_file():
         spec = load_config(model_or_config)
+        if spec.models:
+            keys = ", ".join(entry.key for entry in spec.models)
+            raise ConfigError(
+                f"{model_or_config} runs several models ({keys}); list the layers of one by "
+                "its name (featcache layers resnet50) or a config of that model alone"
+            )
         model, preprocess = spec.model, spec.preprocess
         text = text or spec.data.inputs == "text"
     else:
