@@ -210,3 +210,21 @@ def test_the_cli_extracts_plans_and_lists_a_config_of_several_models(tmp_path):
     result = CliRunner().invoke(app, ["layers", str(config_file)])
     assert result.exit_code == 2  # a usage error, in one line
     assert "runs several models (resnet18, mobilenet); list the layers of one" in result.output
+
+
+def test_update_brings_each_model_store_up_to_date(tmp_path):
+    from tests.test_update import write_image
+
+    image_folder(tmp_path / "images", 12)
+    config = models_config(tmp_path / "images", tmp_path / "out")
+    config["models"] = MODELS[:2]
+    featcache.extract_from_config(config)
+    for i in range(12, 16):  # four new photos
+        write_image(tmp_path / "images" / "train" / "ants" / f"new{i}.png", i)
+    updated = featcache.extract_from_config(config, update=True)
+    for entry in MODELS[:2]:
+        store = updated[f"{entry['key']}/train"]
+        last = store.attrs["history"][-1]
+        assert (last["kind"], last["rows_computed"], last["rows_reused"]) == ("update", 4, 12)
+        fresh = featcache.extract_from_config(alone(config, entry, tmp_path / entry["key"]))
+        assert_same_rows(store, fresh["train"])
