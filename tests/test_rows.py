@@ -252,7 +252,10 @@ def test_a_closed_combined_store_lets_go_of_its_shards(tmp_path):
     h5py.File(shard, "r", locking=False).close()  # closed: opened anew as asked
 
 
-def test_a_store_the_garbage_collector_closes_inside_a_read_does_not_hang_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("during", ["sizing", "listing"])
+def test_a_store_the_garbage_collector_closes_inside_a_read_does_not_hang_it(
+    tmp_path, monkeypatch, during
+):
     # A dropped store in a reference cycle is closed by the garbage collector, which can run
     # in the middle of rows_of while it holds its lock; the closing must not wait on it.
     dropped, _ = _store(tmp_path / "dropped.h5")
@@ -262,13 +265,22 @@ def test_a_store_the_garbage_collector_closes_inside_a_read_does_not_hang_it(tmp
     store.cycle = store  # only the collector frees it
     handle = store._handle._file
     del store
-    real_chunks = rows_module.Chunks
+    # While it sizes up the dataset, or between listing the open files and reading them.
+    real_chunks, real_listing = rows_module.Chunks, h5py.h5f.get_obj_ids
 
     def collecting(dataset):
         gc.collect()
         return real_chunks(dataset)
 
-    monkeypatch.setattr(rows_module, "Chunks", collecting)
+    def listing(*kinds):
+        found = real_listing(*kinds)
+        gc.collect()
+        return found
+
+    if during == "sizing":
+        monkeypatch.setattr(rows_module, "Chunks", collecting)
+    else:
+        monkeypatch.setattr(h5py.h5f, "get_obj_ids", listing)
     results: list[np.ndarray] = []
 
     def reading():
@@ -283,5 +295,6 @@ def test_a_store_the_garbage_collector_closes_inside_a_read_does_not_hang_it(tmp
     finally:
         gc.enable()
     assert not thread.is_alive(), "the read waited on itself"
+    assert results, "the read failed"
     np.testing.assert_array_equal(results[0], encoded[[5, 1]])
     assert not handle.id.valid  # the collector closed it

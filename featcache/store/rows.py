@@ -242,14 +242,22 @@ def rows_of(dataset: h5py.Dataset) -> Rows | PartRows:
             _OPEN.move_to_end(key)
         else:
             known = (_shard_rows(dataset) if dataset.is_virtual else None) or Chunks(dataset)
-            files = h5py.h5f.get_obj_ids(h5py.h5f.OBJ_ALL, h5py.h5f.OBJ_FILE)
-            open_files = {tuple(file.fileno) for file in files}
+            open_files = _open_serials()
             for stale in [k for k in _OPEN if k[0] not in open_files]:
                 del _OPEN[stale]
             _OPEN[key] = known
             if len(_OPEN) > MAX_TRACKED:
                 _OPEN.popitem(last=False)
     return known if isinstance(known, PartRows) else Rows(dataset, known)
+
+
+def _open_serials() -> set[tuple[int, int]]:
+    """HDF5's serial numbers of the files open in this process."""
+    serials = set()
+    for file in h5py.h5f.get_obj_ids(h5py.h5f.OBJ_ALL, h5py.h5f.OBJ_FILE):
+        with contextlib.suppress(ValueError):  # closed since, by the garbage collector
+            serials.add(tuple(file.fileno))
+    return serials
 
 
 @contextlib.contextmanager
