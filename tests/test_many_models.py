@@ -228,3 +228,30 @@ def test_update_brings_each_model_store_up_to_date(tmp_path):
         assert (last["kind"], last["rows_computed"], last["rows_reused"]) == ("update", 4, 12)
         fresh = featcache.extract_from_config(alone(config, entry, tmp_path / entry["key"]))
         assert_same_rows(store, fresh["train"])
+
+
+@pytest.mark.slow
+def test_under_torchrun_each_model_store_equals_the_one_process_run(tmp_path):
+    from tests.test_distributed import _torchrun
+    from tests.test_distributed import assert_same_rows as same_datasets
+
+    config = {
+        "models": MODELS[:2],
+        "data": {
+            "source": "synthetic",
+            "kwargs": {"image_size": 32, "num_classes": 3},
+            "splits": {"train": {"size": 48}},
+        },
+        "loader": {"batch_size": 8, "num_workers": 0},
+        "store": {"chunk_rows": 8},
+        "runtime": {"progress": False},
+    }
+    one = featcache.extract_from_config({**config, "output": {"dir": str(tmp_path / "one")}})
+    config_file = tmp_path / "models.yaml"
+    config_file.write_text(yaml.safe_dump({**config, "output": {"dir": str(tmp_path / "two")}}))
+    process = _torchrun(config_file)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output
+    for entry in MODELS[:2]:
+        sharded = tmp_path / "two" / entry["key"] / "train.h5"
+        same_datasets(sharded, one[f"{entry['key']}/train"].path)
