@@ -354,13 +354,14 @@ class RuntimeSpec:
 
 @dataclass
 class ModelEntry:
-    """One model of a config that runs several over one pass of the data."""
+    """One model of a config that runs several over one pass of the data, in place of the
+    top-level model, layers and preprocess; each sample is decoded once for all of them."""
 
     key: str  # names its stores: <output.dir>/<key>/<split>.h5
-    model: ModelSpec = field(default_factory=ModelSpec)  # the keys of the model section
+    model: ModelSpec = field(default_factory=ModelSpec)  # the model keys
     # the layers to capture, as the top-level layers list
     layers: list[LayerSpec] = option(default_factory=list, convert=_layer_list)
-    preprocess: PreprocessSpec = field(default_factory=PreprocessSpec)  # as the section
+    preprocess: PreprocessSpec = field(default_factory=PreprocessSpec)  # the preprocess keys
 
     def validate(self, at: str) -> None:
         if not self.key or self.key != Path(self.key).name or self.key.startswith("."):
