@@ -74,27 +74,32 @@ class Decoded(Dataset):
     def __init__(self, dataset: Dataset):
         self.dataset = dataset
         self._kept: dict[int, Any] = {}
+        self._lock = threading.Lock()  # the models' threads read before the pass
 
     def __len__(self) -> int:
         return source_length(self.dataset)
 
     def __getitem__(self, i: int) -> Any:
-        if i not in self._kept:
-            if len(self._kept) >= self.KEPT:
+        with self._lock:
+            if i in self._kept:
+                return self._kept[i]
+        item = self.dataset[i]  # decoded outside the lock: threads decode side by side
+        with self._lock:
+            while len(self._kept) >= self.KEPT:
                 self._kept.pop(next(iter(self._kept)))
-            self._kept[i] = self.dataset[i]
-        return self._kept[i]
+            self._kept[i] = item
+        return item
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("dataset", "_kept"):
+        if name.startswith("__") or name in ("dataset", "_kept", "_lock"):
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"dataset": self.dataset, "_kept": {}}
+        return {"dataset": self.dataset}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        self.dataset, self._kept, self._lock = state["dataset"], {}, threading.Lock()
 
 
 class Transformed(Dataset):
