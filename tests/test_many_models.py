@@ -160,6 +160,7 @@ def test_a_failing_model_stops_the_pass_and_a_rerun_resumes_every_store(tmp_path
         assert partial_path(tmp_path / name).exists() and not (tmp_path / name).exists()
     assert FeatureStore(tmp_path / "b.h5", allow_incomplete=True).rows_written >= 8
     stores = extract_models(runs(fail_at=None), data, dtype="float32", **options)
+    assert stores[1].ids[:2] == ["Pictures:0", "Pictures:1"]  # as extract names its rows
     for at, (model, transform, layers) in enumerate(
         [(other, small, [{"name": "layer2", "reduce": "avg"}]), (Fails(None), crop, layer)]
     ):

@@ -343,8 +343,10 @@ def extract_models(
             "shared pass cannot do; run each model alone, or turn it off"
         )
     decoded = dataset if isinstance(dataset, Decoded) else Decoded(dataset)
-    ids = list(ids) if ids is not None else dataset_ids(dataset)
-    class_names = class_names if class_names is not None else dataset_classes(dataset)
+    base = decoded.dataset  # ids and classes as extract() finds them on it
+    if ids is None:
+        ids = dataset_ids(base) or [f"{type(base).__name__}:{i}" for i in range(len(decoded))]
+    class_names = class_names if class_names is not None else dataset_classes(base)
     views = [Transformed(decoded, run.transform) for run in runs]
     common = dict(
         ids=ids, class_names=class_names, rows=rows, dataset_fingerprint=dataset_fingerprint
