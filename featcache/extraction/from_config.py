@@ -15,7 +15,7 @@ from featcache.distributed import Rank, check_other_world_sizes, current_rank, l
 from featcache.errors import ConfigError, FeatcacheWarning
 from featcache.extraction.api import estimate, extract
 from featcache.extraction.estimate import check_free_space
-from featcache.extraction.many import Decoded, ModelRun, Transformed, extract_models
+from featcache.extraction.many import Decoded, ModelRun, estimate_runs, extract_models
 from featcache.extraction.sharding import extract_shard
 from featcache.provenance import config_fingerprint
 from featcache.spec import Spec, load_config, override_list, to_dict
@@ -250,21 +250,14 @@ def _extract_models(
             runs[split].append(ModelRun(backbone.model, one.layers, path, backbone.transform, own))
     options = run_options(spec)
     if check_space:  # every model's and split's store, before any work
-        estimates = [
-            estimate(
-                run.model,
-                Transformed(decoded[split], run.transform),
-                run.layers,
-                run.path,
-                rows=first_rows(spec, source),
-                dataset_fingerprint=fingerprints[split],
-                **run.options,
-                **options,
-            )
-            for split, source in sources.items()
-            for key, run in zip(specs, runs[split], strict=True)
-            if not complete_already(specs[key], split)
-        ]
+        estimates = []
+        for split, source in sources.items():
+            todo = [r for key, r in zip(specs, runs[split], strict=True)
+                    if not complete_already(specs[key], split)]  # fmt: skip
+            estimates += estimate_runs(
+                todo, decoded[split], rows=first_rows(spec, source),
+                dataset_fingerprint=fingerprints[split], **options,
+            )  # fmt: skip
         check_free_space(estimates, spec.output.overwrite)
     stores = {}
     for split, source in sources.items():

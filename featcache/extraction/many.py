@@ -38,7 +38,7 @@ from featcache.extraction.batches import (
     started,
 )
 from featcache.extraction.dataset_info import dataset_classes, dataset_ids
-from featcache.extraction.estimate import check_free_space
+from featcache.extraction.estimate import StoreEstimate, check_free_space
 from featcache.extraction.grid import GridBatches, shard_starts
 from featcache.runtime import resolve_device
 from featcache.store import FeatureStore
@@ -297,6 +297,19 @@ def _first_row(batch: Batch) -> int | None:
     return min(rows) if rows else None
 
 
+def estimate_runs(
+    runs: Sequence[ModelRun], dataset: Decoded, **options: Any
+) -> list[StoreEstimate]:
+    """The size of each run's store (:func:`~featcache.extraction.estimate`), each
+    model's first row made from the same decoded sample; ``options`` are the shared
+    options of ``estimate``, each run's own added."""
+    return [
+        estimate(run.model, Transformed(dataset, run.transform), run.layers, run.path,
+                 **options, **run.options)
+        for run in runs
+    ]  # fmt: skip
+
+
 def extract_models(
     runs: Sequence[ModelRun],
     dataset: Dataset,
@@ -353,11 +366,8 @@ def extract_models(
     )
     arguments = [{**common, **options, **run.options, "progress": False} for run in runs]
     if check_space:  # every store, before any work
-        sizes = []
-        for model_run, view, kw in zip(runs, views, arguments, strict=True):
-            sized = {k: v for k, v in kw.items() if k not in ("ids", "class_names")}
-            sizes.append(estimate(model_run.model, view, model_run.layers, model_run.path, **sized))
-        check_free_space(sizes, shared.overwrite)
+        sized = dict(rows=rows, dataset_fingerprint=dataset_fingerprint, **options)
+        check_free_space(estimate_runs(runs, decoded, **sized), shared.overwrite)
     fan_out = FanOut(decoded, [run.transform for run in runs])
     shared_pass = SharedPass(fan_out, len(runs), shared, shard_starts(dataset))
     first = first_sample(decoded, rows or range(len(decoded)))
