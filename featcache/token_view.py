@@ -106,7 +106,7 @@ class TokenDataset(FeatureDataset):
             values = {layer: _take(self._memory[layer], tokens) for layer in self.layers}
         else:
             values = {
-                layer: self._convert(read_rows(self.features(layer), tokens))
+                layer: self._convert(read_rows(self.features(layer), tokens, self._known))
                 for layer in self.layers
             }
         rows, positions = self.rows_and_positions(tokens)

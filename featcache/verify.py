@@ -41,7 +41,7 @@ from featcache.spec import Spec, StoreSpec, load_config
 from featcache.store import FeatureStore, codec
 from featcache.store.checks import has_checksums, scan_chunks
 from featcache.store.metadata import is_sealed
-from featcache.store.rows import read_rows, span_text
+from featcache.store.rows import Known, let_go, read_rows, span_text
 from featcache.taps import TapSet
 
 # |stored - recomputed| <= TOLERANCE * max(|recomputed| over the row): a few units in the
@@ -321,6 +321,7 @@ def _check_alignment(
 
 def _nonfinite(store: FeatureStore) -> list[str]:
     bad = []
+    known: Known = {}  # each chunk is checked once
     for layer in store.layers:
         dataset = store.file["features"][layer]
         end = len(store)
@@ -329,10 +330,11 @@ def _nonfinite(store: FeatureStore) -> list[str]:
             end = int(offsets[-1]) if offsets is not None else 0
         for start in range(0, end, CHUNK_ROWS_FOR_SCAN):
             stop = min(start + CHUNK_ROWS_FOR_SCAN, end)
-            block = read_rows(dataset, slice(start, stop)).float()
+            block = read_rows(dataset, slice(start, stop), known).float()
             if not torch.isfinite(block).all():
                 bad.append(layer)
                 break
+    let_go(known)
     return bad
 
 

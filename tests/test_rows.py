@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import threading
-import weakref
 
 import h5py
 import numpy as np
@@ -20,7 +19,7 @@ from featcache.store import FeatureStore, StorePlan, StoreWriter, codec, combine
 from featcache.store import rows as rows_module
 from featcache.store.layout import chunk_addresses
 from featcache.store.paths import shard_path
-from featcache.store.rows import PartRows, read_runs, rows_of
+from featcache.store.rows import Known, PartRows, read_runs, rows_of
 from tests.stores import corrupt_row
 
 
@@ -197,15 +196,16 @@ def test_a_combined_store_is_read_from_its_shards_through_the_same_path(tmp_path
 
     with h5py.File(path, "r") as f:
         dataset = f["features/a"]
-        reader = rows_of(dataset)
+        known: Known = {}  # what the reads learn, kept as a store handle keeps it
+        reader = rows_of(dataset, known)
         assert dataset.is_virtual and isinstance(reader, PartRows) and reader.direct
         monkeypatch.setattr(h5py.Dataset, "read_direct", no_hdf5_read)
         monkeypatch.setattr(h5py.Dataset, "__getitem__", no_hdf5_read)
         for rows in ([32, 0, 23, 22, 5], list(range(33)), [24, 25]):
-            got = codec.as_array(read_rows(dataset, np.array(rows)))
+            got = codec.as_array(read_rows(dataset, np.array(rows), known))
             np.testing.assert_array_equal(got, encoded[rows])
         out = np.zeros((12, 3, 5), dtype=dataset.dtype)
-        read_runs(dataset, [(20, 27), (28, 33)], out)  # runs across the two shards
+        read_runs(dataset, [(20, 27), (28, 33)], out, reader=reader)  # across the two shards
         np.testing.assert_array_equal(out, encoded[np.r_[20:27, 28:33]])
         assert len(sums) == 6 + 3  # each chunk of each shard checked once
     monkeypatch.undo()
@@ -232,32 +232,21 @@ def test_a_bad_chunk_of_a_shard_is_named_by_the_combined_rows(tmp_path):
 
 
 def test_a_closed_combined_store_lets_go_of_its_shards(tmp_path):
-    path, _ = _combined(tmp_path)
-    with h5py.File(path, "r") as f:
-        reads = rows_of(f["features/a"])
-        assert isinstance(reads, PartRows)
-        shards = [part.dataset for part in reads.parts]  # read from its own handles on them
-        forgotten = weakref.ref(reads)
-        del reads
-    other, _ = _store(tmp_path / "other.h5")
-    with h5py.File(other, "r") as f:
-        rows_of(f["features/a"])  # a new reader: those of closed files are dropped
-    gc.collect()
-    assert forgotten() is None
+    path, encoded = _combined(tmp_path)
     shard = shard_path(tmp_path / "t.h5", 1, 2)
-    with pytest.raises(OSError, match="locking flag"):  # held here only: HDF5 has it open
+    store = FeatureStore(path)
+    np.testing.assert_array_equal(codec.as_array(store.read("a", [30])), encoded[[30]])
+    with pytest.raises(OSError, match="locking flag"):  # held by the store's reads of it
         h5py.File(shard, "r", locking=False)
-    del shards
-    gc.collect()
-    h5py.File(shard, "r", locking=False).close()  # closed: opened anew as asked
+    store.close()
+    h5py.File(shard, "r", locking=False).close()  # closed with the store: opened anew as asked
+    np.testing.assert_array_equal(codec.as_array(store.read("a", [30])), encoded[[30]])
+    store.close()
 
 
-@pytest.mark.parametrize("during", ["sizing", "listing"])
-def test_a_store_the_garbage_collector_closes_inside_a_read_does_not_hang_it(
-    tmp_path, monkeypatch, during
-):
+def test_a_store_the_garbage_collector_closes_inside_a_read_does_not_hang_it(tmp_path, monkeypatch):
     # A dropped store in a reference cycle is closed by the garbage collector, which can run
-    # in the middle of rows_of while it holds its lock; the closing must not wait on it.
+    # in the middle of another store's read, here while that read sizes up its dataset.
     dropped, _ = _store(tmp_path / "dropped.h5")
     read, encoded = _store(tmp_path / "read.h5", seed=3)
     store = FeatureStore(dropped)
@@ -265,29 +254,20 @@ def test_a_store_the_garbage_collector_closes_inside_a_read_does_not_hang_it(
     store.cycle = store  # only the collector frees it
     handle = store._handle._file
     del store
-    # While it sizes up the dataset, or between listing the open files and reading them.
-    real_chunks, real_listing = rows_module.Chunks, h5py.h5f.get_obj_ids
+    real_chunks = rows_module.Chunks
 
     def collecting(dataset):
         gc.collect()
         return real_chunks(dataset)
 
-    def listing(*kinds):
-        found = real_listing(*kinds)
-        gc.collect()
-        return found
-
-    if during == "sizing":
-        monkeypatch.setattr(rows_module, "Chunks", collecting)
-    else:
-        monkeypatch.setattr(h5py.h5f, "get_obj_ids", listing)
+    monkeypatch.setattr(rows_module, "Chunks", collecting)
     results: list[np.ndarray] = []
 
     def reading():
-        with h5py.File(read, "r") as f:
-            results.append(codec.as_array(read_rows(f["features/a"], np.array([5, 1]))))
+        with FeatureStore(read) as other:
+            results.append(codec.as_array(other.read("a", [5, 1])))
 
-    gc.disable()  # the collection is the one inside rows_of
+    gc.disable()  # the collection is the one inside the read
     try:
         thread = threading.Thread(target=reading, daemon=True)
         thread.start()

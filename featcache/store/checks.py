@@ -12,8 +12,8 @@ import h5py
 
 from featcache.store import codec
 from featcache.store.layout import PROGRESS, chunk_addresses, read_progress
-from featcache.store.paths import readable_path
-from featcache.store.rows import PartRows, chunk_text, opened, read_head, rows_of
+from featcache.store.paths import open_readonly, readable_path
+from featcache.store.rows import PartRows, chunk_text, read_head, rows_of
 
 if TYPE_CHECKING:
     from featcache.store.reader import FeatureStore
@@ -85,7 +85,7 @@ def has_checksums(store: str | os.PathLike | FeatureStore) -> bool:
 def _of_file(store: str | os.PathLike | FeatureStore, check: Callable[[h5py.File], T]) -> T:
     """``check`` of the open file of ``store`` (a path opened for it, or a FeatureStore)."""
     if isinstance(store, (str, os.PathLike)):
-        with opened(readable_path(store)) as file:
+        with open_readonly(readable_path(store)) as file:
             return check(file)
     return check(store.file)
 

@@ -27,9 +27,9 @@ from featcache.store.layout import (
 )
 from featcache.store.lock import writer_lock
 from featcache.store.metadata import DIGEST_ATTR, seal
-from featcache.store.paths import partial_path
+from featcache.store.paths import open_readonly, partial_path
 from featcache.store.reader import FeatureStore
-from featcache.store.rows import forget, opened, read_head, rows_of
+from featcache.store.rows import read_head, rows_of
 from featcache.store.skipped import read_skipped, write_skipped
 
 
@@ -52,7 +52,7 @@ def copy_store(
     :class:`~featcache.errors.CorruptStoreError` and the half-made copy is removed.
     """
     target = Path(target)
-    with opened(source) as src:
+    with open_readonly(source) as src:
         objects = [(name, obj) for name, obj in walk(src) if not name.startswith("checksums")]
         total = sum(o.size * o.dtype.itemsize for _, o in objects if isinstance(o, h5py.Dataset))
         if compression is None:  # refused before HDF5 fails badly on a full disk
@@ -155,7 +155,6 @@ def combine_shards(
             seal(out)
     finally:
         for f in files:
-            forget(f)
             f.close()
     replace_durably(tmp, path)
     return FeatureStore(path)

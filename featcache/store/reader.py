@@ -37,13 +37,15 @@ from featcache.store.paths import (
 )
 from featcache.store.rows import (
     FIX,
-    forget,
+    Known,
+    let_go,
     read_head,
     read_rows,
     read_runs,
     read_text_head,
     read_token_rows,
     row_numbers,
+    rows_of,
 )
 from featcache.store.skipped import read_log, read_skipped
 
@@ -59,6 +61,7 @@ class StoreFile:
     A copy in another process (a forked or spawned DataLoader worker) opens its own
     handle: pickling keeps only the path. ``path`` is the store, or its ``.partial``
     while the store is not complete (see :func:`~featcache.store.paths.readable_path`).
+    What reads learn of its datasets (:attr:`known`) lives as long as the handle.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -66,6 +69,7 @@ class StoreFile:
         self._file: h5py.File | None = None
         self._pid: int | None = None
         self._datasets: dict[str, h5py.Dataset] = {}
+        self._known: Known = {}
         self._closer: weakref.finalize | None = None
 
     def _open_here(self) -> h5py.File | None:
@@ -85,12 +89,19 @@ class StoreFile:
         if file is None:
             file = self._file = open_readonly(readable_path(self.path))
             self._pid = os.getpid()
-            self._datasets = {}
+            self._datasets, self._known = {}, {}
             # Closed when this object goes, or else when the interpreter exits: HDF5 crashes
             # (SIGSEGV) closing, in its own shutdown, the creation property list that an
             # h5py Dataset of a combined store's virtual dataset still holds.
-            self._closer = weakref.finalize(self, _close, file, self._datasets)
+            self._closer = weakref.finalize(self, _close, file, self._datasets, self._known)
         return file
+
+    @property
+    def known(self) -> Known:
+        """What reads have learnt of this file's datasets (``rows.rows_of``'s ``known``):
+        each chunk is checked once while the handle is open."""
+        _ = self.file  # opened in this process first
+        return self._known
 
     def dataset(self, name: str, chunk_cache: tuple[int, int] | None = None) -> h5py.Dataset:
         """The dataset ``name``, opened once per handle.
@@ -115,22 +126,20 @@ class StoreFile:
         """Close this process's handle; one inherited from another process is left alone."""
         file = self._open_here()
         if file is not None and self._closer is not None:
-            forget(file)
             self._closer()
         self._file = None
-        self._datasets = {}
+        self._datasets, self._known = {}, {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "_file": None, "_pid": None, "_datasets": {}, "_closer": None}
+        empty: dict[str, Any] = {"_file": None, "_pid": None, "_closer": None}
+        return {"path": self.path, "_datasets": {}, "_known": {}, **empty}
 
 
-def _close(file: h5py.File, datasets: dict[str, h5py.Dataset]) -> None:
-    """Close a store handle, its datasets and what is known of them. The garbage collector
-    may call it in the middle of a read that holds the chunk-knowledge lock: it never waits
-    on that lock (waiting would deadlock the reading thread on itself)."""
+def _close(file: h5py.File, datasets: dict[str, h5py.Dataset], known: Known) -> None:
+    """Close a store handle: its datasets, the shard files of its reads, the file."""
     datasets.clear()
+    let_go(known)
     if file.id.valid:
-        forget(file, wait=False)
         file.close()
 
 
@@ -275,7 +284,7 @@ class FeatureStore:
         """``[N + 1]`` int64 token offsets of the rows (None: no per-token layers)."""
         if "offsets" not in self.file:
             return None
-        return read_head(self.file["offsets"], len(self) + 1)
+        return read_head(self.file["offsets"], len(self) + 1, self._handle.known)
 
     @property
     def token_ids(self) -> np.ndarray | None:
@@ -283,7 +292,7 @@ class FeatureStore:
         offsets = self.offsets
         if offsets is None or "token_ids" not in self.file:
             return None
-        return read_head(self.file["token_ids"], int(offsets[-1]))
+        return read_head(self.file["token_ids"], int(offsets[-1]), self._handle.known)
 
     def read_tokens(self, layer: str, rows: Rows = slice(None)) -> tuple[torch.Tensor, np.ndarray]:
         """The tokens of ``rows`` of a per-token layer: ``(values, offsets)``.
@@ -300,8 +309,10 @@ class FeatureStore:
         first = int(picked.min()) if len(picked) else 0
         last = int(picked.max()) + 1 if len(picked) else 0
         window = np.empty(last + 1 - first, dtype=np.int64)
-        read_runs(self.file["offsets"], [(first, last + 1)], window)
-        return read_token_rows(features, window, picked - first)
+        offsets = self.file["offsets"]
+        known = self._handle.known
+        read_runs(offsets, [(first, last + 1)], window, reader=rows_of(offsets, known))
+        return read_token_rows(features, window, picked - first, known)
 
     def dtype(self, layer: str) -> torch.dtype:
         """The torch dtype rows of ``layer`` come back as."""
@@ -328,17 +339,19 @@ class FeatureStore:
     @property
     def labels(self) -> np.ndarray | None:
         """``[N]`` int64 labels, or None when the source had none."""
-        return read_head(self.file["labels"], len(self)) if self.has_labels else None
+        if not self.has_labels:
+            return None
+        return read_head(self.file["labels"], len(self), self._handle.known)
 
     @property
     def index(self) -> np.ndarray:
         """``[N]`` int64 position of each row in the source dataset."""
-        return read_head(self.file["index"], len(self))
+        return read_head(self.file["index"], len(self), self._handle.known)
 
     @property
     def ids(self) -> list[str]:
         """``N`` stable sample ids (relative file paths for image folders)."""
-        return read_text_head(self.file["ids"], len(self))
+        return read_text_head(self.file["ids"], len(self), self._handle.known)
 
     @property
     def attrs(self) -> dict[str, Any]:
@@ -371,7 +384,7 @@ class FeatureStore:
                 f"layer {layer!r} holds per-token rows of different lengths; read them with "
                 "read_tokens(), FeatureDataset (one [T, D] row per item) or TokenDataset"
             )
-        return read_rows(features, row_numbers(rows, len(self)))
+        return read_rows(features, row_numbers(rows, len(self)), self._handle.known)
 
     def describe(self) -> StoreDescription:
         """What ``featcache info`` shows: sizes, layers, rows, provenance, the time split."""

@@ -17,7 +17,7 @@ from featcache.store.checks import durable_problem, scan_file
 from featcache.store.layout import read_progress
 from featcache.store.metadata import UNREADABLE_METADATA
 from featcache.store.paths import OVERWRITE, open_readonly, partial_path, skipped_log_path
-from featcache.store.rows import opened, rows_of
+from featcache.store.rows import rows_of
 from featcache.store.skipped import read_log
 
 
@@ -94,7 +94,7 @@ def plan_resume(
         return ConfigError(f"cannot resume from {partial}: {why}; pass {OVERWRITE} to start over")
 
     try:
-        with opened(partial) as f:
+        with open_readonly(partial) as f:
             stored_key = codec.attr(f, "resume_key")
             for key in sorted(set(stored_key) | set(resume_key)):
                 if stored_key.get(key) != resume_key.get(key):

@@ -1,5 +1,5 @@
 """Reading rows: plain chunks through a memory map, others through HDF5, each chunk checked
-against its checksum the first time it is read while its file is open.
+against its checksum the first time a handle on its file reads it.
 
 A dataset stored as plain chunks of whole rows (every dataset of an uncompressed format-3
 store) is read through a memory map of its file: any set of rows is one ``numpy.take`` of
@@ -17,12 +17,8 @@ from __future__ import annotations
 import bisect
 import contextlib
 import mmap
-import os
-import threading
-from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import h5py
 import numpy as np
@@ -31,7 +27,6 @@ import torch
 from featcache.errors import CorruptStoreError, FeatcacheError, first_line
 from featcache.store import codec
 from featcache.store.layout import checksum, checksums_name, chunk_addresses
-from featcache.store.paths import open_readonly
 
 FIX = "re-extract it (featcache extract <config> --overwrite) or restore it from a copy"
 _BAD = (OSError, RuntimeError, KeyError, ValueError)  # what h5py raises on damaged bytes
@@ -224,70 +219,29 @@ class PartRows:
             part.advise(a, b)
 
 
-MAX_TRACKED = 64  # datasets known, most recent first
-# Keyed by HDF5's serial number of the open file (never reused in a process, the same for
-# every handle on it) and the dataset's path: a chunk is checked once while its file is
-# open, however many h5py objects read it.
-_OPEN: OrderedDict[tuple[tuple[int, int], str], Chunks | PartRows] = OrderedDict()
-_LOCK = threading.Lock()  # a shuffle buffer is read on two threads
+# What is learnt of the datasets of one open file, by dataset name: a handle's cache
+# (:attr:`~featcache.store.reader.StoreFile.known`), so that its chunks are checked once.
+Known = MutableMapping[str, "Chunks | PartRows"]
 
 
-def rows_of(dataset: h5py.Dataset) -> Rows | PartRows:
-    """The reads of ``dataset`` (a combined store's from its shards), what is known of it
-    kept while its file is open."""
-    key = (tuple(dataset.id.fileno), dataset.name)
-    with _LOCK:
-        known = _OPEN.get(key)
+def rows_of(dataset: h5py.Dataset, known: Known | None = None) -> Rows | PartRows:
+    """The reads of ``dataset`` (a combined store's from its shards); with ``known``, what
+    is learnt of it (where its chunks lie, which passed their checks) is kept there."""
+    found = None if known is None else known.get(dataset.name)
+    if found is None:
+        found = (_shard_rows(dataset) if dataset.is_virtual else None) or Chunks(dataset)
         if known is not None:
-            _OPEN.move_to_end(key)
-        else:
-            known = (_shard_rows(dataset) if dataset.is_virtual else None) or Chunks(dataset)
-            open_files = _open_serials()
-            for stale in [k for k in _OPEN if k[0] not in open_files]:
-                del _OPEN[stale]
-            _OPEN[key] = known
-            if len(_OPEN) > MAX_TRACKED:
-                _OPEN.popitem(last=False)
-    return known if isinstance(known, PartRows) else Rows(dataset, known)
+            found = known.setdefault(dataset.name, found)
+    return found if isinstance(found, PartRows) else Rows(dataset, found)
 
 
-def _open_serials() -> set[tuple[int, int]]:
-    """HDF5's serial numbers of the files open in this process."""
-    serials = set()
-    for file in h5py.h5f.get_obj_ids(h5py.h5f.OBJ_ALL, h5py.h5f.OBJ_FILE):
-        with contextlib.suppress(ValueError):  # closed since, by the garbage collector
-            serials.add(tuple(file.fileno))
-    return serials
-
-
-@contextlib.contextmanager
-def opened(path: str | os.PathLike, **options: Any) -> Iterator[h5py.File]:
-    """A store file open read-only for the block, forgotten (:func:`forget`) after."""
-    with open_readonly(path, **options) as file:
-        try:
-            yield file
-        finally:
-            forget(file)
-
-
-def forget(file: h5py.File, wait: bool = True) -> None:
-    """Drop what is known of ``file``'s datasets (a combined store's let go of its shards).
-
-    With ``wait=False`` (from the garbage collector, which may run inside :func:`rows_of`
-    on any thread) nothing is done while another read holds the lock: :func:`rows_of`
-    drops what it knows of closed files itself.
-    """
-    try:
-        serial = tuple(file.id.fileno)
-    except _BAD:  # a damaged root: nothing read
-        return
-    if not _LOCK.acquire(blocking=wait):
-        return
-    try:
-        for key in [key for key in _OPEN if key[0] == serial]:
-            del _OPEN[key]
-    finally:
-        _LOCK.release()
+def let_go(known: Known) -> None:
+    """Forget what ``known`` holds, closing the shard files a combined store's reads opened."""
+    for found in list(known.values()):
+        for part in found.parts if isinstance(found, PartRows) else ():
+            with contextlib.suppress(*_BAD):
+                part.dataset.file.close()
+    known.clear()
 
 
 def _shard_rows(dataset: h5py.Dataset) -> PartRows | None:
@@ -298,7 +252,7 @@ def _shard_rows(dataset: h5py.Dataset) -> PartRows | None:
     folder = Path(dataset.file.filename).parent
     parts, first = [], 0
     for shard in shards:
-        found = h5py.File(folder / shard, "r")[dataset.name]  # open while its reads are known
+        found = h5py.File(folder / shard, "r")[dataset.name]  # closed by let_go, or when dropped
         parts.append(Rows(found, Chunks(found), dataset.file.filename, first))
         first += len(found)
     if first != len(dataset):
@@ -334,16 +288,16 @@ def read_runs(
         at += max(stop - start, 0)
 
 
-def read_head(dataset: h5py.Dataset, rows: int) -> np.ndarray:
+def read_head(dataset: h5py.Dataset, rows: int, known: Known | None = None) -> np.ndarray:
     """The first ``rows`` rows of a dataset (labels, index, ids, offsets, skip records)."""
     out = np.empty((rows, *dataset.shape[1:]), dtype=dataset.dtype)
-    rows_of(dataset).read(0, rows, out)
+    rows_of(dataset, known).read(0, rows, out)
     return out
 
 
-def read_text_head(dataset: h5py.Dataset, rows: int) -> list[str]:
+def read_text_head(dataset: h5py.Dataset, rows: int, known: Known | None = None) -> list[str]:
     """:func:`read_head` of a dataset of fixed-length UTF-8 text, as ``str``."""
-    return [raw.decode("utf-8") for raw in read_head(dataset, rows)]
+    return [raw.decode("utf-8") for raw in read_head(dataset, rows, known)]
 
 
 def row_numbers(rows: slice | Sequence[int] | np.ndarray, num_rows: int) -> np.ndarray:
@@ -365,7 +319,9 @@ def row_numbers(rows: slice | Sequence[int] | np.ndarray, num_rows: int) -> np.n
     return rows
 
 
-def read_rows(dataset: h5py.Dataset, rows: slice | np.ndarray) -> torch.Tensor:
+def read_rows(
+    dataset: h5py.Dataset, rows: slice | np.ndarray, known: Known | None = None
+) -> torch.Tensor:
     """Rows of a features dataset as a tensor ``[n, *shape]`` of its store dtype (bfloat16
     as ``torch.bfloat16``). ``rows``: a slice, or int64 row numbers in range in any order,
     with repeats (each read once, in increasing order, then put in the order asked)."""
@@ -373,16 +329,16 @@ def read_rows(dataset: h5py.Dataset, rows: slice | np.ndarray) -> torch.Tensor:
     unique, inverse = np.unique(rows, return_inverse=True)
     array = np.empty((len(unique), *dataset.shape[1:]), dtype=dataset.dtype)
     if len(unique) and unique[-1] - unique[0] + 1 == len(unique):
-        rows_of(dataset).read(int(unique[0]), int(unique[-1]) + 1, array)
+        rows_of(dataset, known).read(int(unique[0]), int(unique[-1]) + 1, array)
     elif len(unique):
-        rows_of(dataset).take(unique, array)
+        rows_of(dataset, known).take(unique, array)
     if not np.array_equal(unique, rows):
         array = array[inverse.reshape(-1)]
     return codec.from_array(array, codec.attr(dataset, "dtype", ""))
 
 
 def read_token_rows(
-    dataset: h5py.Dataset, offsets: np.ndarray, rows: np.ndarray
+    dataset: h5py.Dataset, offsets: np.ndarray, rows: np.ndarray, known: Known | None = None
 ) -> tuple[torch.Tensor, np.ndarray]:
     """The tokens of ``rows`` (int64 row numbers, any order) of a per-token dataset whose
     row ``i`` is ``offsets[i]:offsets[i + 1]``: ``(values [sum T, ...], offsets [n + 1])``,
@@ -390,7 +346,8 @@ def read_token_rows(
     unique, inverse = np.unique(rows, return_inverse=True)
     counts = offsets[unique + 1] - offsets[unique]
     packed = np.empty((int(counts.sum()), *dataset.shape[1:]), dtype=dataset.dtype)
-    read_runs(dataset, [(int(offsets[a]), int(offsets[b])) for a, b in runs(unique)], packed)
+    spans = [(int(offsets[a]), int(offsets[b])) for a, b in runs(unique)]
+    read_runs(dataset, spans, packed, reader=rows_of(dataset, known))
     starts = np.concatenate([[0], np.cumsum(counts)])
     if not np.array_equal(unique, rows):  # put back in the order asked
         order = inverse.reshape(-1)

@@ -38,7 +38,6 @@ from featcache.store.merge import copy_store
 from featcache.store.metadata import seal
 from featcache.store.paths import OVERWRITE, open_readonly, partial_path, skipped_log_path
 from featcache.store.resume import ResumePoint
-from featcache.store.rows import opened
 from featcache.store.skipped import rewrite_log, write_skipped
 
 MARK_SECONDS = 0.5  # how often durable progress is recorded while writing
@@ -404,7 +403,7 @@ class StoreWriter:
         sat on disk, and a damaged chunk index would make HDF5 read it otherwise than it
         was written."""
         assert self.resume is not None
-        with opened(self.partial) as f:
+        with open_readonly(self.partial) as f:
             bad = scan_file(f, after=self.resume.durable)
             if bad:
                 raise CorruptStoreError(
