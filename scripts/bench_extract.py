@@ -17,7 +17,7 @@ bare eager forward, ``vs best`` against the fastest bare loop at the same depth:
   forward truncated after the target layer (best layout), the same with freed memory
   kept for reuse as featcache keeps it on the CPU (``featcache.memory``), forward hooks
   appending to lists then saved with h5py, torchvision's ``create_feature_extractor``,
-  and ``featcache.extract`` (with its default Fletcher-32 chunk checksums; ``--checksum-cost``
+  and ``featcache.extract`` (with its default XXH3 chunk checksums; ``--checksum-cost``
   adds ``featcache.extract, checksum off``, prints the images/s ratio of the two, and
   times creating a 2 GB store of ``layer2`` rows with and without checksums, with the
   disk space it takes before any row is written); and featcache's own work in such a run

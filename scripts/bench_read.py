@@ -24,7 +24,7 @@ disk. Cases:
 * ``ShuffledBatches`` under ``DataLoader(batch_size=None, num_workers=--workers,
   persistent_workers=True)``; skipped with ``--workers 0``.
 
-The store is written as featcache writes by default, with a Fletcher-32 checksum per
+The store is written as featcache writes by default, with an XXH3 checksum per
 chunk (``store.checksum``). ``--checksum-cost`` also writes the same rows without
 checksums and times the per-row, ``FeatureDataset`` and ``ShuffledBatches`` cases on it
 too (rows ``..., no checksum``, each run right beside its twin with checksums), then
@@ -450,7 +450,7 @@ def bench(args: argparse.Namespace, path: Path) -> None:
         )
     pairs = [name for name in speed if name + NO_CHECKSUM in speed]
     if pairs:
-        print("\nchecksum cost: rows/s with Fletcher-32 checksums over rows/s without")
+        print("\nchecksum cost: rows/s with XXH3 checksums over rows/s without")
         column = max(len(name) for name in pairs)
         print(f"{'case':<{column}} {'with':>11} {'without':>11} {'ratio':>7}")
         for name in pairs:

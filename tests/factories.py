@@ -11,17 +11,20 @@ from torch import nn
 
 class SlowNet(nn.Module):
     """A tiny convolutional net that sleeps ``delay`` seconds per batch, so that a run
-    lasts long enough for another process to meet it."""
+    lasts long enough for another process to meet it, and waits before each batch while
+    the file ``hold`` exists, so that a test decides when the run may go on."""
 
-    def __init__(self, delay: float = 0.1):
+    def __init__(self, delay: float = 0.1, hold: str | None = None):
         super().__init__()
-        self.delay = delay
+        self.delay, self.hold = delay, hold
         self.conv = nn.Conv2d(3, 4, 3, padding=1)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(4, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         time.sleep(self.delay)
+        while self.hold is not None and Path(self.hold).exists():
+            time.sleep(0.02)
         return self.fc(self.pool(self.conv(x)).flatten(1))
 
 

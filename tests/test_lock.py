@@ -142,11 +142,14 @@ def _wait_for(condition, process: subprocess.Popen, timeout: float = 120) -> Non
 @pytest.mark.parametrize("second", [(), ("--overwrite",)], ids=["plain", "overwrite"])
 def test_a_second_run_is_refused_and_the_first_finishes(tmp_path, second):
     config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump({**SLOW_CONFIG, "output": {"dir": str(tmp_path / "out")}}))
+    hold = tmp_path / "hold"  # while it exists, the first run waits before each batch
+    model = {"factory": "tests.factories:SlowNet", "kwargs": {"delay": 0.15, "hold": str(hold)}}
+    out = {"dir": str(tmp_path / "out")}
+    config.write_text(yaml.safe_dump({**SLOW_CONFIG, "model": model, "output": out}))
     store = tmp_path / "out" / "train.h5"
     first = _start(config)
     _wait_for(partial_path(store).exists, first)  # the first is writing rows
-    time.sleep(1.0)
+    hold.touch()  # and stays in the middle of its run, however slow the second is to start
     result = _run_extract(config, *second)
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.strip()]
@@ -155,6 +158,7 @@ def test_a_second_run_is_refused_and_the_first_finishes(tmp_path, second):
     assert first.poll() is None, "the first run must still be going"
     assert partial_path(store).exists() and not store.exists()
 
+    hold.unlink()
     out, err = first.communicate(timeout=300)
     assert first.returncode == 0, err
     assert not lock_path(store).exists() and not partial_path(store).exists()
