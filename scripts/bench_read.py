@@ -12,7 +12,8 @@ disk. Cases:
   gather, is shown beside it.
 * per-row h5py: ``dataset[i]`` for each row of a shuffled order, on ``h5py.File(path)``
   with h5py's default chunk cache (the "vs per-row" reference), and with the chunk cache
-  off. Only ``--per-row`` rows are read.
+  off; and ``FeatureStore.read(layer, [i])`` for the same rows. Only ``--per-row`` rows
+  are read.
 * ``FeatureDataset`` through ``DataLoader(batch_size, shuffle=True)``: a batch is read in
   increasing row order (``__getitems__``), with the default chunk cache (none for an
   uncompressed layer) and with a 4 MiB one; one whole epoch, or ``--sampled`` rows of it.
@@ -365,6 +366,12 @@ def bench(args: argparse.Namespace, path: Path) -> None:
 
         return run
 
+    def store_per_row() -> int:
+        with FeatureStore(path) as store:
+            for row in shuffled_rows:
+                store.read("x", [row])
+        return len(shuffled_rows)
+
     def sampled(chunk_cache: int | None, path: Path = path) -> Callable[[], int]:
         dataset = FeatureDataset(path, "x", dtype=dtype, chunk_cache=chunk_cache)
         loader = DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=0)
@@ -396,6 +403,7 @@ def bench(args: argparse.Namespace, path: Path) -> None:
         "in-memory tensor x.index_select(0, idx)": in_memory_select,
         PER_ROW: per_row({}),
         "per-row h5py, no chunk cache": per_row({"rdcc_nbytes": 0}),
+        "per-row FeatureStore.read": store_per_row,
         "FeatureDataset, DataLoader shuffle=True": sampled(None),
         "  same, 4 MiB chunk cache": sampled(4 << 20),
         "FeatureDataset.batches, shuffled": chunk_aware(file_dataset),

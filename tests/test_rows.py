@@ -5,6 +5,7 @@ from shards is read from the shards."""
 from __future__ import annotations
 
 import gc
+import os
 import threading
 
 import h5py
@@ -229,6 +230,19 @@ def test_a_bad_chunk_of_a_shard_is_named_by_the_combined_rows(tmp_path):
     assert dataset[26][0].shape == (3, 5)  # the other chunks still read
     with pytest.raises(CorruptStoreError, match=r"layer a rows 27-30 fail their checksum"):
         list(dataset.batches(8, seed=0))
+
+
+def test_a_store_reopened_after_its_file_was_replaced_reads_the_new_file(tmp_path):
+    # What a handle remembers (row count, layouts, chunk checks) goes with it.
+    path, _ = _store(tmp_path / "s.h5")
+    store = FeatureStore(path)
+    assert len(store) == 23 and store.read("a", [3]).dtype == torch.float16
+    store.close()
+    other, encoded = _store(tmp_path / "other.h5", rows=9, dtype="bfloat16", seed=5)
+    os.replace(other, path)
+    assert len(store) == 9 and store.read("a", [8]).dtype == torch.bfloat16
+    np.testing.assert_array_equal(codec.as_array(store.read("a", [8, 0])), encoded[[8, 0]])
+    store.close()
 
 
 def test_a_closed_combined_store_lets_go_of_its_shards(tmp_path):

@@ -61,7 +61,8 @@ class StoreFile:
     A copy in another process (a forked or spawned DataLoader worker) opens its own
     handle: pickling keeps only the path. ``path`` is the store, or its ``.partial``
     while the store is not complete (see :func:`~featcache.store.paths.readable_path`).
-    What reads learn of its datasets (:attr:`known`) lives as long as the handle.
+    What reads learn of its datasets (:attr:`known`), and values that cannot change while
+    it is open (:attr:`memo`), live as long as the handle.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -70,6 +71,7 @@ class StoreFile:
         self._pid: int | None = None
         self._datasets: dict[str, h5py.Dataset] = {}
         self._known: Known = {}
+        self._memo: dict[str, Any] = {}
         self._closer: weakref.finalize | None = None
 
     def _open_here(self) -> h5py.File | None:
@@ -89,7 +91,7 @@ class StoreFile:
         if file is None:
             file = self._file = open_readonly(readable_path(self.path))
             self._pid = os.getpid()
-            self._datasets, self._known = {}, {}
+            self._datasets, self._known, self._memo = {}, {}, {}
             # Closed when this object goes, or else when the interpreter exits: HDF5 crashes
             # (SIGSEGV) closing, in its own shutdown, the creation property list that an
             # h5py Dataset of a combined store's virtual dataset still holds.
@@ -102,6 +104,12 @@ class StoreFile:
         each chunk is checked once while the handle is open."""
         _ = self.file  # opened in this process first
         return self._known
+
+    @property
+    def memo(self) -> dict[str, Any]:
+        """Values read from this file once: the rows of a complete store, layer layouts."""
+        _ = self.file
+        return self._memo
 
     def dataset(self, name: str, chunk_cache: tuple[int, int] | None = None) -> h5py.Dataset:
         """The dataset ``name``, opened once per handle.
@@ -128,11 +136,11 @@ class StoreFile:
         if file is not None and self._closer is not None:
             self._closer()
         self._file = None
-        self._datasets, self._known = {}, {}
+        self._datasets, self._known, self._memo = {}, {}, {}
 
     def __getstate__(self) -> dict[str, Any]:
         empty: dict[str, Any] = {"_file": None, "_pid": None, "_closer": None}
-        return {"path": self.path, "_datasets": {}, "_known": {}, **empty}
+        return {"path": self.path, "_datasets": {}, "_known": {}, "_memo": {}, **empty}
 
 
 def _close(file: h5py.File, datasets: dict[str, h5py.Dataset], known: Known) -> None:
@@ -233,7 +241,12 @@ class FeatureStore:
 
     def __len__(self) -> int:
         """Rows that can be read: all of them, or the durable ones of an incomplete store."""
-        return int(self.file.attrs["num_rows"]) if self.complete else self.rows_written
+        memo = self._handle.memo
+        if "rows" not in memo:
+            if not self.complete:
+                return self.rows_written
+            memo["rows"] = int(self.file.attrs["num_rows"])  # a complete store never changes
+        return int(memo["rows"])
 
     def __repr__(self) -> str:
         state = "complete" if self.complete else "incomplete"
@@ -277,7 +290,11 @@ class FeatureStore:
     def is_per_token(self, layer: str) -> bool:
         """Whether ``layer`` holds per-token rows: row ``i`` is ``[T_i, *shape]``, tokens
         ``offsets[i]:offsets[i + 1]`` of its ``[total_tokens, *shape]`` dataset."""
-        return codec.attr(self._features(layer), "layout") == "tokens"
+        memo = self._handle.memo
+        key = f"per_token/{layer}"
+        if key not in memo:
+            memo[key] = codec.attr(self._features(layer), "layout") == "tokens"
+        return bool(memo[key])
 
     @property
     def offsets(self) -> np.ndarray | None:
@@ -379,7 +396,7 @@ class FeatureStore:
         :class:`~featcache.errors.CorruptStoreError`.
         """
         features = self._features(layer)
-        if codec.attr(features, "layout") == "tokens":
+        if self.is_per_token(layer):
             raise ConfigError(
                 f"layer {layer!r} holds per-token rows of different lengths; read them with "
                 "read_tokens(), FeatureDataset (one [T, D] row per item) or TokenDataset"

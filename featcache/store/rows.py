@@ -47,6 +47,7 @@ class Chunks:
         plain = sums is not None and not dataset.is_virtual and len(sums) >= chunks
         self.sums = sums[()] if plain else None  # else nothing to check against
         self.row_bytes = dataset.dtype.itemsize * int(np.prod(dataset.shape[1:], dtype=np.int64))
+        self.stored = codec.attr(dataset, "dtype", "")  # a layer's store dtype ("bfloat16", ...)
         self.map: mmap.mmap | None = None
         self.addresses: np.ndarray | None = None
         self.bytes: np.ndarray | None = None
@@ -103,10 +104,16 @@ class Rows:
         self, dataset: h5py.Dataset, chunks: Chunks, store: str | None = None, first: int = 0
     ):
         self.dataset, self.chunks = dataset, chunks
-        self.store, self.first = store or dataset.file.filename, first
+        self._store, self.first = store, first
         self.name = dataset.name.lstrip("/")
         self.length, self.chunk_rows, self.sums = chunks.length, chunks.chunk_rows, chunks.sums
+        self.stored = chunks.stored
         self.direct = chunks.rows is not None  # read without HDF5 (and without the GIL)
+
+    @property
+    def store(self) -> str:
+        """The file of the store the rows are named in (in errors)."""
+        return self._store or self.dataset.file.filename
 
     def read(self, start: int, stop: int, out: np.ndarray) -> None:
         """Copy rows ``[start, stop)`` into ``out`` (C-contiguous, the dataset's dtype)."""
@@ -195,6 +202,7 @@ class PartRows:
         self.parts, self.firsts = parts, [part.first for part in parts]
         self.length = sum(part.length for part in parts)
         self.dataset, self.chunk_rows = parts[0].dataset, parts[0].chunk_rows
+        self.stored = parts[0].stored
         self.direct = all(part.direct for part in parts)
 
     def _spans(self, start: int, stop: int) -> Iterator[tuple[Rows, int, int]]:
@@ -328,13 +336,14 @@ def read_rows(
     rows = row_numbers(rows, len(dataset)) if isinstance(rows, slice) else rows
     unique, inverse = np.unique(rows, return_inverse=True)
     array = np.empty((len(unique), *dataset.shape[1:]), dtype=dataset.dtype)
+    reader = rows_of(dataset, known)
     if len(unique) and unique[-1] - unique[0] + 1 == len(unique):
-        rows_of(dataset, known).read(int(unique[0]), int(unique[-1]) + 1, array)
+        reader.read(int(unique[0]), int(unique[-1]) + 1, array)
     elif len(unique):
-        rows_of(dataset, known).take(unique, array)
+        reader.take(unique, array)
     if not np.array_equal(unique, rows):
         array = array[inverse.reshape(-1)]
-    return codec.from_array(array, codec.attr(dataset, "dtype", ""))
+    return codec.from_array(array, reader.stored)
 
 
 def read_token_rows(
@@ -347,14 +356,15 @@ def read_token_rows(
     counts = offsets[unique + 1] - offsets[unique]
     packed = np.empty((int(counts.sum()), *dataset.shape[1:]), dtype=dataset.dtype)
     spans = [(int(offsets[a]), int(offsets[b])) for a, b in runs(unique)]
-    read_runs(dataset, spans, packed, reader=rows_of(dataset, known))
+    reader = rows_of(dataset, known)
+    read_runs(dataset, spans, packed, reader=reader)
     starts = np.concatenate([[0], np.cumsum(counts)])
     if not np.array_equal(unique, rows):  # put back in the order asked
         order = inverse.reshape(-1)
         pieces = [packed[starts[j] : starts[j + 1]] for j in order]
         packed = np.concatenate(pieces) if pieces else packed[:0]
         starts = np.concatenate([[0], np.cumsum(counts[order])])
-    return codec.from_array(packed, codec.attr(dataset, "dtype", "")), starts.astype(np.int64)
+    return codec.from_array(packed, reader.stored), starts.astype(np.int64)
 
 
 def named(key: str) -> str:
