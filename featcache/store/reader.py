@@ -340,14 +340,20 @@ class FeatureStore:
         return codec.read_attrs(self._features(layer))
 
     def _features(self, layer: str) -> h5py.Dataset:
-        # Opened anew each time, not kept open: a FeatureDataset opened meanwhile in this
-        # process gets its own chunk cache only if nothing else holds the dataset open.
+        # A layer HDF5 reads is opened anew each time, not kept open: a FeatureDataset opened
+        # meanwhile in this process gets its own chunk cache only if nothing else holds the
+        # dataset open. A layer read through the memory map uses no chunk cache: kept open.
+        name = f"features/{layer}"
+        if self._handle.memo.get(f"mapped/{layer}"):
+            return self._handle.dataset(name)
         group = self.file["features"]
         if layer not in group:
             raise ConfigError(
                 f"layer {layer!r} is not in store {self.path}; it holds: {', '.join(self.layers)}"
             )
-        return group[layer]
+        dataset = group[layer]
+        self._handle.memo[f"mapped/{layer}"] = rows_of(dataset, self._handle.known).direct
+        return dataset
 
     @property
     def has_labels(self) -> bool:
