@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -72,7 +71,6 @@ class StoreFile:
         self._datasets: dict[str, h5py.Dataset] = {}
         self._known: Known = {}
         self._memo: dict[str, Any] = {}
-        self._closer: weakref.finalize | None = None
 
     def _open_here(self) -> h5py.File | None:
         """The handle, if this process opened it and it is still open."""
@@ -92,10 +90,6 @@ class StoreFile:
             file = self._file = open_readonly(readable_path(self.path))
             self._pid = os.getpid()
             self._datasets, self._known, self._memo = {}, {}, {}
-            # Closed when this object goes, or else when the interpreter exits: HDF5 crashes
-            # (SIGSEGV) closing, in its own shutdown, the creation property list that an
-            # h5py Dataset of a combined store's virtual dataset still holds.
-            self._closer = weakref.finalize(self, _close, file, self._datasets, self._known)
         return file
 
     @property
@@ -118,37 +112,37 @@ class StoreFile:
         file's). HDF5 applies it only if the dataset is not already open elsewhere in this
         process, and only the first opening of ``name`` through this handle sets it.
         """
-        file = self.file
-        if name not in self._datasets:
-            if chunk_cache is None:
-                self._datasets[name] = file[name]
-            else:
-                dapl = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
-                dapl.set_chunk_cache(*chunk_cache, 0.75)
-                dataset_id = h5py.h5d.open(file.id, name.encode(), dapl=dapl)
-                # A high-level Dataset lets h5py cache its fast slice reader.
-                self._datasets[name] = h5py.Dataset(dataset_id, readonly=True)
-        return self._datasets[name]
+        found = self._datasets.get(name)
+        if found is not None:
+            return found
+        if chunk_cache is None:
+            found = self.file[name]
+        else:
+            dapl = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
+            dapl.set_chunk_cache(*chunk_cache, 0.75)
+            # A high-level Dataset lets h5py cache its fast slice reader.
+            found = h5py.Dataset(h5py.h5d.open(self.file.id, name.encode(), dapl), readonly=True)
+        # A combined store's virtual dataset is opened anew each time (its rows are read
+        # from the shards): HDF5 crashes (SIGSEGV) in its exit handler closing the creation
+        # property list of one still open, as a spawned DataLoader worker's is, since its
+        # dataset outlives Python's own teardown.
+        if not found.is_virtual:
+            self._datasets[name] = found
+        return found
 
     def close(self) -> None:
         """Close this process's handle; one inherited from another process is left alone."""
         file = self._open_here()
-        if file is not None and self._closer is not None:
-            self._closer()
+        if file is not None:
+            self._datasets.clear()
+            let_go(self._known)
+            file.close()
         self._file = None
         self._datasets, self._known, self._memo = {}, {}, {}
 
     def __getstate__(self) -> dict[str, Any]:
-        empty: dict[str, Any] = {"_file": None, "_pid": None, "_closer": None}
+        empty: dict[str, Any] = {"_file": None, "_pid": None}
         return {"path": self.path, "_datasets": {}, "_known": {}, "_memo": {}, **empty}
-
-
-def _close(file: h5py.File, datasets: dict[str, h5py.Dataset], known: Known) -> None:
-    """Close a store handle: its datasets, the shard files of its reads, the file."""
-    datasets.clear()
-    let_go(known)
-    if file.id.valid:
-        file.close()
 
 
 class FeatureStore:
