@@ -18,8 +18,6 @@ ConvNeXt's inner layers and any module after a ``permute`` give ``[B, H, W, C]``
 
 from __future__ import annotations
 
-import functools
-
 from torch import nn
 
 from featcache.errors import ConfigError
@@ -74,7 +72,6 @@ def declared_layouts(model: nn.Module) -> dict[str, ChannelLayout]:
     return declared
 
 
-@functools.lru_cache(maxsize=1024)
 def channel_layout(
     shape: tuple[int, ...],
     declared: str | None,

@@ -58,6 +58,9 @@ def test_host_buffers_are_reused_and_bounded():
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside torch.compile
+# Nothing featcache runs inside the compiled forward makes torch.compile warn (a cached
+# function there did: Dynamo traces through the cache and says so).
+@pytest.mark.filterwarnings("error::UserWarning")
 def test_compiled_forward_matches_eager(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(
