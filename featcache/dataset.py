@@ -30,7 +30,7 @@ from featcache.padding import PadTokens
 from featcache.shuffled_batches import ShuffledBatches
 from featcache.store import codec
 from featcache.store.reader import FeatureStore, StoreFile
-from featcache.store.rows import Known, read_rows, read_token_rows, row_numbers, rows_of
+from featcache.store.rows import PartRows, Rows, read_rows, read_token_rows, row_numbers, rows_of
 
 Features = torch.Tensor | dict[str, torch.Tensor]
 Batch = tuple[Features, torch.Tensor] | tuple[Features, torch.Tensor, torch.Tensor]
@@ -157,9 +157,9 @@ class FeatureDataset(Dataset):
         """The ``h5py.Dataset`` of ``layer``, opened in this process with its chunk cache."""
         return self._handle.dataset(f"features/{layer}", self._caches[layer])
 
-    @property
-    def _known(self) -> Known:
-        return self._handle.known
+    def _reader(self, layer: str) -> Rows | PartRows:
+        """The reads of ``layer`` in this process (with its chunk cache)."""
+        return self._handle.rows(f"features/{layer}", self._caches[layer])
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -177,7 +177,7 @@ class FeatureDataset(Dataset):
             elif self._memory is not None:
                 out[layer] = _take(self._memory[layer], rows)
             else:
-                out[layer] = self._convert(read_rows(self.features(layer), rows, self._known))
+                out[layer] = self._convert(read_rows(self._reader(layer), rows))
         return out
 
     def _token_rows(self, layer: str, rows: np.ndarray) -> list[torch.Tensor]:
@@ -186,7 +186,7 @@ class FeatureDataset(Dataset):
         if self._memory is not None:
             tokens = self._memory[layer]
             return [tokens[self.offsets[r] : self.offsets[r + 1]].clone() for r in rows]
-        values, starts = read_token_rows(self.features(layer), self.offsets, rows, self._known)
+        values, starts = read_token_rows(self._reader(layer), self.offsets, rows)
         values = self._convert(values)
         return [values[starts[j] : starts[j + 1]] for j in range(len(rows))]
 
@@ -413,7 +413,7 @@ class FeatureDataset(Dataset):
         """The read of the row ranges ``spans`` of every layer into ``buffers`` from row
         ``start``: begun on ``reader`` when given, finished by its ``result()``."""
         outs = {layer: codec.as_array(buffers[layer]) for layer in self.layers}
-        readers = {layer: rows_of(self.features(layer), self._known) for layer in self.layers}
+        readers = {layer: self._reader(layer) for layer in self.layers}
 
         def advise() -> None:  # the disk gets every block of the buffer at once
             for rows in readers.values():

@@ -20,7 +20,7 @@ import torch
 from featcache.dataset import FeatureDataset, Features, _take
 from featcache.errors import ConfigError
 from featcache.store.reader import FeatureStore, StoreFile
-from featcache.store.rows import read_rows, row_numbers
+from featcache.store.rows import read_rows, row_numbers, rows_of
 
 
 class TokenDataset(FeatureDataset):
@@ -73,7 +73,8 @@ class TokenDataset(FeatureDataset):
             group = store.file["features"]
             every = slice(0, self.num_rows)
             self._memory = {
-                layer: self._convert(read_rows(group[layer], every)) for layer in self.layers
+                layer: self._convert(read_rows(rows_of(group[layer]), every))
+                for layer in self.layers
             }
         store.close()
         self._handle = StoreFile(self.path)
@@ -106,7 +107,7 @@ class TokenDataset(FeatureDataset):
             values = {layer: _take(self._memory[layer], tokens) for layer in self.layers}
         else:
             values = {
-                layer: self._convert(read_rows(self.features(layer), tokens, self._known))
+                layer: self._convert(read_rows(self._reader(layer), tokens))
                 for layer in self.layers
             }
         rows, positions = self.rows_and_positions(tokens)

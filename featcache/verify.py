@@ -41,7 +41,7 @@ from featcache.spec import Spec, StoreSpec, load_config
 from featcache.store import FeatureStore, codec
 from featcache.store.checks import has_checksums, scan_chunks
 from featcache.store.metadata import is_sealed
-from featcache.store.rows import Known, let_go, read_rows, span_text
+from featcache.store.rows import Known, let_go, read_rows, rows_of, span_text
 from featcache.taps import TapSet
 
 # |stored - recomputed| <= TOLERANCE * max(|recomputed| over the row): a few units in the
@@ -330,7 +330,7 @@ def _nonfinite(store: FeatureStore) -> list[str]:
             end = int(offsets[-1]) if offsets is not None else 0
         for start in range(0, end, CHUNK_ROWS_FOR_SCAN):
             stop = min(start + CHUNK_ROWS_FOR_SCAN, end)
-            block = read_rows(dataset, slice(start, stop), known).float()
+            block = read_rows(rows_of(dataset, known), slice(start, stop)).float()
             if not torch.isfinite(block).all():
                 bad.append(layer)
                 break

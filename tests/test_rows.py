@@ -48,20 +48,22 @@ def test_rows_read_through_the_memory_map_equal_hdf5s(tmp_path, dtype, checksum)
         dataset = f["features/a"]
         assert rows_of(dataset).direct
         for rows in ([22, 0, 5, 5, 13], [3, 4], list(range(23)), [21, 22]):
-            got = codec.as_array(read_rows(dataset, np.array(rows)))
+            got = codec.as_array(read_rows(rows_of(dataset), np.array(rows)))
             np.testing.assert_array_equal(got, encoded[rows])
             np.testing.assert_array_equal(
                 got, dataset[sorted(set(rows))][np.unique(rows, return_inverse=True)[1]]
             )
         for part in (slice(None), slice(2, 19), slice(20, 23), slice(8, 8), slice(1, 20, 3)):
-            np.testing.assert_array_equal(codec.as_array(read_rows(dataset, part)), encoded[part])
+            np.testing.assert_array_equal(
+                codec.as_array(read_rows(rows_of(dataset), part)), encoded[part]
+            )
         out = np.zeros((9, 3, 5), dtype=dataset.dtype)
-        read_runs(dataset, [(1, 3), (14, 21)], out, at=0)
+        read_runs(rows_of(dataset), [(1, 3), (14, 21)], out)
         np.testing.assert_array_equal(out, encoded[np.r_[1:3, 14:21]])
         for name in ("index", "ids", "labels"):  # every dataset of rows reads the same way
             assert rows_of(f[name]).direct
             np.testing.assert_array_equal(
-                read_rows(f[name], slice(None)).numpy(), f[name][()]
+                read_rows(rows_of(f[name]), slice(None)).numpy(), f[name][()]
             ) if name != "ids" else None
 
 
@@ -95,7 +97,9 @@ def test_compressed_stores_are_read_by_hdf5_and_checked_on_their_stored_bytes(tm
     path, encoded = _store(tmp_path / "s.h5", checksum=checksum, compression="gzip")
     with h5py.File(path, "r") as f:
         assert f["features/a"].compression == "gzip" and not rows_of(f["features/a"]).direct
-        np.testing.assert_array_equal(read_rows(f["features/a"], np.array([5, 1])), encoded[[5, 1]])
+        np.testing.assert_array_equal(
+            read_rows(rows_of(f["features/a"]), np.array([5, 1])), encoded[[5, 1]]
+        )
         chunk = f["features/a"].id.get_chunk_info_by_coord((8, 0, 0))
     with open(path, "r+b") as raw:  # a changed byte of a compressed chunk
         raw.seek(chunk.byte_offset + chunk.size // 2)
@@ -110,10 +114,12 @@ def test_a_dataset_whose_file_was_closed_is_not_read(tmp_path):
     path, encoded = _store(tmp_path / "s.h5")
     f = h5py.File(path, "r")
     dataset = f["features/a"]
-    np.testing.assert_array_equal(codec.as_array(read_rows(dataset, np.array([2]))), encoded[[2]])
+    np.testing.assert_array_equal(
+        codec.as_array(read_rows(rows_of(dataset), np.array([2]))), encoded[[2]]
+    )
     f.close()
     with pytest.raises((ValueError, OSError, RuntimeError)):
-        read_rows(dataset, np.array([2]))
+        read_rows(rows_of(dataset), np.array([2]))
 
 
 def test_values_not_stored_as_native_numbers_are_read_by_hdf5(tmp_path):
@@ -125,7 +131,7 @@ def test_values_not_stored_as_native_numbers_are_read_by_hdf5(tmp_path):
         assert rows_of(plain).direct == (chunk_addresses(plain) is not None)
         for dataset in (swapped, text, plain):
             out = np.empty(7, dtype=dataset.dtype)
-            read_runs(dataset, [(3, 5), (12, 17)], out)
+            read_runs(rows_of(dataset), [(3, 5), (12, 17)], out)
             np.testing.assert_array_equal(out, dataset[np.r_[3:5, 14 - 2 : 17]])
 
 
@@ -142,8 +148,8 @@ def test_chunks_that_do_not_lie_back_to_back_read_the_same(tmp_path):
         assert addresses is not None and (np.diff(addresses) != 2400).any()
         assert rows_of(a).direct
         rows = np.array([0, 3, 199, 200, 1700, 1899, 3999])
-        np.testing.assert_array_equal(read_rows(a, rows).numpy(), values[rows])
-        np.testing.assert_array_equal(read_rows(a, slice(2, 3700)).numpy(), values[2:3700])
+        np.testing.assert_array_equal(read_rows(rows_of(a), rows).numpy(), values[rows])
+        np.testing.assert_array_equal(read_rows(rows_of(a), slice(2, 3700)).numpy(), values[2:3700])
 
 
 def test_an_epoch_of_batches_advises_every_block_before_reading_it(tmp_path, monkeypatch):
@@ -204,10 +210,10 @@ def test_a_combined_store_is_read_from_its_shards_through_the_same_path(tmp_path
         monkeypatch.setattr(h5py.Dataset, "read_direct", no_hdf5_read)
         monkeypatch.setattr(h5py.Dataset, "__getitem__", no_hdf5_read)
         for rows in ([32, 0, 23, 22, 5], list(range(33)), [24, 25]):
-            got = codec.as_array(read_rows(dataset, np.array(rows), known))
+            got = codec.as_array(read_rows(rows_of(dataset, known), np.array(rows)))
             np.testing.assert_array_equal(got, encoded[rows])
         out = np.zeros((12, 3, 5), dtype=dataset.dtype)
-        read_runs(dataset, [(20, 27), (28, 33)], out, reader=reader)  # across the two shards
+        read_runs(reader, [(20, 27), (28, 33)], out)  # across the two shards
         np.testing.assert_array_equal(out, encoded[np.r_[20:27, 28:33]])
         assert len(sums) == 6 + 3  # each chunk of each shard checked once
     monkeypatch.undo()

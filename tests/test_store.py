@@ -32,6 +32,7 @@ from featcache.store import (
     plan_resume,
     read_rows,
     remove_store,
+    rows_of,
     scan_chunks,
     seal,
 )
@@ -156,9 +157,9 @@ def test_read_rows_reads_runs_and_scattered_rows_in_the_order_asked(tmp_path):
     path, values = write_store(tmp_path / "w.h5", 300, dtype="float32", dim=1024)
     rows = np.r_[np.arange(10, 200), [250, 5, 5, 299, 201]]
     with h5py.File(path, "r") as f:
-        read = read_rows(f["features/a"], rows)
+        read = read_rows(rows_of(f["features/a"]), rows)
         assert read.dtype == torch.float32 and torch.equal(read, values[rows])
-        assert torch.equal(read_rows(f["features/a"], slice(0, 300, 7)), values[::7])
+        assert torch.equal(read_rows(rows_of(f["features/a"]), slice(0, 300, 7)), values[::7])
 
 
 def test_store_reader_errors(tmp_path):

@@ -37,10 +37,11 @@ from featcache.store.paths import (
 from featcache.store.rows import (
     FIX,
     Known,
+    PartRows,
+    Rows,
     let_go,
     read_head,
     read_rows,
-    read_runs,
     read_text_head,
     read_token_rows,
     row_numbers,
@@ -51,7 +52,7 @@ from featcache.store.skipped import read_log, read_skipped
 if TYPE_CHECKING:
     from featcache.describe import StoreDescription
 
-Rows = slice | Sequence[int] | np.ndarray
+RowSelection = slice | Sequence[int] | np.ndarray
 
 
 class StoreFile:
@@ -129,6 +130,15 @@ class StoreFile:
         if not found.is_virtual:
             self._datasets[name] = found
         return found
+
+    def rows(self, name: str, chunk_cache: tuple[int, int] | None = None) -> Rows | PartRows:
+        """The reads of the dataset ``name`` (:func:`~featcache.store.rows.rows_of`), what
+        they learn kept on this handle. A combined store's are its shards': its virtual
+        dataset is opened once, to find them."""
+        found = self.known.get(f"/{name}")
+        if isinstance(found, PartRows):
+            return found
+        return rows_of(self.dataset(name, chunk_cache), self._known)
 
     def close(self) -> None:
         """Close this process's handle; one inherited from another process is left alone."""
@@ -305,14 +315,15 @@ class FeatureStore:
             return None
         return read_head(self.file["token_ids"], int(offsets[-1]), self._handle.known)
 
-    def read_tokens(self, layer: str, rows: Rows = slice(None)) -> tuple[torch.Tensor, np.ndarray]:
+    def read_tokens(
+        self, layer: str, rows: RowSelection = slice(None)
+    ) -> tuple[torch.Tensor, np.ndarray]:
         """The tokens of ``rows`` of a per-token layer: ``(values, offsets)``.
 
         ``values`` is ``[sum T_i, *shape]`` in the stored dtype, the rows' tokens one row
         after the other in the order asked; ``offsets`` (``[n + 1]`` int64) says row ``j``
         of the request is ``values[offsets[j]:offsets[j + 1]]``.
         """
-        features = self._features(layer)
         if not self.is_per_token(layer):
             raise ConfigError(f"layer {layer!r} holds one row per sample; read it with read()")
         picked = row_numbers(rows, len(self))
@@ -320,10 +331,8 @@ class FeatureStore:
         first = int(picked.min()) if len(picked) else 0
         last = int(picked.max()) + 1 if len(picked) else 0
         window = np.empty(last + 1 - first, dtype=np.int64)
-        offsets = self.file["offsets"]
-        known = self._handle.known
-        read_runs(offsets, [(first, last + 1)], window, reader=rows_of(offsets, known))
-        return read_token_rows(features, window, picked - first, known)
+        self._handle.rows("offsets").read(first, last + 1, window)
+        return read_token_rows(self._reader(layer), window, picked - first)
 
     def dtype(self, layer: str) -> torch.dtype:
         """The torch dtype rows of ``layer`` come back as."""
@@ -334,20 +343,24 @@ class FeatureStore:
         return codec.read_attrs(self._features(layer))
 
     def _features(self, layer: str) -> h5py.Dataset:
-        # A layer HDF5 reads is opened anew each time, not kept open: a FeatureDataset opened
-        # meanwhile in this process gets its own chunk cache only if nothing else holds the
-        # dataset open. A layer read through the memory map uses no chunk cache: kept open.
-        name = f"features/{layer}"
-        if self._handle.memo.get(f"mapped/{layer}"):
-            return self._handle.dataset(name)
+        """The dataset of ``layer``, opened anew (for its shape and attributes)."""
         group = self.file["features"]
         if layer not in group:
             raise ConfigError(
                 f"layer {layer!r} is not in store {self.path}; it holds: {', '.join(self.layers)}"
             )
-        dataset = group[layer]
-        self._handle.memo[f"mapped/{layer}"] = rows_of(dataset, self._handle.known).direct
-        return dataset
+        return group[layer]
+
+    def _reader(self, layer: str) -> Rows | PartRows:
+        """The reads of ``layer``. A layer HDF5 reads is opened anew each time, not kept
+        open: a FeatureDataset opened meanwhile in this process gets its own chunk cache
+        only if nothing else holds the dataset open. A layer read through the memory map
+        (or a combined store's, from its shards) uses no chunk cache: kept open."""
+        if self._handle.memo.get(f"mapped/{layer}"):
+            return self._handle.rows(f"features/{layer}")
+        reader = rows_of(self._features(layer), self._handle.known)
+        self._handle.memo[f"mapped/{layer}"] = reader.direct
+        return reader
 
     @property
     def has_labels(self) -> bool:
@@ -387,7 +400,7 @@ class FeatureStore:
     def class_names(self) -> list[str] | None:
         return self.attrs.get("class_names")
 
-    def read(self, layer: str, rows: Rows = slice(None)) -> torch.Tensor:
+    def read(self, layer: str, rows: RowSelection = slice(None)) -> torch.Tensor:
         """Rows of ``layer`` as a tensor ``[n, *shape]`` in the stored dtype.
 
         ``rows`` is a slice or any sequence of row numbers (any order, repeats allowed,
@@ -395,13 +408,12 @@ class FeatureStore:
         result put back in the order asked. A chunk that fails its checksum raises
         :class:`~featcache.errors.CorruptStoreError`.
         """
-        features = self._features(layer)
         if self.is_per_token(layer):
             raise ConfigError(
                 f"layer {layer!r} holds per-token rows of different lengths; read them with "
                 "read_tokens(), FeatureDataset (one [T, D] row per item) or TokenDataset"
             )
-        return read_rows(features, row_numbers(rows, len(self)), self._handle.known)
+        return read_rows(self._reader(layer), row_numbers(rows, len(self)))
 
     def describe(self) -> StoreDescription:
         """What ``featcache info`` shows: sizes, layers, rows, provenance, the time split."""

@@ -140,7 +140,7 @@ class Rows:
         """Copy the rows numbered ``rows`` (sorted, unique) into ``out``."""
         self.check(np.unique(rows // self.chunk_rows))
         if self.chunks.rows is None:
-            read_runs(self.dataset, runs(rows), out, reader=self)
+            read_runs(self, runs(rows), out)
         elif len(rows):
             self.chunks.gather(rows, out)
 
@@ -281,16 +281,10 @@ def runs(rows: np.ndarray) -> Iterable[tuple[int, int]]:
     return zip(starts, stops, strict=True)
 
 
-def read_runs(
-    dataset: h5py.Dataset,
-    spans: Iterable[tuple[int, int]],
-    out: np.ndarray,
-    at: int = 0,
-    reader: Rows | PartRows | None = None,
-) -> None:
-    """Copy the row ranges ``[start, stop)`` of ``dataset`` into ``out`` (its numpy dtype:
-    ``uint16`` for bfloat16), one after the other from row ``at``."""
-    reader = reader or rows_of(dataset)
+def read_runs(reader: Rows | PartRows, spans: Iterable[tuple[int, int]], out: np.ndarray) -> None:
+    """Copy the row ranges ``[start, stop)`` of ``reader``'s dataset into ``out`` (its
+    numpy dtype: ``uint16`` for bfloat16), one after the other."""
+    at = 0
     for start, stop in spans:
         reader.read(start, stop, out[at : at + stop - start])
         at += max(stop - start, 0)
@@ -327,16 +321,14 @@ def row_numbers(rows: slice | Sequence[int] | np.ndarray, num_rows: int) -> np.n
     return rows
 
 
-def read_rows(
-    dataset: h5py.Dataset, rows: slice | np.ndarray, known: Known | None = None
-) -> torch.Tensor:
-    """Rows of a features dataset as a tensor ``[n, *shape]`` of its store dtype (bfloat16
-    as ``torch.bfloat16``). ``rows``: a slice, or int64 row numbers in range in any order,
-    with repeats (each read once, in increasing order, then put in the order asked)."""
-    rows = row_numbers(rows, len(dataset)) if isinstance(rows, slice) else rows
+def read_rows(reader: Rows | PartRows, rows: slice | np.ndarray) -> torch.Tensor:
+    """Rows of a features dataset (``reader``: its reads, from :func:`rows_of`) as a tensor
+    ``[n, *shape]`` of its store dtype (bfloat16 as ``torch.bfloat16``). ``rows``: a slice,
+    or int64 row numbers in range in any order, with repeats (each read once, in
+    increasing order, then put in the order asked)."""
+    rows = row_numbers(rows, reader.length) if isinstance(rows, slice) else rows
     unique, inverse = np.unique(rows, return_inverse=True)
-    array = np.empty((len(unique), *dataset.shape[1:]), dtype=dataset.dtype)
-    reader = rows_of(dataset, known)
+    array = np.empty((len(unique), *reader.dataset.shape[1:]), dtype=reader.dataset.dtype)
     if len(unique) and unique[-1] - unique[0] + 1 == len(unique):
         reader.read(int(unique[0]), int(unique[-1]) + 1, array)
     elif len(unique):
@@ -347,17 +339,18 @@ def read_rows(
 
 
 def read_token_rows(
-    dataset: h5py.Dataset, offsets: np.ndarray, rows: np.ndarray, known: Known | None = None
+    reader: Rows | PartRows, offsets: np.ndarray, rows: np.ndarray
 ) -> tuple[torch.Tensor, np.ndarray]:
-    """The tokens of ``rows`` (int64 row numbers, any order) of a per-token dataset whose
-    row ``i`` is ``offsets[i]:offsets[i + 1]``: ``(values [sum T, ...], offsets [n + 1])``,
-    the rows in the order asked. The file is read once per run of consecutive rows."""
+    """The tokens of ``rows`` (int64 row numbers, any order) of a per-token dataset
+    (``reader``: its reads) whose row ``i`` is ``offsets[i]:offsets[i + 1]``: ``(values
+    [sum T, ...], offsets [n + 1])``, the rows in the order asked. The file is read once
+    per run of consecutive rows."""
     unique, inverse = np.unique(rows, return_inverse=True)
     counts = offsets[unique + 1] - offsets[unique]
+    dataset = reader.dataset
     packed = np.empty((int(counts.sum()), *dataset.shape[1:]), dtype=dataset.dtype)
     spans = [(int(offsets[a]), int(offsets[b])) for a, b in runs(unique)]
-    reader = rows_of(dataset, known)
-    read_runs(dataset, spans, packed, reader=reader)
+    read_runs(reader, spans, packed)
     starts = np.concatenate([[0], np.cumsum(counts)])
     if not np.array_equal(unique, rows):  # put back in the order asked
         order = inverse.reshape(-1)
