@@ -1,11 +1,14 @@
 """CPU time of small reads: one row through ``FeatureStore.read``, a shuffled batch through
-``FeatureDataset.__getitems__``.
+``FeatureDataset.__getitems__``, of one store file and of a store combined from two
+torchrun shards.
 
 Writes a ``[--rows, --dim]`` float16 store with featcache's writer in a temporary folder,
-then times ``--reads`` one-row reads at random rows through one open ``FeatureStore`` and
-``--batches`` batches of ``--batch`` shuffled rows (sorted, as a DataLoader batch sampler
-gives them to ``__getitems__``) through one ``FeatureDataset``. It reports the process CPU
-time per call, the lowest and every one of ``--repeats`` repeats. CPU time, not wall
+and the same rows as two shards combined into one store (as a torchrun run leaves them),
+then times, for each, ``--reads`` one-row reads at random rows through one open
+``FeatureStore`` and ``--batches`` batches of ``--batch`` shuffled rows (sorted, as a
+DataLoader batch sampler gives them to ``__getitems__``) through one ``FeatureDataset``.
+It reports the process CPU time per call, the lowest and every one of ``--repeats``
+repeats. CPU time, not wall
 clock: on a shared machine it is the steadier figure for costs of a few hundred
 microseconds. Run it with the code before and after a change (``PYTHONPATH=<checkout>``).
 
@@ -23,18 +26,45 @@ from pathlib import Path
 import numpy as np
 
 from featcache.dataset import FeatureDataset
-from featcache.store import FeatureStore, StorePlan, StoreWriter
+from featcache.store import FeatureStore, StorePlan, StoreWriter, combine_shards
 
 
-def write_store(path: Path, rows: int, dim: int) -> None:
-    """A one-layer store ``a`` of standard normal float16 rows."""
-    rng = np.random.default_rng(0)
-    writer = StoreWriter(StorePlan(path, rows, ids_width=8))
-    for start in range(0, rows, 500):
-        index = np.arange(start, min(start + 500, rows))
-        values = rng.standard_normal((len(index), dim)).astype(np.float16)
-        writer.append(index, [str(i) for i in index], np.zeros(len(index), np.int64), {"a": values})
+def write_store(path: Path, rows: range, dim: int) -> Path:
+    """A one-layer store ``a`` of the standard normal float16 ``rows`` (row ``i`` seeded by
+    ``i // 500``, so that shards hold the rows of one store)."""
+    writer = StoreWriter(StorePlan(path, len(rows), ids_width=8))
+    for start in range(rows.start, rows.stop, 500):
+        index = np.arange(start, min(start + 500, rows.stop))
+        values = np.random.default_rng(start // 500).standard_normal((len(index), dim))
+        features = {"a": values.astype(np.float16)}
+        writer.append(index, [str(i) for i in index], np.zeros(len(index), np.int64), features)
     writer.close(complete=True)
+    return path
+
+
+def time_reads(
+    path: Path, rows: list[int], batches: list[list[int]], repeats: int, label: str
+) -> dict[str, list[float]]:
+    """CPU microseconds per one-row read and per batch read of the store at ``path``."""
+    store = FeatureStore(path)
+    dataset = FeatureDataset(path, "a", dtype=None)
+    one, many = (
+        f"FeatureStore.read, one row, {label}",
+        f"__getitems__, {len(batches[0])} rows, {label}",
+    )
+    micros: dict[str, list[float]] = {one: [], many: []}
+    for _ in range(repeats):
+        start = time.process_time()
+        for row in rows:
+            store.read("a", [row])
+        micros[one].append((time.process_time() - start) / len(rows) * 1e6)
+        start = time.process_time()
+        for batch in batches:
+            dataset.__getitems__(batch)
+        micros[many].append((time.process_time() - start) / len(batches) * 1e6)
+    store.close()
+    dataset.close()
+    return micros
 
 
 def main() -> None:
@@ -52,30 +82,21 @@ def main() -> None:
         np.sort(rng.choice(args.rows, args.batch, replace=False)).tolist()
         for _ in range(args.batches)
     ]
-    with tempfile.TemporaryDirectory(prefix="featcache-bench-rows-") as folder:
-        path = Path(folder) / "rows.h5"
-        write_store(path, args.rows, args.dim)
-        store = FeatureStore(path)
-        dataset = FeatureDataset(path, "a", dtype=None)
-        label = f"FeatureDataset.__getitems__, {args.batch} rows"
-        micros: dict[str, list[float]] = {"FeatureStore.read, one row": [], label: []}
-        for _ in range(args.repeats):
-            start = time.process_time()
-            for row in rows:
-                store.read("a", [row])
-            micros["FeatureStore.read, one row"].append(
-                (time.process_time() - start) / len(rows) * 1e6
-            )
-            start = time.process_time()
-            for batch in batches:
-                dataset.__getitems__(batch)
-            micros[label].append((time.process_time() - start) / len(batches) * 1e6)
-        store.close()
-        dataset.close()
+    with tempfile.TemporaryDirectory(prefix="featcache-bench-rows-") as name:
+        folder = Path(name)
+        one = write_store(folder / "rows.h5", range(args.rows), args.dim)
+        half = args.rows // 1000 * 500  # shards split on the seeding blocks
+        shards = [
+            write_store(folder / "s0.h5", range(half), args.dim),
+            write_store(folder / "s1.h5", range(half, args.rows), args.dim),
+        ]
+        combine_shards(folder / "combined.h5", shards).close()
+        micros = time_reads(one, rows, batches, args.repeats, "one file")
+        micros |= time_reads(folder / "combined.h5", rows, batches, args.repeats, "2 shards")
     print(f"[{args.rows}, {args.dim}] float16 store, CPU time per call, {args.repeats} repeats")
     for name, values in micros.items():
         every = ", ".join(f"{value:.0f}" for value in values)
-        print(f"{name:<40} {min(values):>8.0f} us (lowest; all: {every})")
+        print(f"{name:<46} {min(values):>8.0f} us (lowest; all: {every})")
 
 
 if __name__ == "__main__":
