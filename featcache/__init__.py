@@ -1,7 +1,8 @@
 """featcache: activation caches from pretrained backbones in chunked HDF5 stores.
 
-The public names below load on first use, so ``import featcache`` stays cheap and no
-submodule imports the package back while it is being initialised.
+The public names below load on first use, so ``import featcache`` stays cheap (torch is
+not imported yet) and no submodule imports the package back while it is being
+initialised.
 """
 
 from __future__ import annotations
@@ -9,9 +10,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from featcache._compat import ensure_torchvision_importable
+from featcache._compat import guard_torchvision_import
 
-ensure_torchvision_importable()  # before any featcache module imports torchvision
+guard_torchvision_import()  # before any module imports torchvision
 
 __version__ = "0.1.0"
 

@@ -40,13 +40,29 @@ def test_each_module_imports_alone():
 def test_importing_featcache_loads_no_heavy_module():
     code = (
         "import sys, featcache\n"
-        "heavy = [m for m in ('featcache.extraction', 'featcache.store', 'h5py', 'featcache.probe')"
-        " if m in sys.modules]\n"
+        "heavy = [m for m in ('featcache.extraction', 'featcache.store', 'h5py', 'featcache.probe',"
+        " 'torch', 'torchvision') if m in sys.modules]\n"
         "print(heavy)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
     assert callable(featcache.extract) and featcache.FeatureStore.__name__ == "FeatureStore"
+
+
+def test_the_command_line_help_loads_no_torch():
+    # --help, --version and usage errors answer at once, without loading torch.
+    code = (
+        "import sys\n"
+        "from featcache.cli import app\n"
+        "try:\n"
+        "    app(['extract', '--help'])\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 0, exc.code\n"
+        "print([m for m in ('torch', 'h5py') if m in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "[]"
 
 
 def test_subpackages_are_reachable_as_attributes():
