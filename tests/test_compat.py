@@ -24,6 +24,19 @@ def test_import_featcache_then_torchvision_works():
     assert result.stdout.strip() == "(1, 1000)"
 
 
+def test_import_featcache_then_timm_works_and_loads_torch_only_then():
+    # timm imports torchvision itself: the check runs at that import, not at featcache's.
+    result = _python(
+        "import sys, featcache\n"
+        "print('torch' in sys.modules)\n"
+        "import timm, torch\n"
+        "m = timm.create_model('resnet18', num_classes=3).eval()\n"
+        "print(tuple(m(torch.zeros(1, 3, 32, 32)).shape))"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["False", "(1, 3)"]
+
+
 def test_declared_schemas_match_torchvision_signature():
     _compat.ensure_torchvision_importable()
     import torchvision  # noqa: F401
