@@ -355,11 +355,11 @@ class FeatureStore:
         """The reads of ``layer``. A layer HDF5 reads is opened anew each time, not kept
         open: a FeatureDataset opened meanwhile in this process gets its own chunk cache
         only if nothing else holds the dataset open. A layer read through the memory map
-        (or a combined store's, from its shards) uses no chunk cache: kept open."""
-        if self._handle.memo.get(f"mapped/{layer}"):
+        uses no chunk cache: kept open, as are a combined store's reads of its shards."""
+        if self._handle.memo.get(f"kept/{layer}"):
             return self._handle.rows(f"features/{layer}")
         reader = rows_of(self._features(layer), self._handle.known)
-        self._handle.memo[f"mapped/{layer}"] = reader.direct
+        self._handle.memo[f"kept/{layer}"] = reader.direct or isinstance(reader, PartRows)
         return reader
 
     @property
