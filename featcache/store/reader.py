@@ -356,11 +356,11 @@ class FeatureStore:
         open: a FeatureDataset opened meanwhile in this process gets its own chunk cache
         only if nothing else holds the dataset open. A layer read through the memory map
         uses no chunk cache: kept open, as are a combined store's reads of its shards."""
-        if self._handle.memo.get(f"kept/{layer}"):
-            return self._handle.rows(f"features/{layer}")
-        reader = rows_of(self._features(layer), self._handle.known)
-        self._handle.memo[f"kept/{layer}"] = reader.direct or isinstance(reader, PartRows)
-        return reader
+        name = f"features/{layer}"
+        found = self._handle.known.get(f"/{name}")  # what an earlier read learnt
+        if isinstance(found, PartRows) or found is not None and found.rows is not None:
+            return self._handle.rows(name)
+        return rows_of(self._features(layer), self._handle.known)
 
     @property
     def has_labels(self) -> bool:
