@@ -491,6 +491,41 @@ def test_an_epoch_in_a_spawned_worker_over_a_torchrun_store_ends_cleanly(tmp_pat
     assert done.stdout.split() == ["rows", "107"]
 
 
+@pytest.mark.parametrize("compression", [None, "gzip"])
+def test_a_combined_store_opens_its_virtual_dataset_for_the_first_read_only(
+    tmp_path, monkeypatch, compression
+):
+    """Later reads go straight to the shards: opening a virtual dataset costs more than a
+    one-row read."""
+    from featcache.distributed import combine_shards
+
+    shards = [
+        write_store(tmp_path / f"s{i}.h5", 50 + 7 * i, compression=compression) for i in range(2)
+    ]
+    combine_shards(tmp_path / "all.h5", shards).close()
+    opened: list[str] = []
+    real_init = h5py.Dataset.__init__
+
+    def counting(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        if self.is_virtual:
+            opened.append(self.name)
+
+    monkeypatch.setattr(h5py.Dataset, "__init__", counting)
+    direct = torch.cat([FeatureStore(shard).read("a") for shard in shards])
+    store = FeatureStore(tmp_path / "all.h5")
+    dataset = FeatureDataset(tmp_path / "all.h5", "a", dtype=None)
+    store.read("a", [0])
+    dataset[0]
+    opened.clear()
+    for row in (60, 3, 106, 49, 50):
+        assert torch.equal(store.read("a", [row]), direct[[row]])
+        assert torch.equal(dataset[row][0], direct[row])
+    assert opened == []
+    store.close()
+    dataset.close()
+
+
 def test_virtual_store_over_shards_reads_like_one_file(tmp_path):
     from featcache.distributed import combine_shards
 
