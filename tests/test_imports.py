@@ -65,6 +65,37 @@ def test_the_command_line_help_loads_no_torch():
     assert out.stdout.splitlines()[-1] == "[]"
 
 
+def test_featcache_info_reads_a_store_without_loading_torch(tmp_path):
+    # Metadata commands answer in well under a second: torch is loaded only to make
+    # tensors, and `info` makes none.
+    import torch
+
+    from featcache.store import FeatureStore
+
+    store = featcache.extract(
+        torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3)),
+        torch.utils.data.TensorDataset(torch.randn(10, 1, 2, 2), torch.arange(10)),
+        ["1"],
+        tmp_path / "s.h5",
+        batch_size=4,
+        progress=False,
+    )
+    store.close()
+    code = (
+        "import sys\n"
+        "from featcache.cli import app\n"
+        "try:\n"
+        f"    app(['info', {str(tmp_path / 's.h5')!r}])\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 0, exc.code\n"
+        "print([m for m in ('torch', 'torchvision') if m in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "rows" in out.stdout and out.stdout.splitlines()[-1] == "[]"
+    assert FeatureStore(tmp_path / "s.h5").read("1").dtype == torch.float16
+
+
 def test_subpackages_are_reachable_as_attributes():
     code = (
         "import featcache\n"

@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import h5py
 import numpy as np
-import torch
 
-# store dtype name -> (torch dtype of the values, numpy dtype of the HDF5 dataset)
-DTYPES: dict[str, tuple[torch.dtype, type[np.generic]]] = {
-    "float16": (torch.float16, np.float16),
-    "float32": (torch.float32, np.float32),
-    "bfloat16": (torch.bfloat16, np.uint16),
+if TYPE_CHECKING:  # torch is imported where tensors are made: metadata reads need none
+    import torch
+
+# store dtype name -> numpy dtype of the HDF5 dataset; the values' torch dtype has the name
+DTYPES: dict[str, type[np.generic]] = {
+    "float16": np.float16,
+    "float32": np.float32,
+    "bfloat16": np.uint16,
 }
 
 # File attributes that hold JSON text rather than a plain HDF5 scalar.
@@ -45,12 +47,16 @@ JSON_ATTRS = frozenset(
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype a store dtype name stands for (``"bfloat16"`` -> torch.bfloat16)."""
-    return DTYPES[name][0]
+    import torch
+
+    if name not in DTYPES:
+        raise KeyError(name)
+    return getattr(torch, name)
 
 
 def numpy_dtype(name: str) -> np.dtype:
     """The dtype of the HDF5 dataset holding values of store dtype ``name``."""
-    return np.dtype(DTYPES[name][1])
+    return np.dtype(DTYPES[name])
 
 
 def encode(x: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -63,6 +69,8 @@ def encode(x: torch.Tensor, dtype: str) -> torch.Tensor:
     made that way; both give the same bits for every float32 input, NaNs included.
     bfloat16 keeps the one pass, since the vectorized cast writes NaNs with other bits.
     """
+    import torch
+
     target = torch_dtype(dtype)
     if x.device.type == "cpu" and target == torch.float16 and not x.is_contiguous():
         out = x.to(target).contiguous()
@@ -73,6 +81,8 @@ def encode(x: torch.Tensor, dtype: str) -> torch.Tensor:
 
 def values(encoded: torch.Tensor, dtype: str) -> torch.Tensor:
     """The float view of an :func:`encode` result (no copy)."""
+    import torch
+
     return encoded.view(torch.bfloat16) if dtype == "bfloat16" else encoded
 
 
@@ -80,6 +90,8 @@ def as_array(tensor: torch.Tensor) -> np.ndarray:
     """A CPU tensor as the numpy array HDF5 stores, over the same memory: bfloat16 (or
     the int16 bits :func:`encode` makes of it) as ``uint16`` bits. Undone by
     :func:`from_array`."""
+    import torch
+
     if tensor.dtype in (torch.bfloat16, torch.int16):
         return tensor.view(torch.int16).numpy().view(np.uint16)
     return tensor.numpy()
@@ -88,6 +100,8 @@ def as_array(tensor: torch.Tensor) -> np.ndarray:
 def from_array(array: np.ndarray, dtype: torch.dtype | str) -> torch.Tensor:
     """Stored values (from :func:`as_array`, or read from HDF5) as a tensor of ``dtype``
     (a torch dtype or a store dtype name), no copy."""
+    import torch
+
     tensor = torch.from_numpy(array)
     if dtype in (torch.bfloat16, "bfloat16"):
         return tensor.view(torch.int16).view(torch.bfloat16)

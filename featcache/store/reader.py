@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 import h5py
 import numpy as np
-import torch
 
 from featcache.errors import (
     ConfigError,
@@ -50,6 +49,8 @@ from featcache.store.rows import (
 from featcache.store.skipped import read_log, read_skipped
 
 if TYPE_CHECKING:
+    import torch
+
     from featcache.describe import StoreDescription
 
 RowSelection = slice | Sequence[int] | np.ndarray

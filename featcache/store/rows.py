@@ -19,14 +19,17 @@ import contextlib
 import mmap
 from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import h5py
 import numpy as np
-import torch
 
 from featcache.errors import CorruptStoreError, FeatcacheError, first_line
 from featcache.store import codec
 from featcache.store.layout import checksum, checksums_name, chunk_addresses
+
+if TYPE_CHECKING:
+    import torch
 
 FIX = "re-extract it (featcache extract <config> --overwrite) or restore it from a copy"
 _BAD = (OSError, RuntimeError, KeyError, ValueError)  # what h5py raises on damaged bytes
