@@ -175,7 +175,8 @@ def test_info_errors(tmp_path):
 
 
 def test_demo_via_python_m(tmp_path):
-    """The demo as a user runs it: a real process, `python -m featcache`."""
+    """The demo as a user runs it, a real process (`python -m featcache`): its stores,
+    then its probes."""
     result = subprocess.run(
         [sys.executable, "-m", "featcache", "demo", "--output", str(tmp_path / "demo")],
         capture_output=True,
@@ -188,6 +189,15 @@ def test_demo_via_python_m(tmp_path):
     train = FeatureStore(tmp_path / "demo" / "train.h5")
     assert train.layers == ["layer3", "layer4", "avgpool"]
     assert len(FeatureStore(tmp_path / "demo" / "val.h5")) == 256
+    # Then its probes, against chance.
+    assert "linear probes: lambda chosen on 20% of train.h5, top-1 on the held-out val.h5" in (
+        result.stdout
+    )
+    best = next(line for line in result.stdout.splitlines() if line.startswith("best layer"))
+    accuracy, chance = (float(word.rstrip("%")) for word in best.split() if word.endswith("%"))
+    assert accuracy > 3 * chance and chance == pytest.approx(10.2, abs=0.1)
+    assert (tmp_path / "demo" / "probe-layers.json").is_file()
+    assert (tmp_path / "demo" / "probe-layers.png").is_file()
 
 
 def test_names_from_a_store_cannot_drive_the_terminal(config_file, tmp_path):

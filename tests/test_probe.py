@@ -547,19 +547,6 @@ def test_cli_probe_errors_are_one_line_with_exit_2(stores, extra, message):
     assert message in errors[0] and "Traceback" not in result.stderr
 
 
-def test_demo_runs_a_probe_and_compares_with_chance(tmp_path):
-    result = runner.invoke(app, ["demo", "--output", str(tmp_path / "demo")])
-    assert result.exit_code == 0, result.output
-    assert "linear probes: lambda chosen on 20% of train.h5, top-1 on the held-out val.h5" in (
-        result.stdout
-    )
-    best = next(line for line in result.stdout.splitlines() if line.startswith("best layer"))
-    accuracy, chance = (float(word.rstrip("%")) for word in best.split() if word.endswith("%"))
-    assert accuracy > 3 * chance and chance == pytest.approx(10.2, abs=0.1)
-    assert (tmp_path / "demo" / "probe-layers.json").is_file()
-    assert (tmp_path / "demo" / "probe-layers.png").is_file()
-
-
 def test_demo_probe_writes_its_results_without_matplotlib(stores, tmp_path, monkeypatch):
     from featcache.demo import run_demo_probe
 
