@@ -143,7 +143,8 @@ def _wait_for(condition, process: subprocess.Popen, timeout: float = 120) -> Non
 def test_a_second_run_is_refused_and_the_first_finishes(tmp_path, second):
     config = tmp_path / "c.yaml"
     hold = tmp_path / "hold"  # while it exists, the first run waits before each batch
-    model = {"factory": "tests.factories:SlowNet", "kwargs": {"delay": 0.15, "hold": str(hold)}}
+    # The hold keeps the first run in its middle; a short delay is enough to meet it.
+    model = {"factory": "tests.factories:SlowNet", "kwargs": {"delay": 0.05, "hold": str(hold)}}
     out = {"dir": str(tmp_path / "out")}
     config.write_text(yaml.safe_dump({**SLOW_CONFIG, "model": model, "output": out}))
     store = tmp_path / "out" / "train.h5"
