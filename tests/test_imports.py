@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import pkgutil
 import subprocess
 import sys
@@ -49,20 +50,27 @@ def test_importing_featcache_loads_no_heavy_module():
     assert callable(featcache.extract) and featcache.FeatureStore.__name__ == "FeatureStore"
 
 
-def test_the_command_line_help_loads_no_torch():
-    # --help, --version and usage errors answer at once, without loading torch.
+def run_command_line(args: list[str], modules: tuple[str, ...]) -> tuple[str, list[str]]:
+    """Run ``featcache ARGS`` in a fresh interpreter (it must succeed): its output, and
+    which of ``modules`` it loaded."""
     code = (
         "import sys\n"
         "from featcache.cli import app\n"
         "try:\n"
-        "    app(['extract', '--help'])\n"
+        f"    app({args!r})\n"
         "except SystemExit as exc:\n"
         "    assert exc.code == 0, exc.code\n"
-        "print([m for m in ('torch', 'h5py') if m in sys.modules])\n"
+        f"print([m for m in {modules!r} if m in sys.modules])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines()[-1] == "[]"
+    *lines, loaded = out.stdout.splitlines()
+    return "\n".join(lines), ast.literal_eval(loaded)
+
+
+def test_the_command_line_help_loads_no_torch():
+    # --help, --version and usage errors answer at once, without loading torch.
+    assert run_command_line(["extract", "--help"], ("torch", "h5py"))[1] == []
 
 
 def test_featcache_info_reads_a_store_without_loading_torch(tmp_path):
@@ -81,18 +89,8 @@ def test_featcache_info_reads_a_store_without_loading_torch(tmp_path):
         progress=False,
     )
     store.close()
-    code = (
-        "import sys\n"
-        "from featcache.cli import app\n"
-        "try:\n"
-        f"    app(['info', {str(tmp_path / 's.h5')!r}])\n"
-        "except SystemExit as exc:\n"
-        "    assert exc.code == 0, exc.code\n"
-        "print([m for m in ('torch', 'torchvision') if m in sys.modules])\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert "rows" in out.stdout and out.stdout.splitlines()[-1] == "[]"
+    shown, loaded = run_command_line(["info", str(tmp_path / "s.h5")], ("torch", "torchvision"))
+    assert "complete, 10 rows" in shown and loaded == []
     assert FeatureStore(tmp_path / "s.h5").read("1").dtype == torch.float16
 
 
