@@ -98,6 +98,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]
     return _image_folder(root / "test", 1), _image_folder(root / "train", 2), script
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_over_its_own_data_only(folders, tmp_path):
     """Killed mid-run, then rerun over another folder of the same file names and another
     transform: refused in one line, nothing written. Rerun over its own data: the rows of

@@ -115,6 +115,7 @@ def sharded(tmp_path_factory) -> Path:
     return folder / "out"
 
 
+@pytest.mark.slow
 def test_two_processes_write_the_single_process_store(single, sharded):
     for split in ("train", "val"):
         store = FeatureStore(sharded / f"{split}.h5")
@@ -130,6 +131,7 @@ def test_two_processes_write_the_single_process_store(single, sharded):
         )
 
 
+@pytest.mark.slow
 def test_merge_gives_a_self_contained_equal_file(sharded, tmp_path):
     merged = tmp_path / "merged.h5"
     result = CliRunner().invoke(app, ["merge", str(sharded / "val.h5"), "-o", str(merged)])
@@ -175,6 +177,7 @@ def _running(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+@pytest.mark.slow
 def test_killed_rank_resumes_to_the_single_process_store(single, tmp_path):
     config = _config(tmp_path)
     shard = partial_path(shard_path(tmp_path / "out" / "train.h5", 1, 2))
@@ -207,6 +210,7 @@ def test_killed_rank_resumes_to_the_single_process_store(single, tmp_path):
         assert_same_rows(tmp_path / "out" / f"{split}.h5", single / f"{split}.h5")
 
 
+@pytest.mark.slow
 def test_ranks_left_running_by_a_killed_launcher_still_finish_the_store(single, tmp_path):
     # The launcher can die alone (kill -9 of torchrun; its ranks run in their own
     # sessions): the ranks, joined at the start, meet and combine without it.

@@ -139,6 +139,7 @@ def _wait_for(condition, process: subprocess.Popen, timeout: float = 120) -> Non
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("second", [(), ("--overwrite",)], ids=["plain", "overwrite"])
 def test_a_second_run_is_refused_and_the_first_finishes(tmp_path, second):
     config = tmp_path / "c.yaml"
@@ -169,6 +170,7 @@ def test_a_second_run_is_refused_and_the_first_finishes(tmp_path, second):
     assert result.passed, [check for check in result.checks if not check.ok]
 
 
+@pytest.mark.slow
 def test_info_on_a_partial_store_names_its_writer_and_the_resume_command(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({**SLOW_CONFIG, "output": {"dir": str(tmp_path / "out")}}))

@@ -76,6 +76,7 @@ def _progress(partial: Path) -> int:
         return int(f["progress"][0])
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_equals_uninterrupted(tmp_path):
     reference = _config_file(tmp_path / "reference")
     subprocess.run(_extract_command(reference), check=True, capture_output=True, timeout=300)
@@ -111,6 +112,7 @@ def test_sigkill_at_random_moments_then_resume_equals_uninterrupted(tmp_path):
     assert_same_store(store, tmp_path / "reference" / "out" / "train.h5")
 
 
+@pytest.mark.slow
 def test_with_default_chunks_a_killed_run_keeps_whole_chunks(tmp_path):
     # Default chunking: layer1 rows ([64, 8, 8] float16, 8 KiB) go 128 to a chunk, those of
     # layer3, index, ids and labels 256: a mark counts whole chunks of every dataset, so

@@ -122,6 +122,7 @@ def test_draft_mode_decodes_large_jpegs_smaller(tmp_path):
     assert source[0][0].size == (100, 75)  # the 1/4 scale still covers 64
 
 
+@pytest.mark.slow
 def test_kill_and_resume_equals_uninterrupted(cifar, tmp_path):
     model = {"factory": "tests.cifar_formats:slow_resnet18", "kwargs": {"delay": 0.1}}
     loader = {"batch_size": 8, "num_workers": 0}
@@ -139,6 +140,7 @@ def test_kill_and_resume_equals_uninterrupted(cifar, tmp_path):
     assert_same_store(store, tmp_path / "reference" / "train.h5")
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_equal_one(cifar, tmp_path):
     single = featcache.extract_from_config(config(wds(cifar), tmp_path / "single"))["train"]
     path = tmp_path / "torchrun.yaml"

@@ -74,6 +74,7 @@ def test_a_missing_text_column_lists_the_columns(text_config):
     assert "body" in result.stderr and "id, text, label" in result.stderr
 
 
+@pytest.mark.slow
 def test_torchrun_over_a_text_source_equals_one_process(text_config, tmp_path):
     from tests.test_distributed import _torchrun, assert_same_rows
 

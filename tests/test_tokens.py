@@ -238,6 +238,7 @@ RESUME_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_and_resume_gives_the_same_bytes(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(RESUME_SCRIPT)
