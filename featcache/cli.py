@@ -287,8 +287,8 @@ def merge(
     ] = None,
 ) -> None:
     """Copy a sharded store into one self-contained file (no shard files needed)."""
-    from featcache.distributed import merge_store
     from featcache.spec import COMPRESSIONS
+    from featcache.store import merge_store
 
     if compression not in COMPRESSIONS:
         raise ConfigError(f"--compression {compression!r}: choose lzf or gzip")

@@ -73,9 +73,9 @@ def test_the_command_line_help_loads_no_torch():
     assert run_command_line(["extract", "--help"], ("torch", "h5py"))[1] == []
 
 
-def test_featcache_info_reads_a_store_without_loading_torch(tmp_path):
-    # Metadata commands answer in well under a second: torch is loaded only to make
-    # tensors, and `info` makes none.
+def test_info_and_merge_read_a_store_without_loading_torch(tmp_path):
+    # Store commands answer in well under a second: torch is loaded only to make tensors,
+    # and `info` and `merge` make none.
     import torch
 
     from featcache.store import FeatureStore
@@ -89,9 +89,14 @@ def test_featcache_info_reads_a_store_without_loading_torch(tmp_path):
         progress=False,
     )
     store.close()
-    shown, loaded = run_command_line(["info", str(tmp_path / "s.h5")], ("torch", "torchvision"))
+    heavy = ("torch", "torchvision")
+    shown, loaded = run_command_line(["info", str(tmp_path / "s.h5")], heavy)
     assert "complete, 10 rows" in shown and loaded == []
-    assert FeatureStore(tmp_path / "s.h5").read("1").dtype == torch.float16
+    merge = ["merge", str(tmp_path / "s.h5"), "--output", str(tmp_path / "m.h5")]
+    assert run_command_line(merge, heavy)[1] == []
+    merged, original = FeatureStore(tmp_path / "m.h5"), FeatureStore(tmp_path / "s.h5")
+    assert merged.read("1").dtype == torch.float16
+    assert torch.equal(merged.read("1"), original.read("1"))
 
 
 def test_subpackages_are_reachable_as_attributes():
