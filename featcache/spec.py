@@ -322,7 +322,7 @@ class StoreSpec:
     compression: Compression = None
     chunk_rows: int | None = option(None, ge=1)  # rows per HDF5 chunk; null: about 1 MiB
     on_nonfinite: OnNonfinite = "fail"  # NaN/Inf in captured features
-    checksum: bool = True  # Fletcher-32 checksum per chunk: a corrupted chunk fails to read
+    checksum: bool = True  # an XXH3 checksum per chunk: a corrupted chunk fails to read
 
 
 # The refusal of a run asked both to update and to overwrite its stores.

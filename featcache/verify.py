@@ -21,28 +21,24 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch.utils.data import DataLoader, Subset
 
 from featcache.errors import ConfigError, CorruptStoreError
-from featcache.extraction.batches import Collate, SourceRows
-from featcache.extraction.loop import forward
-from featcache.extraction.writer_thread import CapturedBatch
-from featcache.memory import freed_memory_kept
 from featcache.provenance import config_fingerprint as fingerprint
 from featcache.recorded import RecordedSpec, recorded_spec
-from featcache.reduce import ReduceContext, token_layout
-from featcache.runtime import Layout, choose_layout
-from featcache.selectors import resolve_taps, tap_record
 from featcache.spec import Spec, StoreSpec, load_config
 from featcache.store import FeatureStore, codec
 from featcache.store.checks import has_checksums, scan_chunks
 from featcache.store.metadata import is_sealed
-from featcache.store.rows import Known, let_go, read_rows, rows_of, span_text
-from featcache.taps import TapSet
+from featcache.store.rows import Known, let_go, rows_of, span_text
+
+if TYPE_CHECKING:  # the file checks (--quick) need no torch: the recomputation imports it
+    import torch
+
+    from featcache.reduce import ReduceContext
+    from featcache.runtime import Layout
 
 # |stored - recomputed| <= TOLERANCE * max(|recomputed| over the row): a few units in the
 # last place of the stored dtype, with room for batch-composition effects in float32.
@@ -104,8 +100,6 @@ def verify_store(
         ConfigError: a store without a recorded config (and no ``config``), one
             naming code to run without ``trust_factory``, or ``samples`` below -1.
     """
-    from featcache.extraction.from_config import build_backbone_for, build_source_for
-
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < -1:
         raise ConfigError(
             f"samples must be a number of rows (0 or more) or -1 for every row, got {samples!r}"
@@ -121,6 +115,11 @@ def verify_store(
         _check_file(result, store)
         if quick or not result.passed_so_far("checksums"):
             return result
+        from featcache.extraction.from_config import build_backbone_for, build_source_for
+        from featcache.reduce import token_layout
+        from featcache.runtime import choose_layout
+        from featcache.selectors import resolve_taps, tap_record
+
         rebuilt = _rebuild_spec(store, config, trust_factory)
         spec = rebuilt.spec
         recorded = store.attrs.get("resume_key") or {}
@@ -320,18 +319,23 @@ def _check_alignment(
 
 
 def _nonfinite(store: FeatureStore) -> list[str]:
+    """The layers holding a NaN or an Inf, read as stored (bfloat16 as its 16 bits, the
+    upper half of the float32 of the same value)."""
     bad = []
     known: Known = {}  # each chunk is checked once
     for layer in store.layers:
-        dataset = store.file["features"][layer]
+        reader = rows_of(store.file["features"][layer], known)
         end = len(store)
         if store.is_per_token(layer):
             offsets = store.offsets
             end = int(offsets[-1]) if offsets is not None else 0
         for start in range(0, end, CHUNK_ROWS_FOR_SCAN):
             stop = min(start + CHUNK_ROWS_FOR_SCAN, end)
-            block = read_rows(rows_of(dataset, known), slice(start, stop)).float()
-            if not torch.isfinite(block).all():
+            block = np.empty((stop - start, *reader.dataset.shape[1:]), reader.dataset.dtype)
+            reader.read(start, stop, block)
+            if reader.stored == "bfloat16":
+                block = (block.astype(np.uint32) << 16).view(np.float32)
+            if not np.isfinite(block).all():
                 bad.append(layer)
                 break
     let_go(known)
@@ -351,6 +355,16 @@ def _recompute(
     layout: Layout,
     tokens: ReduceContext,
 ) -> None:
+    import torch
+    from torch.utils.data import DataLoader, Subset
+
+    from featcache.extraction.batches import Collate, SourceRows
+    from featcache.extraction.loop import forward
+    from featcache.extraction.writer_thread import CapturedBatch
+    from featcache.memory import freed_memory_kept
+    from featcache.selectors import resolve_taps
+    from featcache.taps import TapSet
+
     n = len(store)
     if n == 0:
         return

@@ -73,9 +73,9 @@ def test_the_command_line_help_loads_no_torch():
     assert run_command_line(["extract", "--help"], ("torch", "h5py"))[1] == []
 
 
-def test_info_and_merge_read_a_store_without_loading_torch(tmp_path):
+def test_info_merge_and_quick_verify_read_a_store_without_loading_torch(tmp_path):
     # Store commands answer in well under a second: torch is loaded only to make tensors,
-    # and `info` and `merge` make none.
+    # and `info`, `merge` and `verify --quick` make none.
     import torch
 
     from featcache.store import FeatureStore
@@ -94,6 +94,8 @@ def test_info_and_merge_read_a_store_without_loading_torch(tmp_path):
     assert "complete, 10 rows" in shown and loaded == []
     merge = ["merge", str(tmp_path / "s.h5"), "--output", str(tmp_path / "m.h5")]
     assert run_command_line(merge, heavy)[1] == []
+    shown, loaded = run_command_line(["verify", "--quick", str(tmp_path / "m.h5")], heavy)
+    assert "verify: PASS" in shown and "ok    finite" in shown and loaded == []
     merged, original = FeatureStore(tmp_path / "m.h5"), FeatureStore(tmp_path / "s.h5")
     assert merged.read("1").dtype == torch.float16
     assert torch.equal(merged.read("1"), original.read("1"))

@@ -31,6 +31,19 @@ def test_verify_passes_on_a_good_store(tmp_path, dtype):
     assert result.rows == list(range(30))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_quick_verify_finds_a_nan_written_with_a_valid_checksum(tmp_path, dtype):
+    # All-ones bits are a NaN in each stored dtype; the chunk's checksum is recorded
+    # afterwards, as a writer that stored the NaN itself would have.
+    path = synthetic_store(tmp_path, dtype)
+    corrupt_row(path, "features/layer4", 13, nbytes=4, skip=8, fill=0xFF)
+    refresh_checksums(path)
+    result = verify_store(path, quick=True)
+    checks = {check.name: check for check in result.checks}
+    assert checks["checksums"].ok and not checks["finite"].ok
+    assert checks["finite"].detail == "NaN or Inf in layer layer4"
+
+
 def test_verify_compares_the_recorded_store_key(tmp_path):
     """The layers and weights recorded in the store's key are checked, not only the config."""
     path = synthetic_store(tmp_path)
