@@ -182,6 +182,14 @@ def test_an_hdf5_read_that_fails_where_every_chunk_reads_says_so_in_one_line(tmp
     )
 
 
+def test_a_copys_progress_bar_ends_at_every_byte_it_counted(tmp_path, capsys):
+    path = written_store(tmp_path / "s.h5")
+    copy_store(path, tmp_path / "copy.h5", progress=True)
+    last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    done, total = last.split("|")[2].split()[0].split("/")
+    assert last.startswith("copy.h5: 100%") and done == total, last
+
+
 def test_copies_and_merges_keep_checksums(tmp_path):
     path = written_store(tmp_path / "s.h5")
     copy_store(path, tmp_path / "copy.h5")

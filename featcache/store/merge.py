@@ -92,6 +92,7 @@ def _copy_dataset(
 ) -> None:
     if obj.chunks is None and not obj.is_virtual or not len(obj):  # progress, scalars
         out = dst.create_dataset(name, data=obj[()], dtype=obj.dtype)
+        bar.update(obj.size * obj.dtype.itemsize)
     else:
         n, shape, dtype = len(obj), obj.shape, obj.dtype
         rows = min(obj.chunks[0] if obj.chunks else chunk_rows_for(shape[1:], dtype.itemsize, n), n)
