@@ -84,8 +84,8 @@ def extract(
         typer.Option(
             "--limit",
             min=1,
-            help="Only the first N samples of each split, into <output.dir>/first-N/ "
-            "(data.limit): a quick trial.",
+            help="Only N samples of each split, spread evenly over it (every class of a "
+            "class folder), into <output.dir>/limit-N/ (data.limit): a quick trial.",
         ),
     ] = None,
     ignore_free_space: Annotated[
@@ -213,7 +213,12 @@ def info(
 ) -> None:
     """Show a store's rows, layers, completeness and provenance."""
     from featcache.store import FeatureStore
+    from featcache.store.paths import PARTIAL_SUFFIX, store_path_of
 
+    if store.name.endswith(PARTIAL_SUFFIX) and not store.is_file():  # not its store instead
+        done = store_path_of(store)
+        fix = f"for the store, run `featcache info {done}`" if done.is_file() else "check the path"
+        raise ConfigError(f"{store} does not exist: no run of {done} is stopped or running; {fix}")
     with FeatureStore(store, allow_incomplete=True) as fs:
         description = fs.describe()
     say(description.to_json() if as_json else description.format())
@@ -305,7 +310,7 @@ def demo(
 ) -> None:
     """Run the embedded demo config (offline, synthetic images), show its stores, and
     probe every layer."""
-    from featcache.demo import run_demo, run_demo_probe
+    from featcache.demo import VAL_FRACTION, run_demo, run_demo_probe
     from featcache.plotting import PLOT_EXTRA
     from featcache.probe import format_table
 
@@ -316,16 +321,18 @@ def demo(
     say(stores["train"].describe().format())
     results, json_path, png_path = run_demo_probe(stores, output)
     say("")
+    train, val = stores["train"].path.name, stores["val"].path.name
+    held_out = f"{100 * VAL_FRACTION:.0f}% of {train}"
     say(
-        f"linear probes: lambda chosen on 20% of {stores['train'].path.name}, "
-        f"top-1 on the held-out {stores['val'].path.name}"
+        f"linear probes: lambda chosen on a held-out {held_out}, refit on all of {train}, "
+        f"scored on {val}"
     )
-    say(format_table(results))
+    say(format_table(results, val=held_out, test=val))
     best = max(results, key=lambda result: result.top1)
     chance = best.test["chance_top1"] if best.test else best.val["chance_top1"]
     say(
-        f"best layer {best.layer}: {100 * best.top1:.1f}% top-1 against {100 * chance:.1f}% "
-        f"for chance ({best.num_classes} classes)"
+        f"best layer {best.layer}: {100 * best.top1:.1f}% top-1 on {val} against "
+        f"{100 * chance:.1f}% for chance ({best.num_classes} classes)"
     )
     if png_path is None:
         say(f"wrote {json_path} (for the chart too: {PLOT_EXTRA})")

@@ -52,16 +52,18 @@ class FeatureDataset(Dataset):
 
     The HDF5 file is opened lazily in each process, so the dataset works with DataLoader
     workers and pickles without its file handle. A DataLoader with automatic batching
-    calls :meth:`__getitems__`, which reads a whole batch in increasing row order.
-    :meth:`batches` (and :class:`ShuffledBatches` for DataLoader workers) reads whole
-    chunks instead and shuffles them in memory: the fast way to run shuffled epochs.
+    calls `__getitems__`, which reads a whole batch in increasing row order.
+    [`batches`][featcache.dataset.FeatureDataset.batches] (and
+    [`ShuffledBatches`][featcache.shuffled_batches.ShuffledBatches] for DataLoader workers)
+    reads whole chunks instead and shuffles them in memory: the fast way to run shuffled
+    epochs.
     ``in_memory=True`` loads the layers once and serves both from memory.
 
     An uncompressed layer is read straight from the file through a memory map
-    (:mod:`~featcache.store.rows`): each chunk is checked against its checksum the first
+    (`featcache.store.rows`): each chunk is checked against its checksum the first
     time it is read while the file is open, and from then on a row costs a copy of that
     row only. A chunk that fails its checksum raises
-    :class:`~featcache.errors.CorruptStoreError` naming the layer and the rows of that
+    [`CorruptStoreError`][featcache.errors.CorruptStoreError] naming the layer and the rows of that
     chunk, from every read path, before any of its values are returned.
 
     ``chunk_cache`` is the HDF5 chunk cache of each layer, in bytes (0: none), for the
@@ -71,9 +73,11 @@ class FeatureDataset(Dataset):
 
     A layer of per-token rows (text models with ``reduce: none``) gives row ``i`` as
     ``[T_i, *shape]``; such rows differ in length, so they are read one batch at a time
-    through :meth:`__getitems__` (a DataLoader takes :attr:`pad_tokens` as its
-    ``collate_fn``, which pads them and gives a mask), not through :meth:`batches`.
-    :class:`~featcache.TokenDataset` serves their single tokens, shuffled by chunk.
+    through `__getitems__` (a DataLoader takes
+    [`pad_tokens`][featcache.dataset.FeatureDataset.pad_tokens] as its ``collate_fn``, which
+    pads them and gives a mask), not through `batches`.
+    [`TokenDataset`][featcache.token_view.TokenDataset] serves their single tokens, shuffled
+    by chunk.
     """
 
     def __init__(
@@ -198,7 +202,7 @@ class FeatureDataset(Dataset):
     def pad_tokens(self) -> PadTokens:
         """The DataLoader ``collate_fn`` for this dataset's per-token rows: batches of
         ``(features [B, T, ...], mask [B, T], labels [B])``, rows padded to the longest
-        (see :class:`~featcache.padding.PadTokens`)."""
+        (see [`PadTokens`][featcache.padding.PadTokens])."""
         return PadTokens(self.per_token)
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Features, torch.Tensor]]:
@@ -233,7 +237,7 @@ class FeatureDataset(Dataset):
         ``[b]`` tensor gives each sample's row in the store. Every row comes exactly once;
         only the last batch may be smaller, and it is dropped with ``drop_last=True``.
 
-        With ``shuffle=True``, blocks of :attr:`block_rows` rows (whole HDF5 chunks) are
+        With ``shuffle=True``, blocks of ``block_rows`` rows (whole HDF5 chunks) are
         read in a random order into a buffer of about ``buffer_rows`` rows (by default 64
         blocks, at most 64 MiB of stored data), and batches are drawn from a random
         permutation of the buffer; rows left over at the end of a buffer join the next
@@ -242,7 +246,7 @@ class FeatureDataset(Dataset):
         epoch; with ``read_ahead`` (the default) a thread reads and checks the next
         buffer's blocks while batches are drawn from the current one, which takes a
         second buffer, and a buffer the batches wait for is read on both threads
-        (:mod:`featcache.buffer_read`).
+        (`featcache.buffer_read`).
         """
         return self._batches(
             batch_size, shuffle, seed, epoch, buffer_rows, drop_last, with_index, 0, 1,
@@ -250,7 +254,8 @@ class FeatureDataset(Dataset):
         )  # fmt: skip
 
     def shuffled(self, batch_size: int, **options: Any) -> ShuffledBatches:
-        """:class:`ShuffledBatches` over this dataset (same options as :meth:`batches`)."""
+        """[`ShuffledBatches`][featcache.shuffled_batches.ShuffledBatches] over this dataset
+        (same options as [`batches`][featcache.dataset.FeatureDataset.batches])."""
         return ShuffledBatches(self, batch_size, **options)
 
     def _batches(

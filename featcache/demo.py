@@ -13,6 +13,9 @@ from featcache.probe import ProbeResult, plot_layers, probe_layers, save_results
 from featcache.spec import Spec, load_config
 from featcache.store import FeatureStore
 
+# The share of the train store the demo's probes hold out to choose lambda.
+VAL_FRACTION = 0.2
+
 
 def demo_config_path() -> Path:
     """The demo config shipped inside the package (``configs/demo.yaml`` is a copy)."""
@@ -34,12 +37,16 @@ def run_demo(output: str | os.PathLike = "featcache_demo") -> dict[str, FeatureS
 def run_demo_probe(
     stores: dict[str, FeatureStore], output: str | os.PathLike = "featcache_demo"
 ) -> tuple[list[ProbeResult], Path, Path | None]:
-    """Probe every demo layer: lambda chosen on a stratified fifth of the train store,
-    top-1 measured on the val store, which no choice looked at. Writes
+    """Probe every demo layer: lambda chosen on a stratified :data:`VAL_FRACTION` of the
+    train store held out, top-1 measured on the val store, which no choice looked at. Writes
     ``probe-layers.json`` and, when matplotlib is installed, ``probe-layers.png`` into
     ``output``; returns the results and those two paths (``None`` for a chart not drawn)."""
     results = probe_layers(
-        stores["train"].path, "all", test=stores["val"].path, val_fraction=0.2, progress=False
+        stores["train"].path,
+        "all",
+        test=stores["val"].path,
+        val_fraction=VAL_FRACTION,
+        progress=False,
     )
     path = save_results(results, Path(output) / "probe-layers.json")
     chart = plot_layers(results, path.with_suffix(".png")) if has_matplotlib() else None

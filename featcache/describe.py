@@ -15,6 +15,7 @@ import yaml
 from featcache.history import history_lines
 from featcache.store.lock import Holder, holder
 from featcache.store.paths import store_path_of
+from featcache.store.resume import UPDATE_MARK
 from featcache.units import format_bytes
 
 if TYPE_CHECKING:
@@ -70,6 +71,8 @@ class StoreDescription:
     # None when none is (the run stopped, or the store is complete).
     writer: dict[str, Any] | None = None
     tokens: int | None = None  # tokens in the per-token rows (None: no per-token layers)
+    # The fields of the rows' change stamps ("size, mtime_ns"); "" when none are recorded.
+    stamps: str = ""
 
     @property
     def shards(self) -> list[str]:
@@ -94,6 +97,13 @@ class StoreDescription:
         (None otherwise, and for a recorded command that is not one: see
         :func:`shown_command`)."""
         return shown_command(self.attrs.get("resume_command"))
+
+    @property
+    def stopped_update(self) -> bool:
+        """Whether this incomplete store is an update's (its key carries the update mark):
+        a plain rerun refuses it, a rerun with ``--update`` redoes it."""
+        key = self.attrs.get("resume_key")
+        return not self.complete and isinstance(key, Mapping) and UPDATE_MARK in key
 
     def to_dict(self) -> dict[str, Any]:
         """Path, bytes, completeness, the writer of an incomplete store, ``layers: {key:
@@ -147,6 +157,7 @@ class StoreDescription:
         if self.tokens is not None:
             lines.append(f"tokens     {self.tokens} in per-token rows (read with TokenDataset)")
         lines.append(f"labels     {self._labels_text()}")
+        lines.append(f"changes    {self._changes_text()}")
         if self.skipped:
             shown = "; ".join(f"{r['reason']}" for r in self.skipped[:3])
             more = f"; and {len(self.skipped) - 3} more" if len(self.skipped) > 3 else ""
@@ -191,9 +202,17 @@ class StoreDescription:
         if self.writer is not None:
             holder = Holder(**self.writer)
             lines = [f"writer     {holder.describe()} (still running)"]
+        elif self.stopped_update:
+            lines = [
+                "writer     none: the update stopped; rerun it with --update (update=True in "
+                "Python) to redo it: a plain rerun refuses it"
+            ]
         else:
             lines = ["writer     none: the run stopped; rerun it to resume from the durable rows"]
-        command = self.resume_command or (
+        command = self.resume_command
+        if command and self.stopped_update and not _updates(command):
+            command += " --update"
+        command = command or (
             "the same extract call (the store records no config file)"
             if self.attrs.get("resume_command") is None
             else "the extraction that made it (the command the store records is not a "
@@ -210,6 +229,18 @@ class StoreDescription:
                 "that the store names; read it before you run it"
             )
         return lines
+
+    def _changes_text(self) -> str:
+        """How an update or verify tells a sample changed since its row was written."""
+        data = (self.attrs.get("config") or {}).get("data") or {}
+        if data.get("content_hash"):
+            return "each file's sha256 (data.content_hash) and change stamps"
+        if self.stamps:
+            return f"a change stamp per row ({self.stamps}); --update recomputes changed rows"
+        return (
+            "none recorded (the source gives no stamps, or the store predates them): "
+            "--update cannot see a sample changed under the same id"
+        )
 
     def _labels_text(self) -> str:
         classes = self.class_names
@@ -270,6 +301,23 @@ def describe(store: FeatureStore) -> StoreDescription:
         attrs=store.attrs,
         writer=writer,
         tokens=None if offsets is None else int(offsets[-1]),
+        stamps=_stamp_fields(store.stamps),
+    )
+
+
+def _stamp_fields(stamps: Any) -> str:
+    """The field names of the first known stamp: ``"size, mtime_ns"``; "" for none."""
+    known = [] if stamps is None else [s for s in stamps[:1024] if s]
+    if not known:
+        return ""
+    return ", ".join(field.partition(b"=")[0].decode() for field in known[0].split(b"\t"))
+
+
+def _updates(command: str) -> bool:
+    """Whether the shown ``command`` runs an update (``--update``, ``output.update=true``)."""
+    words = shlex.split(command)
+    return "--update" in words or any(
+        w.removeprefix("--set=").replace(" ", "").lower() == "output.update=true" for w in words
     )
 
 

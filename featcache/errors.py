@@ -28,7 +28,7 @@ class FeatcacheWarning(UserWarning):
 
 
 class CorruptStoreError(FeatcacheError):
-    """A store is damaged: a chunk fails its Fletcher-32 checksum (or its decoding), and
+    """A store is damaged: a chunk fails its checksum (or its decoding), and
     the message names the store, the dataset and the rows of the bad chunk; or its
     metadata (headers, attributes, chunk indexes) fails its checksums or digests, and the
     message says which."""

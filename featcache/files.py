@@ -14,19 +14,33 @@ from featcache.errors import ConfigError, FeatcacheError
 from featcache.units import format_bytes
 
 
-def prepare_output_folder(folder: Path) -> None:
-    """Create ``folder`` if needed and make sure a file can be written in it."""
+def prepare_output_folder(folder: Path) -> list[Path]:
+    """Create ``folder`` if needed and make sure a file can be written in it; returns the
+    folders created (``folder`` and the parents it lacked), deepest first, for
+    :func:`remove_empty_folders` to take back when the run is refused."""
+    missing = [f for f in (folder, *folder.parents) if not f.exists()]
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
+        remove_empty_folders(missing)
         raise ConfigError(f"cannot create output folder {folder}: {exc.strerror}") from exc
     try:  # a real write: permission bits alone say nothing for root or read-only mounts
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as exc:
+        remove_empty_folders(missing)
         raise ConfigError(
             f"output folder {folder} is not writable ({exc.strerror}); choose another output dir"
         ) from exc
+    return missing
+
+
+def remove_empty_folders(folders: Sequence[Path]) -> None:
+    """Remove each of ``folders`` (deepest first) that is empty: those a refused run
+    created. A folder that holds anything, or that cannot be removed, stays."""
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 def output_file(path: str | os.PathLike, suffixes: Sequence[str], what: str) -> Path:

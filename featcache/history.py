@@ -6,12 +6,15 @@ its own. A record says when the run finished (UTC, ISO 8601), what it computed a
 it copied from the store before it, and the fingerprints it ran under::
 
     {"time": "2026-11-27T02:10:00+00:00", "kind": "update",
-     "rows_computed": 25, "rows_reused": 195, "layers_computed": 0, "layers_reused": 2,
+     "rows_computed": 25, "rows_reused": 195, "rows_resumed": 0,
+     "layers_computed": 0, "layers_reused": 2,
      "config_fingerprint": "...", "dataset_fingerprint": "..."}
 
 ``rows_computed`` are the rows that ran through the model for every layer (new samples,
 or samples whose bytes changed); ``layers_computed`` the layers computed for every row
-(new ones, or ones whose definition changed); the rest was copied.
+(new ones, or ones whose definition changed); the rest was copied. ``rows_resumed`` are
+the rows a stopped run had written, which this run resumed after and kept (0 for a run
+that started afresh); records written before it was kept lack it, and read as 0.
 """
 
 from __future__ import annotations
@@ -27,15 +30,18 @@ def run_record(
     layers: tuple[int, int],
     fingerprints: Mapping[str, Any],
     time: str | None = None,
+    resumed: int = 0,
 ) -> dict[str, Any]:
     """One run's record: ``kind`` (``"extract"`` or ``"update"``), ``rows`` and ``layers``
-    as ``(computed, reused)``, the store key's ``config_fingerprint`` and
-    ``dataset_fingerprint`` (from ``fingerprints``), finished at ``time`` (default: now)."""
+    as ``(computed, reused)``, the ``resumed`` rows a stopped run had written and this one
+    kept, the store key's ``config_fingerprint`` and ``dataset_fingerprint`` (from
+    ``fingerprints``), finished at ``time`` (default: now)."""
     return {
         "time": time or datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "kind": kind,
         "rows_computed": rows[0],
         "rows_reused": rows[1],
+        "rows_resumed": resumed,
         "layers_computed": layers[0],
         "layers_reused": layers[1],
         "config_fingerprint": fingerprints.get("config_fingerprint"),
@@ -56,12 +62,14 @@ def history_of(attrs: Mapping[str, Any], rows: int, layers: int) -> list[dict[st
 
 def describe_run(record: Mapping[str, Any]) -> str:
     """One record as a line: ``update: computed 25 rows and 0 layers, reused 195 rows and
-    2 layers``."""
-    return (
+    2 layers``; a resumed run's ends ``, resumed 1024 rows a stopped run wrote``."""
+    line = (
         f"{record.get('kind')}: computed {record.get('rows_computed')} rows and "
         f"{record.get('layers_computed')} layers, reused {record.get('rows_reused')} rows "
         f"and {record.get('layers_reused')} layers"
     )
+    resumed = record.get("rows_resumed") or 0  # absent from older stores' records
+    return line + (f", resumed {resumed} rows a stopped run wrote" if resumed else "")
 
 
 def history_lines(history: Sequence[Mapping[str, Any]]) -> list[str]:

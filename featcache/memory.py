@@ -80,7 +80,8 @@ def settle_thresholds() -> None:
 @contextlib.contextmanager
 def freed_memory_kept(device: torch.device | str = "cpu") -> Iterator[None]:
     """Inside the block, freed CPU memory is kept for reuse instead of being returned to
-    the kernel and faulted in again (see the module's docstring); a no-op for devices
+    the kernel and faulted in again (glibc's malloc thresholds raised, so that the blocks
+    one batch of a CPU forward frees serve the next); a no-op for devices
     other than the CPU and where the C library is not glibc. Nested and concurrent blocks
     are counted: the thresholds settle when the last one ends."""
     global _runs

@@ -12,8 +12,8 @@ Features = torch.Tensor | dict[str, torch.Tensor]
 
 
 class PadTokens:
-    """Collate :class:`~featcache.FeatureDataset` items whose rows are per-token
-    (``[T_i, *shape]``, of different lengths) into ``(features, mask, labels)``.
+    """Collate [`FeatureDataset`][featcache.dataset.FeatureDataset] items whose rows are
+    per-token (``[T_i, *shape]``, of different lengths) into ``(features, mask, labels)``.
 
     ``features`` is ``[B, T, *shape]``, each row right-padded with ``pad_value`` to the
     longest ``T`` of the batch; for a dataset of several layers, a dict in which the

@@ -151,13 +151,14 @@ def plan(
 
     For each split: its rows (and tokens, for per-token layers) and the bytes of its
     store and of each layer, from one row through the hooked forward
-    (:func:`~featcache.extraction.estimate`). Then the free space on the output
-    filesystem, and the rows per second of the run's own loop (data loading and the
-    hooked forward, nothing written) over ``batches`` batches of the first split after
-    one that warms up, at the config's batch size, half of it and twice it; the time
-    estimate is the rows still to write at the config's rate, and the suggested batch
-    size the fastest of those (the config's unless another is 5% faster; one that runs
-    out of CUDA memory is left out, and on CUDA each one's peak memory is reported).
+    ([`featcache.extraction.estimate`][featcache.extraction.api.estimate]). Then the free
+    space on the output filesystem, and the rows per second of the run's own loop (data
+    loading and the hooked forward, nothing written) over ``batches`` batches of the
+    first split after one that warms up, at the config's batch size, half of it and
+    twice it; the time estimate is the rows still to write at the config's rate, and the
+    suggested batch size the fastest of those (the config's unless another is 5% faster;
+    one that runs out of CUDA memory is left out, and on CUDA each one's peak memory is
+    reported).
     """
     spec = config if isinstance(config, Spec) else load_config(config, overrides)
     if spec.models:

@@ -14,19 +14,22 @@ if TYPE_CHECKING:
 
 
 class ShuffledBatches(IterableDataset):
-    """Chunk-aware shuffled batches of a :class:`FeatureDataset`, for a DataLoader.
+    """Chunk-aware shuffled batches of a
+    [`FeatureDataset`][featcache.dataset.FeatureDataset], for a DataLoader.
 
-    Iterating gives one epoch of :meth:`FeatureDataset.batches` (same options); use it as
-    ``DataLoader(ShuffledBatches(dataset, 256), batch_size=None, num_workers=k)``. Each
-    worker reads a disjoint share of the blocks, so every row still comes exactly once
+    Iterating gives one epoch of
+    [`FeatureDataset.batches`][featcache.dataset.FeatureDataset.batches] (same options);
+    use it as ``DataLoader(ShuffledBatches(dataset, 256), batch_size=None, num_workers=k)``.
+    Each worker reads a disjoint share of the blocks, so every row still comes exactly once
     per epoch (each worker may end with one smaller batch, unless ``drop_last``). With
     ``shuffle=False`` each worker keeps store order within its share, but the DataLoader
     takes batches from the workers in turn: for rows in store order, use
-    :meth:`FeatureDataset.batches` or one worker.
+    [`FeatureDataset.batches`][featcache.dataset.FeatureDataset.batches] or one worker.
 
-    Call :meth:`set_epoch` before each epoch for a different order; the order depends
-    only on ``seed``, the epoch and the number of workers. The epoch lives in shared
-    memory, so it also reaches workers kept alive with ``persistent_workers=True``.
+    Call [`set_epoch`][featcache.shuffled_batches.ShuffledBatches.set_epoch] before each
+    epoch for a different order; the order depends only on ``seed``, the epoch and the
+    number of workers. The epoch lives in shared memory, so it also reaches workers kept
+    alive with ``persistent_workers=True``.
     """
 
     def __init__(

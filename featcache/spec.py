@@ -105,6 +105,10 @@ class LayerSpec:
     # "output", "input" (the module's first positional input), or "grad": the gradient of
     # the target score with respect to the module's output
     capture: Capture = "output"
+    # What a row holds (docs/concepts/reductions.md): "none" (the whole output), "avg" or
+    # "max" (pooled over every axis after the channels), "adaptive_avg" (pooled to size x
+    # size), "flatten"; of token outputs "cls", "mean", "cls+mean", "patches" (the patch
+    # grid) and, for texts, "last" (docs/concepts/tokens.md)
     reduce: Reduction = "none"
     size: int | None = option(None, ge=1)  # k for reduce="adaptive_avg" (k x k)
     select: int | str | None = None  # index or key into a tuple/list/dict output
@@ -168,6 +172,9 @@ URL_SOURCES = ("imagefolder", "manifest", "text", "parquet", "webdataset")
 class DataSpec:
     """Where the images come from; one store is written per split."""
 
+    # What reads the samples: "imagefolder" (class folders), "manifest" (a file listing
+    # paths and labels), "torchvision" or "hf" (a dataset by name), "synthetic" (seeded
+    # random images), "text" (a file of texts), "webdataset" (tar shards), "parquet"
     source: SourceKind = "imagefolder"
     # folder the split paths are relative to: a local folder or an fsspec URL
     # (s3://bucket/prefix, gs://, az://, https://, hf://)
@@ -188,8 +195,9 @@ class DataSpec:
     # Names of the integer labels (label i is class_names[i]): a list, or the path of a
     # text file with one name per line; null: the names the source gives, if any
     class_names: list[str] | str | None = None
-    # Only the first N samples of each split (a quick trial); their stores go to
-    # <output.dir>/first-N/, beside the full ones
+    # Only N samples of each split, spread evenly over it, the same ones every run (a
+    # quick trial that sees every class of a class folder); their stores go to
+    # <output.dir>/limit-N/, beside the full ones
     limit: int | None = option(None, ge=1)
     # Passed to the fsspec filesystem of URLs (endpoint_url, profile, anon, ...; per
     # protocol as {s3: {...}, https: {...}}). Never credentials: those come from where
@@ -269,8 +277,12 @@ class PreprocessSpec:
 
     resize: int | None = option(None, ge=1)  # shorter side, before the crop
     crop: int | None = option(None, ge=1)  # centre crop to crop x crop
+    # Per-channel (R, G, B) mean subtracted from pixels in [0, 1]; null: ImageNet's
     mean: list[float] | None = None
+    # Per-channel (R, G, B) standard deviation the pixels are divided by, none of them 0;
+    # null: ImageNet's
     std: list[float] | None = None
+    # Resampling filter of the resize; a filter other than bilinear needs resize set
     interpolation: Interpolation = "bilinear"
 
     def is_set(self) -> bool:
@@ -302,7 +314,7 @@ class PreprocessSpec:
 
 @dataclass
 class LoaderSpec:
-    batch_size: int = option(64, ge=1)
+    batch_size: int = option(64, ge=1)  # samples per forward pass
     # "auto": up to 4, bounded by the CPUs available
     num_workers: int | Auto = option("auto", ge=0)
     pin_memory: bool | Auto = "auto"  # "auto": on when the device is CUDA
@@ -318,7 +330,9 @@ class LoaderSpec:
 
 @dataclass
 class StoreSpec:
-    dtype: StoreDtype = "float16"
+    dtype: StoreDtype = "float16"  # how the captured values are stored
+    # HDF5 filter of the finished store, written as a compressed copy at the end of the
+    # run; null: uncompressed
     compression: Compression = None
     chunk_rows: int | None = option(None, ge=1)  # rows per HDF5 chunk; null: about 1 MiB
     on_nonfinite: OnNonfinite = "fail"  # NaN/Inf in captured features
@@ -336,6 +350,9 @@ UPDATE_AND_OVERWRITE = (
 @dataclass
 class OutputSpec:
     dir: str = "features"  # one store per split: <dir>/<split>.h5
+    # Compute every store afresh, replacing any in place (a complete store stays until
+    # its replacement is complete). false: a partial store resumes, a complete one of
+    # this config is kept as it is, and one of another config is refused
     overwrite: bool = False
     # Bring complete stores up to date: compute only new or changed samples and new
     # layers, copy the rest (docs/guides/update.md)
@@ -349,7 +366,7 @@ class RuntimeSpec:
     amp: AmpDtype = None  # autocast dtype for the forward
     compile: bool = False  # torch.compile the forward (pays off on long runs only)
     seed: int = 0  # seeds model initialisation when no weights are loaded
-    progress: bool = True
+    progress: bool = True  # progress bars on stderr
 
 
 @dataclass
@@ -407,11 +424,11 @@ class Spec:
         }
 
     def store_path(self, split: str) -> Path:
-        """Where the store of ``split`` goes: ``<output.dir>/<split>.h5``, or for the
-        first N samples (``data.limit``) ``<output.dir>/first-N/<split>.h5``."""
+        """Where the store of ``split`` goes: ``<output.dir>/<split>.h5``, or for N
+        samples spread over it (``data.limit``) ``<output.dir>/limit-N/<split>.h5``."""
         folder = Path(self.output.dir)
         if self.data.limit is not None:
-            folder = folder / f"first-{self.data.limit}"
+            folder = folder / f"limit-{self.data.limit}"
         return folder / f"{split}.h5"
 
     def validate(self, at: str) -> None:

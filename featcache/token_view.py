@@ -29,10 +29,11 @@ class TokenDataset(FeatureDataset):
     ``dataset[k]`` is ``(features, row, position)``: ``features`` is token ``k``'s
     ``[D]`` values (a dict ``{layer: tensor}`` for several layers) in ``dtype``; ``row``
     (int64) is the store row it belongs to and ``position`` (int64) its place in that
-    row's sequence. :meth:`batches` and :meth:`shuffled` give
+    row's sequence. `batches` and `shuffled` give
     ``(features [b, D], rows [b], positions [b])`` (plus the token numbers with
     ``with_index=True``), shuffled by chunk with the options of
-    :meth:`FeatureDataset.batches`; ``in_memory=True`` loads the tokens once.
+    [`FeatureDataset.batches`][featcache.dataset.FeatureDataset.batches]; ``in_memory=True``
+    loads the tokens once.
     """
 
     def __init__(

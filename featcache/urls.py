@@ -82,7 +82,8 @@ def check_url(url: str, where: str) -> None:
         ConfigError: naming ``where`` and the URL without its secret part.
     """
     parts = urlsplit(url)
-    shown = f"{parts.scheme}://{parts.hostname or ''}{parts.path}"
+    host = parts.netloc.rpartition("@")[2]  # as written, port included, without user:password
+    shown = f"{parts.scheme}://{host}{parts.path}"
     if parts.username or parts.password:
         raise ConfigError(
             f"{where}: the URL {shown} carries a user name or password, and stores record "

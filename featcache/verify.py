@@ -94,7 +94,7 @@ def verify_store(
     The rebuild follows the config recorded in the store, or ``config`` (a YAML path or
     a mapping) when given. A store is data: a recorded config that would import and run
     code (``model.factory``) is refused unless ``trust_factory`` is true; see
-    :func:`recorded_code`.
+    [`recorded_code`][featcache.verify.recorded_code].
 
     Raises:
         ConfigError: a store without a recorded config (and no ``config``), one
@@ -166,6 +166,8 @@ def verify_store(
                 if i >= len(source_labels) or labels[r] != source_labels[i]
             ]
             result.add("labels", not wrong, _rows_text(wrong, "labels match the source"))
+        if not spec.data.content_hash:  # else the dataset check compares every file's bytes
+            _check_stamps(result, store, source, index, ids)
         if past:
             result.add(
                 "values",
@@ -182,6 +184,34 @@ def verify_store(
             tokens,
         )  # fmt: skip
     return result
+
+
+def _check_stamps(
+    result: VerifyResult, store: FeatureStore, source: Any, index: np.ndarray, ids: list[str]
+) -> None:
+    """Compare every row's change stamp with the source's now: one ``stat`` per file."""
+    from featcache.extraction.dataset_info import dataset_stamps
+    from featcache.sources.stamps import change_report, changed_rows
+
+    stored, current = store.stamps, dataset_stamps(source)
+    if current is None:
+        return  # the source tells nothing of its rows' bytes (info says so)
+    if stored is None:
+        result.add("stamps", True, "none recorded (the store predates change stamps)")
+        return
+    source_ids = getattr(source, "ids", None) or []
+    rows = np.array(  # the rows still of their sample (the ids check names the others)
+        [r for r, i in enumerate(index) if i < len(source_ids) and source_ids[i] == ids[r]],
+        dtype=np.int64,
+    )
+    now = current[index[rows]]
+    changed = changed_rows(stored[rows], now)
+    if not len(changed):
+        result.add("stamps", True, f"{len(rows)} rows unchanged since extraction")
+        return
+    at = rows[changed]
+    report = change_report(at.tolist(), [ids[r] for r in at], stored[at], now[changed])
+    result.add("stamps", False, f"{report}; rerun with --update")
 
 
 def recorded_code(path: str | os.PathLike) -> str | None:

@@ -108,8 +108,8 @@ def feature_grid(
 def save_feature_grid(
     store: StoreLike, layer: str, row: int, path: str | os.PathLike, **kwargs: Any
 ) -> Path:
-    """Write :func:`feature_grid` (same keywords) to ``path`` (a picture in the format its
-    suffix names: PNG, JPEG, ...)."""
+    """Write [`feature_grid`][featcache.visualize.feature_grid] (same keywords) to ``path``
+    (a picture in the format its suffix names: PNG, JPEG, ...)."""
     path = output_file(path, PICTURE_SUFFIXES, "picture")
     save_image(feature_grid(store, layer, row, **kwargs), path)
     return path
@@ -170,7 +170,7 @@ def source_image(store: StoreLike, row: int, *, trust_factory: bool = False) -> 
     normalisation undone.
 
     The store's recorded config names the data and preprocessing (relative paths from the
-    folder its run started in: :mod:`featcache.recorded`), and its ids check that the
+    folder its run started in: `featcache.recorded`), and its ids check that the
     source still holds the same sample at that position. A store is data: a recorded
     model whose preprocessing would run code it names (a Hugging Face repository's own
     code) is refused unless ``trust_factory``.
@@ -264,11 +264,11 @@ def cam_overlay(
 ) -> Path:
     """Write the Grad-CAM of one row of ``layer``, blended over its source image, to ``path``.
 
-    The CAM is upsampled (bilinear) to the image size, coloured with :func:`jet` and
+    The CAM is upsampled (bilinear) to the image size, coloured with `jet` and
     mixed in with weight ``alpha``. ``image`` (PIL) replaces the looked-up source image.
     The PNG has the size of the image as the model saw it, times ``scale`` (the image
     enlarged bicubic, for small inputs such as CIFAR's 32 x 32). ``trust_factory``: see
-    :func:`source_image`.
+    [`source_image`][featcache.visualize.source_image].
     """
     if not 0.0 <= alpha <= 1.0:
         raise ConfigError(f"alpha must lie in [0, 1], got {alpha}")

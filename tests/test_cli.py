@@ -189,10 +189,25 @@ def test_demo_via_python_m(tmp_path):
     train = FeatureStore(tmp_path / "demo" / "train.h5")
     assert train.layers == ["layer3", "layer4", "avgpool"]
     assert len(FeatureStore(tmp_path / "demo" / "val.h5")) == 256
-    # Then its probes, against chance.
-    assert "linear probes: lambda chosen on 20% of train.h5, top-1 on the held-out val.h5" in (
-        result.stdout
+    # Then its probes, against chance, each column named by the rows it scores.
+    lines = result.stdout.splitlines()
+    heading = next(i for i, line in enumerate(lines) if line.startswith("linear probes:"))
+    assert lines[heading] == (
+        "linear probes: lambda chosen on a held-out 20% of train.h5, refit on all of "
+        "train.h5, scored on val.h5"
     )
+    assert lines[heading + 1].split("  ")[-4:] == [
+        "20% of train.h5 top-1",
+        "val.h5 top-1",
+        "val.h5 top-5",
+        "seconds",
+    ]
+    assert "test top-1" not in result.stdout and "val top-1" not in result.stdout
+    assert [line.split()[0] for line in lines[heading + 2 : heading + 5]] == [
+        "layer3",
+        "layer4",
+        "avgpool",
+    ]
     best = next(line for line in result.stdout.splitlines() if line.startswith("best layer"))
     accuracy, chance = (float(word.rstrip("%")) for word in best.split() if word.endswith("%"))
     assert accuracy > 3 * chance and chance == pytest.approx(10.2, abs=0.1)
@@ -263,20 +278,64 @@ def test_layers_of_a_model_with_nothing_to_list_is_one_line(tmp_path, factory, f
     assert listed is None or re.search(r"^fc +Linear +-", listed.stdout, re.M)
 
 
-def test_limit_extracts_the_first_samples_into_their_own_folder(config_file, tmp_path):
+def test_limit_spreads_samples_over_the_split_into_their_own_folder(config_file, tmp_path):
     result = runner.invoke(app, ["extract", str(config_file), "--limit", "5"])
     assert result.exit_code == 0, result.output
-    trial = tmp_path / "out" / "first-5" / "train.h5"
+    trial = tmp_path / "out" / "limit-5" / "train.h5"
     assert f"{trial}: 5 rows" in result.stdout
     assert not (tmp_path / "out" / "train.h5").exists()  # the full store's place stays free
+    taken = [0, 3, 6, 8, 11]  # of 12, evenly spaced from the first to the last
     with FeatureStore(trial) as store:
         assert store.index.tolist() == list(range(5)) and store.config["data"]["limit"] == 5
     full = runner.invoke(app, ["extract", str(config_file)])
     assert full.exit_code == 0, full.output
-    with FeatureStore(tmp_path / "out" / "train.h5") as store, FeatureStore(trial) as first:
-        assert len(store) == 12 and torch.equal(store.read("layer3")[:5], first.read("layer3"))
+    with FeatureStore(tmp_path / "out" / "train.h5") as store, FeatureStore(trial) as spread:
+        assert len(store) == 12 and spread.ids == [store.ids[i] for i in taken]
+        assert torch.equal(store.read("layer3")[taken], spread.read("layer3"))
     rerun = runner.invoke(app, ["extract", str(config_file), "--limit", "5"])
     assert rerun.exit_code == 0 and "already complete" in rerun.stdout
+
+
+def _class_folder(root: Path, sizes: dict[str, int]) -> Path:
+    """A class folder of 32x32 PNGs, ``sizes[name]`` in each class."""
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(0)
+    for name, count in sizes.items():
+        (root / name).mkdir(parents=True)
+        for i in range(count):
+            pixels = torch.randint(0, 256, (32, 32, 3), generator=generator, dtype=torch.uint8)
+            Image.fromarray(pixels.numpy()).save(root / name / f"{i:02d}.png")
+    return root
+
+
+def test_limit_over_a_class_folder_takes_every_class_so_a_probe_trains(tmp_path):
+    root = _class_folder(tmp_path / "data" / "train", {"ants": 14, "bees": 8, "cats": 8})
+    config = tmp_path / "folder.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"name": "resnet18"},
+                "preprocess": {"mean": [0.485, 0.456, 0.406]},
+                "layers": [{"name": "layer3", "reduce": "avg"}],
+                "data": {"source": "imagefolder", "root": str(root.parent), "splits": ["train"]},
+                "loader": {"batch_size": 4, "num_workers": 0},
+                "output": {"dir": str(tmp_path / "out")},
+            }
+        )
+    )
+    result = runner.invoke(app, ["extract", str(config), "--limit", "12"])
+    assert result.exit_code == 0, result.output
+    trial = tmp_path / "out" / "limit-12" / "train.h5"
+    files = sorted(str(p.relative_to(root)) for p in root.glob("*/*.png"))
+    with FeatureStore(trial) as store:  # the first 12 would all be ants
+        assert store.ids == [files[p] for p in (0, 3, 5, 8, 11, 13, 16, 18, 21, 24, 26, 29)]
+        assert store.labels.tolist() == [0] * 6 + [1] * 3 + [2] * 3
+    checked = runner.invoke(app, ["verify", str(trial), "--samples", "4"])
+    assert checked.exit_code == 0, checked.output  # rebuilt from the config: the same rows
+    probed = runner.invoke(app, ["probe", str(trial), "-l", "layer3", "--no-progress"])
+    assert probed.exit_code == 0, probed.output
+    assert "only one class" not in probed.output
 
 
 def test_layers_of_a_config_probe_at_its_own_input_size(config_file):
@@ -311,3 +370,24 @@ def test_info_shows_the_preprocessing_and_the_gradient_target(tmp_path):
     (preprocess,) = [line for line in lines if line.startswith("preprocess ")]
     assert "Resize(size=36" in preprocess and "CenterCrop(size=(32, 32))" in preprocess
     assert "decode     exact" in lines
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("layers=[layer5]", "unknown layer 'layer5'"),
+        ("model.name=resnet181", "resnet18"),
+        ("data.splits.train.size=0", "data.splits.train.size must be a whole number"),
+    ],
+)
+def test_a_refused_run_leaves_no_output_folder_behind(config_file, tmp_path, override, expected):
+    """The folders a refused run created go (it never wrote into them); one that was
+    there before stays."""
+    made = tmp_path / "made"
+    made.mkdir()
+    for out in (tmp_path / "new" / "deeper", made):
+        args = ["extract", str(config_file), "--set", override, "--set", f"output.dir={out}"]
+        result = runner.invoke(app, args)
+        assert result.exit_code != 0 and expected in _error_line(result)
+    assert not (tmp_path / "new").exists()
+    assert made.is_dir() and not any(made.iterdir())

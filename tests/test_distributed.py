@@ -208,6 +208,10 @@ def test_killed_rank_resumes_to_the_single_process_store(single, tmp_path):
     assert rerun.returncode == 0, output
     for split in ("train", "val"):
         assert_same_rows(tmp_path / "out" / f"{split}.h5", single / f"{split}.h5")
+    # The history counts the rows the shards' runs resumed apart from those they computed.
+    last = FeatureStore(tmp_path / "out" / "train.h5").attrs["history"][-1]
+    assert last["rows_resumed"] > 0
+    assert last["rows_computed"] + last["rows_resumed"] == 1200
 
 
 @pytest.mark.slow

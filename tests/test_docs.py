@@ -5,7 +5,9 @@ in the site's navigation."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.util
+import inspect
 import os
 import re
 import subprocess
@@ -177,13 +179,13 @@ def spec_keys(cls: type = Spec, prefix: str = "") -> dict[str, typing.Any]:
     return keys
 
 
-def rendered_config_page() -> str:
-    page = (DOCS / "reference" / "config.md").read_text()
-    return load_hooks().on_page_markdown(page, None, None, None)
+def config_page() -> str:
+    """docs/reference/config.md as committed: its tables are generated into it."""
+    return (DOCS / "reference" / "config.md").read_text()
 
 
 def test_every_config_key_is_in_the_generated_reference_with_its_default():
-    page = rendered_config_page()
+    page = config_page()
     rows = {
         line.split("|")[1].strip().strip("`"): line
         for line in page.splitlines()
@@ -202,18 +204,74 @@ def test_every_config_key_is_in_the_generated_reference_with_its_default():
             assert cell == str(default), key
 
 
-def test_a_key_added_to_the_spec_appears_in_the_reference(monkeypatch):
-    """The reference is read from the spec at build time, not written by hand."""
+def test_every_config_key_has_a_description():
+    """Each key's comment in featcache/spec.py is its description in the reference (and
+    an empty one is a warning of the strict build)."""
+    from featcache.config_reference import config_keys
+
+    assert load_hooks().undocumented_keys() == []
+    for key in config_keys():
+        assert key.doc.strip() and key.type and key.default and key.allowed, key
+
+
+def test_the_generated_pages_are_as_the_code_generates_them():
+    """The reference pages are committed with their generated parts (so they read the
+    same on GitHub); `python docs/_hooks/reference.py` rewrites them, and the strict build
+    fails on a stale one."""
+    hooks = load_hooks()
+    assert hooks.stale_pages() == []
+    generated = {
+        page: [found["name"] for found in hooks.GENERATED.finditer((DOCS / page).read_text())]
+        for page in ("reference/config.md", "reference/cli.md")
+    }
+    assert generated == {
+        "reference/config.md": ["config-reference"],
+        "reference/cli.md": ["cli-synopsis", "cli-reference"],
+    }
+
+
+def test_a_key_added_to_the_spec_makes_the_reference_stale(monkeypatch):
+    """The reference is generated from the spec, not written by hand: a key added to
+    the spec is missing from the committed page until it is regenerated, and is in it
+    then with its comment and default."""
     from featcache import spec
 
     @dataclasses.dataclass
     class Wider(spec.StoreSpec):
         shuffle_rows: bool = False  # a key the spec does not have
 
-    assert "`store.shuffle_rows`" not in rendered_config_page()
+    hooks = load_hooks()
+    assert "`store.shuffle_rows`" not in config_page()
     monkeypatch.setattr(Spec, "__annotations__", {**Spec.__annotations__, "store": Wider})
-    row = next(line for line in rendered_config_page().splitlines() if "store.shuffle_rows" in line)
+    assert hooks.stale_pages() == ["reference/config.md"]
+    regenerated = hooks.generate(config_page())
+    row = next(line for line in regenerated.splitlines() if "store.shuffle_rows" in line)
     assert "a key the spec does not have" in row and "`false`" in row
+
+
+def test_the_cli_synopsis_names_every_option_of_every_command():
+    """The synopsis at the top of the command-line reference: one entry per command,
+    naming each of its arguments and options."""
+    import typer
+
+    from featcache.cli import app
+
+    page = (DOCS / "reference" / "cli.md").read_text()
+    synopsis = next(b for b in code_blocks("reference/cli.md") if b.language == "text").code
+    usage: dict[str, str] = {}
+    for line in synopsis.splitlines():
+        if line.startswith("featcache "):
+            command = line.split()[1]
+        usage[command] = usage.get(command, "") + " " + line
+    group = typer.main.get_command(app)
+    for name, command in group.commands.items():  # type: ignore[attr-defined]
+        assert name in usage, f"{name} is missing from the synopsis"
+        for param in command.params:
+            names = [param.name.upper()] if param.param_type_name == "argument" else param.opts
+            named = (re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", usage[name]) for n in names)
+            assert any(named), f"featcache {name}: {names} missing from the synopsis"
+    assert "--update" in usage["extract"] and "--limit" in usage["extract"]
+    assert page.index("```text") < page.index("Errors are one line")
 
 
 def test_every_page_is_in_the_navigation():
@@ -221,3 +279,95 @@ def test_every_page_is_in_the_navigation():
     on_disk = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")}
     assert on_disk <= in_nav, sorted(on_disk - in_nav)
     assert in_nav <= on_disk, sorted(in_nav - on_disk)
+
+
+def api_objects() -> dict[str, typing.Any]:
+    """The objects the Python API page documents (its ``::: featcache...`` lines)."""
+    found = {}
+    for line in (DOCS / "reference" / "api.md").read_text().splitlines():
+        if line.startswith("::: "):
+            found[line[4:].strip()] = resolve(line[4:].strip())
+    return found
+
+
+def resolve(dotted: str) -> typing.Any:
+    """The object a dotted name names: its longest importable module, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(dotted)
+
+
+def documented_docstrings() -> typing.Iterator[tuple[str, str]]:
+    """The docstrings the API page shows: each object's, and its public members'."""
+    for ident, obj in api_objects().items():
+        yield ident, inspect.getdoc(obj) or ""
+        if inspect.isclass(obj):
+            for name, member in vars(obj).items():
+                if not name.startswith("_") or name == "__init__":
+                    yield f"{ident}.{name}", getattr(member, "__doc__", None) or ""
+
+
+def test_the_api_docstrings_cross_reference_in_markdown():
+    """The API page renders docstrings as Markdown: a Sphinx role (:func:`x`) would show as
+    text, so they cross-reference as [x][featcache.module.x] (and the strict build warns
+    on a role left in any page)."""
+    roles = load_hooks().raw_roles
+    found = {ident: roles(doc) for ident, doc in documented_docstrings() if roles(doc)}
+    assert found == {}
+
+
+def test_the_api_page_documents_what_the_package_exports_and_the_docs_use():
+    """Every public name of ``featcache``, every name a page's Python imports from
+    featcache, and every featcache function or class a page names in code
+    (`featcache.probe.nearest`) is on the Python API page."""
+    import featcache
+
+    documented = {id(obj) for obj in api_objects().values()}
+    named = {f"featcache.{name}" for name in featcache.__all__}
+    for page in nav_pages():
+        if page == "reference/api.md":
+            continue
+        for block in code_blocks(page):
+            if block.language == "python":
+                for module, names in re.findall(
+                    r"from (featcache[\w.]*) import ([\w, ]+)", block.code
+                ):
+                    named |= {f"{module}.{name.strip()}" for name in names.split(",")}
+        text = (DOCS / page).read_text()
+        named |= set(re.findall(r"`(featcache(?:\.\w+)+)(?:\([^`]*\))?`", text))
+    missing = []
+    for name in sorted(named):
+        obj = resolve(name)
+        if inspect.ismodule(obj):
+            continue
+        if not (inspect.isclass(obj) or inspect.isfunction(obj)):
+            obj = type(obj)  # an instance (featcache.pad_tokens): its class
+        if obj.__module__.startswith("featcache") and id(obj) not in documented:
+            missing.append(name)
+    assert missing == [], missing
+
+
+def test_references_into_the_readme_name_its_headings():
+    """README.md lies outside docs/, so MkDocs does not check links into it: the hook
+    does, for links to its headings and for its sections named in quotes."""
+    hooks = load_hooks()
+    for page in nav_pages():
+        assert hooks.dead_readme_references((DOCS / page).read_text()) == [], page
+    assert hooks.dead_readme_references("[install](../README.md#install)") == []
+    assert hooks.dead_readme_references('the README\'s "Quick start" section') == []
+    assert hooks.dead_readme_references("[x](../README.md#configuration)") != []
+    assert hooks.dead_readme_references('See the README\'s "Linear\nprobes" section') != []
+
+
+def test_the_hook_finds_sphinx_roles_as_written_and_as_rendered():
+    roles = load_hooks().raw_roles
+    assert roles("see :meth:`FeatureDataset.batches`.") == [":meth:`FeatureDataset.batches`"]
+    assert roles("(:class:<code>~featcache.spec.Spec</code>)") != []
+    assert roles("[`batches`][featcache.dataset.FeatureDataset.batches], `attr`") == []

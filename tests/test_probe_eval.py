@@ -280,6 +280,35 @@ def test_normalize_is_applied_by_both_trainers_and_recorded(stores, normalize):
     assert f"normalize  {normalize}" in format_result(full)
 
 
+def test_few_shot_json_names_the_rows_each_draw_trained_on(stores, tmp_path):
+    options = {"shots": [2, 3], "draws": 2, "methods": "knn", "ks": [3], "progress": False}
+    results = evaluate(stores["train"], "x", test=stores["test"], **options)
+    path = save_results(results, tmp_path / "few.json")
+    entries = json.loads(path.read_text())["results"]
+    x, y = _rows(stores["train"])
+    test, test_labels = _rows(stores["test"])
+    with FeatureStore(stores["train"]) as store:
+        ids = store.ids
+    fit, _ = stratified_split(y.numpy(), 0.2, 0)
+    for entry in entries:
+        for draw in entry["draws"]:
+            assert draw["seed"] == [0, draw["draw"]]
+            assert list(draw["ids"]) == CLASSES  # every class, in label order, by name
+            assert all(len(taken) == entry["shots"] for taken in draw["ids"].values())
+            # The draw function's own rows, by class ...
+            rows = draw_shots(y.numpy(), fit, entry["shots"], draw["draw"], seed=0)
+            assert [ids[r] for r in rows] == sorted(
+                (i for taken in draw["ids"].values() for i in taken), key=ids.index
+            )
+            for name, taken in draw["ids"].items():
+                assert all(CLASSES[y[ids.index(i)]] == name for i in taken)
+            # ... and fitting again on the rows those ids name gives the recorded top-1.
+            again = torch.tensor([ids.index(i) for taken in draw["ids"].values() for i in taken])
+            _, votes = _brute_force(x[again], y[again], test, 3, 0.07, 6)
+            assert draw["k"]["3"]["top1"] == pytest.approx(_metrics(votes, test_labels)[0])
+    assert len(entries) == 2 and entries[0]["draws"][0]["ids"] != entries[0]["draws"][1]["ids"]
+
+
 def test_reports_json_and_plot_cover_every_method(stores, tmp_path):
     quick = {"lambdas": [1e-3, 1e-1], "refine": 0, "max_iter": 100, "progress": False}
     results = evaluate(

@@ -363,3 +363,44 @@ def test_torchrun_ranks_read_disjoint_shards(cifar, proxy, tmp_path):
         read.append({r.path.rsplit("/", 1)[1] for r in proxy.requests if r.range})
     assert read[0] and read[1] and not read[0] & read[1]
     assert read[0] | read[1] == {url.rsplit("/", 1)[1] for url in source.shards}
+
+
+def test_a_storage_option_the_filesystem_does_not_take_is_one_line_naming_where_it_goes(
+    cifar, proxy, tmp_path
+):
+    """region_name is an option of the S3 client, not of s3fs: given beside endpoint_url
+    it is refused in one line saying to put it under client_kwargs, where it works; a
+    misspelt option is named with the close one. Neither leaves an output folder."""
+    top = {"endpoint_url": proxy.url, "region_name": "eu-west-1"}
+    data = data_under("manifest", f"s3://{BUCKET}/cifar", storage_options=top)
+    with pytest.raises(ConfigError) as info:
+        featcache.extract_from_config(config(data, tmp_path / "top", loader=LOADER))
+    message = str(info.value)
+    assert message.startswith("data.storage_options.region_name is an option of the S3 client")
+    assert "data.storage_options.client_kwargs.region_name" in message and "\n" not in message
+    assert not (tmp_path / "top").exists()
+    misspelt = {"s3": {"endpoint_url": proxy.url, "profile_name": "research"}}
+    data = data_under("manifest", f"s3://{BUCKET}/cifar", storage_options=misspelt)
+    refused = r"storage_options\.s3\.profile_name is not an option .*did you mean profile\?"
+    with pytest.raises(ConfigError, match=refused):
+        featcache.extract_from_config(config(data, tmp_path / "misspelt", loader=LOADER))
+    fixed = {"endpoint_url": proxy.url, "client_kwargs": {"region_name": "eu-west-1"}}
+    data = data_under("manifest", f"s3://{BUCKET}/cifar", storage_options=fixed)
+    store = featcache.extract_from_config(config(data, tmp_path / "fixed", loader=LOADER))
+    assert_same_as_imagefolder(store["train"].path, reference(cifar, "manifest"))
+
+
+def test_missing_credentials_say_where_they_are_read(cifar, proxy, tmp_path, monkeypatch):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role to ask
+    data = s3_data("webdataset", proxy)
+    with pytest.raises(FeatcacheError) as info:
+        featcache.extract_from_config(config(data, tmp_path / "out", loader=LOADER))
+    message = str(info.value)
+    assert message.startswith(f"no credentials were found to read s3://{BUCKET}/cifar/")
+    assert "Unable to locate credentials" in message and "\n" not in message
+    for hint in ("AWS_ACCESS_KEY_ID", "data.storage_options.profile", "machine's role"):
+        assert hint in message

@@ -491,3 +491,47 @@ def test_a_resume_refuses_to_complete_a_store_whose_chunk_index_is_damaged(resne
     assert not path.exists()
     featcache.extract(resnet18, Flaky(), LAYERS, path, overwrite=True, **OPTIONS_5)
     assert_same_store(path, reference.path)
+
+
+def test_the_history_of_a_resumed_run_counts_what_it_computed_and_what_it_resumed(
+    resnet18, tmp_path
+):
+    from typer.testing import CliRunner
+
+    from featcache.cli import app
+    from featcache.history import history_lines
+
+    path = tmp_path / "s.h5"
+    with pytest.raises(FeatcacheError, match="simulated crash"):
+        featcache.extract(resnet18, Flaky(fail_at=27), LAYERS, path, **OPTIONS)
+    resumed = featcache.extract(resnet18, Flaky(), LAYERS, path, **OPTIONS)
+    record = resumed.attrs["history"][-1]
+    assert (record["rows_computed"], record["rows_resumed"]) == (16, 24)  # 24 were durable
+    info = CliRunner().invoke(app, ["info", str(path)])
+    assert info.exit_code == 0, info.output
+    line = "extract: computed 16 rows and 2 layers, reused 0 rows and 0 layers"
+    assert f"{line}, resumed 24 rows a stopped run wrote" in info.stdout
+    # A record of an older store has no rows_resumed: it reads as it did.
+    old = {key: value for key, value in record.items() if key != "rows_resumed"}
+    assert history_lines([old])[0].endswith(line)
+    fresh = featcache.extract(resnet18, Flaky(), LAYERS, tmp_path / "fresh.h5", **OPTIONS)
+    record = fresh.attrs["history"][-1]
+    assert (record["rows_computed"], record["rows_resumed"]) == (40, 0)
+
+
+def test_info_of_a_partial_that_does_not_exist_says_so(resnet18, tmp_path):
+    """Not the complete store of the same name instead: one line, and a non-zero exit."""
+    from typer.testing import CliRunner
+
+    from featcache.cli import app
+
+    path = tmp_path / "s.h5"
+    featcache.extract(resnet18, Flaky(), LAYERS, path, **OPTIONS)
+    result = CliRunner().invoke(app, ["info", str(partial_path(path))])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.strip() == (
+        f"featcache: error: {partial_path(path)} does not exist: no run of {path} is stopped "
+        f"or running; for the store, run `featcache info {path}`"
+    )
+    nothing = CliRunner().invoke(app, ["info", str(tmp_path / "none.h5.partial")])
+    assert nothing.exit_code == 2 and "none.h5.partial does not exist" in nothing.stderr

@@ -105,6 +105,28 @@ def test_imagefolder_rows_labels_ids(tree, transform):
         ds[9]
 
 
+def test_a_limit_is_a_source_of_rows_spread_over_the_split(tree, transform):
+    full = build_source(DataSpec(root=str(tree), content_hash=True), "train", transform)
+    ds = build_source(DataSpec(root=str(tree), content_hash=True, limit=4), "train", transform)
+    taken = [0, 3, 5, 8]  # of 9: the first, the last and evenly between
+    assert len(ds) == 4 and ds.ids == [EXPECTED_IDS[i] for i in taken]
+    assert ds.labels == [0, 1, 2, 2] == [full.labels[i] for i in taken]  # birds, cats, dogs
+    assert ds.class_names == full.class_names and repr(ds).startswith("SpreadRows(4 of")
+    for i, row in enumerate(taken):
+        assert torch.equal(ds[i][0], full[row][0]) and ds[i][1] == full[row][1]
+    hashes = full.row_columns["content_hash"]
+    assert ds.row_columns["content_hash"].tolist() == [hashes[i] for i in taken]
+    stamps = getattr(full, "change_stamps", lambda: None)()
+    assert getattr(ds, "change_stamps", lambda: None)() == (
+        None if stamps is None else [stamps[i] for i in taken]
+    )
+    again = pickle.loads(pickle.dumps(ds))  # into DataLoader workers
+    assert again.ids == ds.ids and torch.equal(again[1][0], ds[1][0])
+    assert ds.fingerprint() == again.fingerprint() != full.fingerprint()
+    wider = build_source(DataSpec(root=str(tree), limit=9), "train", transform)
+    assert wider.ids == EXPECTED_IDS and type(wider) is type(full)  # all rows: the source
+
+
 def test_imagefolder_split_subfolder_dot(tree, transform):
     ds = build_source(DataSpec(root=str(tree / "train"), splits={"all": "."}), "all", transform)
     assert ds.ids == EXPECTED_IDS

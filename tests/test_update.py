@@ -331,3 +331,31 @@ def test_a_stopped_update_is_redone_by_update_and_refused_by_a_plain_run(tmp_pat
     assert last_run(updated)["rows_computed"] == 8
     fresh = featcache.extract_from_config(dict(cfg, output={"dir": str(tmp_path / "fresh")}))
     assert_equal_stores(updated, fresh["train"], tolerance_of("float32", None)[0])
+
+
+def test_info_of_a_stopped_update_says_to_rerun_it_with_update(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from featcache.extraction import update
+
+    root = tmp_path / "photos"
+    image_folder(root, 20)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config(root, tmp_path / "out", layers=LAYERS[:1])))
+    store = featcache.extract_from_config(path)["train"]
+    store.close()
+    write_image(root / "train" / CLASSES[0] / "img0100.png", 100)
+
+    def stop(self):
+        raise RuntimeError("stopped")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(update.MergedRows, "finish", stop)
+        with pytest.raises(RuntimeError, match="stopped"):
+            featcache.extract_from_config(path, update=True)
+    assert update.is_update_partial(store.path)
+    info = CliRunner().invoke(app, ["info", str(partial_path(store.path))])
+    assert info.exit_code == 0, info.output
+    assert "rerun it to resume" not in info.stdout
+    assert "the update stopped; rerun it with --update" in info.stdout
+    assert f"resume     featcache extract {path} --update\n" in info.stdout

@@ -146,3 +146,15 @@ def test_local_data_keeps_its_fingerprints(tmp_path, monkeypatch):
     # How to reach the data is not what the data is: the options change no fingerprint.
     config["data"]["storage_options"] = {"profile": "research", "anon": False}
     assert config_fingerprint(load_config(config)) == before
+
+
+def test_a_url_with_credentials_is_shown_with_its_port_and_without_them():
+    signed = "https://127.0.0.1:8443/photos/hym?sig=pw"
+    for url in ("https://me:pw@127.0.0.1:8443/photos/hym", signed):
+        with pytest.raises(ConfigError, match="carries") as info:
+            check_url(url, "data.root")
+        message = str(info.value)
+        assert "the URL https://127.0.0.1:8443/photos/hym carries" in message
+        assert "pw" not in message and "me" not in message.split("carries")[0]
+    with pytest.raises(ConfigError, match=r"the URL s3://bucket/x carries"):
+        check_url("s3://key:secret@bucket/x", "data.root")

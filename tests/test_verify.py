@@ -228,8 +228,9 @@ def test_verify_sees_changed_data_and_skips(tmp_path):
     noise = np.random.default_rng(0).integers(0, 255, (24, 24, 3), dtype=np.uint8)
     Image.fromarray(noise).save(root / "3.png")  # the data changed
     result = verify_store(path, samples=-1)
-    failed = {c.name for c in result.checks if not c.ok}
-    assert failed == {"dataset", "values"}
+    failed = {c.name: c.detail for c in result.checks if not c.ok}
+    assert set(failed) == {"dataset", "stamps", "values"}
+    assert failed["stamps"].startswith("row 3, things/3.png: changed on disk since extraction")
     for name in ("3.png", "4.png"):  # the data shrank: rows 3 and 4 point past its end
         (root / name).unlink()
     result = verify_store(path, samples=-1)

@@ -32,11 +32,11 @@ from featcache.extraction.batches import (
 )
 from featcache.extraction.bucketing import WINDOW_BATCHES, WindowReorder
 from featcache.extraction.continuity import check_continues
-from featcache.extraction.dataset_info import dataset_classes, dataset_ids
+from featcache.extraction.dataset_info import dataset_classes, dataset_ids, dataset_stamps
 from featcache.extraction.estimate import StoreEstimate, check_free_space, estimate_store
 from featcache.extraction.grid import GridBatches, shard_starts
 from featcache.extraction.loop import LoopPlan, run_loop
-from featcache.extraction.update import is_update_partial, update_store
+from featcache.extraction.update import hashes_content, is_update_partial, update_store
 from featcache.extraction.writer_thread import WriterThread
 from featcache.fingerprints import ids_fingerprint, module_fingerprint
 from featcache.history import run_record
@@ -44,6 +44,7 @@ from featcache.provenance import StoreKey, store_attributes
 from featcache.reduce import ReduceContext, token_layout
 from featcache.runtime import Layout, choose_layout
 from featcache.selectors import Tap, resolve_taps, tap_record
+from featcache.sources.stamps import change_report, changed_rows
 from featcache.spec import UPDATE_AND_OVERWRITE, LayerSpec, LoaderSpec, RuntimeSpec, StoreSpec
 from featcache.store import (
     FeatureStore,
@@ -119,6 +120,8 @@ class _Plan:
     bucket_window: int | None = None  # rows per window of length-bucketed batches
     unit: str = "img"  # what the progress bar counts
     shard_starts: list[int] = dataclasses.field(default_factory=list)  # batches restart there
+    # [source rows] each row's change stamp, taken when the run starts (None: none known)
+    stamps: np.ndarray | None = dataclasses.field(default=None, compare=False)
 
     @property
     def token_capacity(self) -> int | None:
@@ -157,11 +160,11 @@ def extract(
     the real tokens only (``avg`` and ``max`` pool the tokens of an ``input_ids`` batch's
     ``[B, T, D]`` outputs, padded or not), and ``reduce: none`` on a token output of a
     padded batch stores per-token rows
-    (see :class:`~featcache.store.StoreWriter`), sized from the dataset's
+    (see `featcache.store.StoreWriter`), sized from the dataset's
     ``token_lengths`` attribute when it has one (else one pass over its items).
 
     ``ids`` and ``class_names`` go into the store. By default they are the dataset's own
-    (see :mod:`featcache.extraction.dataset_info`): its ``ids`` and ``class_names`` (or
+    (see `featcache.extraction.dataset_info`): its ``ids`` and ``class_names`` (or
     ``classes``) attributes, or for torchvision's ``ImageFolder`` and ``DatasetFolder``,
     also inside ``Subset`` and ``ConcatDataset``, the files' paths relative to the folder
     and its classes; else the ids are ``"<DatasetClass>:<index>"``.
@@ -174,7 +177,7 @@ def extract(
     ``channels_last``, ``progress`` ...) plus ``overwrite`` and ``update``.
 
     ``prefix_tokens`` and ``sequence_first`` describe the model's token outputs for the
-    token reductions (see :func:`~featcache.reduce.reduce_tensor`): the number of class or
+    token reductions (see `featcache.reduce.reduce_tensor`): the number of class or
     register tokens before the patch tokens (default: the model's ``num_prefix_tokens``
     attribute, as timm models have, else undeclared), and whether they are ``[T, B, D]``.
 
@@ -184,24 +187,25 @@ def extract(
     differently is refused with the difference named. A complete store at ``path`` made
     the same way is returned as it is. Either way, the rows of two of its batches are
     recomputed first and must equal the stored ones (within the store dtype's rounding:
-    :mod:`featcache.extraction.continuity`), since a fingerprint cannot see everything
+    `featcache.extraction.continuity`), since a fingerprint cannot see everything
     (a Python dataset's transform, another folder of the same file names). With
     ``update=True`` a complete store made otherwise is brought up to date instead of
     refused: only samples it lacks (by id, and by the ``content_hash`` the dataset's
     ``row_columns`` give, when it gives them) and layers it lacks are computed, the rest
-    is copied (:mod:`featcache.extraction.update`). The model is
+    is copied (`featcache.extraction.update`). The model is
     put in eval mode and moved to the device (its train/eval flag is restored
     afterwards). Returns the complete store, opened for reading.
 
     One process writes a store at a time: the run holds ``<path>.lock`` (see
-    :mod:`featcache.store.lock`) from before it touches anything of the store until the
+    `featcache.store.lock`) from before it touches anything of the store until the
     store is in place, and a second run, with or without ``overwrite``, raises
-    :class:`~featcache.store.lock.StoreBusyError` naming the first and changes nothing.
+    [`StoreBusyError`][featcache.store.lock.StoreBusyError] naming the first and changes
+    nothing.
 
     Before the first batch, one row runs through the hooked forward to size the store
-    (:func:`estimate`), and a run whose store the output filesystem cannot hold is
-    refused in one line giving what it needs and what is free; ``check_space=False``
-    runs it anyway.
+    ([`estimate`][featcache.extraction.api.estimate]), and a run whose store the output
+    filesystem cannot hold is refused in one line giving what it needs and what is free;
+    ``check_space=False`` runs it anyway.
     """
     run = RunOptions.from_kwargs(**options)
     path = Path(path)
@@ -239,11 +243,11 @@ def estimate(
     sequence_first: bool = False,
     **options: Any,
 ) -> StoreEstimate:
-    """The size of the store that :func:`extract` with the same arguments writes at
-    ``path``, without running the whole model: one row of ``dataset`` runs through the
-    hooked forward for each layer's stored shape, and nothing is written.
+    """The size of the store that [`extract`][featcache.extraction.api.extract] with the same
+    arguments writes at ``path``, without running the whole model: one row of ``dataset``
+    runs through the hooked forward for each layer's stored shape, and nothing is written.
 
-    Returns a :class:`~featcache.extraction.estimate.StoreEstimate`: the bytes of the
+    Returns a [`StoreEstimate`][featcache.extraction.estimate.StoreEstimate]: the bytes of the
     finished store (exact for dense layers up to HDF5's own metadata, which is
     estimated; for per-token layers as exact as the dataset's token counts), and each
     layer's shape and bytes.
@@ -267,7 +271,11 @@ def _extract(
 ) -> FeatureStore:
     """Write (or resume, or find complete, or update) the store ``plan`` describes at
     ``path``, its batches from ``feed`` when given (an update reads its own)."""
+    if plan.stamps is None:  # before any row is read: a change after that shows later
+        plan = dataclasses.replace(plan, stamps=dataset_stamps(dataset))
     if run.update and path.exists() and not plan.key().matches(stored_resume_key(path)):
+        return update_store(model, dataset, path, run, plan, check_space)
+    if run.update and path.exists() and stale_rows(path, plan):  # replaced under its name
         return update_store(model, dataset, path, run, plan, check_space)
     if run.update and is_update_partial(path):
         remove_partial(path)  # a stopped update of a store no longer there
@@ -281,6 +289,12 @@ def _extract(
     elif path.exists() and plan.key().matches(stored_resume_key(path)):
         # A rerun after this store completed: nothing left to do, once a few of its rows
         # recomputed now prove that it holds this computation's result.
+        stale = stale_rows(path, plan)
+        if stale:
+            raise ConfigError(
+                f"{path}: {stale}; rerun with --update (update=True in Python) to recompute "
+                f"what changed, or pass {OVERWRITE} to extract it afresh"
+            )
         check_continues(path, model, dataset, plan, run)
         return FeatureStore(path)
     # Only a partial store beside a complete one needs the key now; otherwise the weights
@@ -302,7 +316,15 @@ def _extract(
             config=plan.provenance.get("config"),
         )
         if resume is not None and resume.row > 0:  # rows kept: they must be this run's
-            check_continues(partial_path(path), model, dataset, plan, run, resume.position)
+            changed, stale = changes_since(resume.index, resume.stamps, plan)
+            check_continues(partial_path(path), model, dataset, plan, run, resume.position, changed)
+            if stale:  # the rows keep the stamps they were read under: an update sees them
+                warnings.warn(
+                    f"{partial_path(path)}: {stale}; the store keeps those rows as they were "
+                    "read, so rerun with --update once this run completes",
+                    FeatcacheWarning,
+                    stacklevel=2,
+                )
     todo = range(resume.position if resume else plan.rows.start, plan.rows.stop)
     if check_space:  # before the first batch, and before the store's file is created
         check_free_space([estimate_store(model, dataset, path, plan, run)], run.overwrite)
@@ -343,7 +365,9 @@ def _extract(
         writer = sink.writer
         assert writer is not None  # the thread raised otherwise
         layers = (len(plan.taps), 0)
-        record = run_record("extract", (writer.rows_appended, 0), layers, plan.key().to_json())
+        kept = resume.row if resume else 0  # rows a stopped run wrote: resumed, not computed
+        computed = (writer.rows_appended - kept, 0)
+        record = run_record("extract", computed, layers, plan.key().to_json(), resumed=kept)
         attrs = {**timing, "row_unit": ROW_UNITS[plan.unit], "history": [record]}
         writer.close(complete=True, attrs=attrs, row_columns=getattr(dataset, "row_columns", None))
     if writer.skipped:
@@ -386,10 +410,37 @@ def open_writer_for(
             has_labels=plan.has_labels,
             attrs=attrs,
             token_capacity=plan.token_capacity,
+            stamps=plan.stamps,
         )
         return StoreWriter(store, resume)
 
     return open_writer
+
+
+def changes_since(
+    index: np.ndarray, stamps: np.ndarray | None, plan: _Plan
+) -> tuple[np.ndarray, str]:
+    """The source positions among ``index`` (rows recorded with ``stamps``) whose change
+    stamp differs from the one ``plan`` took now, and those rows named (see
+    :func:`~featcache.sources.stamps.change_report`; "" for none). None differs when
+    either side has no stamps, or when content hashes decide instead
+    (``data.content_hash``: the store key then holds every file's hash)."""
+    if stamps is None or plan.stamps is None or hashes_content(plan):
+        return np.empty(0, dtype=np.int64), ""
+    current = plan.stamps[index]
+    changed = changed_rows(stamps, current)
+    if not len(changed):
+        return changed, ""
+    ids = [str(plan.ids[i]) for i in index[changed]]
+    return index[changed], change_report(changed.tolist(), ids, stamps[changed], current[changed])
+
+
+def stale_rows(path: Path, plan: _Plan) -> str:
+    """The rows of the complete store at ``path`` that :func:`changes_since` names."""
+    if plan.stamps is None or hashes_content(plan):
+        return ""
+    with FeatureStore(path) as store:
+        return changes_since(store.index, store.stamps, plan)[1]
 
 
 def check_unique(ids: Sequence[str]) -> None:

@@ -1,4 +1,4 @@
-"""What a Python dataset says of its rows: their ids and its class names.
+"""What a Python dataset says of its rows: their ids, change stamps and class names.
 
 featcache's own sources carry ``ids`` and ``class_names`` attributes. torchvision's
 folder datasets (``ImageFolder``, ``DatasetFolder``) know their files and classes, and
@@ -13,7 +13,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from torch.utils.data import ConcatDataset, Dataset, Subset
+
+from featcache.sources.stamps import file_stamp, stamp_array
 
 
 def dataset_ids(dataset: Dataset) -> list[str] | None:
@@ -29,6 +32,18 @@ def dataset_ids(dataset: Dataset) -> list[str] | None:
     top = roots[0] if len(set(roots)) == 1 else os.path.commonpath(roots)
     ids = [os.path.relpath(path, top).replace(os.sep, "/") for path in paths]
     return ids if len(set(ids)) == len(ids) else None
+
+
+def dataset_stamps(dataset: Dataset) -> np.ndarray | None:
+    """``[rows]`` change stamps of ``dataset``'s rows, taken now (numpy ``S``; see
+    :mod:`featcache.sources.stamps`): a featcache source's own, or each file's of a
+    folder dataset; None when it can tell nothing of its rows' bytes."""
+    method = getattr(dataset, "change_stamps", None)
+    if callable(method):
+        stamps = method()
+        return None if stamps is None else stamp_array(stamps)
+    files = _files(dataset)
+    return None if files is None else stamp_array(file_stamp(path) for path in files[1])
 
 
 def dataset_classes(dataset: Dataset) -> list[str] | None:

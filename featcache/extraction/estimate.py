@@ -140,17 +140,17 @@ def store_bytes(
     attrs_bytes: int = 0,
 ) -> int:
     """Bytes on disk of the finished, uncompressed store that
-    :class:`~featcache.store.StoreWriter` writes for ``rows`` rows of ``layers``.
+    `featcache.store.StoreWriter` writes for ``rows`` rows of ``layers``.
 
     Every chunked dataset is allocated whole at creation, in whole chunks (as
-    :func:`~featcache.store.layout.chunk_rows_for` says, or ``chunk_rows``), with 8 bytes
+    `featcache.store.layout.chunk_rows_for` says, or ``chunk_rows``), with 8 bytes
     of checksum per chunk when ``checksum``: the layers (``[rows, *shape]``, or
     ``[tokens, *shape]`` per token), ``/index``, ``/labels``, ``/ids`` (``ids_width``
     bytes each), and for per-token layers ``/offsets`` and, with ``token_ids``,
     ``/token_ids``. Added: ``row_column_bytes`` per row of the columns a source records
     at completion, ``/progress``, and HDF5's metadata (estimated per file and dataset,
     a B-tree node per 64 chunks, ``attrs_bytes`` of attribute text) in whole
-    :data:`~featcache.store.layout.META_BLOCK_BYTES` blocks. Not counted: skipped rows
+    `featcache.store.layout.META_BLOCK_BYTES` blocks. Not counted: skipped rows
     (the store keeps its size), the skip records, compression. Dense layers are exact
     up to the metadata estimate; per-token layers as exact as ``tokens`` is.
     """

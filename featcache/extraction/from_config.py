@@ -39,11 +39,11 @@ def extract_from_config(
 
     ``update=True`` (the config's ``output.update``, ``--update``) brings stores that
     exist up to date: only new or changed samples and new layers are computed, the rest
-    is copied (:mod:`featcache.extraction.update`).
+    is copied (`featcache.extraction.update`).
 
-    ``config`` is a YAML path, a mapping, or a loaded :class:`~featcache.spec.Spec`;
+    ``config`` is a YAML path, a mapping, or a loaded [`Spec`][featcache.spec.Spec];
     ``overrides`` are ``key.sub=value`` strings applied first. Every split's output path
-    is checked, and locked against other writers (:mod:`featcache.store.lock`), before
+    is checked, and locked against other writers (`featcache.store.lock`), before
     any work starts. So is the free space: a run whose stores (every split's, together)
     the output filesystem cannot hold is refused in one line before the first batch,
     unless ``check_space=False`` (under torchrun each rank checks its own shards).
@@ -188,13 +188,6 @@ def split_arguments(
     )
 
 
-def first_rows(spec: Spec, source: SourceDataset) -> range | None:
-    """The rows of ``source`` a run of ``spec`` stores: the first ``data.limit`` (None:
-    all of them)."""
-    limit = spec.data.limit
-    return None if limit is None else range(min(limit, len(source)))
-
-
 def complete_already(spec: Spec, split: str) -> bool:
     """Whether ``split``'s store is in place, complete, from the same config, and not to
     be overwritten: a run then leaves it as it is."""
@@ -251,20 +244,18 @@ def _extract_models(
     options = run_options(spec)
     if check_space:  # every model's and split's store, before any work
         estimates = []
-        for split, source in sources.items():
+        for split in sources:
             todo = [r for key, r in zip(specs, runs[split], strict=True)
                     if not complete_already(specs[key], split)]  # fmt: skip
             estimates += estimate_runs(
-                todo, decoded[split], rows=first_rows(spec, source),
-                dataset_fingerprint=fingerprints[split], **options,
-            )  # fmt: skip
+                todo, decoded[split], dataset_fingerprint=fingerprints[split], **options
+            )
         check_free_space(estimates, spec.output.overwrite)
     stores = {}
     for split, source in sources.items():
         made = extract_models(
             runs[split],
             decoded[split],
-            rows=first_rows(spec, source),
             dataset_fingerprint=fingerprints[split],
             check_space=False,
             **options,
@@ -319,7 +310,6 @@ def _extract_splits(
                 source,
                 spec.layers,
                 spec.store_path(split),
-                rows=first_rows(spec, source),
                 **arguments[split],
             )
             for split, source in sources.items()
@@ -329,14 +319,12 @@ def _extract_splits(
     stores = {}
     for split, source in sources.items():
         path = spec.store_path(split)
-        rows = first_rows(spec, source)
         if rank is None:
             stores[split] = extract(
                 backbone.model,
                 source,
                 spec.layers,
                 path,
-                rows=rows,
                 check_space=False,
                 **arguments[split],
             )
@@ -351,7 +339,6 @@ def _extract_splits(
                 rank,
                 arguments[split],
                 check_space,
-                rows,
             )
         report_retries(split, source)
     return stores

@@ -50,7 +50,8 @@ _LOADER_KEYS = frozenset(f.name for f in dataclasses.fields(RunOptions().loader)
 
 @dataclasses.dataclass(frozen=True)
 class ModelRun:
-    """One model of a shared pass: what :func:`~featcache.extraction.extract` takes for it.
+    """One model of a shared pass: what [`extract`][featcache.extraction.api.extract] takes
+    for it.
 
     ``transform`` turns a decoded sample of the pass's dataset into this model's input
     (None: the sample as it is). ``options`` are its own keyword options of ``extract``
@@ -323,9 +324,9 @@ def extract_models(
 ) -> list[FeatureStore]:
     """Run several models over one pass of ``dataset``; one complete store each.
 
-    ``dataset`` yields ``(sample, label)`` as :func:`~featcache.extraction.extract` takes
-    them, but decoded rather than preprocessed (a PIL image, say): each sample is read
-    once and given to every run's ``transform``. Each model then runs as ``extract``
+    ``dataset`` yields ``(sample, label)`` as [`extract`][featcache.extraction.api.extract]
+    takes them, but decoded rather than preprocessed (a PIL image, say): each sample is
+    read once and given to every run's ``transform``. Each model then runs as ``extract``
     would run it alone, with ``options`` and its run's own ``options``: it resumes its
     own partial store, finds its complete store complete, and its store equals the
     store of that run alone with the same loader options (the same batches). The

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from featcache.distributed import Rank, block, check_other_world_sizes, combine_shards, shard_path
+from featcache.errors import FeatcacheError
 from featcache.extraction.api import RunOptions, _plan, extract
 from featcache.extraction.batches import source_length
 from featcache.extraction.grid import shard_starts
@@ -41,7 +42,7 @@ def extract_shard(
 ) -> FeatureStore:
     """This rank's block into its shard; then rank 0 writes the store over all shards.
     With ``check_space`` the rank refuses a shard its filesystem cannot hold. ``rows``
-    (the first N source rows, default all) is the store's share of the source."""
+    (a block of source rows, default all) is the store's share of the source."""
     rank.join()
     world = rank.world_size
     overwrite = arguments["overwrite"]
@@ -90,7 +91,26 @@ def extract_shard(
         shards = [shard_path(path, r, world) for r in range(world) if blocks[r]]
         key = done_key.to_json()
         counts = (len(plan.taps), 0)
-        history = [run_record("extract", (num_rows, 0), counts, key)]  # every shard's rows
+        computed, resumed = _rows_of_last_runs(shards)  # every shard's rows
+        history = [run_record("extract", (computed, 0), counts, key, resumed=resumed)]
         combine_shards(path, shards, {"resume_key": key, "history": history})
     rank.barrier()
     return FeatureStore(path)
+
+
+def _rows_of_last_runs(shards: Sequence[Path]) -> tuple[int, int]:
+    """The rows the last run of each of ``shards`` computed and those it resumed (a
+    stopped run's), summed over the shards (one missing or incomplete is left to
+    :func:`combine_shards` to name)."""
+    computed = resumed = 0
+    for shard in shards:
+        try:
+            with FeatureStore(shard) as store:
+                history = store.attrs.get("history") or [{}]
+                rows = len(store)
+        except FeatcacheError:
+            continue
+        last = history[-1]
+        computed += int(last.get("rows_computed", rows))
+        resumed += int(last.get("rows_resumed") or 0)
+    return computed, resumed

@@ -3,9 +3,10 @@
 An update (``featcache extract CONFIG --update``, ``update=True``) writes a new store at
 the store's ``.partial`` path, as every run does, and moves it into place when complete:
 the old store stays whole and readable until then. The new store's rows are the current
-dataset's, in its order. A row whose sample id is in the old store (and, where the old
-store recorded one, whose ``content_hash`` row column, each file's sha256, is the same:
-``data.content_hash: true``) is *reused*: its values of every layer whose definition (the
+dataset's, in its order. A row whose sample id is in the old store, and whose bytes have
+not changed since (by the row's change stamp, :mod:`featcache.sources.stamps`; or, where
+the old store recorded one, its ``content_hash`` row column, each file's sha256:
+``data.content_hash: true``), is *reused*: its values of every layer whose definition (the
 store key's tap record: module, capture, reduce, size, ...) is unchanged are copied,
 byte for byte, from the old store. Everything else is *computed*: new or changed samples
 get every layer, and a new or redefined layer is computed for every row (when no sample
@@ -13,8 +14,9 @@ needs every layer, the forward then stops at the deepest new layer). Rows of van
 samples and layers no longer configured are left out. So the updated store is the store
 a fresh extraction of the current dataset and config writes: the same ids in the same
 order, the same labels, the copied values bit for bit those of the old store, and the
-computed ones equal to a fresh run's where the batches are the same (a new layer: every
-row runs on the fresh run's batch grid), else within the rounding of a different batch
+computed ones equal to a fresh run's: bit for bit where the old store's rows are the
+current ones (each grid batch holding a computed row then runs whole; a new layer runs
+every row on the fresh run's grid), else within the rounding of a different batch
 composition, which the resume check's tolerance bounds
 (:data:`~featcache.extraction.continuity.RELATIVE_TOLERANCE`: 1e-4 of a row's largest
 magnitude in float32, 4 units in the last place in float16 and bfloat16).
@@ -34,7 +36,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +46,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from featcache.errors import ConfigError
+from featcache.errors import ConfigError, FeatcacheWarning
 from featcache.extraction.batches import Collate, SourceRows, num_workers, pins, started
 from featcache.extraction.continuity import recompute, row_mismatch, tolerance_of
 from featcache.extraction.estimate import check_free_space, estimate_store
@@ -53,15 +56,15 @@ from featcache.extraction.writer_thread import CapturedBatch, WriterThread
 from featcache.history import history_of, run_record
 from featcache.provenance import config_differences
 from featcache.selectors import tap_record
+from featcache.sources.stamps import changed_rows
 from featcache.store import FeatureStore, partial_path, remove_partial, stored_resume_key
 from featcache.store.codec import encode, values
 from featcache.store.paths import OVERWRITE
+from featcache.store.resume import UPDATE_MARK
 
 if TYPE_CHECKING:
     from featcache.extraction.api import RunOptions, _Plan
 
-# The entry of a partial store's key that marks it as an update's.
-UPDATE_MARK = "update"
 # Per-row hashes of the samples' bytes, when the source records them (its row_columns).
 HASH_COLUMN = "content_hash"
 # Store key entries an update may change: what the rows are (the dataset), which layers,
@@ -99,6 +102,9 @@ class UpdateWork:
     old_rows: np.ndarray  # [len(plan.rows)] int64
     new_layers: list[str]
     kept_layers: list[str]
+    # The old store's rows are the plan's, on the same batch grid (no sample added or
+    # removed, the same batch size): then computed rows run in their grid batches.
+    same_grid: bool = False
 
     @property
     def rows_computed(self) -> int:
@@ -108,12 +114,23 @@ class UpdateWork:
     def rows_reused(self) -> int:
         return int((self.old_rows >= 0).sum())
 
-    def positions_run(self, rows: range) -> np.ndarray:
-        """The source positions that go through the model: every row when a layer is
-        new, else the computed rows."""
+    def batches_run(self, grid: GridBatches) -> Iterable[list[int]]:
+        """The batches (positions into ``plan.rows``) that go through the model.
+
+        Every batch of ``grid`` (a fresh run's) when a layer is new. Otherwise, on the
+        old store's grid (:attr:`same_grid`), each grid batch holding a computed row,
+        whole: batch composition can change the last bits of a result, so its computed
+        rows then get a fresh run's bytes, as the copied ones are (its reused rows'
+        values are copied over what it computes). Where samples were added or removed
+        the copied rows come from another grid anyway, and the computed rows run in
+        batches of their own."""
         if self.new_layers:
-            return np.arange(rows.start, rows.stop)
-        return rows.start + np.flatnonzero(self.old_rows < 0)
+            return grid
+        if self.same_grid:
+            return [batch for batch in grid if (self.old_rows[batch] < 0).any()]
+        computed = np.flatnonzero(self.old_rows < 0)
+        size = grid.batch_size
+        return [computed[at : at + size].tolist() for at in range(0, len(computed), size)]
 
 
 def is_update_partial(path: str | Path) -> bool:
@@ -157,22 +174,26 @@ def plan_work(old: FeatureStore, plan: _Plan, hashes: np.ndarray | None) -> Upda
 
     ``hashes`` (``[source rows]``, the source's ``content_hash`` column, None without
     one) must equal the old store's for a row to be reused; an old store that recorded
-    none then reuses no row.
+    none then reuses no row. Without hashes, a row whose change stamp (``plan.stamps``)
+    differs from the one the old store recorded is computed again.
     """
     old_ids = old.ids
     row_of = {sample_id: row for row, sample_id in enumerate(old_ids)}
     old_rows = np.array(
         [row_of.get(str(plan.ids[p]), -1) for p in plan.rows], dtype=np.int64
     ).reshape(-1)
+    reused = np.flatnonzero(old_rows >= 0)
     if hashes is not None:
         held = old.file.get(HASH_COLUMN)
         if held is None:
             old_rows[:] = -1
         else:
             stored = np.asarray(held[: len(old_ids)])
-            reused = np.flatnonzero(old_rows >= 0)
             current = np.asarray(hashes)[plan.rows.start + reused]
             old_rows[reused[stored[old_rows[reused]] != current]] = -1
+    elif plan.stamps is not None and old.stamps is not None:
+        stamps = old.stamps[old_rows[reused]], plan.stamps[plan.rows.start + reused]
+        old_rows[reused[changed_rows(*stamps)]] = -1
     stored_taps = {record["key"]: record for record in old.attrs.get("taps") or []}
     kept = [
         tap.key
@@ -180,7 +201,12 @@ def plan_work(old: FeatureStore, plan: _Plan, hashes: np.ndarray | None) -> Upda
         if tap.key in old.layers and stored_taps.get(tap.key) == tap_record(tap)
     ]
     new = [tap.key for tap in plan.taps if tap.key not in kept]
-    return UpdateWork(old_rows, new, kept)
+    grid_keys = ("source_rows", "rows", "batch_size")
+    stored_key, key = old.attrs.get("resume_key") or {}, plan.key().to_json()
+    same_grid = old_ids == [str(plan.ids[p]) for p in plan.rows] and all(
+        stored_key.get(name) == key.get(name) for name in grid_keys
+    )
+    return UpdateWork(old_rows, new, kept, same_grid)
 
 
 def update_store(
@@ -204,13 +230,22 @@ def update_store(
     with FeatureStore(path) as old:
         _check_updatable(old, path, plan)
         columns = dict(getattr(dataset, "row_columns", None) or {})
-        if _hashing(plan) and HASH_COLUMN not in columns:
+        if hashes_content(plan) and HASH_COLUMN not in columns:
             raise ConfigError(
                 f"cannot update {path}: data.content_hash is on but this source records no "
                 "hash per sample (image folders and manifests do), so a changed sample "
                 f"would go unseen; turn data.content_hash off, or pass {OVERWRITE}"
             )
-        work = plan_work(old, plan, columns.get(HASH_COLUMN))
+        hashes = columns.get(HASH_COLUMN)
+        if hashes is None and plan.stamps is not None and old.stamps is None:
+            warnings.warn(
+                f"{path} records no change stamps (it was written before featcache kept "
+                "them), so this update cannot see a sample replaced under the same name; "
+                f"set data.content_hash: true, or pass {OVERWRITE} to extract it afresh",
+                FeatcacheWarning,
+                stacklevel=3,
+            )
+        work = plan_work(old, plan, hashes)
         check_reused(old, path, model, dataset, plan, run, work)
         remove_partial(path)  # a stopped update (or other run) starts over
         if check_space:  # the old store stays until the new one replaces it
@@ -218,14 +253,11 @@ def update_store(
         run_taps = list(plan.taps)
         if work.new_layers and not work.rows_computed:  # the forward stops at the new layers
             run_taps = [tap for tap in plan.taps if tap.key in work.new_layers]
-        positions = work.positions_run(plan.rows)
-        batches: Any
-        if work.new_layers:  # every row: the grid of a fresh run, so the same batches
-            batches = GridBatches(plan.rows, run.loader.batch_size, plan.shard_starts)
+        batches = work.batches_run(GridBatches(plan.rows, run.loader.batch_size, plan.shard_starts))
+        if work.new_layers:
+            positions = np.arange(plan.rows.start, plan.rows.stop)
         else:
-            offsets = positions - plan.rows.start
-            size = run.loader.batch_size
-            batches = [offsets[at : at + size].tolist() for at in range(0, len(offsets), size)]
+            positions = plan.rows.start + np.array([o for b in batches for o in b], dtype=np.int64)
         device = plan.layout.device
         pin = pins(run.loader.pin_memory, device)
         source_rows = SourceRows(dataset, plan.rows, has_labels=plan.has_labels)
@@ -245,7 +277,7 @@ def update_store(
         start = time.perf_counter()
         with started(loader) as loaded:
             with WriterThread(open_writer_for(path, plan, run, mark), path) as thread:
-                merged = MergedRows(thread, old, dataset, plan, work, run.store.dtype)
+                merged = MergedRows(thread, old, dataset, plan, work, run.store.dtype, positions)
                 timing = run_loop(model, loaded, merged, loop)
                 merged.finish()
             writer = thread.writer
@@ -328,7 +360,7 @@ def check_reused(
             )
 
 
-def _hashing(plan: _Plan) -> bool:
+def hashes_content(plan: _Plan) -> bool:
     """Whether the run's config asks for samples to be known by their bytes too."""
     config = plan.provenance.get("config") or {}
     return bool((config.get("data") or {}).get("content_hash"))
@@ -352,11 +384,13 @@ class MergedRows:
         plan: _Plan,
         work: UpdateWork,
         dtype: str,
+        positions: np.ndarray,
     ):
+        """``positions``: the source positions that go through the model, in order."""
         self.sink, self.old, self.plan, self.work, self.dtype = sink, old, plan, work, dtype
         self.path = sink.path
         self.waited = 0.0  # seconds the forward waited on the writer thread
-        run = set(work.positions_run(plan.rows).tolist())
+        run = set(positions.tolist())
         # Source positions copied whole, in order, and how many of them are written.
         self.copied = np.array([p for p in plan.rows if p not in run], dtype=np.int64)
         self.next = 0

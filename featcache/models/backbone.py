@@ -138,7 +138,7 @@ def backbone_layers(
     preprocessing, where the data can be read; else the size the model's preprocessing
     gives, else 224), or with ``text`` (or a config whose data is text) a short text
     through the model's tokenizer. Returns a
-    :class:`~featcache.layers.LayerInfo` per module (output ``"-"`` for those the forward
+    `featcache.layers.LayerInfo` per module (output ``"-"`` for those the forward
     never called) and the probe input in words (``"input 224px"``, ``"input 12 tokens"``).
     """
     spec = None

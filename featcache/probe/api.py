@@ -34,11 +34,12 @@ def probe(
 ) -> ProbeResult:
     """Fit and evaluate a linear probe on one stored ``layer``.
 
-    ``train``, ``val`` and ``test`` are store paths (or :class:`FeatureStore`). Without
+    ``train``, ``val`` and ``test`` are store paths (or
+    [`FeatureStore`][featcache.store.reader.FeatureStore]). Without
     ``val``, a stratified ``val_fraction`` (default 0.2, or the recipe's) of ``train`` is
     held out for choosing the regularisation. Without ``test``, the result reports only
     the validation accuracy, which chose the model and so is optimistic. ``kwargs`` are
-    fields of :class:`ProbeOptions`.
+    fields of [`ProbeOptions`][featcache.probe.options.ProbeOptions].
 
     Raises:
         ConfigError: a layer missing from a store, stores whose layers, shapes or class
@@ -59,8 +60,8 @@ def probe_layers(
 ) -> list[ProbeResult]:
     """One linear probe per layer: ``"all"`` (every stored layer), a name, a
     comma-separated list or a sequence of names. The results, in that order, form the
-    layer-wise transfer curve. Arguments as in :func:`probe`; :func:`evaluate` runs k-NN
-    and few-shot evaluations."""
+    layer-wise transfer curve. Arguments as in [`probe`][featcache.probe.api.probe];
+    [`evaluate`][featcache.probe.api.evaluate] runs k-NN and few-shot evaluations."""
     options = resolve_options(options, kwargs)
     if options.methods != ["linear"] or options.shots is not None:
         raise ConfigError(
@@ -80,10 +81,12 @@ def knn(
     options: ProbeOptions | None = None,
     **kwargs: Any,
 ) -> KnnResult:
-    """Weighted k-NN classification of one stored ``layer`` (see :mod:`.weighted_knn`): the
-    ``test`` rows (else the validation rows) against the training rows, for each ``k``
-    of ``ks`` (default 10, 20, 100, 200) with ``temperature`` (default 0.07). Arguments
-    as in :func:`probe`."""
+    """Weighted k-NN classification of one stored ``layer``: the ``test`` rows (else the
+    validation rows) against the training rows, for each ``k`` of ``ks`` (default 10, 20,
+    100, 200) with ``temperature`` (default 0.07); the search and the vote are
+    [`nearest`][featcache.probe.weighted_knn.nearest] and
+    [`vote`][featcache.probe.weighted_knn.vote]. Arguments as in
+    [`probe`][featcache.probe.api.probe]."""
     (result,) = evaluate(
         train, [layer], val=val, test=test, options=options, **{**kwargs, "methods": ["knn"]}
     )
@@ -101,9 +104,9 @@ def evaluate(
     **kwargs: Any,
 ) -> list[Result]:
     """Every evaluation the options ask for, layer by layer: for each of ``methods``
-    ("linear", "knn") a :class:`ProbeResult` or :class:`KnnResult` on all rows, or with
-    ``shots``, a :class:`FewShotResult` per method and number of shots. Arguments as in
-    :func:`probe_layers`."""
+    ("linear", "knn") a `ProbeResult` or `KnnResult` on all rows, or with ``shots``, a
+    `FewShotResult` per method and number of shots (``featcache.probe.results``). Arguments
+    as in [`probe_layers`][featcache.probe.api.probe_layers]."""
     options = resolve_options(options, kwargs)
     splits = _open(train, val, test, options)
     results: list[Result] = []
@@ -259,7 +262,8 @@ def _few_shot_layer(splits: Splits, layer: str, options: ProbeOptions) -> list[F
                 rows = draw_shots(splits.labels["train"], splits.fit_rows, shots, d, options.seed)
                 desc = f"{method} {layer} {shots}-shot draw {d}"
                 entry = few_shot_draw(data, method, rows, options, scaling, device, desc)
-                draws.append({"draw": d, **entry})
+                seed = [options.seed, d]  # draw_shots's generator: the draw can be redone
+                draws.append({"draw": d, "seed": seed, **entry, "ids": data.draw_ids(rows)})
             seconds = round(time.perf_counter() - start, 4)
             results.append(
                 FewShotResult(

@@ -72,8 +72,8 @@ def summarize(values: list[float]) -> dict[str, float]:
 
 class FewShotData:
     """The rows a few-shot run uses, in memory: the train rows that can be drawn (with
-    the sha256 of the whole train store's layer), the validation rows and the scored
-    rows, each prepared by the per-row step of its method at use."""
+    the sha256 of the whole train store's layer, and their sample ids), the validation
+    rows and the scored rows, each prepared by the per-row step of its method at use."""
 
     def __init__(self, splits: Splits, layer: str, options: ProbeOptions):
         self.splits = splits
@@ -86,6 +86,8 @@ class FewShotData:
         ]
         needed = np.zeros(len(splits.labels["train"]), dtype=bool)
         needed[np.concatenate(draws)] = True
+        ids = splits.stores["train"].ids
+        self.ids = {int(row): ids[row] for row in np.unique(np.concatenate(draws))}
         if splits.val_rows is not None:
             needed[splits.val_rows] = True
         self.x_train, self.position = self._gather(layer, needed)
@@ -124,6 +126,17 @@ class FewShotData:
     def rows(self, rows: np.ndarray) -> torch.Tensor:
         """Float32 ``[n, D]`` train rows by row number (rows that were read)."""
         return self.x_train[torch.from_numpy(self.position[rows])]
+
+    def draw_ids(self, rows: np.ndarray) -> dict[str, list[str]]:
+        """The sample ids of drawn train ``rows`` (a draw of :func:`draw_shots`) by class,
+        in label order; a class is named by its class name, else by its label."""
+        labels, names = self.splits.labels["train"][rows], self.splits.class_names
+        return {
+            names[label] if names and label < len(names) else str(label): [
+                self.ids[int(row)] for row in rows[labels == label]
+            ]
+            for label in np.unique(labels).tolist()
+        }
 
 
 def few_shot_draw(

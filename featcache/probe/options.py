@@ -81,7 +81,8 @@ def _bytes(value: Any, at: str) -> int:
 
 @dataclasses.dataclass
 class ProbeOptions:
-    """How a probe is fitted. Every field is also a keyword argument of :func:`probe`."""
+    """How a probe is fitted. Every field is also a keyword argument of
+    [`probe`][featcache.probe.api.probe] and the other entry points of `featcache.probe`."""
 
     val_fraction: float | None = option(None, gt=0, lt=1)  # share of train held out; None: 0.2
     trainer: Trainer = "auto"  # "auto" (by max_memory), "full" or "streaming"

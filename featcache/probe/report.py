@@ -150,31 +150,35 @@ def format_result(result: Result) -> str:
     return "\n".join(lines)
 
 
-def format_table(results: Sequence[Result]) -> str:
+def format_table(results: Sequence[Result], val: str = "val", test: str = "test") -> str:
     """The layer-wise table: layer, dim, lambda, val and test top-1, seconds; with k-NN,
-    few-shot or recipe results, one line per method (:func:`format_methods`)."""
+    few-shot or recipe results, one line per method (:func:`format_methods`). ``val``
+    and ``test`` name the two splits in the column headings (``"20% of train.h5"``)."""
     plain = [r for r in results if isinstance(r, ProbeResult) and r.recipe is None]
     if len(plain) < len(results):
         return format_methods(results)
     width = max(5, *(len(r.layer) for r in plain))
     has_test = any(r.test is not None for r in plain)
-    header = f"{'layer':<{width}}  {'dim':>7}  {'lambda':>8}  {'val top-1':>9}"
-    header += f"  {'test top-1':>10}  {'test top-5':>10}" if has_test else ""
+    columns = [f"{val} top-1", *([f"{test} top-1", f"{test} top-5"] if has_test else [])]
+    widths = [max(7, len(column)) for column in columns]
+    header = f"{'layer':<{width}}  {'dim':>7}  {'lambda':>8}"
+    header += "".join(f"  {column:>{w}}" for column, w in zip(columns, widths, strict=True))
     lines = [header + f"  {'seconds':>7}"]
     for r in plain:
         dim = int(np.prod(r.shape))
-        line = f"{r.layer:<{width}}  {dim:>7}  {r.lam:>8.1e}  {_pct(r.val['top1']):>9}"
+        cells = [_pct(r.val["top1"])]
         if has_test:
-            test = r.test or {}
-            top5 = _pct(test["top5"]) if "top5" in test else "-"
-            top1 = _pct(test["top1"]) if test else "-"
-            line += f"  {top1:>10}  {top5:>10}"
+            scored = r.test or {}
+            cells.append(_pct(scored["top1"]) if scored else "-")
+            cells.append(_pct(scored["top5"]) if "top5" in scored else "-")
+        line = f"{r.layer:<{width}}  {dim:>7}  {r.lam:>8.1e}"
+        line += "".join(f"  {cell:>{w}}" for cell, w in zip(cells, widths, strict=True))
         lines.append(line + f"  {r.seconds['total']:>7.1f}")
     reference = plain[0].test or plain[0].val
     lines.append(f"chance (most frequent class): {_pct(reference['chance_top1'])}")
     if not has_test:
         lines.append(
-            "val top-1 is on the split that chose lambda, so optimistic; pass a test store "
+            f"{val} top-1 is on the split that chose lambda, so optimistic; pass a test store "
             "(--test) for a held-out accuracy"
         )
     return "\n".join(lines)

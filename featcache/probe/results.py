@@ -179,8 +179,9 @@ class FewShotResult:
     scored: str  # "test", or "val" without a test store
     validation: str
     chance_top1: float  # of the scored rows
-    # Per draw: {"draw", "seed", "rows", "top1", "top5", ...}; linear adds "lambda" and
-    # "val_top1", k-NN gives "k": {k: {"top1", "top5"}}.
+    # Per draw: {"draw", "seed", "rows", "top1", "top5", ..., "ids"}; linear adds "lambda"
+    # and "val_top1", k-NN gives "k": {k: {"top1", "top5"}}. "seed" is the draw's
+    # generator seed [seed, draw], "ids" the train rows drawn: {class: [sample ids]}.
     draws: list[dict[str, Any]]
     # Mean, standard deviation (n - 1), min and max over the draws of top-1 and top-5,
     # per line: {"linear": {...}} or {"k=10": {...}, "k=20": {...}, ...}.

@@ -62,7 +62,8 @@ def build_source(
     ``text_column``) yield ``({"input_ids": int64 [T], "attention_mask": int64 [T]},
     label)``, tokenised by ``tokenizer`` (the model's). ``decode_size`` is the shorter
     side ``transform`` resizes to first, if it does: JPEG files are then decoded at a
-    reduced scale that still covers it (see :func:`load_rgb`).
+    reduced scale that still covers it (see :func:`load_rgb`). With ``data.limit``, the
+    split's rows are that many spread evenly over it (:mod:`featcache.sources.selection`).
 
     Raises:
         ConfigError: unknown split or source, missing root/folder/manifest, an empty split,
@@ -87,6 +88,10 @@ def build_source(
         source.hash_content = data.content_hash
     if data.class_names is not None:
         source.class_names = given_class_names(data.class_names, source, data.storage_options)
+    if data.limit is not None:  # a trial: rows spread over the split, every class among them
+        from featcache.sources.selection import limit_source
+
+        source = limit_source(source, data.limit)
     return source
 
 

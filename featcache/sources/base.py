@@ -93,6 +93,12 @@ class SourceDataset(Dataset):
         """A hint that ``rows`` (one batch, in order) are read next, so that a source
         over remote files fetches them together; local sources need none."""
 
+    def change_stamps(self) -> list[str] | None:
+        """Each row's change stamp (:mod:`featcache.sources.stamps`), taken now: what
+        the source can cheaply tell about the bytes behind the row; None when it can
+        tell nothing (generated, tokenised or in-memory rows)."""
+        return None
+
     def fingerprint(self, content: bool = False) -> str:
         """sha256 identifying the samples: their sorted ids (file sources add sizes, and
         with ``content=True`` the bytes of every file)."""

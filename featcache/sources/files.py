@@ -31,6 +31,7 @@ from featcache.sources.base import (
 )
 from featcache.sources.decode import load_rgb
 from featcache.sources.remote import Remote, object_version
+from featcache.sources.stamps import file_stamp, object_stamp
 from featcache.sources.tabular import decode_bytes
 from featcache.spec import DataSpec
 from featcache.urls import check_url, is_url, join, parent, relative
@@ -110,6 +111,15 @@ class FileSource(SourceDataset):
             ]
             self._hashes = np.array(digests, dtype="S64")
         return self._hashes
+
+    def change_stamps(self) -> list[str]:
+        """Each row's stamp: a local file's size and mtime (one ``stat`` each), a URL's
+        size and ETag as listed when the source was built."""
+        versions = self.versions or [None] * len(self.paths)
+        return [
+            object_stamp(version) if is_url(path) else file_stamp(path)
+            for path, version in zip(self.paths, versions, strict=True)
+        ]
 
     def fingerprint(self, content: bool = False) -> str:
         """sha256 over each file's id and size (and bytes with ``content``), in id order

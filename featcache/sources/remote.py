@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import inspect
 import io
 import random
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, BinaryIO, TypeVar, cast
 
 import torch
 
-from featcache.errors import ConfigError, FeatcacheError, first_line
+from featcache.errors import ConfigError, FeatcacheError, did_you_mean, first_line
 from featcache.extras import install_command
 from featcache.urls import WHERE_CREDENTIALS_GO, is_url, parent, protocol_of, scrub
 
@@ -73,6 +75,16 @@ _CONNECTION_ERRORS = {
 }  # fmt: skip
 _CONNECTION_ERRNOS = {errno.ECONNRESET, errno.ECONNABORTED, errno.ECONNREFUSED,
                       errno.ETIMEDOUT, errno.EPIPE, errno.EHOSTUNREACH}  # fmt: skip
+# Exception classes (by name) that mean no credentials were found where the storage
+# library looks for them: botocore's and google-auth's.
+_NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+                   "DefaultCredentialsError"}  # fmt: skip
+# A storage option that a filesystem (or the library under it) does not take: the
+# TypeError of the call it was passed to.
+_UNEXPECTED_OPTION = re.compile(r"unexpected keyword argument '([^']+)'")
+# Options of the S3 client itself (botocore's create_client), which s3fs takes in its
+# client_kwargs, not as options of its own.
+_S3_CLIENT_OPTIONS = ("region_name", "endpoint_url", "verify", "api_version")
 
 
 class ShortRead(OSError):
@@ -130,6 +142,9 @@ class Remote:
             raise FeatcacheError(_missing(protocol, first_line(exc))) from None
         except ValueError as exc:  # "Protocol not known"
             raise ConfigError(f"{protocol}:// is not a protocol fsspec knows ({exc})") from None
+        except TypeError as exc:
+            self._check_option(protocol, exc)
+            raise
         if protocol in ("s3", "s3a"):
             fs.retries = 1  # s3fs's own loop (a class setting): one attempt, ours counts
         return fs
@@ -159,6 +174,7 @@ class Remote:
             except FeatcacheError:
                 raise
             except Exception as exc:
+                self._check_option(protocol_of(url), exc)
                 kind = transient_kind(exc)
                 if kind is None or attempt == RETRIES:
                     raise RemoteError(_failure(url, exc, attempt + 1, kind)) from None
@@ -207,6 +223,8 @@ class Remote:
                 self.retried[RETRY_KINDS.index(str(transient_kind(data)))] += 1
             try:
                 out.append(self.read(url))
+            except ConfigError:
+                raise  # the options, not this object: every read fails alike
             except FeatcacheError as exc:
                 out.append(exc)
         return out
@@ -298,6 +316,37 @@ class Remote:
     def retries(self) -> dict[str, int]:
         """Retries so far, by kind (those that happened)."""
         return {k: int(n) for k, n in zip(RETRY_KINDS, self.retried.tolist(), strict=True) if n}
+
+    def _check_option(self, protocol: str, exc: BaseException) -> None:
+        """Refuse, in one line naming it and where it goes, a storage option that the
+        filesystem of ``protocol`` was given and does not take (``exc``: the TypeError it
+        raised, when it made the filesystem or at its first request).
+
+        Raises:
+            ConfigError: when ``exc`` is such an error, about an option of this config.
+        """
+        match = _UNEXPECTED_OPTION.search(str(exc)) if isinstance(exc, TypeError) else None
+        where = _option_path(match.group(1), self.storage_options) if match else None
+        if match is None or where is None:
+            return
+        name = match.group(1)
+        at = f"data.storage_options.{where}"
+        within = where[: -len(name)]  # "s3." for options given per protocol
+        s3 = protocol in ("s3", "s3a")
+        if s3 and name in _S3_CLIENT_OPTIONS and not within.endswith("client_kwargs."):
+            raise ConfigError(
+                f"{at} is an option of the S3 client, which s3fs takes in client_kwargs: give "
+                f"it as data.storage_options.{within}client_kwargs.{name} "
+                f"(storage_options: {{client_kwargs: {{{name}: ...}}}})"
+            ) from None
+        if s3 and within.endswith("client_kwargs."):
+            what, known = "the S3 client", [*_S3_CLIENT_OPTIONS, "use_ssl", "config"]
+        else:
+            what, known = f"{protocol}:// URLs' filesystem", _filesystem_options(protocol)
+        raise ConfigError(
+            f"{at} is not an option of {what}{did_you_mean(name, known, parenthesised=True)}; "
+            "remove it, or see its documentation for the options it takes"
+        ) from None
 
     def __repr__(self) -> str:  # the options may name a profile or endpoint: no more
         return f"Remote({sorted(self.storage_options)})"
@@ -394,6 +443,18 @@ def _failure(url: str, exc: BaseException, attempts: int, kind: str | None) -> s
             f"{url} does not exist; check the URL (data.root and data.splits) and that the "
             "object was uploaded"
         )
+    if _no_credentials(exc):
+        return (
+            f"no credentials were found to read {url} ({reason}); give credentials "
+            f"{WHERE_CREDENTIALS_GO}"
+        )
+    if type(exc).__name__ == "ProfileNotFound":  # botocore: no such profile
+        return (
+            f"cannot read {url}: {reason}; set data.storage_options.profile to a profile of "
+            "the AWS credentials or config file (~/.aws/credentials, ~/.aws/config), or leave "
+            "it out to read credentials from the environment (AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY) or the machine's role"
+        )
     if isinstance(exc, PermissionError) or _status(exc)[0] in (401, 403):
         return (
             f"access to {url} was denied ({reason}); give credentials that may read it "
@@ -406,6 +467,47 @@ def _failure(url: str, exc: BaseException, attempts: int, kind: str | None) -> s
             "where this run stopped"
         )
     return f"cannot read {url}: {reason}"
+
+
+def _no_credentials(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) says that no credentials
+    were found."""
+    seen: set[int] = set()
+    chain: BaseException | None = exc
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        if {c.__name__ for c in type(chain).__mro__} & _NO_CREDENTIALS:
+            return True
+        chain = chain.__cause__ or chain.__context__
+    return False
+
+
+def _option_path(name: str, options: Mapping[str, Any], at: str = "") -> str | None:
+    """Where the key ``name`` lies in ``options`` (``client_kwargs.region_name``), at any
+    depth; None when it is not there."""
+    for key, value in options.items():
+        where = f"{at}{key}"
+        if key == name:
+            return where
+        if isinstance(value, Mapping):
+            found = _option_path(name, value, f"{where}.")
+            if found is not None:
+                return found
+    return None
+
+
+def _filesystem_options(protocol: str) -> list[str]:
+    """The keyword options the filesystem class of ``protocol`` names ([] when it
+    cannot be found)."""
+    try:
+        from fsspec import get_filesystem_class
+
+        parameters = inspect.signature(get_filesystem_class(protocol).__init__).parameters
+    except Exception:
+        return []
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    named = [n for n, p in parameters.items() if n != "self" and p.kind in keyword]
+    return [*named, "profile"] if protocol in ("s3", "s3a") else named
 
 
 def _missing(protocol: str, reason: str) -> str:

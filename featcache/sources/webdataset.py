@@ -46,6 +46,7 @@ from featcache.errors import ConfigError, FeatcacheError, first_line
 from featcache.fingerprints import file_line, lines_sha256
 from featcache.sources.base import IMAGE_EXTENSIONS, SourceDataset, Transform
 from featcache.sources.remote import Remote, object_version
+from featcache.sources.stamps import file_stamp, object_stamp
 from featcache.sources.tabular import (
     EncodedImageSource,
     check_columns,
@@ -182,6 +183,20 @@ class WebDatasetSource(EncodedImageSource):
     def _load(self, i: int) -> tuple[Image.Image, int]:
         label = -1 if self.labels is None else int(self.labels[i])
         return decode_bytes(self.read_bytes(i), self._where(i), self.decode_size), label
+
+    def change_stamps(self) -> list[str]:
+        """Each sample's stamp: its image member's size and its shard's stamp (a local
+        shard's size and mtime, a remote one's size and ETag as the store lists it now)."""
+        if self.remote is not None:
+            infos = self.remote.stat(self.shards)
+            shard_stamps = [object_stamp(object_version(info)) for info in infos]
+        else:
+            shard_stamps = [file_stamp(path) for path in self.shards]
+        shard_fields = ["\t".join(f"shard_{f}" for f in s.split("\t") if f) for s in shard_stamps]
+        return [
+            f"size={size}\t{shard_fields[shard]}"
+            for size, shard in zip(self.size.tolist(), self.shard.tolist(), strict=True)
+        ]
 
     def fingerprint(self, content: bool = False) -> str:
         """sha256 over the sample count and each shard's name and size (and bytes with

@@ -141,7 +141,9 @@ def write_attrs(target: HDF5Object, attrs: Mapping[str, Any]) -> None:
 
 
 def attr(source: HDF5Object, key: str, default: Any = None) -> Any:
-    """One attribute as :func:`read_attrs` gives it; ``default`` when it is absent."""
+    """One attribute of an HDF5 file, group or dataset as Python data: text as ``str``
+    (stored fixed-length or variable-length), the file's JSON attributes decoded, numpy
+    scalars made plain; ``default`` when it is absent."""
     if key not in source.attrs:
         return default
     return _plain(source.attrs[key], key in JSON_ATTRS and _is_file(source))

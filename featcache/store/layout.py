@@ -24,6 +24,8 @@ CHECKSUM = "xxh3_64"  # the /checksums group's "algorithm" attribute
 TARGET_CHUNK_BYTES = 1 << 20  # a chunk holds about 1 MiB ...
 MAX_CHUNK_ROWS = 256  # ... of at most this many rows: it fills in seconds, even on a CPU
 PROGRESS = "progress"
+STAMPS = "stamps"  # [N] fixed-length ASCII: each row's change stamp (featcache.sources.stamps)
+STAMP_ROOM = 8  # bytes a stamp may grow by in a resumed run (a file size's digits)
 
 # HDF5 file formats. A store is written with version-2 object headers (checksummed) in a
 # version-2 superblock, which HDF5 does not mark as open for writing: a file whose writer

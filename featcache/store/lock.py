@@ -5,6 +5,9 @@ A run takes an exclusive POSIX record lock (``fcntl.lockf``; NFS v4 honours it) 
 until the complete store is in place. The file records the holder (pid, host, start
 time) for a second run to name. The kernel drops the lock when its process dies, even
 by kill -9, so a lock file left behind blocks nothing. Readers never look at it.
+
+The lock creates the output folder where it is missing; a run that fails or is refused
+removes the folders it created that it left empty, so that a refusal leaves nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from featcache.errors import ConfigError
-from featcache.files import prepare_output_folder
+from featcache.files import prepare_output_folder, remove_empty_folders
 
 LOCK_SUFFIX = ".lock"
 # A probe (`featcache info`) holds the lock for an instant; a writer retries that long.
@@ -76,12 +79,18 @@ def writer_lock(path: str | os.PathLike) -> Iterator[Holder]:
     if outer is not None:  # the outermost hold releases
         yield outer
         return
-    prepare_output_folder(key.parent)
-    fd, record = _acquire(key)
+    created = prepare_output_folder(key.parent)
+    try:
+        fd, record = _acquire(key)
+    except BaseException:
+        remove_empty_folders(created)
+        raise
     with _guard:
         _held[key] = record
+    failed = True
     try:
         yield record
+        failed = False
     finally:
         with _guard:
             del _held[key]
@@ -90,6 +99,8 @@ def writer_lock(path: str | os.PathLike) -> Iterator[Holder]:
         with contextlib.suppress(OSError):
             os.unlink(lock_path(key))
         os.close(fd)
+        if failed:  # a refused run leaves no folder it made: those it left empty go
+            remove_empty_folders(created)
 
 
 def holder(path: str | os.PathLike) -> Holder | None:

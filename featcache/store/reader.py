@@ -20,6 +20,7 @@ from featcache.provenance import recorded_config
 from featcache.store import codec
 from featcache.store.checks import durable_problem
 from featcache.store.containment import foreign_data_problem
+from featcache.store.layout import STAMPS
 from featcache.store.metadata import (
     UNREADABLE_METADATA,
     metadata_problem,
@@ -163,8 +164,8 @@ class FeatureStore:
     opened lazily and reopened in a new process, so instances can be sent to workers.
     A store that is still being written (or whose run was interrupted) lives at
     ``<path>.partial``; opening it (by either name), or such a file copied or renamed to
-    another name, raises :class:`~featcache.errors.IncompleteStoreError` unless
-    ``allow_incomplete=True``, and then only its durable rows are visible.
+    another name, raises [`IncompleteStoreError`][featcache.errors.IncompleteStoreError]
+    unless ``allow_incomplete=True``, and then only its durable rows are visible.
     """
 
     def __init__(self, path: str | os.PathLike, *, allow_incomplete: bool = False):
@@ -223,7 +224,8 @@ class FeatureStore:
     def just_sealed(cls, path: str | os.PathLike) -> FeatureStore:
         """The complete store this process has just written and sealed at ``path`` (while
         holding its writer lock), opened without checking its metadata against the
-        digests recorded a moment ago: what :func:`featcache.extract` returns."""
+        digests recorded a moment ago: what [`featcache.extract`][featcache.extraction.api.extract]
+        returns."""
         store = cls.__new__(cls)
         store.path = Path(path)
         store._handle = StoreFile(store.path)
@@ -289,7 +291,7 @@ class FeatureStore:
 
     def shape(self, layer: str) -> tuple[int, ...]:
         """Shape of one row of ``layer`` (without the leading N); of one token for a layer
-        of per-token rows (:meth:`is_per_token`)."""
+        of per-token rows ([`is_per_token`][featcache.store.reader.FeatureStore.is_per_token])."""
         return tuple(self._features(layer).shape[1:])
 
     def is_per_token(self, layer: str) -> bool:
@@ -385,6 +387,15 @@ class FeatureStore:
         return read_text_head(self.file["ids"], len(self), self._handle.known)
 
     @property
+    def stamps(self) -> np.ndarray | None:
+        """``[N]`` each row's change stamp as it was read (fixed-length ASCII bytes, ``b""``
+        where unknown; see `featcache.sources.stamps`), or None when the store
+        recorded none (its source had none, or it was written before stamps existed)."""
+        if STAMPS not in self.file:
+            return None
+        return read_head(self.file[STAMPS], len(self), self._handle.known)
+
+    @property
     def attrs(self) -> dict[str, Any]:
         """File attributes, JSON values decoded."""
         return codec.read_attrs(self.file)
@@ -393,7 +404,7 @@ class FeatureStore:
     def config(self) -> dict[str, Any] | None:
         """The resolved config the store was made with (None when made from Python), keys
         added to featcache since then set as the store was made
-        (:func:`~featcache.provenance.recorded_config`)."""
+        (`featcache.provenance.recorded_config`)."""
         config = self.attrs.get("config")
         return None if config is None else recorded_config(config)
 
@@ -407,7 +418,7 @@ class FeatureStore:
         ``rows`` is a slice or any sequence of row numbers (any order, repeats allowed,
         negative ones counted from the end); the file is read in increasing order and the
         result put back in the order asked. A chunk that fails its checksum raises
-        :class:`~featcache.errors.CorruptStoreError`.
+        [`CorruptStoreError`][featcache.errors.CorruptStoreError].
         """
         if self.is_per_token(layer):
             raise ConfigError(

@@ -14,11 +14,15 @@ from featcache.errors import ConfigError, first_line
 from featcache.provenance import key_difference
 from featcache.store import codec
 from featcache.store.checks import durable_problem, scan_file
-from featcache.store.layout import read_progress
+from featcache.store.layout import STAMPS, read_progress
 from featcache.store.metadata import UNREADABLE_METADATA
 from featcache.store.paths import OVERWRITE, open_readonly, partial_path, skipped_log_path
 from featcache.store.rows import rows_of
 from featcache.store.skipped import read_log
+
+# The entry of a partial store's key that marks it as an update's
+# (:mod:`featcache.extraction.update`): a plain rerun refuses it, ``--update`` redoes it.
+UPDATE_MARK = "update"
 
 
 def stored_resume_key(path: str | os.PathLike) -> dict[str, Any] | None:
@@ -55,6 +59,10 @@ class ResumePoint:
     skipped: list[dict[str, Any]]  # skip records of source positions before ``position``
     durable: dict[str, int] = field(default_factory=dict)
     tokens: int = 0
+    # The kept rows' source positions ([row] int64) and change stamps ([row] bytes; None
+    # where the partial store records none), to tell which of them changed since.
+    index: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    stamps: np.ndarray | None = None
 
 
 def grid_start(position: int, first: int, step: int, boundaries: Sequence[int] = ()) -> int:
@@ -116,7 +124,11 @@ def plan_resume(
             tokens = np.zeros(1, dtype=np.int64)
             if "offsets" in f:
                 rows_of(f["offsets"]).read(row, row + 1, tokens)
+            stamps = None
+            if STAMPS in f:
+                stamps = np.empty(row, dtype=f[STAMPS].dtype)
+                rows_of(f[STAMPS]).read(0, row, stamps)
     except UNREADABLE_METADATA as exc:
         raise refuse(f"it is not readable ({first_line(exc)})") from exc
     skipped = read_log(skipped_log_path(path), before=position)
-    return ResumePoint(row, position, skipped, durable, int(tokens[0]))
+    return ResumePoint(row, position, skipped, durable, int(tokens[0]), index[:row], stamps)

@@ -26,6 +26,8 @@ from featcache.store.layout import (
     LIBVER,
     META_BLOCK_BYTES,
     PROGRESS,
+    STAMP_ROOM,
+    STAMPS,
     allocate,
     allocate_checked,
     checksum,
@@ -58,6 +60,8 @@ class StorePlan:
     has_labels: bool = True
     attrs: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # the provenance
     token_capacity: int | None = None  # the tokens per-token layers are sized for
+    # [source rows] each row's change stamp (numpy S), stored as /stamps; None: no stamps
+    stamps: np.ndarray | None = dataclasses.field(default=None, compare=False)
     mark_seconds: float = MARK_SECONDS  # how often progress is marked
 
     def __post_init__(self) -> None:
@@ -132,6 +136,9 @@ class StoreWriter:
                 shapes["ids"] = ((plan.rows,), h5py.string_dtype("utf-8", max(plan.ids_width, 1)))
                 if plan.has_labels:
                     shapes["labels"] = ((plan.rows,), np.int64)
+                if plan.stamps is not None:
+                    width = plan.stamps.dtype.itemsize + STAMP_ROOM
+                    shapes[STAMPS] = ((plan.rows,), np.dtype(f"S{width}"))
                 tokens = max(plan.token_capacity or 0, 1)
                 if ragged:
                     shapes["offsets"] = ((plan.rows + 1,), np.int64)
@@ -244,6 +251,10 @@ class StoreWriter:
         columns["ids"].push(np.char.encode(np.asarray(ids, dtype=str), "utf-8"))
         if "labels" in columns:
             columns["labels"].push(np.asarray(labels, dtype=np.int64))
+        if STAMPS in columns:  # b"" (unknown) where this run has no stamps
+            stamps = self.plan.stamps
+            at = np.asarray(index, dtype=np.int64)
+            columns[STAMPS].push(np.zeros(rows, "S1") if stamps is None else stamps[at])
         self.rows_appended += rows
         if time.monotonic() - self._last_mark >= self.plan.mark_seconds:
             self.mark()

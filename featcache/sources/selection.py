@@ -1,0 +1,106 @@
+"""``data.limit``: a trial run's rows, spread evenly over the source.
+
+A limited run reads ``N`` rows at evenly spaced positions of the source (its first and
+last rows among them), the same ones every time for the same source. Sources list their
+rows in a stable order, a class folder class by class, so the selection holds every class
+in proportion to its size (given at least as many rows as classes), where the first ``N``
+rows would hold the first class only.
+
+The selection is itself a source (:class:`SpreadRows`): its ids, labels, per-row columns
+and fingerprint are those of the chosen rows, so a run, its resume, ``verify`` and
+``--update`` treat it like any other source, and a store's ids name the samples it holds.
+Its ``index`` column counts positions in the selection.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from featcache.fingerprints import lines_sha256
+from featcache.sources.base import SourceDataset
+
+
+def spread_positions(total: int, count: int) -> list[int]:
+    """``min(count, total)`` positions of ``range(total)``, evenly spaced from the first
+    to the last, in order and without repeats."""
+    if count >= total:
+        return list(range(total))
+    # spacing (total - 1) / (count - 1) >= 1, so rounding never repeats a position
+    return [int(p) for p in np.linspace(0, total - 1, count).round()]
+
+
+def limit_source(source: SourceDataset, limit: int) -> SourceDataset:
+    """``source`` limited to ``limit`` rows spread over it (:func:`spread_positions`);
+    ``source`` itself when it holds no more than ``limit`` rows."""
+    if limit >= len(source):
+        return source
+    return SpreadRows(source, spread_positions(len(source), limit))
+
+
+class SpreadRows(SourceDataset):
+    """The rows of ``base`` at ``positions``, as a source of their own: row ``i`` is
+    ``base[positions[i]]``, with that row's id, label and per-row columns."""
+
+    def __init__(self, base: SourceDataset, positions: list[int]) -> None:
+        super().__init__(
+            [base.ids[p] for p in positions], base.class_names, base.has_labels, base.transform
+        )
+        self.base = base
+        self.positions = positions
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        return self.base[self.positions[self.position(index)]]  # the base transforms it
+
+    def prefetch(self, rows: list[int]) -> None:
+        self.base.prefetch([self.positions[r] for r in rows])
+
+    def fingerprint(self, content: bool = False) -> str:
+        """sha256 of the base source's fingerprint and the positions taken."""
+        taken = ",".join(map(str, self.positions))
+        return lines_sha256([self.base.fingerprint(content), f"rows\t{taken}"])
+
+    def change_stamps(self) -> list[str] | None:
+        """The chosen rows' change stamps (None when the base tells none)."""
+        stamps = getattr(self.base, "change_stamps", None)
+        return self._rows_of(stamps() if callable(stamps) else None)
+
+    @property
+    def labels(self) -> Any:
+        """The chosen rows' labels (None when the base lists none)."""
+        return self._rows_of(getattr(self.base, "labels", None))
+
+    @property
+    def row_columns(self) -> dict[str, np.ndarray]:
+        """The base's per-row columns at the chosen rows."""
+        columns = getattr(self.base, "row_columns", None) or {}
+        return {name: np.asarray(column)[self.positions] for name, column in columns.items()}
+
+    @property
+    def token_lengths(self) -> np.ndarray | None:
+        """The chosen rows' token counts (None when the base declares none)."""
+        return self._rows_of(getattr(self.base, "token_lengths", None))
+
+    @property
+    def pad_values(self) -> dict[str, Any]:
+        """What the loader pads each input with: the base's."""
+        try:
+            return self.base.pad_values  # type: ignore[attr-defined]
+        except AttributeError:
+            raise AttributeError("pad_values") from None
+
+    @property
+    def remote(self) -> Any:
+        """The base's remote reader, if any (its retries are this run's)."""
+        return getattr(self.base, "remote", None)
+
+    def _rows_of(self, values: Any) -> Any:
+        if values is None:
+            return None
+        if isinstance(values, np.ndarray):
+            return values[self.positions]
+        return [values[p] for p in self.positions]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)} of {self.base!r})"

@@ -1,0 +1,108 @@
+"""Change stamps: what a source can cheaply tell about the bytes behind each row.
+
+A stamp is a short ASCII text of tab-separated ``name=value`` fields, taken when a run
+starts, before any row is read:
+
+- a local file: ``size=138140	mtime_ns=1764320000123456789`` (one ``stat``);
+- an object in a store, or a file behind a URL: ``size=168743	version=9b2c...`` (its ETag,
+  or the store's own checksum field, as the listing gives it);
+- a member of a WebDataset shard: ``size=<member bytes>`` and the shard's own stamp
+  (``shard_size``, ``shard_mtime_ns`` or ``shard_version``).
+
+Each row of a store records the stamp it was read under (``/stamps``, a fixed-length
+ASCII dataset). A row whose stamp
+differs now may hold stale values: ``--update`` recomputes it, ``verify`` and a resume name
+it. An empty stamp (``b""``) says nothing: the source knows nothing cheap about that row,
+and it is never reported as changed. ``data.content_hash`` stays the exact test.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+
+def file_stamp(path: str | os.PathLike) -> str:
+    """The stamp of a local file: its size and modification time in nanoseconds; "" for
+    a file that cannot be read (its row then fails or is skipped on its own)."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return ""
+    return f"size={stat.st_size}\tmtime_ns={stat.st_mtime_ns}"
+
+
+def object_stamp(version: str | None) -> str:
+    """The stamp of an object from its listed version (``"<size>\\t<ETag>"``, as
+    :func:`featcache.sources.remote.object_version` gives it); "" for None."""
+    if not version:
+        return ""
+    size, _, tag = version.partition("\t")
+    return f"size={size}\tversion={tag}" if tag else f"size={size}"
+
+
+def stamp_array(stamps: Iterable[str]) -> np.ndarray:
+    """``[rows]`` fixed-length ASCII bytes (numpy ``S``) of ``stamps``, as stored."""
+    return np.array([s.encode("ascii", "backslashreplace") for s in stamps], dtype=np.bytes_)
+
+
+def changed_rows(stored: np.ndarray, current: np.ndarray) -> np.ndarray:
+    """Positions where both stamps are known and differ: ``stored`` and ``current`` are
+    ``[rows]`` stamps of the same rows (bytes); returns int64 positions into them."""
+    stored, current = np.asarray(stored, dtype=np.bytes_), np.asarray(current, dtype=np.bytes_)
+    known = (stored != b"") & (current != b"")
+    return np.flatnonzero(known & (stored != current)).astype(np.int64)
+
+
+def describe_change(stored: bytes | str, current: bytes | str) -> str:
+    """What differs between two stamps of one row: ``"size 138140 -> 168743"``, or
+    ``"modified 2026-11-28 09:12:01 -> 2026-11-28 09:15:33 UTC"`` where only the time
+    moved."""
+    old, new = _fields(stored), _fields(current)
+    names = [*new, *(name for name in old if name not in new)]
+    differing = [name for name in names if old.get(name) != new.get(name)]
+    for name in sorted(differing, key=lambda name: name != "size"):  # a size says most
+        return f"{_label(name)} {_shown(name, old.get(name))} -> {_shown(name, new.get(name))}"
+    return "stamp unchanged"
+
+
+def change_report(
+    rows: Sequence[int], ids: Sequence[str], stored: np.ndarray, current: np.ndarray, shown: int = 3
+) -> str:
+    """The changed rows, named: ``"row 9, ants/A.jpg: changed on disk since extraction
+    (size 138140 -> 168743)"``, the first ``shown`` of them and how many more. ``stored``
+    and ``current`` are the stamps of ``rows`` (with their ``ids``), in order."""
+    named = [
+        f"row {row}, {sample_id}: changed {_where(new)}since extraction "
+        f"({describe_change(old, new)})"
+        for row, sample_id, old, new in list(zip(rows, ids, stored, current, strict=True))[:shown]
+    ]
+    more = len(rows) - len(named)
+    return "; ".join(named) + (f"; and {more} more row(s)" if more > 0 else "")
+
+
+def _where(stamp: bytes | str) -> str:
+    return "on disk " if "mtime_ns" in _fields(stamp) else ""
+
+
+def _fields(stamp: bytes | str) -> dict[str, str]:
+    text = stamp.decode("ascii", "replace") if isinstance(stamp, bytes) else stamp
+    return dict(field.partition("=")[::2] for field in text.split("\t") if field)
+
+
+def _label(name: str) -> str:
+    return {"mtime_ns": "modified", "shard_mtime_ns": "shard modified"}.get(
+        name, name.replace("_", " ")
+    )
+
+
+def _shown(name: str, value: str | None) -> str:
+    if value is None:
+        return "none"
+    if name.endswith("mtime_ns") and value.isdigit():
+        moment = datetime.datetime.fromtimestamp(int(value) / 1e9, datetime.timezone.utc)
+        return moment.strftime("%Y-%m-%d %H:%M:%S.%f UTC")
+    return value
