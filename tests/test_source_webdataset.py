@@ -275,8 +275,9 @@ def test_json_labels_by_name(tmp_path):
         )
 
 
-def _cls_shard(path: Path, seed: int, rows: int = 12) -> None:
-    """A shard of small PNGs with integer .cls labels 0..2 (no class names anywhere)."""
+def _cls_shard(path: Path, seed: int, rows: int = 12, prefix: str = "s") -> None:
+    """A shard of small PNGs keyed ``<prefix>NNN`` with integer .cls labels 0..2 (no class
+    names anywhere)."""
     import io
 
     import numpy as np
@@ -289,8 +290,8 @@ def _cls_shard(path: Path, seed: int, rows: int = 12) -> None:
             image = io.BytesIO()
             pixels = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
             Image.fromarray(pixels).save(image, format="PNG")
-            add_member(tar, f"s{i:03d}.png", image.getvalue())
-            add_member(tar, f"s{i:03d}.cls", str(i % 3).encode())
+            add_member(tar, f"{prefix}{i:03d}.png", image.getvalue())
+            add_member(tar, f"{prefix}{i:03d}.cls", str(i % 3).encode())
 
 
 @pytest.mark.parametrize("as_file", [False, True])

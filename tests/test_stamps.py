@@ -175,27 +175,11 @@ def test_a_rerun_and_a_resume_name_the_files_changed_since_their_rows_were_writt
     assert_same_rows(updated, want)
 
 
-def write_shard(path: Path, name: str, seed: int, rows: int = 8) -> None:
-    """A shard of ``rows`` 32 px PNGs keyed ``<name>-<i>``, with integer labels."""
-    import io
-    import tarfile
-
-    from tests.cifar_formats import add_member
-
-    rng = np.random.default_rng(seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(path, "w") as tar:
-        for i in range(rows):
-            image = io.BytesIO()
-            pixels = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
-            Image.fromarray(pixels).save(image, format="PNG")
-            add_member(tar, f"{name}-{i:03d}.png", image.getvalue())
-            add_member(tar, f"{name}-{i:03d}.cls", str(i % 2).encode())
-
-
 def test_webdataset_rows_of_a_replaced_shard_are_recomputed(tmp_path, index_cache):
+    from tests.test_source_webdataset import _cls_shard
+
     for n in range(2):
-        write_shard(tmp_path / "shards" / f"s{n}.tar", f"s{n}", seed=n)
+        _cls_shard(tmp_path / "shards" / f"s{n}.tar", seed=n, rows=8, prefix=f"s{n}-")
     cfg = config(tmp_path, tmp_path / "out")
     data = {"source": "webdataset", "root": str(tmp_path), "splits": {"train": "shards/*.tar"}}
     cfg["data"] = data
@@ -204,7 +188,7 @@ def test_webdataset_rows_of_a_replaced_shard_are_recomputed(tmp_path, index_cach
     first.close()
     second = tmp_path / "shards" / "s1.tar"
     stat = second.stat()
-    write_shard(second, "s1", seed=5)  # written again: other images under the same keys
+    _cls_shard(second, seed=5, rows=8, prefix="s1-")  # other images under the same keys
     os.utime(second, ns=(stat.st_atime_ns, stat.st_mtime_ns + 3_000_000_000))
     detail = failed_stamps(tmp_path / "out" / "train.h5")
     assert detail.startswith("row 8, ") and "and 5 more row(s)" in detail

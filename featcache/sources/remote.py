@@ -506,7 +506,8 @@ def _filesystem_options(protocol: str) -> list[str]:
     except Exception:
         return []
     keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    named = [n for n, p in parameters.items() if n != "self" and p.kind in keyword]
+    secret = {"self", "key", "secret", "token", "username", "password", "session"}  # refused
+    named = [n for n, p in parameters.items() if n not in secret and p.kind in keyword]
     return [*named, "profile"] if protocol in ("s3", "s3a") else named
 
 
