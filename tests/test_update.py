@@ -303,6 +303,19 @@ def test_python_update_of_a_tensor_dataset(resnet18, tmp_path):
         featcache.extract(resnet18, brighter, layers, path, ids=ids[:28], update=True, **options)
 
 
+def stop_an_update(config: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run an update of ``config`` that stops just before its store completes."""
+    from featcache.extraction import update
+
+    def stop(self):
+        raise RuntimeError("stopped")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(update.MergedRows, "finish", stop)
+        with pytest.raises(RuntimeError, match="stopped"):
+            featcache.extract_from_config(config, update=True)
+
+
 def test_a_stopped_update_is_redone_by_update_and_refused_by_a_plain_run(tmp_path, monkeypatch):
     from featcache.extraction import update
 
@@ -314,14 +327,7 @@ def test_a_stopped_update_is_redone_by_update_and_refused_by_a_plain_run(tmp_pat
     store.close()
     for i in range(40, 48):
         write_image(root / "train" / CLASSES[i % len(CLASSES)] / f"img{i:04d}.png", i)
-
-    def stop(self):
-        raise RuntimeError("stopped")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(update.MergedRows, "finish", stop)
-        with pytest.raises(RuntimeError, match="stopped"):
-            featcache.extract_from_config(cfg, update=True)
+    stop_an_update(cfg, monkeypatch)
     assert update.is_update_partial(store.path)
     assert store.path.read_bytes() == stored  # the old store, whole
     with pytest.raises(ConfigError, match="stopped update.*--update"):
@@ -345,14 +351,7 @@ def test_info_of_a_stopped_update_says_to_rerun_it_with_update(tmp_path, monkeyp
     store = featcache.extract_from_config(path)["train"]
     store.close()
     write_image(root / "train" / CLASSES[0] / "img0100.png", 100)
-
-    def stop(self):
-        raise RuntimeError("stopped")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(update.MergedRows, "finish", stop)
-        with pytest.raises(RuntimeError, match="stopped"):
-            featcache.extract_from_config(path, update=True)
+    stop_an_update(path, monkeypatch)
     assert update.is_update_partial(store.path)
     info = CliRunner().invoke(app, ["info", str(partial_path(store.path))])
     assert info.exit_code == 0, info.output
