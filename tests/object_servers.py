@@ -251,7 +251,8 @@ def moto_s3() -> Iterator[str]:
     server.start()
     try:
         host, port = server.get_host_and_port()
-        s3(f"{host}:{port}").mkdir(BUCKET)
+        # moto keeps its buckets in the process: an earlier server's may still be there
+        s3(f"{host}:{port}").makedirs(BUCKET, exist_ok=True)
         yield f"{host}:{port}"
     finally:
         server.stop()

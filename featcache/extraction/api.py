@@ -316,15 +316,15 @@ def _extract(
             config=plan.provenance.get("config"),
         )
         if resume is not None and resume.row > 0:  # rows kept: they must be this run's
-            changed, stale = changes_since(resume.index, resume.stamps, plan)
-            check_continues(partial_path(path), model, dataset, plan, run, resume.position, changed)
+            stale = changes_since(resume.index, resume.stamps, plan)
             if stale:  # the rows keep the stamps they were read under: an update sees them
                 warnings.warn(
-                    f"{partial_path(path)}: {stale}; the store keeps those rows as they were "
-                    "read, so rerun with --update once this run completes",
+                    f"{partial_path(path)}: {stale}; those rows keep what was read then, so "
+                    "once this run completes, rerun with --update to recompute them",
                     FeatcacheWarning,
                     stacklevel=2,
                 )
+            check_continues(partial_path(path), model, dataset, plan, run, resume.position)
     todo = range(resume.position if resume else plan.rows.start, plan.rows.stop)
     if check_space:  # before the first batch, and before the store's file is created
         check_free_space([estimate_store(model, dataset, path, plan, run)], run.overwrite)
@@ -417,22 +417,20 @@ def open_writer_for(
     return open_writer
 
 
-def changes_since(
-    index: np.ndarray, stamps: np.ndarray | None, plan: _Plan
-) -> tuple[np.ndarray, str]:
-    """The source positions among ``index`` (rows recorded with ``stamps``) whose change
-    stamp differs from the one ``plan`` took now, and those rows named (see
-    :func:`~featcache.sources.stamps.change_report`; "" for none). None differs when
-    either side has no stamps, or when content hashes decide instead
-    (``data.content_hash``: the store key then holds every file's hash)."""
+def changes_since(index: np.ndarray, stamps: np.ndarray | None, plan: _Plan) -> str:
+    """The rows (source positions ``index``, recorded with ``stamps``) whose change stamp
+    differs from the one ``plan`` took now, named (see
+    :func:`~featcache.sources.stamps.change_report`); "" when none does, when either
+    side has no stamps, or when content hashes decide instead (``data.content_hash``:
+    the store key then holds every file's hash)."""
     if stamps is None or plan.stamps is None or hashes_content(plan):
-        return np.empty(0, dtype=np.int64), ""
+        return ""
     current = plan.stamps[index]
     changed = changed_rows(stamps, current)
     if not len(changed):
-        return changed, ""
+        return ""
     ids = [str(plan.ids[i]) for i in index[changed]]
-    return index[changed], change_report(changed.tolist(), ids, stamps[changed], current[changed])
+    return change_report(changed.tolist(), ids, stamps[changed], current[changed])
 
 
 def stale_rows(path: Path, plan: _Plan) -> str:
@@ -440,7 +438,7 @@ def stale_rows(path: Path, plan: _Plan) -> str:
     if plan.stamps is None or hashes_content(plan):
         return ""
     with FeatureStore(path) as store:
-        return changes_since(store.index, store.stamps, plan)[1]
+        return changes_since(store.index, store.stamps, plan)
 
 
 def check_unique(ids: Sequence[str]) -> None:

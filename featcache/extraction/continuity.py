@@ -78,15 +78,12 @@ def check_continues(
     plan: _Plan,
     run: RunOptions,
     before: int | None = None,
-    changed: np.ndarray | None = None,
 ) -> None:
     """Refuse to continue (or return as done) the store in ``store_file`` unless the rows
     it holds come out the same when recomputed now.
 
     ``before`` (a source position) limits the check to the rows an interrupted run keeps
-    (those a resume redoes from there are not compared); the source positions in
-    ``changed`` (samples whose change stamps differ: their rows are stale, and said so)
-    are not compared either. Recomputes at most two batches.
+    (those a resume redoes from there are not compared). Recomputes at most two batches.
 
     Raises:
         ConfigError: one line naming the rows that differ, by how much, and the fixes.
@@ -99,8 +96,7 @@ def check_continues(
         if not len(index):
             return
         batches = _batches_holding(plan, run, [int(index[0]), int(index[-1])])
-        ignored = np.empty(0, dtype=np.int64) if changed is None else changed
-        mismatch = _first_mismatch(store, index, model, dataset, plan, run, batches, ignored)
+        mismatch = _first_mismatch(store, index, model, dataset, plan, run, batches)
     if mismatch is None:
         return
     dtype = tolerance_of(run.store.dtype, plan.layout.amp)[1]
@@ -146,7 +142,6 @@ def _first_mismatch(
     plan: _Plan,
     run: RunOptions,
     batches: list[list[int]],
-    ignored: np.ndarray,
 ) -> Mismatch | None:
     tolerance = tolerance_of(run.store.dtype, plan.layout.amp)[0]
     labels = store.labels
@@ -154,7 +149,6 @@ def _first_mismatch(
         positions = captured.index
         rows = np.searchsorted(index, positions)
         held = (rows < len(index)) & (index[np.minimum(rows, len(index) - 1)] == positions)
-        held &= ~np.isin(positions, ignored)
         stored_rows = rows[held]
         if labels is not None:
             for at, j in enumerate(np.flatnonzero(held)):
