@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from featcache.history import history_lines
+from featcache.store.layout import STAMPS
 from featcache.store.lock import Holder, holder
 from featcache.store.paths import store_path_of
 from featcache.store.resume import UPDATE_MARK
@@ -301,12 +302,13 @@ def describe(store: FeatureStore) -> StoreDescription:
         attrs=store.attrs,
         writer=writer,
         tokens=None if offsets is None else int(offsets[-1]),
-        stamps=_stamp_fields(store.stamps),
+        stamps=_stamp_fields(store.file.get(STAMPS)),
     )
 
 
 def _stamp_fields(stamps: Any) -> str:
-    """The field names of the first known stamp: ``"size, mtime_ns"``; "" for none."""
+    """The field names of the first known stamp among the first rows of the ``/stamps``
+    dataset (None: absent): ``"size, mtime_ns"``; "" for none."""
     known = [] if stamps is None else [s for s in stamps[:1024] if s]
     if not known:
         return ""

@@ -199,9 +199,8 @@ def _check_stamps(
     if stored is None:
         result.add("stamps", True, "none recorded (the store predates change stamps)")
         return
-    source_ids = getattr(source, "ids", None) or []
     rows = np.array(  # the rows still of their sample (the ids check names the others)
-        [r for r, i in enumerate(index) if i < len(source_ids) and source_ids[i] == ids[r]],
+        [r for r, i in enumerate(index) if i < len(source.ids) and source.ids[i] == ids[r]],
         dtype=np.int64,
     )
     now = current[index[rows]]

@@ -273,9 +273,8 @@ def _extract(
     ``path``, its batches from ``feed`` when given (an update reads its own)."""
     if plan.stamps is None:  # before any row is read: a change after that shows later
         plan = dataclasses.replace(plan, stamps=dataset_stamps(dataset))
-    if run.update and path.exists() and not plan.key().matches(stored_resume_key(path)):
-        return update_store(model, dataset, path, run, plan, check_space)
-    if run.update and path.exists() and stale_rows(path, plan):  # replaced under its name
+    made_otherwise = path.exists() and not plan.key().matches(stored_resume_key(path))
+    if run.update and path.exists() and (made_otherwise or stale_rows(path, plan)):
         return update_store(model, dataset, path, run, plan, check_space)
     if run.update and is_update_partial(path):
         remove_partial(path)  # a stopped update of a store no longer there
@@ -420,7 +419,7 @@ def open_writer_for(
 def changes_since(index: np.ndarray, stamps: np.ndarray | None, plan: _Plan) -> str:
     """The rows (source positions ``index``, recorded with ``stamps``) whose change stamp
     differs from the one ``plan`` took now, named (see
-    :func:`~featcache.sources.stamps.change_report`); "" when none does, when either
+    `featcache.sources.stamps.change_report`); "" when none does, when either
     side has no stamps, or when content hashes decide instead (``data.content_hash``:
     the store key then holds every file's hash)."""
     if stamps is None or plan.stamps is None or hashes_content(plan):
@@ -434,7 +433,7 @@ def changes_since(index: np.ndarray, stamps: np.ndarray | None, plan: _Plan) -> 
 
 
 def stale_rows(path: Path, plan: _Plan) -> str:
-    """The rows of the complete store at ``path`` that :func:`changes_since` names."""
+    """The rows of the complete store at ``path`` that `changes_since` names."""
     if plan.stamps is None or hashes_content(plan):
         return ""
     with FeatureStore(path) as store:

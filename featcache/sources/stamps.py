@@ -10,10 +10,10 @@ starts, before any row is read:
   (``shard_size``, ``shard_mtime_ns`` or ``shard_version``).
 
 Each row of a store records the stamp it was read under (``/stamps``, a fixed-length
-ASCII dataset). A row whose stamp
-differs now may hold stale values: ``--update`` recomputes it, ``verify`` and a resume name
-it. An empty stamp (``b""``) says nothing: the source knows nothing cheap about that row,
-and it is never reported as changed. ``data.content_hash`` stays the exact test.
+ASCII dataset). A row whose stamp differs now may hold stale values: ``--update``
+recomputes it, ``verify`` and a resume name it. An empty stamp (``b""``) says nothing:
+the source knows nothing cheap about that row, and it is never reported as changed.
+``data.content_hash`` stays the exact test.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def file_stamp(path: str | os.PathLike) -> str:
 
 def object_stamp(version: str | None) -> str:
     """The stamp of an object from its listed version (``"<size>\\t<ETag>"``, as
-    :func:`featcache.sources.remote.object_version` gives it); "" for None."""
+    `featcache.sources.remote.object_version` gives it); "" for None."""
     if not version:
         return ""
     size, _, tag = version.partition("\t")
@@ -64,9 +64,10 @@ def describe_change(stored: bytes | str, current: bytes | str) -> str:
     old, new = _fields(stored), _fields(current)
     names = [*new, *(name for name in old if name not in new)]
     differing = [name for name in names if old.get(name) != new.get(name)]
-    for name in sorted(differing, key=lambda name: name != "size"):  # a size says most
-        return f"{_label(name)} {_shown(name, old.get(name))} -> {_shown(name, new.get(name))}"
-    return "stamp unchanged"
+    if not differing:
+        return "stamp unchanged"
+    name = "size" if "size" in differing else differing[0]  # a size says most
+    return f"{_label(name)} {_shown(name, old.get(name))} -> {_shown(name, new.get(name))}"
 
 
 def change_report(
