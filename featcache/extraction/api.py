@@ -273,8 +273,12 @@ def _extract(
     ``path``, its batches from ``feed`` when given (an update reads its own)."""
     if plan.stamps is None:  # before any row is read: a change after that shows later
         plan = dataclasses.replace(plan, stamps=dataset_stamps(dataset))
-    made_otherwise = path.exists() and not plan.key().matches(stored_resume_key(path))
-    if run.update and path.exists() and (made_otherwise or stale_rows(path, plan)):
+    # Made otherwise, or holding rows replaced since (the key, and the weights' hash in
+    # it, is wanted here only for an update: else the writer thread makes it).
+    made_otherwise = (
+        run.update and path.exists() and not plan.key().matches(stored_resume_key(path))
+    )
+    if made_otherwise or (run.update and path.exists() and stale_rows(path, plan)):
         return update_store(model, dataset, path, run, plan, check_space)
     if run.update and is_update_partial(path):
         remove_partial(path)  # a stopped update of a store no longer there
