@@ -10,30 +10,36 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from featcache import _moved
 from featcache._compat import guard_torchvision_import
 
 guard_torchvision_import()  # before any module imports torchvision
+_moved.install()  # old module paths (featcache.dataset, ...) still import, with a warning
 
 __version__ = "0.1.0"
 
 _PUBLIC = {
     "ConfigError": "featcache.errors",
     "FeatcacheError": "featcache.errors",
-    "FeatureDataset": "featcache.dataset",
+    "FeatureDataset": "featcache.read.dataset",
     "FeatureStore": "featcache.store",
     "ModelRun": "featcache.extraction",
-    "PadTokens": "featcache.padding",
-    "ShuffledBatches": "featcache.dataset",
-    "TokenDataset": "featcache.token_view",
+    "PadTokens": "featcache.read.padding",
+    "ShuffledBatches": "featcache.read.dataset",
+    "TokenDataset": "featcache.read.token_view",
     "extract": "featcache.extraction",
     "extract_from_config": "featcache.extraction",
     "extract_models": "featcache.extraction",
-    "pad_tokens": "featcache.padding",
-    "plan": "featcache.planning",
+    "pad_tokens": "featcache.read.padding",
+    "plan": "featcache.extraction.planning",
 }
 
-# Subpackages reachable as attributes (``featcache.probe.probe(...)``), loaded on first use.
-_SUBMODULES = ("models", "probe", "sources", "store", "verify", "visualize")
+# Subpackages reachable as attributes (``featcache.probe.probe(...)``), loaded on first use;
+# the old module paths among them warn that they moved.
+_SUBMODULES = (
+    "capture", "commands", "config", "extraction", "models", "probe", "read", "sources",
+    "store", "util", *(old.split(".")[1] for old in _moved.MOVED if old.count(".") == 1),
+)  # fmt: skip
 
 __all__ = [
     "ConfigError",
@@ -52,13 +58,13 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from featcache.dataset import FeatureDataset, ShuffledBatches
     from featcache.errors import ConfigError, FeatcacheError
     from featcache.extraction import ModelRun, extract, extract_from_config, extract_models
-    from featcache.padding import PadTokens, pad_tokens
-    from featcache.planning import plan
+    from featcache.extraction.planning import plan
+    from featcache.read.dataset import FeatureDataset, ShuffledBatches
+    from featcache.read.padding import PadTokens, pad_tokens
+    from featcache.read.token_view import TokenDataset
     from featcache.store import FeatureStore
-    from featcache.token_view import TokenDataset
 
 
 def __getattr__(name: str) -> Any:

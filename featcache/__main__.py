@@ -1,5 +1,5 @@
 """`python -m featcache`: the command line."""
 
-from featcache.cli import main
+from featcache.commands.app import main
 
 main()

@@ -5,7 +5,7 @@ warm-up first, repeats interleaved so that drift hits every case alike, and medi
 Each timed case starts after ``os.sync()``, so that none pays for writing back the files
 an earlier case left in the page cache.
 The process starts in the malloc state that a featcache run leaves behind
-(``featcache.memory.settle_thresholds``), so no case runs in a state that depends on
+(``featcache.capture.memory.settle_thresholds``), so no case runs in a state that depends on
 which case ran before it.
 Ratios are images/s against baselines measured in the same run: ``vs bare`` against the
 bare eager forward, ``vs best`` against the fastest bare loop at the same depth:
@@ -15,7 +15,7 @@ bare eager forward, ``vs best`` against the fastest bare loop at the same depth:
   full depth; ``layer2``: early stop): the bare eager forward in the default layout
   (full network), the bare forward in the best eager layout (channels_last), the bare
   forward truncated after the target layer (best layout), the same with freed memory
-  kept for reuse as featcache keeps it on the CPU (``featcache.memory``), forward hooks
+  kept for reuse as featcache keeps it on the CPU (``featcache.capture.memory``), forward hooks
   appending to lists then saved with h5py, torchvision's ``create_feature_extractor``,
   and ``featcache.extract`` (with its default XXH3 chunk checksums; ``--checksum-cost``
   adds ``featcache.extract, checksum off``, prints the images/s ratio of the two, and
@@ -78,9 +78,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import featcache  # first: makes torchvision importable beside a mismatched torch
-from featcache.fingerprints import module_fingerprint
-from featcache.memory import freed_memory_kept, settle_thresholds
+from featcache.capture.memory import freed_memory_kept, settle_thresholds
 from featcache.store import StorePlan, StoreWriter, codec, remove_store
+from featcache.util.fingerprints import module_fingerprint
 
 # isort: split
 import torchvision
@@ -127,7 +127,7 @@ def truncated(model: nn.Module, layer: str) -> nn.Module:
 def bare(
     model: nn.Module, data: torch.Tensor, batch: int, channels_last: bool, kept: bool = False
 ) -> None:
-    """The plain loop; with ``kept``, inside :func:`featcache.memory.freed_memory_kept`."""
+    """The plain loop; with ``kept``, inside :func:`featcache.capture.memory.freed_memory_kept`."""
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     model.to(memory_format=fmt)
     with freed_memory_kept("cpu") if kept else contextlib.nullcontext(), torch.inference_mode():
@@ -413,9 +413,9 @@ def jpeg_pipeline(repeats: int, batch: int) -> None:
     if not archive.exists():
         print(f"\nJPEG pipeline skipped: {archive} not found")
         return
+    from featcache.config.spec import DataSpec, PreprocessSpec
     from featcache.models import build_transform
     from featcache.sources import build_source
-    from featcache.spec import DataSpec, PreprocessSpec
 
     folder = scratch("featcache-jpeg-")
     with tarfile.open(archive) as tar:  # the data filter where this Python has it (3.12)
@@ -526,8 +526,8 @@ def timm_throughput(reference: str, images: int, size: int, batch: int, repeats:
     """A timm ViT by featcache reference (random weights, ``img_size=size``): the bare
     forward, the bare forward cut after a middle and the last block, and featcache storing
     the patch-token mean of those blocks."""
+    from featcache.config.spec import ModelSpec, PreprocessSpec
     from featcache.models import build_backbone
-    from featcache.spec import ModelSpec, PreprocessSpec
 
     spec = ModelSpec(name=reference, kwargs={"img_size": size})
     model = build_backbone(spec, PreprocessSpec()).model.eval()
@@ -567,7 +567,7 @@ class Bytes:
     name, pad_id, max_length = "bytes", 0, None
 
     def __call__(self, texts, max_length):
-        from featcache.models.tokenizer import Tokenized
+        from featcache.sources.tokenizer import Tokenized
 
         ids = [[1, *(b + 3 for b in text.encode()), 2] for text in texts]
         return Tokenized(ids, [False] * len(ids))

@@ -88,10 +88,10 @@ import torch
 from torch.utils.data import DataLoader
 
 import featcache  # noqa: F401  (before torchvision, which this script does not need)
-from featcache.dataset import FeatureDataset, ShuffledBatches
+from featcache.read.dataset import FeatureDataset, ShuffledBatches
+from featcache.read.token_view import TokenDataset
 from featcache.store import FeatureStore, StorePlan, StoreWriter, combine_shards
 from featcache.store.paths import shard_path
-from featcache.token_view import TokenDataset
 
 BASELINE = "in-memory tensor x[idx]"
 PER_ROW = "per-row h5py, default chunk cache"

@@ -35,8 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import featcache  # noqa: E402  (before torchvision, see featcache._compat)
+from featcache.config.spec import DataSpec  # noqa: E402
 from featcache.sources import build_source  # noqa: E402
-from featcache.spec import DataSpec  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10-jpeg.tar"
 

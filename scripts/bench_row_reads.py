@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from featcache.dataset import FeatureDataset
+from featcache.read.dataset import FeatureDataset
 from featcache.store import FeatureStore, StorePlan, StoreWriter, combine_shards
 
 

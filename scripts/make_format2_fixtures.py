@@ -149,7 +149,7 @@ def write_stores(folder: Path) -> dict[str, list[Path]]:
 
 
 def _key(recorded: dict):
-    from featcache.provenance import StoreKey
+    from featcache.store.provenance import StoreKey
 
     recorded = dict(recorded, rows=tuple(recorded["rows"]), taps=tuple(recorded["taps"]))
     return StoreKey(**recorded)

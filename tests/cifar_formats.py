@@ -19,7 +19,7 @@ import h5py
 import numpy as np
 import torch
 
-from featcache.models.tokenizer import Tokenized
+from featcache.sources.tokenizer import Tokenized
 from featcache.store import FeatureStore, partial_path
 from tests.conftest import shared_file
 

@@ -14,7 +14,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 import featcache
-from featcache.cli import app
+from featcache.commands.app import app
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.store import FeatureStore, partial_path
 

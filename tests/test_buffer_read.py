@@ -1,4 +1,4 @@
-"""featcache.buffer_read: one buffer's blocks read by the reader thread and the consumer."""
+"""featcache.read.buffer_read: one buffer's blocks read by the reader thread and the consumer."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from featcache.buffer_read import SharedRead
+from featcache.read.buffer_read import SharedRead
 
 
 def _tasks(count: int, log: list, delay: float = 0.005, fail_at: int | None = None):

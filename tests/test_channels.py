@@ -7,10 +7,10 @@ import torch
 from torch.utils.data import TensorDataset
 
 import featcache
-from featcache.channels import AMBIGUOUS, channel_layout
+from featcache.capture.channels import AMBIGUOUS, channel_layout
+from featcache.capture.layers import describe_layers
+from featcache.commands.visualize import feature_grid
 from featcache.errors import ConfigError
-from featcache.layers import describe_layers
-from featcache.visualize import feature_grid
 
 IMAGES = TensorDataset(torch.randn(3, 3, 64, 64, generator=torch.Generator().manual_seed(0)))
 OPTIONS = {"batch_size": 3, "dtype": "float32", "progress": False, "num_workers": 0}

@@ -13,7 +13,7 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from featcache.cli import app
+from featcache.commands.app import app
 from featcache.store import FeatureStore
 
 runner = CliRunner()
@@ -218,7 +218,7 @@ def test_demo_via_python_m(tmp_path):
 def test_names_from_a_store_cannot_drive_the_terminal(config_file, tmp_path):
     import h5py
 
-    from featcache.cli_output import terminal_safe
+    from featcache.commands.output import terminal_safe
     from featcache.store import codec, seal
 
     assert runner.invoke(app, ["extract", str(config_file)]).exit_code == 0
@@ -238,12 +238,12 @@ def test_names_from_a_store_cannot_drive_the_terminal(config_file, tmp_path):
 def test_a_reader_that_stops_reading_ends_the_command_quietly():
     # `featcache layers ... | head -1`: the pipe closes while featcache still writes.
     code = (
-        "import sys, featcache.cli, featcache.models\n"
+        "import sys, featcache.commands.app, featcache.models\n"
         "def listing(*args, **kwargs):\n"
         "    raise BrokenPipeError(32, 'Broken pipe')\n"
         "featcache.models.backbone_layers = listing\n"
         "sys.argv = ['featcache', 'layers', 'resnet18']\n"
-        "featcache.cli.main()\n"
+        "featcache.commands.app.main()\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0 and result.stderr == "", result.stderr
@@ -251,7 +251,7 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly():
 
 @pytest.mark.parametrize("name", ["out #1", "123", "null", "caf\u00e9 [x]"])
 def test_demo_output_folder_is_taken_as_written(name):
-    from featcache.demo import demo_spec
+    from featcache.commands.demo import demo_spec
 
     assert demo_spec(name).output.dir == name  # never YAML: no comment, number or null
     assert demo_spec(f"runs/{name}").output.dir == f"runs/{name}"

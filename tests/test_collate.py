@@ -8,9 +8,9 @@ import pickle
 import torch
 from torch.utils.data import DataLoader
 
+from featcache.config.spec import DataSpec
 from featcache.extraction.batches import Batch, Collate, SourceRows, collate
 from featcache.sources.text import text_source
-from featcache.spec import DataSpec
 from tests.test_text_source import ByteTokenizer
 
 

@@ -11,11 +11,11 @@ import pytest
 from typer.testing import CliRunner
 
 from featcache import FeatureDataset
-from featcache.cli import app
+from featcache.commands.app import app
+from featcache.commands.verify import verify_store
 from featcache.errors import CorruptStoreError
 from featcache.store import FeatureStore, combine_shards, seal
 from featcache.store.paths import shard_path
-from featcache.verify import verify_store
 from tests.stores import written_store
 
 SECRET = b"SECRET-API-KEY=hunter2 " * 100

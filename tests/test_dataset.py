@@ -18,9 +18,9 @@ from torch.utils.data import DataLoader
 
 import featcache
 from featcache import FeatureDataset, FeatureStore
-from featcache import dataset as dataset_module
-from featcache.dataset import ShuffledBatches
 from featcache.errors import ConfigError, CorruptStoreError, FeatcacheError, IncompleteStoreError
+from featcache.read import dataset as dataset_module
+from featcache.read.dataset import ShuffledBatches
 from featcache.store import StorePlan, StoreWriter, codec, partial_path, seal
 from featcache.store import rows as rows_module
 from tests.stores import corrupt_row
@@ -466,7 +466,6 @@ SPAWNED_EPOCH = """
 import sys
 from torch.utils.data import DataLoader
 from featcache import FeatureDataset
-
 if __name__ == "__main__":
     dataset = FeatureDataset(sys.argv[1], "a", dtype=None)
     loader = DataLoader(dataset, batch_size=40, num_workers=1, multiprocessing_context="spawn")
@@ -477,7 +476,7 @@ if __name__ == "__main__":
 def test_an_epoch_in_a_spawned_worker_over_a_torchrun_store_ends_cleanly(tmp_path):
     """A spawned DataLoader worker exiting with a combined store open crashed (SIGSEGV)
     in HDF5's shutdown until featcache closed its handles at exit."""
-    from featcache.distributed import combine_shards
+    from featcache.extraction.distributed import combine_shards
 
     shards = [write_store(tmp_path / f"s{i}.h5", 50 + 7 * i) for i in range(2)]
     combine_shards(tmp_path / "all.h5", shards).close()
@@ -497,7 +496,7 @@ def test_a_combined_store_opens_its_virtual_dataset_for_the_first_read_only(
 ):
     """Later reads go straight to the shards: opening a virtual dataset costs more than a
     one-row read."""
-    from featcache.distributed import combine_shards
+    from featcache.extraction.distributed import combine_shards
 
     shards = [
         write_store(tmp_path / f"s{i}.h5", 50 + 7 * i, compression=compression) for i in range(2)
@@ -527,7 +526,7 @@ def test_a_combined_store_opens_its_virtual_dataset_for_the_first_read_only(
 
 
 def test_virtual_store_over_shards_reads_like_one_file(tmp_path):
-    from featcache.distributed import combine_shards
+    from featcache.extraction.distributed import combine_shards
 
     shards = [write_store(tmp_path / f"s{i}.h5", 50 + 7 * i) for i in range(2)]
     combine_shards(tmp_path / "all.h5", shards).close()

@@ -12,9 +12,9 @@ import torch
 from PIL import Image
 
 import featcache
-from featcache.provenance import config_fingerprint, content_config, recorded_config
-from featcache.spec import load_config, to_dict
-from featcache.verify import verify_store
+from featcache.commands.verify import verify_store
+from featcache.config.spec import load_config, to_dict
+from featcache.store.provenance import config_fingerprint, content_config, recorded_config
 
 
 def _photos(tmp_path: Path, hymenoptera_root: Path) -> list[Path]:
@@ -54,7 +54,9 @@ def test_photos_are_decoded_in_full_unless_fast_is_asked(tmp_path, hymenoptera_r
 
     torch.manual_seed(0)
     model = torchvision.models.resnet18().eval()
-    transform = featcache.models.build_transform(featcache.spec.PreprocessSpec(resize=36, crop=32))
+    transform = featcache.models.build_transform(
+        featcache.config.spec.PreprocessSpec(resize=36, crop=32)
+    )
     batch = torch.stack([transform(Image.open(path).convert("RGB")) for path in files])
     pooled: list[torch.Tensor] = []
     model.layer2.register_forward_hook(lambda m, a, out: pooled.append(out.mean((2, 3))))

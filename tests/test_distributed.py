@@ -19,9 +19,10 @@ import yaml
 from typer.testing import CliRunner
 
 import featcache
-from featcache import distributed
-from featcache.cli import app
-from featcache.distributed import (
+from featcache.commands.app import app
+from featcache.errors import ConfigError, FeatcacheError
+from featcache.extraction import distributed
+from featcache.extraction.distributed import (
     Rank,
     block,
     check_other_world_sizes,
@@ -29,7 +30,6 @@ from featcache.distributed import (
     launch_words,
     shard_path,
 )
-from featcache.errors import ConfigError, FeatcacheError
 from featcache.store import FeatureStore, StorePlan, StoreWriter, merge_store, partial_path
 
 CONFIG = {

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from featcache.config_yaml import read_yaml
-from featcache.spec import Spec, load_config
+from featcache.config.spec import Spec, load_config
+from featcache.config.yaml_io import read_yaml
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -205,9 +205,9 @@ def test_every_config_key_is_in_the_generated_reference_with_its_default():
 
 
 def test_every_config_key_has_a_description():
-    """Each key's comment in featcache/spec.py is its description in the reference (and
+    """Each key's comment in featcache/config/spec.py is its description in the reference (and
     an empty one is a warning of the strict build)."""
-    from featcache.config_reference import config_keys
+    from featcache.config.reference import config_keys
 
     assert load_hooks().undocumented_keys() == []
     for key in config_keys():
@@ -234,7 +234,7 @@ def test_a_key_added_to_the_spec_makes_the_reference_stale(monkeypatch):
     """The reference is generated from the spec, not written by hand: a key added to
     the spec is missing from the committed page until it is regenerated, and is in it
     then with its comment and default."""
-    from featcache import spec
+    from featcache.config import spec
 
     @dataclasses.dataclass
     class Wider(spec.StoreSpec):
@@ -254,7 +254,7 @@ def test_the_cli_synopsis_names_every_option_of_every_command():
     naming each of its arguments and options."""
     import typer
 
-    from featcache.cli import app
+    from featcache.commands.app import app
 
     page = (DOCS / "reference" / "cli.md").read_text()
     synopsis = next(b for b in code_blocks("reference/cli.md") if b.language == "text").code
@@ -369,5 +369,5 @@ def test_references_into_the_readme_name_its_headings():
 def test_the_hook_finds_sphinx_roles_as_written_and_as_rendered():
     roles = load_hooks().raw_roles
     assert roles("see :meth:`FeatureDataset.batches`.") == [":meth:`FeatureDataset.batches`"]
-    assert roles("(:class:<code>~featcache.spec.Spec</code>)") != []
-    assert roles("[`batches`][featcache.dataset.FeatureDataset.batches], `attr`") == []
+    assert roles("(:class:<code>~featcache.config.spec.Spec</code>)") != []
+    assert roles("[`batches`][featcache.read.dataset.FeatureDataset.batches], `attr`") == []

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 import featcache
+from featcache.config.spec import load_config, to_dict
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.provenance import config_fingerprint as fingerprint
-from featcache.spec import load_config, to_dict
 from featcache.store import FeatureStore, StoreWriter, partial_path
+from featcache.store.provenance import config_fingerprint as fingerprint
 
 
 def resnet_outputs(model, x):

@@ -12,12 +12,12 @@ import torch
 from typer.testing import CliRunner
 
 import featcache
-from featcache.cli import app
+from featcache.commands.app import app
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.provenance import FORMAT_VERSION
 from featcache.store import FeatureStore, codec
 from featcache.store.metadata import seal
 from featcache.store.paths import partial_path
+from featcache.store.provenance import FORMAT_VERSION
 
 
 def _record_format(path: Path, version: int) -> None:

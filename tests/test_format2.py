@@ -16,10 +16,10 @@ import torch
 from typer.testing import CliRunner
 
 from featcache import FeatureDataset, FeatureStore, TokenDataset
-from featcache.cli import app
+from featcache.commands.app import app
+from featcache.commands.verify import verify_store
 from featcache.errors import CorruptStoreError
 from featcache.store import merge_store, scan_chunks
-from featcache.verify import verify_store
 from tests.stores import corrupt_row
 
 FIXTURES = Path(__file__).parent / "fixtures" / "format2"

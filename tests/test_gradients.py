@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 import featcache
+from featcache.capture.selectors import resolve_taps
+from featcache.capture.taps import TapSet
+from featcache.config.spec import LayerSpec, parse_layers
 from featcache.errors import ConfigError
-from featcache.selectors import resolve_taps
-from featcache.spec import LayerSpec, parse_layers
-from featcache.taps import TapSet
 
 
 def _direct_grads(model, x, labels, modules, target):
@@ -193,7 +193,7 @@ def test_a_gradient_that_is_exactly_zero_is_named_at_extraction(tmp_path):
 
 
 def test_cam_warns_when_the_gradient_row_is_zero(tmp_path):
-    from featcache.visualize import store_cam
+    from featcache.commands.visualize import store_cam
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(256, 2))

@@ -7,7 +7,10 @@ import pkgutil
 import subprocess
 import sys
 
+import pytest
+
 import featcache
+from featcache._moved import MOVED
 
 MODULES = sorted(
     m.name
@@ -55,7 +58,7 @@ def run_command_line(args: list[str], modules: tuple[str, ...]) -> tuple[str, li
     which of ``modules`` it loaded."""
     code = (
         "import sys\n"
-        "from featcache.cli import app\n"
+        "from featcache.commands.app import app\n"
         "try:\n"
         f"    app({args!r})\n"
         "except SystemExit as exc:\n"
@@ -109,3 +112,40 @@ def test_subpackages_are_reachable_as_attributes():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.split() == ["featcache.probe.api", "verify_store", "True"], out.stderr
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_an_old_module_path_imports_the_moved_module_with_a_warning(old):
+    code = (
+        "import importlib, warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    old = importlib.import_module({old!r})\n"
+        f"new = importlib.import_module({MOVED[old]!r})\n"
+        "print(old is new, new.__spec__.name, [str(w.message) for w in caught"
+        " if w.category is DeprecationWarning])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.startswith(f"True {MOVED[old]} ['{old} moved to {MOVED[old]}"), out.stderr
+
+
+def test_a_moved_public_name_imports_from_its_old_place():
+    code = (
+        "import warnings\n"
+        "warnings.simplefilter('error', DeprecationWarning)\n"
+        "try:\n"
+        "    from featcache.dataset import FeatureDataset\n"
+        "except DeprecationWarning as warning:\n"
+        "    print(warning)\n"
+        "warnings.simplefilter('ignore')\n"
+        "from featcache.dataset import FeatureDataset\n"
+        "from featcache.cli import app\n"
+        "import featcache\n"
+        "print(FeatureDataset is featcache.FeatureDataset, app.info.name)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.split("\n")[:2] == [
+        "featcache.dataset moved to featcache.read.dataset; import it from there (the old "
+        "path will go)",
+        "True featcache",
+    ], out.stderr

@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import featcache
-from featcache.dataset import FeatureDataset
 from featcache.errors import CorruptStoreError, FeatcacheError
+from featcache.read.dataset import FeatureDataset
 from featcache.store import (
     BadChunk,
     FeatureStore,

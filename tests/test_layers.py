@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from featcache.capture.layers import LayerInfo, describe_layers
 from featcache.errors import ConfigError
-from featcache.layers import LayerInfo, describe_layers
 from tests.cifar_resnet import resnet20
 
 # isort: split

@@ -14,11 +14,11 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from featcache.cli import app
+from featcache.commands.app import app
+from featcache.commands.verify import verify_store
 from featcache.errors import IncompleteStoreError
 from featcache.store import FeatureStore, partial_path
 from featcache.store.lock import StoreBusyError, holder, lock_path, writer_lock
-from featcache.verify import verify_store
 
 REPO = Path(__file__).resolve().parents[1]
 HOLD = """

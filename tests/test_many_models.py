@@ -17,13 +17,13 @@ from torch.utils.data import Dataset
 from torchvision import transforms as T
 
 import featcache
+from featcache.commands.verify import verify_store
+from featcache.config.spec import load_config
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.extraction.many import ModelRun, extract_models
-from featcache.provenance import config_fingerprint
 from featcache.sources import files as files_module
-from featcache.spec import load_config
 from featcache.store import FeatureStore, partial_path
-from featcache.verify import verify_store
+from featcache.store.provenance import config_fingerprint
 from tests.test_update import image_folder
 
 MODELS = [
@@ -194,7 +194,7 @@ def test_a_config_of_several_models_is_refused_where_it_cannot_run(tmp_path):
 def test_the_cli_extracts_plans_and_lists_a_config_of_several_models(tmp_path):
     from typer.testing import CliRunner
 
-    from featcache.cli import app
+    from featcache.commands.app import app
 
     image_folder(tmp_path / "images", 12)
     config = models_config(tmp_path / "images", tmp_path / "out")

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import featcache
-from featcache import memory, verify
+from featcache.capture import memory
+from featcache.commands import verify
 from featcache.extraction import loop
 from tests.stores import synthetic_store
 
@@ -80,7 +81,7 @@ def test_nothing_changes_for_other_devices_or_other_c_libraries(libc, monkeypatc
 
 
 def record_devices(module, monkeypatch: pytest.MonkeyPatch) -> list[torch.device]:
-    """The devices ``module`` enters :func:`~featcache.memory.freed_memory_kept` with."""
+    """The devices ``module`` enters :func:`~featcache.capture.memory.freed_memory_kept` with."""
     devices: list[torch.device] = []
     real = module.freed_memory_kept
 
@@ -110,8 +111,7 @@ def test_verify_recomputes_inside_the_block(tmp_path, monkeypatch):
 PAGE_FAULTS = """
 import resource
 import torch
-from featcache import memory
-
+from featcache.capture import memory
 def page_faults_of(allocations):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(allocations):

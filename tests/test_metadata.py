@@ -12,9 +12,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from featcache.cli import app
-from featcache.dataset import FeatureDataset
+from featcache.commands.app import app
+from featcache.commands.verify import verify_store
 from featcache.errors import CorruptStoreError
+from featcache.read.dataset import FeatureDataset
 from featcache.store import (
     FeatureStore,
     StorePlan,
@@ -27,7 +28,6 @@ from featcache.store import (
 )
 from featcache.store.metadata import DIGEST_ATTR, is_sealed, metadata_problem
 from featcache.store.paths import partial_path, shard_path
-from featcache.verify import verify_store
 from tests.stores import break_chunk_key, synthetic_store, written_store
 
 FIX = "re-extract it (featcache extract <config> --overwrite) or restore it from a copy"

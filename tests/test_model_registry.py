@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 from torch import nn
 
+from featcache.config.spec import ModelSpec, PreprocessSpec
 from featcache.errors import ConfigError
 from featcache.models import (
     Backbone,
@@ -25,7 +26,6 @@ from featcache.models import (
     unregister,
 )
 from featcache.models.preprocess import build_transform, spec_preprocessing
-from featcache.spec import ModelSpec, PreprocessSpec
 
 # isort: split
 # After featcache, which makes torchvision importable where its compiled ops cannot load.

@@ -15,8 +15,8 @@ import pytest
 import torch
 from PIL import Image
 
+from featcache.config.spec import ModelSpec, PreprocessSpec
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.fingerprints import file_sha256
 from featcache.models import (
     build_backbone,
     build_transform,
@@ -24,7 +24,7 @@ from featcache.models import (
     load_checkpoint,
     resolve_weights,
 )
-from featcache.spec import ModelSpec, PreprocessSpec
+from featcache.util.fingerprints import file_sha256
 from tests.cifar_resnet import resnet20
 
 # isort: split

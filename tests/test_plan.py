@@ -15,7 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 import featcache
-from featcache.cli import app
+from featcache.commands.app import app
 from featcache.errors import FeatcacheError
 from featcache.extraction.estimate import LayerSize, store_bytes
 from tests.texts import write_text_config
@@ -118,7 +118,7 @@ def small_disk(monkeypatch, free: int) -> None:
     """Make every free-space query see ``free`` bytes."""
     usage = shutil.disk_usage("/")
     fake = type(usage)(usage.total, usage.total - free, free)
-    monkeypatch.setattr("featcache.files.shutil.disk_usage", lambda path: fake)
+    monkeypatch.setattr("featcache.util.files.shutil.disk_usage", lambda path: fake)
 
 
 def test_a_run_the_disk_cannot_hold_is_refused_before_the_first_batch(

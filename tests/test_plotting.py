@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from featcache.commands.visualize import jet
 from featcache.errors import FeatcacheError
-from featcache.plotting import PLOT_EXTRA, require_matplotlib
 from featcache.probe import ProbeResult, plot_layers
-from featcache.visualize import jet
+from featcache.util.plotting import PLOT_EXTRA, require_matplotlib
 
 
 @pytest.fixture

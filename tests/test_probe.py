@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 import featcache
 from featcache import FeatureStore
-from featcache.cli import app
+from featcache.commands.app import app
 from featcache.errors import ConfigError
 from featcache.probe import (
     Moments,
@@ -548,7 +548,7 @@ def test_cli_probe_errors_are_one_line_with_exit_2(stores, extra, message):
 
 
 def test_demo_probe_writes_its_results_without_matplotlib(stores, tmp_path, monkeypatch):
-    from featcache.demo import run_demo_probe
+    from featcache.commands.demo import run_demo_probe
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     opened = {"train": FeatureStore(stores["train"]), "val": FeatureStore(stores["test"])}

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 import featcache.probe.weighted_knn as knn_module
 from featcache import FeatureStore
-from featcache.cli import app
+from featcache.commands.app import app
 from featcache.errors import ConfigError
 from featcache.probe import (
     FewShotResult,

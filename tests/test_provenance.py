@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from featcache.config.spec import load_config
 from featcache.extraction.sharding import combined_key
-from featcache.provenance import StoreKey, config_fingerprint, store_attributes
-from featcache.spec import load_config
+from featcache.store.provenance import StoreKey, config_fingerprint, store_attributes
 
 BASE = {
     "model": {"name": "resnet18"},
@@ -72,8 +72,8 @@ def test_keys_added_later_leave_older_fingerprints_alone():
     ``loader.decode=fast``; today's default (exact) is a different computation."""
     from pathlib import Path
 
-    from featcache.provenance import config_fingerprint, recorded_config
-    from featcache.spec import from_dict, load_config, to_dict
+    from featcache.config.spec import from_dict, load_config, to_dict
+    from featcache.store.provenance import config_fingerprint, recorded_config
 
     demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
     before = "46da3231fe426448512a98c32e85c683c2b492b11245f28dd9526b58d9ab6bbf"

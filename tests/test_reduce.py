@@ -8,15 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from featcache.errors import ConfigError
-from featcache.reduce import (
+from featcache.capture.reduce import (
     ReduceContext,
     layer_prefix,
     patch_grid,
     reduce_tensor,
     token_layout,
 )
-from featcache.taps import Tap
+from featcache.capture.taps import Tap
+from featcache.errors import ConfigError
 
 
 @pytest.mark.parametrize(

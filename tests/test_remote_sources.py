@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 import featcache
+from featcache.config.spec import DataSpec, load_config
 from featcache.errors import ConfigError, FeatcacheError, FeatcacheWarning
 from featcache.sources import build_source
-from featcache.spec import DataSpec, load_config
 from featcache.store import FeatureStore
 from tests.cifar_formats import (
     CLASSES,
@@ -237,7 +237,7 @@ def test_kill_and_resume_reads_no_finished_shard_again(cifar, proxy, tmp_path):
 def test_credentials_never_appear_in_a_store_an_output_or_an_error(cifar, proxy, tmp_path):
     from typer.testing import CliRunner
 
-    from featcache.cli import app
+    from featcache.commands.app import app
 
     runner = CliRunner()
     data = s3_data("webdataset", proxy)
@@ -267,7 +267,7 @@ def test_credentials_never_appear_in_a_store_an_output_or_an_error(cifar, proxy,
 
 
 def test_verify_rereads_from_the_url_and_sees_a_replaced_object(cifar, s3_server, proxy, tmp_path):
-    from featcache.verify import verify_store
+    from featcache.commands.verify import verify_store
 
     data = s3_data("webdataset", proxy)
     store = featcache.extract_from_config(config(data, tmp_path / "out", loader=LOADER))["train"]
@@ -343,10 +343,10 @@ def test_text_files_and_class_names_over_http_read_as_local_ones(cifar, http_ser
 
 
 def test_torchrun_ranks_read_disjoint_shards(cifar, proxy, tmp_path):
-    """Each rank's block (as :func:`featcache.distributed.block` cuts it for torchrun)
+    """Each rank's block (as :func:`featcache.extraction.distributed.block` cuts it for torchrun)
     extracted on its own: the shards one rank reads, no other rank reads."""
-    from featcache.distributed import block
     from featcache.extraction import extract
+    from featcache.extraction.distributed import block
     from featcache.extraction.from_config import build_backbone_for, build_source_for
 
     spec = load_config(config(s3_data("webdataset", proxy), tmp_path, loader=LOADER))

@@ -37,7 +37,7 @@ def test_constraints_pin_the_zoo_extras():
 
 
 def test_every_shipped_config_loads():
-    from featcache.spec import load_config
+    from featcache.config.spec import load_config
 
     configs = sorted((REPO / "configs").glob("*.yaml"))
     assert len(configs) >= 6
@@ -50,9 +50,9 @@ def test_zoo_configs_select_their_layers_on_the_architecture():
     the same architectures (the pretrained weights need a download)."""
     import dataclasses
 
+    from featcache.capture.selectors import resolve_taps
+    from featcache.config.spec import load_config
     from featcache.models import build_backbone
-    from featcache.selectors import resolve_taps
-    from featcache.spec import load_config
 
     expected = {
         "convnext_tiny_timm.yaml": ["stages.2", "stages.3", "head.pre_logits"],
@@ -70,8 +70,8 @@ def test_text_config_selects_its_layers_on_a_minilm_shaped_bert():
     """configs/minilm_text.yaml's selectors resolve on a random BERT of MiniLM-L6's shape."""
     import transformers
 
-    from featcache.selectors import resolve_taps
-    from featcache.spec import load_config
+    from featcache.capture.selectors import resolve_taps
+    from featcache.config.spec import load_config
 
     spec = load_config(REPO / "configs" / "minilm_text.yaml")
     assert spec.data.inputs == "text"

@@ -293,7 +293,7 @@ def test_partial_store_is_found_by_readers_and_info(resnet18, tmp_path):
     assert len(dataset) == 12
     from typer.testing import CliRunner
 
-    from featcache.cli import app
+    from featcache.commands.app import app
 
     result = CliRunner().invoke(app, ["info", str(path)])
     assert result.exit_code == 0 and "INCOMPLETE (12 rows durable)" in result.stdout
@@ -381,7 +381,7 @@ def test_a_partial_store_reads_its_durable_rows_whatever_lies_past_them(resnet18
     uninterrupted run wrote them. A changed durable byte is named by each."""
     from typer.testing import CliRunner
 
-    from featcache.cli import app
+    from featcache.commands.app import app
 
     reference = featcache.extract(resnet18, Flaky(), LAYERS, tmp_path / "ref.h5", **OPTIONS_5)
     partial = _crashed_at_24(resnet18, tmp_path / "s.h5")
@@ -429,7 +429,7 @@ def test_a_partial_store_whose_mark_counts_rows_never_written_is_refused(resnet1
     store in one line; --overwrite starts over."""
     from typer.testing import CliRunner
 
-    from featcache.cli import app
+    from featcache.commands.app import app
 
     reference = featcache.extract(resnet18, Flaky(), LAYERS, tmp_path / "ref.h5", **OPTIONS_5)
     path = tmp_path / "s.h5"
@@ -498,8 +498,8 @@ def test_the_history_of_a_resumed_run_counts_what_it_computed_and_what_it_resume
 ):
     from typer.testing import CliRunner
 
-    from featcache.cli import app
-    from featcache.history import history_lines
+    from featcache.commands.app import app
+    from featcache.store.history import history_lines
 
     path = tmp_path / "s.h5"
     with pytest.raises(FeatcacheError, match="simulated crash"):
@@ -523,7 +523,7 @@ def test_info_of_a_partial_that_does_not_exist_says_so(resnet18, tmp_path):
     """Not the complete store of the same name instead: one line, and a non-zero exit."""
     from typer.testing import CliRunner
 
-    from featcache.cli import app
+    from featcache.commands.app import app
 
     path = tmp_path / "s.h5"
     featcache.extract(resnet18, Flaky(), LAYERS, path, **OPTIONS)

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from featcache import dataset as dataset_module
-from featcache.dataset import FeatureDataset
 from featcache.errors import CorruptStoreError
+from featcache.read import dataset as dataset_module
+from featcache.read.dataset import FeatureDataset
 from featcache.store import FeatureStore, StorePlan, StoreWriter, codec, combine_shards, read_rows
 from featcache.store import rows as rows_module
 from featcache.store.layout import chunk_addresses

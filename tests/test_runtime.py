@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import featcache
+from featcache.capture.runtime import Layout, choose_layout, placed
+from featcache.config.spec import RuntimeSpec, load_config
 from featcache.errors import ConfigError
-from featcache.runtime import Layout, choose_layout, placed
-from featcache.spec import RuntimeSpec, load_config
 
 
 def test_auto_layout_on_cpu(resnet18):

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from featcache.capture.selectors import resolve_taps
 from featcache.errors import ConfigError
-from featcache.selectors import resolve_taps
 
 
 @pytest.fixture

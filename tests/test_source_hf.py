@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import featcache
+from featcache.config.spec import DataSpec
 from featcache.errors import ConfigError
 from featcache.sources import build_source
-from featcache.spec import DataSpec
 from tests.cifar_formats import (
     CLASSES,
     WordLengths,

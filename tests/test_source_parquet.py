@@ -12,9 +12,9 @@ import pytest
 from PIL import Image
 
 import featcache
+from featcache.config.spec import DataSpec
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.sources import build_source
-from featcache.spec import DataSpec
 from tests.cifar_formats import (
     CLASSES,
     WordLengths,
@@ -176,7 +176,7 @@ def test_reads_in_a_fresh_interpreter_where_nothing_imported_pyarrow_parquet(tmp
     code = (
         "import sys\n"
         "from featcache.sources import build_source\n"
-        "from featcache.spec import DataSpec\n"
+        "from featcache.config.spec import DataSpec\n"
         f"data = DataSpec(source='parquet', root={str(tmp_path)!r}, splits={{'t': 't.parquet'}})\n"
         "source = build_source(data, 't', None)\n"
         "image, label = source[2]\n"

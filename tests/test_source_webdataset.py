@@ -13,10 +13,10 @@ import pytest
 import yaml
 
 import featcache
+from featcache.config.spec import DataSpec
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.sources import build_source
 from featcache.sources.tabular import brace_expand
-from featcache.spec import DataSpec
 from featcache.store import FeatureStore, partial_path
 from tests.cifar_formats import (
     add_member,

@@ -19,9 +19,9 @@ import featcache  # noqa: F401  (imported before torchvision: it makes torchvisi
 import torchvision
 from torchvision import transforms
 
+from featcache.config.spec import DataSpec
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.sources import IMAGE_EXTENSIONS, SourceDataset, build_source, load_rgb
-from featcache.spec import DataSpec
 
 
 @pytest.fixture

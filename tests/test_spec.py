@@ -8,11 +8,11 @@ import pytest
 import yaml
 
 import featcache
-from featcache.config_yaml import read_yaml
-from featcache.demo import demo_config_path
+from featcache.commands.demo import demo_config_path
+from featcache.config.spec import apply_override, load_config, parse_layers, to_dict
+from featcache.config.yaml_io import read_yaml
 from featcache.errors import ConfigError
-from featcache.provenance import config_fingerprint as fingerprint
-from featcache.spec import apply_override, load_config, parse_layers, to_dict
+from featcache.store.provenance import config_fingerprint as fingerprint
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = {

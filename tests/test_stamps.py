@@ -13,10 +13,10 @@ import torchvision
 from PIL import Image
 
 import featcache
+from featcache.commands.verify import verify_store
 from featcache.errors import ConfigError, FeatcacheError, FeatcacheWarning
 from featcache.sources.stamps import change_report, changed_rows, describe_change, stamp_array
 from featcache.store import FeatureStore, partial_path
-from featcache.verify import verify_store
 from tests.test_update import config, image_folder, last_run, write_image
 
 
@@ -202,7 +202,7 @@ def test_webdataset_rows_of_a_replaced_shard_are_recomputed(tmp_path, index_cach
 def test_info_says_how_changes_are_seen(tmp_path):
     from typer.testing import CliRunner
 
-    from featcache.cli import app
+    from featcache.commands.app import app
 
     root = tmp_path / "photos"
     image_folder(root, 8)

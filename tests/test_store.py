@@ -14,12 +14,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from featcache import files
-from featcache.cli import app
-from featcache.dataset import FeatureDataset
-from featcache.describe import describe
+from featcache.commands.app import app
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.files import replace_durably
+from featcache.read.dataset import FeatureDataset
 from featcache.store import (
     FeatureStore,
     StorePlan,
@@ -38,8 +35,11 @@ from featcache.store import (
 )
 from featcache.store import merge as store_merge
 from featcache.store import writer as store_writer
+from featcache.store.describe import describe
 from featcache.store.paths import shard_path, skipped_log_path
 from featcache.store.reader import StoreFile
+from featcache.util import files
+from featcache.util.files import replace_durably
 from tests.stores import crash
 
 
@@ -599,7 +599,7 @@ def test_time_split_is_in_seconds_and_printed_as_shares(tmp_path):
     ],
 )
 def test_a_recorded_resume_command_is_shown_only_as_a_featcache_command(recorded, shown):
-    from featcache.describe import shown_command
+    from featcache.store.describe import shown_command
 
     expected = recorded if shown is None else (shown or None)
     assert shown_command(recorded) == expected

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from featcache.capture.selectors import resolve_taps
+from featcache.capture.taps import TapSet
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.selectors import resolve_taps
-from featcache.taps import TapSet
 
 
 def _hook_count(model: nn.Module) -> int:

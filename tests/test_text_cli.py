@@ -8,7 +8,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from featcache.cli import app
+from featcache.commands.app import app
 from featcache.store import FeatureStore
 from tests.texts import write_text_config
 

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 import featcache
+from featcache.config.spec import ModelSpec, PreprocessSpec
 from featcache.errors import ConfigError
 from featcache.models import build_backbone
 from featcache.models.text import HFTokenizer, tokenizer_sha256
-from featcache.spec import ModelSpec, PreprocessSpec
 
 transformers = pytest.importorskip("transformers")
 open_clip = pytest.importorskip("open_clip")

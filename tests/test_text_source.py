@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from featcache.config.spec import DataSpec
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.sources import build_source
 from featcache.sources.text import TextSource, text_source, texts_source
-from featcache.spec import DataSpec
 from tests.texts import BOS, EOS, PAD, ByT5Adapter, ByteTokenizer
 
 

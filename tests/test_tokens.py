@@ -17,11 +17,11 @@ import torch
 
 import featcache
 from featcache import FeatureDataset, FeatureStore, TokenDataset
+from featcache.commands.verify import verify_store
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.sources.text import texts_source
 from featcache.store import StorePlan, StoreWriter, partial_path
 from featcache.store.merge import combine_shards, merge_store
-from featcache.verify import verify_store
 from tests.stores import overwrite_chunk
 from tests.test_resume import assert_same_store
 from tests.texts import ByteTokenizer, tiny_bert, tiny_gpt2
@@ -334,7 +334,7 @@ def test_grid_batches_sort_each_window_and_restart_at_shard_boundaries():
 
 
 def test_the_resume_grid_and_torchrun_blocks_follow_shard_boundaries():
-    from featcache.distributed import block
+    from featcache.extraction.distributed import block
     from featcache.store.resume import grid_start
 
     assert grid_start(23, 0, 8, [13]) == 21  # 13 + 8: the grid restarts at the shard

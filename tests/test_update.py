@@ -19,11 +19,11 @@ import yaml
 from PIL import Image
 
 import featcache
-from featcache.cli import app
+from featcache.commands.app import app
+from featcache.commands.verify import verify_store
 from featcache.errors import ConfigError
 from featcache.extraction.continuity import tolerance_of
 from featcache.store import FeatureStore, partial_path
-from featcache.verify import verify_store
 from tests.test_resume import assert_same_store
 
 CLASSES = ("ants", "bees", "wasps", "flies")

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from featcache.config.spec import DataSpec, load_config
 from featcache.errors import ConfigError
-from featcache.provenance import config_fingerprint
 from featcache.sources import build_source
 from featcache.sources.remote import Remote, RemoteError, ShortRead, transient_kind
-from featcache.spec import DataSpec, load_config
-from featcache.urls import check_storage_options, check_url, is_url, join, relative
+from featcache.store.provenance import config_fingerprint
+from featcache.util.urls import check_storage_options, check_url, is_url, join, relative
 
 
 def test_urls_are_told_from_paths_and_joined():

@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 import pytest
 
+from featcache.config.validation import build, check, choices, option, update
 from featcache.errors import ConfigError
-from featcache.validation import build, check, choices, option, update
 
 
 @dataclass

@@ -12,10 +12,10 @@ from PIL import Image
 from typer.testing import CliRunner
 
 import featcache
-from featcache.cli import app
+from featcache.commands.app import app
+from featcache.commands.verify import verify_store
 from featcache.errors import ConfigError
 from featcache.store import seal
-from featcache.verify import verify_store
 from tests.stores import corrupt_row, refresh_checksums, synthetic_store
 
 runner = CliRunner()
@@ -283,7 +283,7 @@ def test_verify_and_cam_from_another_folder_read_the_data_where_the_run_started(
 ):
     """The config's relative paths are relative to the folder the run started in, which
     the store records: verify and cam find the data from any folder, and say which."""
-    from featcache.visualize import source_image
+    from featcache.commands.visualize import source_image
 
     project = tmp_path / "project"
     for i in range(4):

@@ -10,13 +10,8 @@ import torch
 from PIL import Image
 from typer.testing import CliRunner
 
-from featcache.cli import app
-from featcache.errors import ConfigError
-from featcache.extraction import extract_from_config
-from featcache.models import build_backbone
-from featcache.sources import build_source
-from featcache.spec import load_config
-from featcache.visualize import (
+from featcache.commands.app import app
+from featcache.commands.visualize import (
     cam_overlay,
     feature_grid,
     grad_cam,
@@ -24,6 +19,11 @@ from featcache.visualize import (
     source_image,
     store_cam,
 )
+from featcache.config.spec import load_config
+from featcache.errors import ConfigError
+from featcache.extraction import extract_from_config
+from featcache.models import build_backbone
+from featcache.sources import build_source
 
 runner = CliRunner()
 

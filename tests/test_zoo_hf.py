@@ -12,11 +12,11 @@ import torch
 from PIL import Image
 
 import featcache
+from featcache.config.spec import DataSpec, ModelSpec, PreprocessSpec
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.fingerprints import file_sha256
 from featcache.models import build_backbone, build_preprocessing, kind_for
 from featcache.sources.synthetic import synthetic_source
-from featcache.spec import DataSpec, ModelSpec, PreprocessSpec
+from featcache.util.fingerprints import file_sha256
 
 transformers = pytest.importorskip("transformers")
 
@@ -520,7 +520,7 @@ def test_features_of_large_jpeg_photos_are_those_of_the_models_own_processor(
 def test_featcache_layers_lists_a_saved_folder_with_its_token_layout(tmp_path):
     from typer.testing import CliRunner
 
-    from featcache.cli import app
+    from featcache.commands.app import app
 
     save(tmp_path / "reg", "dinov2_registers", processor=vit_processor())
     result = CliRunner().invoke(app, ["layers", f"hf:{tmp_path / 'reg'}"])
@@ -535,7 +535,7 @@ def test_featcache_layers_lists_a_saved_folder_with_its_token_layout(tmp_path):
 def test_verify_refuses_a_store_whose_config_trusts_remote_code(tmp_path):
     from typer.testing import CliRunner
 
-    from featcache.cli import app
+    from featcache.commands.app import app
 
     path = _vit_store(tmp_path, trust_remote_code=True)
     result = CliRunner().invoke(app, ["verify", str(path)])
@@ -624,8 +624,8 @@ def _planted_store(tmp_path, model: dict) -> str:
 def test_verify_and_cam_run_no_code_a_store_names(tmp_path, monkeypatch, model):
     from typer.testing import CliRunner
 
-    from featcache.cli import app
-    from featcache.visualize import source_image
+    from featcache.commands.app import app
+    from featcache.commands.visualize import source_image
 
     ran = tmp_path / "ran"
     folder = planted_repository(tmp_path / "planted", ran)

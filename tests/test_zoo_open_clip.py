@@ -15,12 +15,12 @@ import torch
 from PIL import Image
 
 import featcache
+from featcache.config.spec import ModelSpec, PreprocessSpec, load_config
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.fingerprints import file_sha256
 from featcache.models import build_backbone, build_preprocessing, kind_for
 from featcache.models.open_clip import OpenClipKind, token_layout
 from featcache.sources import build_source
-from featcache.spec import ModelSpec, PreprocessSpec, load_config
+from featcache.util.fingerprints import file_sha256
 
 open_clip = pytest.importorskip("open_clip")
 
@@ -392,7 +392,7 @@ def test_missing_open_clip_names_the_extra(monkeypatch):
 def test_featcache_layers_lists_the_image_tower_with_its_token_layout():
     from typer.testing import CliRunner
 
-    from featcache.cli import app
+    from featcache.commands.app import app
 
     result = CliRunner().invoke(app, ["layers", f"open_clip:{VIT}"])
     assert result.exit_code == 0, result.output

@@ -13,12 +13,12 @@ from PIL import Image
 from typer.testing import CliRunner
 
 import featcache
-from featcache.cli import app
+from featcache.commands.app import app
+from featcache.config.spec import ModelSpec, PreprocessSpec, load_config
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.fingerprints import file_sha256
 from featcache.models import build_backbone, build_preprocessing, build_transform
 from featcache.sources import build_source
-from featcache.spec import ModelSpec, PreprocessSpec, load_config
+from featcache.util.fingerprints import file_sha256
 
 timm = pytest.importorskip("timm")
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from featcache.models.tokenizer import Tokenized
+from featcache.sources.tokenizer import Tokenized
 
 BOS, EOS, PAD = 1, 2, 0
 

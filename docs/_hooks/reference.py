@@ -4,7 +4,7 @@ the documentation true to the code and to the README.
 A generated part of a page lies between ``<!-- generated NAME: ... -->`` and
 ``<!-- end generated NAME -->``, and is committed, so that the page reads the same on
 GitHub as on the site: ``config-reference`` is the table of every config key
-(``featcache.config_reference``, read from ``featcache/spec.py``), ``cli-synopsis`` the
+(``featcache.config.reference``, read from ``featcache/config/spec.py``), ``cli-synopsis`` the
 usage line of every command and ``cli-reference`` the help of every command, both from
 the typer app. ``python docs/_hooks/reference.py`` rewrites them from the code.
 
@@ -48,7 +48,9 @@ README_SECTION = re.compile(r"README(?:\.md)?['’]s\s+[\"“](?P<name>[^\"”]+
 
 def on_pre_build(config: Any) -> None:
     for key in undocumented_keys():
-        log.warning(f"config key {key} has no description: comment its field in featcache/spec.py")
+        log.warning(
+            f"config key {key} has no description: comment its field in featcache/config/spec.py"
+        )
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
@@ -71,7 +73,7 @@ def on_page_content(html_text: str, page: Any, config: Any, files: Any) -> str:
 
 def generators() -> dict[str, Callable[[], str]]:
     """What each generated part holds, by name."""
-    from featcache.config_reference import markdown as config_reference
+    from featcache.config.reference import markdown as config_reference
 
     return {
         "config-reference": config_reference,
@@ -115,7 +117,7 @@ def write() -> list[str]:
 
 def undocumented_keys() -> list[str]:
     """The config keys whose description in the reference is empty."""
-    from featcache.config_reference import config_keys
+    from featcache.config.reference import config_keys
 
     return [key.path for key in config_keys() if not key.doc.strip()]
 
@@ -161,7 +163,7 @@ def cli_reference() -> str:
     import typer
     from typer.cli import get_docs_for_click
 
-    from featcache.cli import app
+    from featcache.commands.app import app
 
     command = typer.main.get_command(app)
     text = get_docs_for_click(obj=command, ctx=typer.Context(command), name="featcache")
@@ -182,7 +184,7 @@ def cli_synopsis() -> str:
     """One usage line per command with every argument and option, as a text block."""
     import typer
 
-    from featcache.cli import app
+    from featcache.commands.app import app
 
     group = typer.main.get_command(app)
     lines = _usage("featcache", group.params, ["COMMAND", "[ARGS]..."])

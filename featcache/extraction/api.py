@@ -17,6 +17,17 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from featcache.capture.reduce import ReduceContext, token_layout
+from featcache.capture.runtime import Layout, choose_layout
+from featcache.capture.selectors import Tap, resolve_taps, tap_record
+from featcache.config.spec import (
+    UPDATE_AND_OVERWRITE,
+    LayerSpec,
+    LoaderSpec,
+    RuntimeSpec,
+    StoreSpec,
+)
+from featcache.config.validation import build
 from featcache.errors import ConfigError, FeatcacheWarning
 from featcache.extraction.batches import (
     Batch,
@@ -38,14 +49,7 @@ from featcache.extraction.grid import GridBatches, shard_starts
 from featcache.extraction.loop import LoopPlan, run_loop
 from featcache.extraction.update import hashes_content, is_update_partial, update_store
 from featcache.extraction.writer_thread import WriterThread
-from featcache.fingerprints import ids_fingerprint, module_fingerprint
-from featcache.history import run_record
-from featcache.provenance import StoreKey, store_attributes
-from featcache.reduce import ReduceContext, token_layout
-from featcache.runtime import Layout, choose_layout
-from featcache.selectors import Tap, resolve_taps, tap_record
 from featcache.sources.stamps import change_report, changed_rows
-from featcache.spec import UPDATE_AND_OVERWRITE, LayerSpec, LoaderSpec, RuntimeSpec, StoreSpec
 from featcache.store import (
     FeatureStore,
     ResumePoint,
@@ -58,9 +62,11 @@ from featcache.store import (
     remove_partial,
     stored_resume_key,
 )
+from featcache.store.history import run_record
 from featcache.store.lock import writer_lock
 from featcache.store.paths import OVERWRITE
-from featcache.validation import build
+from featcache.store.provenance import StoreKey, store_attributes
+from featcache.util.fingerprints import ids_fingerprint, module_fingerprint
 
 # Batches of the source rows in a range, from a loader shared with other runs.
 Feed = Callable[[range], contextlib.AbstractContextManager[Iterator[Batch]]]
@@ -177,7 +183,7 @@ def extract(
     ``channels_last``, ``progress`` ...) plus ``overwrite`` and ``update``.
 
     ``prefix_tokens`` and ``sequence_first`` describe the model's token outputs for the
-    token reductions (see `featcache.reduce.reduce_tensor`): the number of class or
+    token reductions (see `featcache.capture.reduce.reduce_tensor`): the number of class or
     register tokens before the patch tokens (default: the model's ``num_prefix_tokens``
     attribute, as timm models have, else undeclared), and whether they are ``[T, B, D]``.
 

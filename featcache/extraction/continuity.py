@@ -1,6 +1,6 @@
 """Proof that a run continues a store: a few stored rows, recomputed now, must equal it.
 
-The store key (:class:`~featcache.provenance.StoreKey`) compares fingerprints of the
+The store key (:class:`~featcache.store.provenance.StoreKey`) compares fingerprints of the
 config, the weights and the sample ids, and some differences are invisible to all of
 them: a Python dataset's transform, or another folder whose files have the same relative
 names. So before a run resumes a partial store, or returns a finished one as already
@@ -25,16 +25,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from featcache.capture.runtime import placed
+from featcache.capture.taps import TapSet
 from featcache.errors import ConfigError
 from featcache.extraction.batches import Batch, Collate, SourceRows
 from featcache.extraction.grid import GridBatches
 from featcache.extraction.loop import forward
 from featcache.extraction.writer_thread import CapturedBatch
-from featcache.runtime import placed
 from featcache.store import FeatureStore
 from featcache.store.codec import encode, torch_dtype, values
 from featcache.store.paths import OVERWRITE
-from featcache.taps import TapSet
 
 if TYPE_CHECKING:
     from featcache.extraction.api import RunOptions, _Plan

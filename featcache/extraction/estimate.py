@@ -17,10 +17,10 @@ from torch.utils.data import Dataset
 
 from featcache.errors import FeatcacheError
 from featcache.extraction.dry_run import DryRun, LayerSize, dry_run
-from featcache.files import require_space
 from featcache.store import codec
 from featcache.store.layout import META_BLOCK_BYTES, chunk_rows_for
 from featcache.store.paths import partial_path
+from featcache.util.files import require_space
 
 if TYPE_CHECKING:
     from featcache.extraction.api import RunOptions, _Plan

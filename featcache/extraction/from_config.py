@@ -11,16 +11,21 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from featcache.distributed import Rank, check_other_world_sizes, current_rank, launch_words
+from featcache.config.spec import Spec, load_config, override_list, to_dict
 from featcache.errors import ConfigError, FeatcacheWarning
 from featcache.extraction.api import estimate, extract
+from featcache.extraction.distributed import (
+    Rank,
+    check_other_world_sizes,
+    current_rank,
+    launch_words,
+)
 from featcache.extraction.estimate import check_free_space
 from featcache.extraction.many import Decoded, ModelRun, estimate_runs, extract_models
 from featcache.extraction.sharding import extract_shard
-from featcache.provenance import config_fingerprint
-from featcache.spec import Spec, load_config, override_list, to_dict
 from featcache.store import FeatureStore, check_output_path, stored_resume_key
 from featcache.store.lock import writer_lock
+from featcache.store.provenance import config_fingerprint
 from featcache.store.resume import interrupted_overwrite
 
 if TYPE_CHECKING:
@@ -41,7 +46,7 @@ def extract_from_config(
     exist up to date: only new or changed samples and new layers are computed, the rest
     is copied (`featcache.extraction.update`).
 
-    ``config`` is a YAML path, a mapping, or a loaded [`Spec`][featcache.spec.Spec];
+    ``config`` is a YAML path, a mapping, or a loaded [`Spec`][featcache.config.spec.Spec];
     ``overrides`` are ``key.sub=value`` strings applied first. Every split's output path
     is checked, and locked against other writers (`featcache.store.lock`), before
     any work starts. So is the free space: a run whose stores (every split's, together)
@@ -52,7 +57,7 @@ def extract_from_config(
     if isinstance(config, Spec) and overrides:
         raise ConfigError(
             "overrides apply to a config file or mapping, not to a loaded Spec; pass the "
-            "config itself, or apply them with featcache.spec.load_config(config, overrides)"
+            "config itself, or apply them with featcache.config.spec.load_config(config, overrides)"
         )
     spec = config if isinstance(config, Spec) else load_config(config, overrides)
     if update and not spec.output.update:

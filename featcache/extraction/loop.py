@@ -4,7 +4,7 @@ The main thread only loads batches and runs the backbone. Reductions happen on t
 device inside the hooks, and finished batches go through a bounded queue to the writer
 thread, so the forward waits on the disk only when the queue is full. Nothing
 accumulates across batches: memory stays flat, and on the CPU the memory a batch frees
-serves the next one (:mod:`featcache.memory`).
+serves the next one (:mod:`featcache.capture.memory`).
 """
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from featcache.capture.memory import freed_memory_kept
+from featcache.capture.reduce import NO_CONTEXT, ReduceContext
+from featcache.capture.runtime import Layout, placed
+from featcache.capture.taps import Tap, TapSet, zero_gradient_note
+from featcache.config.spec import LoaderSpec, RuntimeSpec, StoreSpec
 from featcache.errors import ConfigError, FeatcacheError, FeatcacheWarning, first_line
 from featcache.extraction.batches import Batch
 from featcache.extraction.bucketing import WindowReorder
 from featcache.extraction.nonfinite import check_finite, skip_record
 from featcache.extraction.writer_thread import MAX_PENDING_BATCHES, CapturedBatch, HostBuffers
-from featcache.memory import freed_memory_kept
-from featcache.reduce import NO_CONTEXT, ReduceContext
-from featcache.runtime import Layout, placed
-from featcache.spec import LoaderSpec, RuntimeSpec, StoreSpec
 from featcache.store.codec import encode
-from featcache.taps import Tap, TapSet, zero_gradient_note
 
 
 class Sink(Protocol):

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
+from featcache.capture.runtime import resolve_device
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.extraction.api import RunOptions, estimate, extract, fed_by
 from featcache.extraction.batches import (
@@ -40,7 +41,6 @@ from featcache.extraction.batches import (
 from featcache.extraction.dataset_info import dataset_classes, dataset_ids
 from featcache.extraction.estimate import StoreEstimate, check_free_space
 from featcache.extraction.grid import GridBatches, shard_starts
-from featcache.runtime import resolve_device
 from featcache.store import FeatureStore
 
 Transform = Callable[[Any], Any]

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from featcache.config.spec import StoreSpec
 from featcache.errors import FeatcacheError
-from featcache.spec import StoreSpec
 from featcache.store import codec
 
 

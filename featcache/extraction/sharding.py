@@ -10,16 +10,22 @@ from typing import Any
 from torch import nn
 from torch.utils.data import Dataset
 
-from featcache.distributed import Rank, block, check_other_world_sizes, combine_shards, shard_path
+from featcache.capture.reduce import token_layout
+from featcache.config.spec import LayerSpec
 from featcache.errors import FeatcacheError
 from featcache.extraction.api import RunOptions, _plan, extract
 from featcache.extraction.batches import source_length
+from featcache.extraction.distributed import (
+    Rank,
+    block,
+    check_other_world_sizes,
+    combine_shards,
+    shard_path,
+)
 from featcache.extraction.grid import shard_starts
-from featcache.history import run_record
-from featcache.provenance import StoreKey
-from featcache.reduce import token_layout
-from featcache.spec import LayerSpec
 from featcache.store import FeatureStore, remove_store, stored_resume_key
+from featcache.store.history import run_record
+from featcache.store.provenance import StoreKey
 
 
 def combined_key(shard_key: StoreKey, num_rows: int, world_size: int) -> StoreKey:

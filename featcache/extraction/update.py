@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from featcache.capture.selectors import tap_record
 from featcache.errors import ConfigError, FeatcacheWarning
 from featcache.extraction.batches import Collate, SourceRows, num_workers, pins, started
 from featcache.extraction.continuity import recompute, row_mismatch, tolerance_of
@@ -53,13 +54,12 @@ from featcache.extraction.estimate import check_free_space, estimate_store
 from featcache.extraction.grid import GridBatches
 from featcache.extraction.loop import LoopPlan, run_loop
 from featcache.extraction.writer_thread import CapturedBatch, WriterThread
-from featcache.history import history_of, run_record
-from featcache.provenance import config_differences
-from featcache.selectors import tap_record
 from featcache.sources.stamps import changed_rows
 from featcache.store import FeatureStore, partial_path, remove_partial, stored_resume_key
 from featcache.store.codec import encode, values
+from featcache.store.history import history_of, run_record
 from featcache.store.paths import OVERWRITE
+from featcache.store.provenance import config_differences
 from featcache.store.resume import UPDATE_MARK
 
 if TYPE_CHECKING:

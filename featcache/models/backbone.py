@@ -23,8 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from featcache.capture.layers import LayerInfo, describe_layers, text_example
+from featcache.config.spec import ModelSpec, PreprocessSpec, Spec, load_config
+from featcache.config.validation import check
 from featcache.errors import ConfigError
-from featcache.layers import LayerInfo, describe_layers, text_example
 from featcache.models.checkpoint import apply_checkpoint
 from featcache.models.preprocess import Preprocessing, Transform, spec_preprocessing
 from featcache.models.registry import (
@@ -36,8 +38,6 @@ from featcache.models.registry import (
     kind_for,
     refuse_text,
 )
-from featcache.spec import ModelSpec, PreprocessSpec, Spec, load_config
-from featcache.validation import check
 
 
 @dataclass
@@ -138,7 +138,7 @@ def backbone_layers(
     preprocessing, where the data can be read; else the size the model's preprocessing
     gives, else 224), or with ``text`` (or a config whose data is text) a short text
     through the model's tokenizer. Returns a
-    `featcache.layers.LayerInfo` per module (output ``"-"`` for those the forward
+    `featcache.capture.layers.LayerInfo` per module (output ``"-"`` for those the forward
     never called) and the probe input in words (``"input 224px"``, ``"input 12 tokens"``).
     """
     spec = None

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from featcache.errors import ConfigError, first_line
-from featcache.fingerprints import file_sha256
+from featcache.util.fingerprints import file_sha256
 
 # Keys under which training scripts commonly nest the state dict in a checkpoint.
 STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model")

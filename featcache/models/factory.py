@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from featcache.config.spec import ModelSpec
 from featcache.errors import ConfigError, did_you_mean, first_line
 from featcache.models.registry import BuiltModel, Inputs, ModelKind, random_weights, refuse_text
-from featcache.spec import ModelSpec
 
 
 class FactoryKind(ModelKind):

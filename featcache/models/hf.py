@@ -26,45 +26,38 @@ config's ``image_size``), rebuilt as a torchvision pipeline that gives the proce
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from featcache.config.spec import ModelSpec, PreprocessSpec
 from featcache.errors import ConfigError, FeatcacheError, first_line
-from featcache.extras import require
-from featcache.fingerprints import file_sha256
 from featcache.models.hf_processor import processor_preprocessing
+from featcache.models.hub import (
+    Source,
+    check_reachable,
+    not_cached,
+    quiet_loading,
+    remote_kwargs,
+    snapshot,
+    trust,
+)
 from featcache.models.preprocess import Preprocessing, spec_preprocessing
 from featcache.models.registry import BuiltModel, Inputs, ModelKind, random_weights
-from featcache.spec import ModelSpec, PreprocessSpec
+from featcache.models.text import hf_text_model
+from featcache.util.extras import require
+from featcache.util.fingerprints import file_sha256
 
 PRETRAINED = "pretrained"
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?")
 # Parameters that hold tokens placed before the patch tokens: ViT/BEiT/DeiT/Dinov2
 # ``cls_token``, CLIP ``class_embedding``, DeiT ``distillation_token``, Dinov2 registers.
 _PREFIX_PARAMETERS = ("cls_token", "class_embedding", "distillation_token", "register_tokens")
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where a ``hf:`` reference points: a hub repository (and revision) or a local folder."""
-
-    ref: str  # as written after "hf:"
-    repo: str  # repo id, or the folder as written
-    revision: str | None = None
-    folder: Path | None = None  # set for a local folder
-
-    @property
-    def location(self) -> str:
-        """What ``from_pretrained`` is given: the repo id or the folder path."""
-        return str(self.folder) if self.folder is not None else self.repo
 
 
 class HFKind(ModelKind):
@@ -106,7 +99,7 @@ class HFKind(ModelKind):
             config = _load_config(transformers, source, model, local_only=False)
             torch.manual_seed(seed)
             module = _call(
-                transformers.AutoModel.from_config, source, model, config, **_trust(model), **kwargs
+                transformers.AutoModel.from_config, source, model, config, **trust(model), **kwargs
             )
             folder = snapshot(source)
             weights = random_weights(seed)
@@ -138,8 +131,6 @@ class HFKind(ModelKind):
             if missing:  # recorded, so that the identity says which weights are not the files'
                 weights["random"] = {"seed": seed, "keys": missing}
         if inputs == "text":
-            from featcache.models.text import hf_text_model  # it builds on this module
-
             tower, tokenizer = hf_text_model(transformers, module, source, model)
             return BuiltModel(tower, weights, tokenizer)
         module = image_tower(module, source)
@@ -236,18 +227,6 @@ def _transformers(model: ModelSpec) -> Any:
     return require("transformers", f"model.name {model.name!r}")
 
 
-def remote_kwargs(source: Source, model: ModelSpec) -> dict[str, Any]:
-    """The revision, and ``trust_remote_code`` as the config says (an explicit False: left
-    unset, transformers asks on a terminal whether to run a repository's code)."""
-    if source.revision is not None:
-        return {"revision": source.revision, **_trust(model)}
-    return _trust(model)
-
-
-def _trust(model: ModelSpec) -> dict[str, Any]:
-    return {"trust_remote_code": model.trust_remote_code}
-
-
 def _call(load: Callable[..., Any], source: Source, model: ModelSpec, *args: Any, **kw: Any) -> Any:
     """``load(*args, **kw)``, a transformers loader, without its progress bars, once the
     hub has answered for a repository not yet cached; its failures as one line each."""
@@ -287,77 +266,6 @@ def _load_config(transformers: Any, source: Source, model: ModelSpec, *, local_o
         **remote_kwargs(source, model),
         **extra,
     )
-
-
-@contextlib.contextmanager
-def quiet_loading() -> Iterator[None]:
-    """transformers' progress bars off (its "Loading weights" bar on every load) inside
-    the block, as they were afterwards."""
-    from transformers.utils import logging
-
-    was_on = logging.is_progress_bar_enabled()
-    logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_on:
-            logging.enable_progress_bar()
-
-
-def check_reachable(source: Source) -> None:
-    """Fail at once when a hub repository's ``config.json`` is neither cached nor
-    reachable: one request without retries, rather than the hub client's backoff (about
-    half a minute and a log line per retry) before the same end.
-
-    Raises:
-        FeatcacheError: :func:`not_cached`'s line.
-    """
-    if source.folder is not None:
-        return
-    import huggingface_hub
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return  # transformers reads the cache alone and fails fast by itself
-    cached = huggingface_hub.try_to_load_from_cache(
-        source.repo, "config.json", revision=source.revision
-    )
-    if isinstance(cached, str):
-        return
-    url = huggingface_hub.hf_hub_url(source.repo, "config.json", revision=source.revision)
-    try:
-        huggingface_hub.get_hf_file_metadata(url, timeout=10, retry_on_errors=False)
-    except huggingface_hub.errors.HfHubHTTPError:
-        return  # the hub answered: transformers says what it answered (no access, no repo)
-    except Exception as exc:  # no network, no name resolution, a timeout
-        raise not_cached(source, exc) from exc
-
-
-def not_cached(source: Source, exc: BaseException) -> FeatcacheError:
-    if source.folder is not None:
-        return FeatcacheError(f"hf:{source.ref}: cannot load {source.folder}: {first_line(exc)}")
-    from huggingface_hub import constants
-
-    revision = f" --revision {source.revision}" if source.revision else ""
-    where = f"in the local Hugging Face cache {constants.HF_HUB_CACHE}"
-    if "/" in source.repo:  # "owner/name" may as well be a folder, relative to another one
-        where = f"a folder {source.repo} in {Path.cwd()}, nor {where}"
-    return FeatcacheError(
-        f"hf:{source.ref} is not {where} (and could not be downloaded: {first_line(exc)}); "
-        f"for a hub repository, download it with: hf download {source.repo}{revision}"
-    )
-
-
-def snapshot(source: Source) -> Path:
-    """The folder holding the files just read: the local folder or the cached snapshot."""
-    if source.folder is not None:
-        return source.folder
-    from huggingface_hub import try_to_load_from_cache
-
-    path = try_to_load_from_cache(source.repo, "config.json", revision=source.revision)
-    if not isinstance(path, str):
-        raise not_cached(source, FileNotFoundError("config.json"))
-    return Path(path).parent
 
 
 def _image_processor(transformers: Any, source: Source, model: ModelSpec, config: Any) -> Any:

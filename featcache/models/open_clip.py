@@ -37,13 +37,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from featcache.config.spec import ModelSpec, PreprocessSpec
 from featcache.errors import ConfigError, FeatcacheError, did_you_mean, first_line
-from featcache.extras import require
-from featcache.fingerprints import file_sha256
 from featcache.models.checkpoint import pickled_objects_error
 from featcache.models.preprocess import Preprocessing, spec_preprocessing
 from featcache.models.registry import BuiltModel, Inputs, ModelKind, random_weights
-from featcache.spec import ModelSpec, PreprocessSpec
+from featcache.util.extras import require
+from featcache.util.fingerprints import file_sha256
 
 PRETRAINED = "pretrained"  # the model.weights value that names the tag's weights
 

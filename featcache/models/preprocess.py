@@ -10,8 +10,8 @@ import torch
 from PIL import Image
 from torchvision import transforms as T
 
+from featcache.config.spec import PreprocessSpec
 from featcache.errors import ConfigError
-from featcache.spec import PreprocessSpec
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

@@ -14,7 +14,7 @@ the same questions, as the methods of :class:`ModelKind`:
   models read text: ``hf`` and ``open_clip``; the others refuse it with
   :func:`refuse_text`).
 
-Which kind a :class:`~featcache.spec.ModelSpec` names (:func:`kind_for`): ``model.factory``
+Which kind a :class:`~featcache.config.spec.ModelSpec` names (:func:`kind_for`): ``model.factory``
 names the ``factory`` kind; ``model.name`` is ``"<kind>:<reference>"`` or, with no
 registered prefix, a ``torchvision`` model name. A local checkpoint is not a kind: it is
 a weights-loading step applied on top of any kind (see :mod:`featcache.models.checkpoint`).
@@ -30,10 +30,10 @@ from typing import Any, ClassVar, Literal
 
 from torch import nn
 
+from featcache.config.spec import ModelSpec, PreprocessSpec
 from featcache.errors import ConfigError, did_you_mean
 from featcache.models.preprocess import Preprocessing, spec_preprocessing
-from featcache.models.tokenizer import Tokenizer
-from featcache.spec import ModelSpec, PreprocessSpec
+from featcache.sources.tokenizer import Tokenizer
 
 DEFAULT_KIND = "torchvision"  # the kind of a model.name without a "<kind>:" prefix
 FACTORY_KIND = "factory"  # the kind model.factory names; never a model.name prefix

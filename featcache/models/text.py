@@ -1,4 +1,4 @@
-"""Text sides of models and their tokenizers, as :class:`~featcache.models.tokenizer.Tokenizer`.
+"""Text sides of models and their tokenizers, as :class:`~featcache.sources.tokenizer.Tokenizer`.
 
 On text data (``build_backbone(..., inputs="text")``) a model kind returns the part of the
 model that reads token ids, called as ``module(input_ids=..., attention_mask=...)`` with
@@ -13,7 +13,7 @@ int64 ``[B, T]`` tensors padded on the right, and a tokenizer that gives unpadde
 
 Text towers have no prefix-token layout (reductions over tokens use the attention mask),
 so these kinds leave ``prefix_tokens`` as None. The weights identity is the model's, as
-for images; the tokenizer's identity is its :attr:`~featcache.models.tokenizer.Tokenizer.name`,
+for images; the tokenizer's identity is its :attr:`~featcache.sources.tokenizer.Tokenizer.name`,
 which text sources record in their fingerprint.
 """
 
@@ -28,12 +28,12 @@ import torch
 from torch import nn
 
 from featcache.errors import ConfigError, FeatcacheError, first_line
-from featcache.fingerprints import file_sha256
-from featcache.models.tokenizer import Tokenized
+from featcache.sources.tokenizer import Tokenized
+from featcache.util.fingerprints import file_sha256
 
 if TYPE_CHECKING:
-    from featcache.models.hf import Source
-    from featcache.spec import ModelSpec
+    from featcache.config.spec import ModelSpec
+    from featcache.models.hub import Source
 
 # Files a transformers tokenizer reads, whichever a repository or folder has.
 TOKENIZER_FILES = (
@@ -53,7 +53,7 @@ _NO_LIMIT = 1_000_000
 
 
 class HFTokenizer:
-    """A transformers tokenizer as a featcache :class:`~featcache.models.tokenizer.Tokenizer`.
+    """A transformers tokenizer as a featcache :class:`~featcache.sources.tokenizer.Tokenizer`.
 
     ``pad_id`` is the tokenizer's pad token, else its end-of-sequence token (GPT-2 has no
     pad token), else 0: padded positions are masked out, so only its range matters.
@@ -136,7 +136,7 @@ def load_tokenizer(transformers: Any, source: Source, model: ModelSpec) -> Any:
     A folder or cached snapshot without any of the :data:`TOKENIZER_FILES` has no
     tokenizer (transformers would build one with an empty vocabulary).
     """
-    from featcache.models.hf import not_cached, remote_kwargs
+    from featcache.models.hub import not_cached, remote_kwargs
 
     folder = tokenizer_folder(source)
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
@@ -163,7 +163,7 @@ def load_tokenizer(transformers: Any, source: Source, model: ModelSpec) -> Any:
 
 def tokenizer_folder(source: Source) -> Path:
     """The folder whose tokenizer files were read: the local folder or the cached snapshot."""
-    from featcache.models.hf import snapshot
+    from featcache.models.hub import snapshot
 
     return snapshot(source)
 
@@ -179,7 +179,7 @@ def tokenizer_sha256(folder: Path) -> str:
 
 
 class OpenClipTokenizer:
-    """An open_clip tokenizer as a featcache :class:`~featcache.models.tokenizer.Tokenizer`.
+    """An open_clip tokenizer as a featcache :class:`~featcache.sources.tokenizer.Tokenizer`.
 
     open_clip pads every text to its context length. With ``fixed_length`` false the ids
     are cut after the first end-of-text token (padding removed: the causal text tower never

@@ -28,12 +28,12 @@ import torch
 from torch import nn
 from torchvision import transforms as T
 
+from featcache.config.spec import ModelSpec, PreprocessSpec
 from featcache.errors import ConfigError, FeatcacheError, did_you_mean, first_line
-from featcache.extras import require
-from featcache.fingerprints import file_sha256
 from featcache.models.preprocess import Preprocessing, single_size, spec_preprocessing
 from featcache.models.registry import BuiltModel, Inputs, ModelKind, random_weights, refuse_text
-from featcache.spec import ModelSpec, PreprocessSpec
+from featcache.util.extras import require
+from featcache.util.fingerprints import file_sha256
 
 PRETRAINED = "pretrained"
 

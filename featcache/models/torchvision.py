@@ -20,10 +20,10 @@ import torch
 import torchvision
 from torch import nn
 
+from featcache.config.spec import ModelSpec, PreprocessSpec
 from featcache.errors import ConfigError, FeatcacheError, did_you_mean, first_line
 from featcache.models.preprocess import Preprocessing, single_size, spec_preprocessing
 from featcache.models.registry import BuiltModel, Inputs, ModelKind, random_weights, refuse_text
-from featcache.spec import ModelSpec, PreprocessSpec
 
 
 class TorchvisionKind(ModelKind):

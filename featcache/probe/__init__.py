@@ -50,7 +50,7 @@ from featcache.probe.results import FewShotResult, KnnResult, LinearProbe, Probe
 from featcache.probe.splits import Source, requested_layers, stratified_split
 from featcache.probe.sweep import DEFAULT_LAMBDAS, STREAMING_LAMBDAS, choose, refine_lambdas
 from featcache.probe.weighted_knn import nearest, vote
-from featcache.units import parse_bytes
+from featcache.util.units import parse_bytes
 
 __all__ = [
     "DEFAULT_LAMBDAS",

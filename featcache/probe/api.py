@@ -20,7 +20,7 @@ from featcache.probe.splits import Source, Splits
 from featcache.probe.streaming import run_streaming
 from featcache.probe.sweep import Grid
 from featcache.probe.weighted_knn import run_knn
-from featcache.units import format_bytes
+from featcache.util.units import format_bytes
 
 
 def probe(
@@ -143,7 +143,7 @@ def _layer_size(splits: Splits, layer: str) -> tuple[list[int], int, int]:
 
 
 def _device(options: ProbeOptions) -> torch.device:
-    from featcache.runtime import resolve_device
+    from featcache.capture.runtime import resolve_device
 
     return resolve_device(options.device)
 

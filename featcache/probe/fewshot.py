@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from featcache.dataset import FeatureDataset
 from featcache.errors import ConfigError
 from featcache.probe.full import fit_sweep, read_layer
 from featcache.probe.metrics import rank, require_finite, topk_metrics
@@ -28,6 +27,7 @@ from featcache.probe.scaling import Scaling
 from featcache.probe.splits import Splits
 from featcache.probe.sweep import Grid
 from featcache.probe.weighted_knn import knn_in_memory
+from featcache.read.dataset import FeatureDataset
 
 READ_ROWS = 8192
 

@@ -1,4 +1,4 @@
-"""How a probe is fitted: :class:`ProbeOptions`, checked by :mod:`featcache.validation`."""
+"""How a probe is fitted: :class:`ProbeOptions`, checked by :mod:`featcache.config.validation`."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from featcache.config.validation import build, option
 from featcache.errors import ConfigError
-from featcache.units import parse_bytes
-from featcache.validation import build, option
+from featcache.util.units import parse_bytes
 
 Trainer = Literal["auto", "full", "streaming"]
 TRAINERS: tuple[str, ...] = typing.get_args(Trainer)

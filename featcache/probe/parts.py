@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from featcache.dataset import Batch, FeatureDataset
+from featcache.read.dataset import Batch, FeatureDataset
 
 
 @dataclasses.dataclass

@@ -7,9 +7,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from featcache.files import output_file
-from featcache.plotting import require_matplotlib
 from featcache.probe.results import FewShotResult, KnnResult, ProbeResult, Result
+from featcache.util.files import output_file
+from featcache.util.plotting import require_matplotlib
 
 if TYPE_CHECKING:
     from matplotlib.backends.backend_agg import FigureCanvasAgg

@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from featcache.files import building_beside, output_file
 from featcache.probe.options import ProbeOptions
 from featcache.probe.recipes import PUBLISHED, recipe
 from featcache.probe.results import FewShotResult, KnnResult, ProbeResult, Result
 from featcache.probe.splits import Source
 from featcache.store import FeatureStore
+from featcache.util.files import building_beside, output_file
 
 PROBE_FORMAT = 1
 
@@ -35,7 +35,7 @@ def save_results(
     The options recorded are ``options`` when given, else those the results were fitted
     with; a result fitted with other options carries its own in its entry.
     """
-    from featcache.provenance import library_versions
+    from featcache.store.provenance import library_versions
 
     fitted = [result.options for result in results if result.options is not None]
     options = options or (fitted[0] if fitted else ProbeOptions())

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from featcache.dataset import FeatureDataset, ShuffledBatches
 from featcache.probe.metrics import Moments, rank, require_finite, topk_metrics
 from featcache.probe.options import ProbeOptions
 from featcache.probe.parts import Part, in_order, unpack
@@ -24,6 +23,7 @@ from featcache.probe.results import Fit, LinearProbe, Timings
 from featcache.probe.scaling import STANDARDIZE, Scaling
 from featcache.probe.splits import Splits
 from featcache.probe.sweep import Grid, run_sweep
+from featcache.read.dataset import FeatureDataset, ShuffledBatches
 
 Rows = tuple[torch.Tensor, torch.Tensor]  # float32 features [b, D], int64 labels [b]
 

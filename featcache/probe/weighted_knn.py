@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from featcache.dataset import FeatureDataset
 from featcache.probe.full import read_layer
 from featcache.probe.metrics import Moments, rank, require_finite, topk_metrics
 from featcache.probe.options import ProbeOptions
@@ -30,6 +29,7 @@ from featcache.probe.parts import Part, in_order
 from featcache.probe.results import KnnFit, Timings
 from featcache.probe.scaling import Scaling
 from featcache.probe.splits import Splits
+from featcache.read.dataset import FeatureDataset
 
 BLOCK_BYTES = 16 << 20  # training rows per block, as float32
 TILE_BYTES = 32 << 20  # similarities of one tile of query rows against one block

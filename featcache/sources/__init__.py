@@ -14,16 +14,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from featcache.config.spec import SOURCES, DataSpec
 from featcache.errors import ConfigError
 from featcache.sources.base import IMAGE_EXTENSIONS, SourceDataset, Transform
 from featcache.sources.decode import load_rgb
 from featcache.sources.remote import Remote
 from featcache.sources.synthetic import SyntheticOptions
-from featcache.spec import SOURCES, DataSpec
-from featcache.urls import is_url
+from featcache.util.urls import is_url
 
 if TYPE_CHECKING:
-    from featcache.models.tokenizer import Tokenizer
+    from featcache.sources.tokenizer import Tokenizer
 
 __all__ = [
     "IMAGE_EXTENSIONS",

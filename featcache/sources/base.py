@@ -13,9 +13,9 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from featcache.errors import ConfigError
-from featcache.fingerprints import lines_sha256
 from featcache.sources.remote import Remote
-from featcache.urls import is_url
+from featcache.util.fingerprints import lines_sha256
+from featcache.util.urls import is_url
 
 IMAGE_EXTENSIONS: tuple[str, ...] = (
     ".jpg",

@@ -19,8 +19,8 @@ from urllib.parse import urlsplit
 import numpy as np
 from PIL import Image
 
+from featcache.config.spec import DataSpec
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.fingerprints import file_line, file_sha256, lines_sha256
 from featcache.sources.base import (
     IMAGE_EXTENSIONS,
     SourceDataset,
@@ -33,8 +33,8 @@ from featcache.sources.decode import load_rgb
 from featcache.sources.remote import Remote, object_version
 from featcache.sources.stamps import file_stamp, object_stamp
 from featcache.sources.tabular import decode_bytes
-from featcache.spec import DataSpec
-from featcache.urls import check_url, is_url, join, parent, relative
+from featcache.util.fingerprints import file_line, file_sha256, lines_sha256
+from featcache.util.urls import check_url, is_url, join, parent, relative
 
 
 class FileSource(SourceDataset):

@@ -19,9 +19,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from PIL import Image
 
+from featcache.config.spec import DataSpec
 from featcache.errors import ConfigError, FeatcacheError, first_line
-from featcache.extras import require
-from featcache.fingerprints import lines_sha256
 from featcache.sources.base import SourceDataset, Transform
 from featcache.sources.tabular import (
     EncodedImageSource,
@@ -30,10 +29,11 @@ from featcache.sources.tabular import (
     missing_column,
     text_rows,
 )
-from featcache.spec import DataSpec
+from featcache.util.extras import require
+from featcache.util.fingerprints import lines_sha256
 
 if TYPE_CHECKING:
-    from featcache.models.tokenizer import Tokenizer
+    from featcache.sources.tokenizer import Tokenizer
 
 
 class HFSource(EncodedImageSource):

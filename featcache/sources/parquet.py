@@ -28,9 +28,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from PIL import Image
 
+from featcache.config.spec import DataSpec
 from featcache.errors import ConfigError, FeatcacheError, first_line
-from featcache.extras import require
-from featcache.fingerprints import file_sha256, lines_sha256
 from featcache.sources.base import SourceDataset, Transform
 from featcache.sources.remote import Remote, object_version
 from featcache.sources.tabular import (
@@ -44,11 +43,12 @@ from featcache.sources.tabular import (
     split_urls,
     text_rows,
 )
-from featcache.spec import DataSpec
-from featcache.urls import is_url
+from featcache.util.extras import require
+from featcache.util.fingerprints import file_sha256, lines_sha256
+from featcache.util.urls import is_url
 
 if TYPE_CHECKING:
-    from featcache.models.tokenizer import Tokenizer
+    from featcache.sources.tokenizer import Tokenizer
 
 
 class ParquetSource(EncodedImageSource):

@@ -7,7 +7,7 @@ a transient failure (a dropped or reset connection, a timeout, HTTP 5xx, throttl
 retried up to :data:`RETRIES` times with exponential backoff and counted; a permanent
 one (a missing object, access denied) is one line naming the URL and the fix.
 
-Credentials never travel in a config (see :mod:`featcache.urls`): fsspec's filesystems
+Credentials never travel in a config (see :mod:`featcache.util.urls`): fsspec's filesystems
 read them where their cloud libraries do, and error lines name URLs, never what
 authenticated them.
 """
@@ -27,8 +27,8 @@ from typing import Any, BinaryIO, TypeVar, cast
 import torch
 
 from featcache.errors import ConfigError, FeatcacheError, did_you_mean, first_line
-from featcache.extras import install_command
-from featcache.urls import WHERE_CREDENTIALS_GO, is_url, parent, protocol_of, scrub
+from featcache.util.extras import install_command
+from featcache.util.urls import WHERE_CREDENTIALS_GO, is_url, parent, protocol_of, scrub
 
 T = TypeVar("T")
 

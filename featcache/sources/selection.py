@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from featcache.fingerprints import lines_sha256
 from featcache.sources.base import SourceDataset
+from featcache.util.fingerprints import lines_sha256
 
 
 def spread_positions(total: int, count: int) -> list[int]:

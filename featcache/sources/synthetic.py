@@ -13,9 +13,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from featcache.config.spec import DataSpec
+from featcache.config.validation import build, option
 from featcache.sources.base import SourceDataset, Transform
-from featcache.spec import DataSpec
-from featcache.validation import build, option
 
 
 class _SyntheticSource(SourceDataset):

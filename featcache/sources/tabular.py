@@ -20,15 +20,15 @@ from urllib.parse import urlsplit
 import numpy as np
 from PIL import Image
 
+from featcache.config.spec import DataSpec
 from featcache.errors import ConfigError, FeatcacheError, first_line
 from featcache.sources.base import SourceDataset, Transform
 from featcache.sources.decode import _draft_size, _to_rgb, load_rgb
 from featcache.sources.remote import Remote
-from featcache.spec import DataSpec
-from featcache.urls import check_url, is_url, join, relative
+from featcache.util.urls import check_url, is_url, join, relative
 
 if TYPE_CHECKING:
-    from featcache.models.tokenizer import Tokenizer
+    from featcache.sources.tokenizer import Tokenizer
 
 
 class EncodedImageSource(SourceDataset):

@@ -26,13 +26,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from featcache.config.spec import DataSpec
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.fingerprints import file_sha256
-from featcache.models.tokenizer import Tokenizer
 from featcache.sources.base import SourceDataset, jsonl_objects, label_indices, open_text
 from featcache.sources.remote import Remote, object_version
-from featcache.spec import DataSpec
-from featcache.urls import check_url, is_url, join
+from featcache.sources.tokenizer import Tokenizer
+from featcache.util.fingerprints import file_sha256
+from featcache.util.urls import check_url, is_url, join
 
 TOKENIZE_BLOCK = 1024  # texts per tokenizer call
 PROGRESS_FROM = 10_000  # texts from which building shows a progress bar

@@ -14,11 +14,11 @@ import torchvision  # safe: importing featcache first made it importable
 from PIL import Image
 from torch.utils.data import Dataset
 
+from featcache.config.spec import DataSpec
 from featcache.errors import ConfigError, FeatcacheError, first_line
-from featcache.fingerprints import file_line, lines_sha256
 from featcache.sources.base import SourceDataset, Transform
 from featcache.sources.decode import _array_to_rgb
-from featcache.spec import DataSpec
+from featcache.util.fingerprints import file_line, lines_sha256
 
 
 class _TorchvisionSource(SourceDataset):

@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 from PIL import Image
 
+from featcache.config.spec import DataSpec
 from featcache.errors import ConfigError, FeatcacheError, first_line
-from featcache.fingerprints import file_line, lines_sha256
 from featcache.sources.base import IMAGE_EXTENSIONS, SourceDataset, Transform
 from featcache.sources.remote import Remote, object_version
 from featcache.sources.stamps import file_stamp, object_stamp
@@ -58,10 +58,10 @@ from featcache.sources.tabular import (
     split_urls,
     text_rows,
 )
-from featcache.spec import DataSpec
+from featcache.util.fingerprints import file_line, lines_sha256
 
 if TYPE_CHECKING:
-    from featcache.models.tokenizer import Tokenizer
+    from featcache.sources.tokenizer import Tokenizer
 
 IMAGE_EXTS = tuple(ext[1:] for ext in IMAGE_EXTENSIONS)
 

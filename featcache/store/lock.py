@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from featcache.errors import ConfigError
-from featcache.files import prepare_output_folder, remove_empty_folders
+from featcache.util.files import prepare_output_folder, remove_empty_folders
 
 LOCK_SUFFIX = ".lock"
 # A probe (`featcache info`) holds the lock for an instant; a writer retries that long.

@@ -12,8 +12,6 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.files import building_beside, replace_durably, require_space
-from featcache.provenance import FORMAT_VERSION
 from featcache.store import codec
 from featcache.store.layout import (
     PROGRESS,
@@ -28,9 +26,11 @@ from featcache.store.layout import (
 from featcache.store.lock import writer_lock
 from featcache.store.metadata import DIGEST_ATTR, seal
 from featcache.store.paths import open_readonly, partial_path
+from featcache.store.provenance import FORMAT_VERSION
 from featcache.store.reader import FeatureStore
 from featcache.store.rows import read_head, rows_of
 from featcache.store.skipped import read_skipped, write_skipped
+from featcache.util.files import building_beside, replace_durably, require_space
 
 
 def copy_store(

@@ -18,8 +18,8 @@ import numpy as np
 
 from featcache import __version__
 from featcache.errors import first_line
-from featcache.provenance import FORMAT_VERSION
 from featcache.store import codec
+from featcache.store.provenance import FORMAT_VERSION
 
 DIGEST_ATTR = "attrs_sha256"
 
@@ -72,7 +72,7 @@ def metadata_problem(file: h5py.File, sealed: bool = True) -> str:
 
 def newer_format(file: h5py.File) -> str:
     """Why this featcache cannot read ``file`` ("" when it can): its recorded store format
-    is newer than :data:`~featcache.provenance.FORMAT_VERSION`."""
+    is newer than :data:`~featcache.store.provenance.FORMAT_VERSION`."""
     found = codec.attr(file, "featcache_format")
     if not isinstance(found, (int, np.integer)) or found <= FORMAT_VERSION:
         return ""  # a damaged number is the digest's to find

@@ -11,7 +11,7 @@ from typing import Any
 import h5py
 
 from featcache.errors import ConfigError
-from featcache.files import prepare_output_folder
+from featcache.util.files import prepare_output_folder
 
 PARTIAL_SUFFIX = ".partial"
 SKIPPED_SUFFIX = ".skipped.jsonl"

@@ -16,7 +16,6 @@ from featcache.errors import (
     IncompleteStoreError,
     first_line,
 )
-from featcache.provenance import recorded_config
 from featcache.store import codec
 from featcache.store.checks import durable_problem
 from featcache.store.containment import foreign_data_problem
@@ -34,6 +33,7 @@ from featcache.store.paths import (
     skipped_log_path,
     store_path_of,
 )
+from featcache.store.provenance import recorded_config
 from featcache.store.rows import (
     FIX,
     Known,
@@ -52,7 +52,7 @@ from featcache.store.skipped import read_log, read_skipped
 if TYPE_CHECKING:
     import torch
 
-    from featcache.describe import StoreDescription
+    from featcache.store.describe import StoreDescription
 
 RowSelection = slice | Sequence[int] | np.ndarray
 
@@ -404,7 +404,7 @@ class FeatureStore:
     def config(self) -> dict[str, Any] | None:
         """The resolved config the store was made with (None when made from Python), keys
         added to featcache since then set as the store was made
-        (`featcache.provenance.recorded_config`)."""
+        (`featcache.store.provenance.recorded_config`)."""
         config = self.attrs.get("config")
         return None if config is None else recorded_config(config)
 
@@ -429,7 +429,7 @@ class FeatureStore:
 
     def describe(self) -> StoreDescription:
         """What ``featcache info`` shows: sizes, layers, rows, provenance, the time split."""
-        from featcache.describe import describe
+        from featcache.store.describe import describe
 
         return describe(self)
 

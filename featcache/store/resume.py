@@ -11,12 +11,12 @@ from typing import Any
 import numpy as np
 
 from featcache.errors import ConfigError, first_line
-from featcache.provenance import key_difference
 from featcache.store import codec
 from featcache.store.checks import durable_problem, scan_file
 from featcache.store.layout import STAMPS, read_progress
 from featcache.store.metadata import UNREADABLE_METADATA
 from featcache.store.paths import OVERWRITE, open_readonly, partial_path, skipped_log_path
+from featcache.store.provenance import key_difference
 from featcache.store.rows import rows_of
 from featcache.store.skipped import read_log
 
@@ -91,7 +91,7 @@ def plan_resume(
 
     Raises :class:`ConfigError` naming the first difference when the partial store was
     made with other settings, data or model (given this run's ``config``, as
-    :func:`~featcache.spec.to_dict` gives it, the config keys that differ), and when it
+    :func:`~featcache.config.spec.to_dict` gives it, the config keys that differ), and when it
     cannot be read or a durable chunk is damaged.
     """
     partial = partial_path(path)

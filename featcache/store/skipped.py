@@ -17,10 +17,10 @@ from typing import Any
 import h5py
 import numpy as np
 
-from featcache.files import replace_durably
 from featcache.store import codec
 from featcache.store.layout import write_checked
 from featcache.store.rows import read_head, read_text_head
+from featcache.util.files import replace_durably
 
 
 def write_skipped(

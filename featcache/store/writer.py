@@ -17,8 +17,6 @@ import h5py
 import numpy as np
 
 from featcache.errors import CorruptStoreError, FeatcacheError
-from featcache.files import replace_durably
-from featcache.provenance import FORMAT_VERSION
 from featcache.store import codec
 from featcache.store.checks import scan_file
 from featcache.store.layout import (
@@ -39,8 +37,10 @@ from featcache.store.layout import (
 from featcache.store.merge import copy_store
 from featcache.store.metadata import seal
 from featcache.store.paths import OVERWRITE, open_readonly, partial_path, skipped_log_path
+from featcache.store.provenance import FORMAT_VERSION
 from featcache.store.resume import ResumePoint
 from featcache.store.skipped import rewrite_log, write_skipped
+from featcache.util.files import replace_durably
 
 MARK_SECONDS = 0.5  # how often durable progress is recorded while writing
 _datasync = getattr(os, "fdatasync", os.fsync)  # fdatasync: Linux; fsync elsewhere

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from featcache.history import history_lines
+from featcache.store.history import history_lines
 from featcache.store.layout import STAMPS
 from featcache.store.lock import Holder, holder
 from featcache.store.paths import store_path_of
 from featcache.store.resume import UPDATE_MARK
-from featcache.units import format_bytes
+from featcache.util.units import format_bytes
 
 if TYPE_CHECKING:
     from featcache.store.reader import FeatureStore

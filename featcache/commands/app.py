@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from featcache.cli_output import friendly, say, state
+from featcache.commands.output import friendly, say, state
 from featcache.errors import ConfigError
 
 app = typer.Typer(
@@ -101,10 +101,10 @@ def extract(
     Before the first batch, the stores are sized (one row through the model) and a run
     the output filesystem cannot hold is refused, unless --ignore-free-space.
     """
-    from featcache.distributed import current_rank
     from featcache.extraction import extract_from_config
+    from featcache.extraction.distributed import current_rank
     from featcache.extraction.from_config import resume_command
-    from featcache.history import describe_run
+    from featcache.store.history import describe_run
 
     overrides = list(set_ or [])
     if overwrite:
@@ -147,8 +147,8 @@ def plan(
     split at the config's batch size, half of it and twice it to time the run; nothing
     is written. Of a config of several models (models:), each model is planned alone.
     """
-    from featcache.planning import plan as plan_run
-    from featcache.spec import load_config
+    from featcache.config.spec import load_config
+    from featcache.extraction.planning import plan as plan_run
 
     spec = load_config(config, set_ or [])
     for key, one in spec.per_model().items() if spec.models else [("", spec)]:
@@ -258,7 +258,7 @@ def verify(
     model.trust_remote_code) unless --trust-factory is given. Exit code 0 when every check
     passes, 1 when any fails.
     """
-    from featcache.verify import recorded_code, verify_store
+    from featcache.commands.verify import recorded_code, verify_store
 
     if trust_factory and config is None and not quick:
         code = recorded_code(store)
@@ -292,7 +292,7 @@ def merge(
     ] = None,
 ) -> None:
     """Copy a sharded store into one self-contained file (no shard files needed)."""
-    from featcache.spec import COMPRESSIONS
+    from featcache.config.spec import COMPRESSIONS
     from featcache.store import merge_store
 
     if compression not in COMPRESSIONS:
@@ -310,9 +310,9 @@ def demo(
 ) -> None:
     """Run the embedded demo config (offline, synthetic images), show its stores, and
     probe every layer."""
-    from featcache.demo import VAL_FRACTION, run_demo, run_demo_probe
-    from featcache.plotting import PLOT_EXTRA
+    from featcache.commands.demo import VAL_FRACTION, run_demo, run_demo_probe
     from featcache.probe import format_table
+    from featcache.util.plotting import PLOT_EXTRA
 
     stores = run_demo(output)
     for store in stores.values():
@@ -421,7 +421,6 @@ def probe(
 ) -> None:
     """Evaluate stored layers: linear probes (lambda chosen on validation), weighted k-NN,
     few-shot probes; accuracy reported on test."""
-    from featcache.files import output_file
     from featcache.probe import (
         default_output,
         evaluate,
@@ -431,6 +430,7 @@ def probe(
         requested_layers,
         save_results,
     )
+    from featcache.util.files import output_file
 
     # The output names are checked before the fit: a bad one fails now, not after minutes.
     names = requested_layers(train, layer)
@@ -490,7 +490,7 @@ def show(
     scale: Annotated[int, typer.Option("--scale", help="Enlarge each channel this often.")] = 4,
 ) -> None:
     """Write one row's feature map as a grid of channel images (each scaled on its own)."""
-    from featcache.visualize import save_feature_grid
+    from featcache.commands.visualize import save_feature_grid
 
     path = save_feature_grid(
         store, layer, row, output, max_channels=max_channels, nrow=nrow, scale=scale
@@ -515,7 +515,7 @@ def cam(
 
     A store is data: cam runs no code its recorded config names unless --trust-factory.
     """
-    from featcache.visualize import cam_overlay
+    from featcache.commands.visualize import cam_overlay
 
     path = cam_overlay(
         store, layer, row, output, alpha=alpha, scale=scale, trust_factory=trust_factory

@@ -4,7 +4,7 @@ A config is a YAML mapping with the sections below; every key is checked, and an
 unknown one is an error that names its full path (``data.spilts``). ``key=value``
 overrides (values parsed as YAML) apply before validation. The resolved spec is
 plain data: :func:`to_dict` gives the JSON written into every store, and
-:func:`featcache.provenance.config_fingerprint` hashes the parts that decide what
+:func:`featcache.store.provenance.config_fingerprint` hashes the parts that decide what
 the store contains.
 """
 
@@ -20,10 +20,10 @@ from typing import Any, Literal, get_args
 
 import yaml
 
-from featcache.config_yaml import RepeatedKeyError, read_yaml
+from featcache.config.validation import build, check, choices, option
+from featcache.config.yaml_io import RepeatedKeyError, read_yaml
 from featcache.errors import ConfigError
-from featcache.urls import check_storage_options, check_url, is_url
-from featcache.validation import build, check, choices, option
+from featcache.util.urls import check_storage_options, check_url, is_url
 
 Reduction = Literal[
     "none", "avg", "max", "adaptive_avg", "flatten", "cls", "mean", "cls+mean", "patches", "last"
@@ -362,7 +362,7 @@ class OutputSpec:
 @dataclass
 class RuntimeSpec:
     device: str = "auto"  # "auto" (CUDA when present), "cpu", "cuda", "cuda:1", ...
-    channels_last: bool | Auto = "auto"  # see featcache/runtime.py for "auto"
+    channels_last: bool | Auto = "auto"  # see featcache/capture/runtime.py for "auto"
     amp: AmpDtype = None  # autocast dtype for the forward
     compile: bool = False  # torch.compile the forward (pays off on long runs only)
     seed: int = 0  # seeds model initialisation when no weights are loaded

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from featcache.extras import has_module, install_command, require
+from featcache.util.extras import has_module, install_command, require
 
 PLOT_EXTRA = install_command("plot")
 

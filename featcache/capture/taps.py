@@ -1,7 +1,7 @@
 """Layer taps: hook the selected modules, reduce what they produce, stop the forward early.
 
-A :class:`~featcache.selectors.Tap` is one resolved capture point (see
-:mod:`featcache.selectors`): a module, whether its output or its input is captured, and
+A :class:`~featcache.capture.selectors.Tap` is one resolved capture point (see
+:mod:`featcache.capture.selectors`): a module, whether its output or its input is captured, and
 the reduction applied on the device before anything leaves it. :class:`TapSet`
 registers the hooks as a context manager (hooks are removed on every exit path) and runs
 batches through the model, stopping the forward as soon as every tap has fired, so layers
@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from featcache.channels import AMBIGUOUS, channel_layout
+from featcache.capture.channels import AMBIGUOUS, channel_layout
+from featcache.capture.reduce import NO_CONTEXT, ReduceContext, reduce_tensor
+from featcache.capture.selectors import Tap
+from featcache.config.spec import parse_target
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.reduce import NO_CONTEXT, ReduceContext, reduce_tensor
-from featcache.selectors import Tap
-from featcache.spec import parse_target
 
 
 class _StopForward(Exception):
@@ -112,7 +112,7 @@ class TapSet:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         # What the forward showed of each tap's value, by tap key, as of its first batch:
         # "channel_layout" of a 4-d output ("nchw", "nhwc", "" when it cannot be told; see
-        # featcache.channels) and "select" where a tuple's hidden states were taken.
+        # featcache.capture.channels) and "select" where a tuple's hidden states were taken.
         self.observed: dict[str, dict[str, str]] = {}
         self._nonzero_grads: set[str] = set()  # grad taps that captured a nonzero value
 

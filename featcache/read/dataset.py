@@ -24,10 +24,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from featcache.buffer_read import SharedRead
 from featcache.errors import ConfigError
-from featcache.padding import PadTokens
-from featcache.shuffled_batches import ShuffledBatches
+from featcache.read.buffer_read import SharedRead
+from featcache.read.padding import PadTokens
+from featcache.read.shuffled_batches import ShuffledBatches
 from featcache.store import codec
 from featcache.store.reader import FeatureStore, StoreFile
 from featcache.store.rows import PartRows, Rows, read_rows, read_token_rows, row_numbers, rows_of
@@ -53,8 +53,8 @@ class FeatureDataset(Dataset):
     The HDF5 file is opened lazily in each process, so the dataset works with DataLoader
     workers and pickles without its file handle. A DataLoader with automatic batching
     calls `__getitems__`, which reads a whole batch in increasing row order.
-    [`batches`][featcache.dataset.FeatureDataset.batches] (and
-    [`ShuffledBatches`][featcache.shuffled_batches.ShuffledBatches] for DataLoader workers)
+    [`batches`][featcache.read.dataset.FeatureDataset.batches] (and
+    [`ShuffledBatches`][featcache.read.shuffled_batches.ShuffledBatches] for DataLoader workers)
     reads whole chunks instead and shuffles them in memory: the fast way to run shuffled
     epochs.
     ``in_memory=True`` loads the layers once and serves both from memory.
@@ -74,9 +74,9 @@ class FeatureDataset(Dataset):
     A layer of per-token rows (text models with ``reduce: none``) gives row ``i`` as
     ``[T_i, *shape]``; such rows differ in length, so they are read one batch at a time
     through `__getitems__` (a DataLoader takes
-    [`pad_tokens`][featcache.dataset.FeatureDataset.pad_tokens] as its ``collate_fn``, which
+    [`pad_tokens`][featcache.read.dataset.FeatureDataset.pad_tokens] as its ``collate_fn``, which
     pads them and gives a mask), not through `batches`.
-    [`TokenDataset`][featcache.token_view.TokenDataset] serves their single tokens, shuffled
+    [`TokenDataset`][featcache.read.token_view.TokenDataset] serves their single tokens, shuffled
     by chunk.
     """
 
@@ -202,7 +202,7 @@ class FeatureDataset(Dataset):
     def pad_tokens(self) -> PadTokens:
         """The DataLoader ``collate_fn`` for this dataset's per-token rows: batches of
         ``(features [B, T, ...], mask [B, T], labels [B])``, rows padded to the longest
-        (see [`PadTokens`][featcache.padding.PadTokens])."""
+        (see [`PadTokens`][featcache.read.padding.PadTokens])."""
         return PadTokens(self.per_token)
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Features, torch.Tensor]]:
@@ -246,7 +246,7 @@ class FeatureDataset(Dataset):
         epoch; with ``read_ahead`` (the default) a thread reads and checks the next
         buffer's blocks while batches are drawn from the current one, which takes a
         second buffer, and a buffer the batches wait for is read on both threads
-        (`featcache.buffer_read`).
+        (`featcache.read.buffer_read`).
         """
         return self._batches(
             batch_size, shuffle, seed, epoch, buffer_rows, drop_last, with_index, 0, 1,
@@ -254,8 +254,8 @@ class FeatureDataset(Dataset):
         )  # fmt: skip
 
     def shuffled(self, batch_size: int, **options: Any) -> ShuffledBatches:
-        """[`ShuffledBatches`][featcache.shuffled_batches.ShuffledBatches] over this dataset
-        (same options as [`batches`][featcache.dataset.FeatureDataset.batches])."""
+        """[`ShuffledBatches`][featcache.read.shuffled_batches.ShuffledBatches] over this dataset
+        (same options as [`batches`][featcache.read.dataset.FeatureDataset.batches])."""
         return ShuffledBatches(self, batch_size, **options)
 
     def _batches(

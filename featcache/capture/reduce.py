@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from featcache.channels import channels_last, declared_layouts
+from featcache.capture.channels import channels_last, declared_layouts
 from featcache.errors import ConfigError
 
 if TYPE_CHECKING:
-    from featcache.selectors import Tap
+    from featcache.capture.selectors import Tap
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class ReduceContext:
     outputs follows (None: not known, and a patch grid is square), and ``input_tokens``,
     the ``T`` of a batch of token ids (``input_ids`` ``[B, T]``; None for other inputs).
     ``channel_layouts`` maps module names to the layout (``"nchw"``, ``"nhwc"``) the
-    model declares for their 4-d outputs (see :mod:`featcache.channels`).
+    model declares for their 4-d outputs (see :mod:`featcache.capture.channels`).
     """
 
     attention_mask: torch.Tensor | None = None
@@ -98,7 +98,7 @@ def reduce_tensor(x: torch.Tensor, tap: Tap, context: ReduceContext = NO_CONTEXT
     ``avg``/``max`` pool over every dimension after the channel dimension (``[B, C, ...]``
     -> ``[B, C]``); ``adaptive_avg`` pools ``[B, C, H, W]`` to ``[B, C, k, k]``;
     ``flatten`` gives ``[B, prod(...)]``. A 4-d output that holds its channels last
-    (``[B, H, W, C]``, see :mod:`featcache.channels`) is pooled over ``H`` and ``W`` all
+    (``[B, H, W, C]``, see :mod:`featcache.capture.channels`) is pooled over ``H`` and ``W`` all
     the same, to ``[B, C]`` and ``[B, C, k, k]``.
 
     Token outputs ``[B, T, D]`` of a model with a token layout (``context.prefix_tokens``

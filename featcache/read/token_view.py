@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from featcache.dataset import FeatureDataset, Features, _take
 from featcache.errors import ConfigError
+from featcache.read.dataset import FeatureDataset, Features, _take
 from featcache.store.reader import FeatureStore, StoreFile
 from featcache.store.rows import read_rows, row_numbers, rows_of
 
@@ -32,7 +32,7 @@ class TokenDataset(FeatureDataset):
     row's sequence. `batches` and `shuffled` give
     ``(features [b, D], rows [b], positions [b])`` (plus the token numbers with
     ``with_index=True``), shuffled by chunk with the options of
-    [`FeatureDataset.batches`][featcache.dataset.FeatureDataset.batches]; ``in_memory=True``
+    [`FeatureDataset.batches`][featcache.read.dataset.FeatureDataset.batches]; ``in_memory=True``
     loads the tokens once.
     """
 

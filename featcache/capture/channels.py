@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from featcache.config.spec import ChannelLayout
 from featcache.errors import ConfigError
-from featcache.spec import ChannelLayout
 
 AMBIGUOUS = "ambiguous"
 

@@ -10,12 +10,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from featcache.channels import AMBIGUOUS, channel_layout, declared_layouts
+from featcache.capture.channels import AMBIGUOUS, channel_layout, declared_layouts
+from featcache.capture.reduce import layer_prefix
 from featcache.errors import ConfigError, first_line
-from featcache.reduce import layer_prefix
 
 PROBE_BATCH = 2  # samples in the probe batch
-# How a 4-d output's channel layout is shown (see featcache.channels): channels first,
+# How a 4-d output's channel layout is shown (see featcache.capture.channels): channels first,
 # PyTorch's convention, goes without a note.
 LAYOUT_NOTES = {"nhwc": " channels last", AMBIGUOUS: " channels first or last (set layout)"}
 
@@ -52,7 +52,7 @@ def describe_layers(
     its type name. For a model with a token layout (``prefix_tokens`` set), token outputs
     read ``"[T, D] tokens (1 prefix)"``, sequence-first ones transposed to that form; a
     4-d output that keeps its channels last reads ``"[14, 14, 384] channels last"``, one
-    whose layout cannot be told (:mod:`featcache.channels`) says so.
+    whose layout cannot be told (:mod:`featcache.capture.channels`) says so.
     Modules are listed in ``named_modules()`` order, the root excluded. The model's
     train/eval flag is restored afterwards and all hooks are removed.
 

@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from featcache.spec import Spec, load_config
-from featcache.urls import is_url
+from featcache.config.spec import Spec, load_config
+from featcache.util.urls import is_url
 
 # Where a config keeps paths, as (section, key); model.name only after "hf:".
 PATH_KEYS = (

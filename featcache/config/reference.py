@@ -1,5 +1,5 @@
 """The config reference: every key of the spec with its type, default, allowed values and
-the comment that documents it in ``featcache/spec.py``, as rows or as Markdown.
+the comment that documents it in ``featcache/config/spec.py``, as rows or as Markdown.
 
 Everything here is read from the spec's dataclasses (field types, defaults, declared
 bounds) and from the comments beside their fields, so a key added to the spec appears in
@@ -21,9 +21,9 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
-from featcache import spec as spec_module
-from featcache.spec import DataSpec, Spec
-from featcache.validation import allowed_values
+from featcache.config import spec as spec_module
+from featcache.config.spec import DataSpec, Spec
+from featcache.config.validation import allowed_values
 
 REQUIRED = "required"
 
@@ -43,7 +43,7 @@ class KeyDoc:
 
 
 def config_keys() -> list[KeyDoc]:
-    """Every key of :class:`~featcache.spec.Spec`, section by section, in spec order."""
+    """Every key of :class:`~featcache.config.spec.Spec`, section by section, in spec order."""
     rows: list[KeyDoc] = []
     hints = typing.get_type_hints(Spec)
     for section in dataclasses.fields(Spec):

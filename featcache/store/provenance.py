@@ -17,7 +17,7 @@ import platform
 from collections.abc import Mapping
 from typing import Any
 
-from featcache.spec import Spec, to_dict
+from featcache.config.spec import Spec, to_dict
 
 # The store layout's version, recorded as the featcache_format attribute and in the key.
 # 1: the first stores. 2: Fletcher-32 chunk checksums, text attributes as fixed-length
@@ -71,7 +71,7 @@ def config_fingerprint(spec: Spec) -> str:
 
 
 def content_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The part of a config (as :func:`~featcache.spec.to_dict` gives it) that decides
+    """The part of a config (as :func:`~featcache.config.spec.to_dict` gives it) that decides
     the stored values: what :func:`config_fingerprint` hashes."""
     data = json.loads(json.dumps(config))
     for section, keys in CONTENT_FREE_KEYS.items():

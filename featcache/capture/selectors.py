@@ -15,8 +15,8 @@ from typing import Any
 
 from torch import nn
 
+from featcache.config.spec import LayerSpec, parse_layers
 from featcache.errors import ConfigError
-from featcache.spec import LayerSpec, parse_layers
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,13 @@ from PIL import Image
 from torchvision.transforms import functional as TF
 from torchvision.utils import make_grid, save_image
 
+from featcache.capture.selectors import Tap
+from featcache.capture.taps import zero_gradient_note
+from featcache.config.recorded import recorded_spec
 from featcache.errors import ConfigError, FeatcacheWarning
-from featcache.files import output_file
-from featcache.plotting import require_matplotlib
-from featcache.recorded import recorded_spec
-from featcache.selectors import Tap
 from featcache.store import FeatureStore
-from featcache.taps import zero_gradient_note
+from featcache.util.files import output_file
+from featcache.util.plotting import require_matplotlib
 
 # Picture formats save_image (PIL) writes, by the file's suffix.
 PICTURE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
@@ -108,7 +108,7 @@ def feature_grid(
 def save_feature_grid(
     store: StoreLike, layer: str, row: int, path: str | os.PathLike, **kwargs: Any
 ) -> Path:
-    """Write [`feature_grid`][featcache.visualize.feature_grid] (same keywords) to ``path``
+    """Write [`feature_grid`][featcache.commands.visualize.feature_grid] (same keywords) to ``path``
     (a picture in the format its suffix names: PNG, JPEG, ...)."""
     path = output_file(path, PICTURE_SUFFIXES, "picture")
     save_image(feature_grid(store, layer, row, **kwargs), path)
@@ -170,7 +170,7 @@ def source_image(store: StoreLike, row: int, *, trust_factory: bool = False) -> 
     normalisation undone.
 
     The store's recorded config names the data and preprocessing (relative paths from the
-    folder its run started in: `featcache.recorded`), and its ids check that the
+    folder its run started in: `featcache.config.recorded`), and its ids check that the
     source still holds the same sample at that position. A store is data: a recorded
     model whose preprocessing would run code it names (a Hugging Face repository's own
     code) is refused unless ``trust_factory``.
@@ -268,7 +268,7 @@ def cam_overlay(
     mixed in with weight ``alpha``. ``image`` (PIL) replaces the looked-up source image.
     The PNG has the size of the image as the model saw it, times ``scale`` (the image
     enlarged bicubic, for small inputs such as CIFAR's 32 x 32). ``trust_factory``: see
-    [`source_image`][featcache.visualize.source_image].
+    [`source_image`][featcache.commands.visualize.source_image].
     """
     if not 0.0 <= alpha <= 1.0:
         raise ConfigError(f"alpha must lie in [0, 1], got {alpha}")

@@ -12,7 +12,7 @@ Features = torch.Tensor | dict[str, torch.Tensor]
 
 
 class PadTokens:
-    """Collate [`FeatureDataset`][featcache.dataset.FeatureDataset] items whose rows are
+    """Collate [`FeatureDataset`][featcache.read.dataset.FeatureDataset] items whose rows are
     per-token (``[T_i, *shape]``, of different lengths) into ``(features, mask, labels)``.
 
     ``features`` is ``[B, T, *shape]``, each row right-padded with ``pad_value`` to the

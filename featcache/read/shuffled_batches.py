@@ -10,23 +10,23 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 if TYPE_CHECKING:
-    from featcache.dataset import Batch, FeatureDataset
+    from featcache.read.dataset import Batch, FeatureDataset
 
 
 class ShuffledBatches(IterableDataset):
     """Chunk-aware shuffled batches of a
-    [`FeatureDataset`][featcache.dataset.FeatureDataset], for a DataLoader.
+    [`FeatureDataset`][featcache.read.dataset.FeatureDataset], for a DataLoader.
 
     Iterating gives one epoch of
-    [`FeatureDataset.batches`][featcache.dataset.FeatureDataset.batches] (same options);
+    [`FeatureDataset.batches`][featcache.read.dataset.FeatureDataset.batches] (same options);
     use it as ``DataLoader(ShuffledBatches(dataset, 256), batch_size=None, num_workers=k)``.
     Each worker reads a disjoint share of the blocks, so every row still comes exactly once
     per epoch (each worker may end with one smaller batch, unless ``drop_last``). With
     ``shuffle=False`` each worker keeps store order within its share, but the DataLoader
     takes batches from the workers in turn: for rows in store order, use
-    [`FeatureDataset.batches`][featcache.dataset.FeatureDataset.batches] or one worker.
+    [`FeatureDataset.batches`][featcache.read.dataset.FeatureDataset.batches] or one worker.
 
-    Call [`set_epoch`][featcache.shuffled_batches.ShuffledBatches.set_epoch] before each
+    Call [`set_epoch`][featcache.read.shuffled_batches.ShuffledBatches.set_epoch] before each
     epoch for a different order; the order depends only on ``seed``, the epoch and the
     number of workers. The epoch lives in shared memory, so it also reaches workers kept
     alive with ``persistent_workers=True``.

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from featcache.capture.reduce import token_layout
+from featcache.config.spec import Spec, load_config
 from featcache.errors import ConfigError
 from featcache.extraction.api import RunOptions, _Plan, _plan
 from featcache.extraction.dry_run import dry_run
@@ -26,10 +28,8 @@ from featcache.extraction.from_config import (
     run_options,
     split_arguments,
 )
-from featcache.files import free_bytes
-from featcache.reduce import token_layout
-from featcache.spec import Spec, load_config
-from featcache.units import format_bytes
+from featcache.util.files import free_bytes
+from featcache.util.units import format_bytes
 
 TIMED_BATCHES = 3  # batches timed per batch size, after one that warms up
 FASTER = 1.05  # another batch size is suggested only when this much faster

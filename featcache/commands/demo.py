@@ -7,11 +7,11 @@ import os
 from importlib import resources
 from pathlib import Path
 
+from featcache.config.spec import Spec, load_config
 from featcache.extraction import extract_from_config
-from featcache.plotting import has_matplotlib
 from featcache.probe import ProbeResult, plot_layers, probe_layers, save_results
-from featcache.spec import Spec, load_config
 from featcache.store import FeatureStore
+from featcache.util.plotting import has_matplotlib
 
 # The share of the train store the demo's probes hold out to choose lambda.
 VAL_FRACTION = 0.2

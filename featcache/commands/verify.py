@@ -1,7 +1,7 @@
 """Prove a store matches the model and data it claims to come from.
 
 ``verify_store`` first checks what the file alone can prove: completeness, the store's
-key (:class:`~featcache.provenance.StoreKey`, the record resume and torchrun compare)
+key (:class:`~featcache.store.provenance.StoreKey`, the record resume and torchrun compare)
 against its recorded config and layers, alignment (every source sample is either a row
 or a recorded skip), unique ids, every chunk's checksum and finiteness; that is all of
 ``--quick``. The full check then rebuilds the backbone and the source from the config
@@ -25,20 +25,20 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from featcache.config.recorded import RecordedSpec, recorded_spec
+from featcache.config.spec import Spec, StoreSpec, load_config
 from featcache.errors import ConfigError, CorruptStoreError
-from featcache.provenance import config_fingerprint as fingerprint
-from featcache.recorded import RecordedSpec, recorded_spec
-from featcache.spec import Spec, StoreSpec, load_config
 from featcache.store import FeatureStore, codec
 from featcache.store.checks import has_checksums, scan_chunks
 from featcache.store.metadata import is_sealed
+from featcache.store.provenance import config_fingerprint as fingerprint
 from featcache.store.rows import Known, let_go, rows_of, span_text
 
 if TYPE_CHECKING:  # the file checks (--quick) need no torch: the recomputation imports it
     import torch
 
-    from featcache.reduce import ReduceContext
-    from featcache.runtime import Layout
+    from featcache.capture.reduce import ReduceContext
+    from featcache.capture.runtime import Layout
 
 # |stored - recomputed| <= TOLERANCE * max(|recomputed| over the row): a few units in the
 # last place of the stored dtype, with room for batch-composition effects in float32.
@@ -94,7 +94,7 @@ def verify_store(
     The rebuild follows the config recorded in the store, or ``config`` (a YAML path or
     a mapping) when given. A store is data: a recorded config that would import and run
     code (``model.factory``) is refused unless ``trust_factory`` is true; see
-    [`recorded_code`][featcache.verify.recorded_code].
+    [`recorded_code`][featcache.commands.verify.recorded_code].
 
     Raises:
         ConfigError: a store without a recorded config (and no ``config``), one
@@ -115,10 +115,10 @@ def verify_store(
         _check_file(result, store)
         if quick or not result.passed_so_far("checksums"):
             return result
+        from featcache.capture.reduce import token_layout
+        from featcache.capture.runtime import choose_layout
+        from featcache.capture.selectors import resolve_taps, tap_record
         from featcache.extraction.from_config import build_backbone_for, build_source_for
-        from featcache.reduce import token_layout
-        from featcache.runtime import choose_layout
-        from featcache.selectors import resolve_taps, tap_record
 
         rebuilt = _rebuild_spec(store, config, trust_factory)
         spec = rebuilt.spec
@@ -387,12 +387,12 @@ def _recompute(
     import torch
     from torch.utils.data import DataLoader, Subset
 
+    from featcache.capture.memory import freed_memory_kept
+    from featcache.capture.selectors import resolve_taps
+    from featcache.capture.taps import TapSet
     from featcache.extraction.batches import Collate, SourceRows
     from featcache.extraction.loop import forward
     from featcache.extraction.writer_thread import CapturedBatch
-    from featcache.memory import freed_memory_kept
-    from featcache.selectors import resolve_taps
-    from featcache.taps import TapSet
 
     n = len(store)
     if n == 0:

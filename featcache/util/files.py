@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.units import format_bytes
+from featcache.util.units import format_bytes
 
 
 def prepare_output_folder(folder: Path) -> list[Path]:

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from featcache.config.spec import RuntimeSpec
 from featcache.errors import ConfigError
-from featcache.spec import RuntimeSpec
 
 AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -1,0 +1,1 @@
+"""The command line: the typer app and the commands that are more than one library call."""

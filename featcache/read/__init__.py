@@ -1,0 +1,1 @@
+"""Reading stores for training: FeatureDataset, the token view, shuffled batches, padding."""

@@ -1,0 +1,3 @@
+"""Small helpers every layer may use: output files, units, URLs, optional packages,
+fingerprints, plotting.
+"""
