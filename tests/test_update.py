@@ -24,6 +24,7 @@ from featcache.commands.verify import verify_store
 from featcache.errors import ConfigError
 from featcache.extraction.continuity import tolerance_of
 from featcache.store import FeatureStore, partial_path
+from featcache.store.state import store_state
 from tests.test_resume import assert_same_store
 
 CLASSES = ("ants", "bees", "wasps", "flies")
@@ -317,8 +318,6 @@ def stop_an_update(config: Any, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_stopped_update_is_redone_by_update_and_refused_by_a_plain_run(tmp_path, monkeypatch):
-    from featcache.extraction import update
-
     root = tmp_path / "photos"
     image_folder(root, 40)
     cfg = config(root, tmp_path / "out", layers=[{"name": "layer2", "reduce": "avg"}])
@@ -328,7 +327,7 @@ def test_a_stopped_update_is_redone_by_update_and_refused_by_a_plain_run(tmp_pat
     for i in range(40, 48):
         write_image(root / "train" / CLASSES[i % len(CLASSES)] / f"img{i:04d}.png", i)
     stop_an_update(cfg, monkeypatch)
-    assert update.is_update_partial(store.path)
+    assert store_state(store.path).update_partial
     assert store.path.read_bytes() == stored  # the old store, whole
     with pytest.raises(ConfigError, match="stopped update.*--update"):
         featcache.extract_from_config(cfg)
@@ -342,8 +341,6 @@ def test_a_stopped_update_is_redone_by_update_and_refused_by_a_plain_run(tmp_pat
 def test_info_of_a_stopped_update_says_to_rerun_it_with_update(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from featcache.extraction import update
-
     root = tmp_path / "photos"
     image_folder(root, 20)
     path = tmp_path / "run.yaml"
@@ -352,7 +349,7 @@ def test_info_of_a_stopped_update_says_to_rerun_it_with_update(tmp_path, monkeyp
     store.close()
     write_image(root / "train" / CLASSES[0] / "img0100.png", 100)
     stop_an_update(path, monkeypatch)
-    assert update.is_update_partial(store.path)
+    assert store_state(store.path).update_partial
     info = CliRunner().invoke(app, ["info", str(partial_path(store.path))])
     assert info.exit_code == 0, info.output
     assert "rerun it to resume" not in info.stdout

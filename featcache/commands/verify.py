@@ -14,11 +14,10 @@ last) within the tolerance of the stored dtype.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from featcache.config.recorded import RecordedSpec, recorded_spec
-from featcache.config.spec import Spec, StoreSpec, load_config
+from featcache.config.spec import Spec, load_config
 from featcache.errors import ConfigError, CorruptStoreError
 from featcache.store import FeatureStore, codec
 from featcache.store.checks import has_checksums, scan_chunks
@@ -35,14 +34,9 @@ from featcache.store.provenance import config_fingerprint as fingerprint
 from featcache.store.rows import Known, let_go, rows_of, span_text
 
 if TYPE_CHECKING:  # the file checks (--quick) need no torch: the recomputation imports it
-    import torch
+    from featcache.models.backbone import Backbone
+    from featcache.sources import SourceDataset
 
-    from featcache.capture.reduce import ReduceContext
-    from featcache.capture.runtime import Layout
-
-# |stored - recomputed| <= TOLERANCE * max(|recomputed| over the row): a few units in the
-# last place of the stored dtype, with room for batch-composition effects in float32.
-TOLERANCE = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}
 CHUNK_ROWS_FOR_SCAN = 1024
 
 
@@ -115,8 +109,6 @@ def verify_store(
         _check_file(result, store)
         if quick or not result.passed_so_far("checksums"):
             return result
-        from featcache.capture.reduce import token_layout
-        from featcache.capture.runtime import choose_layout
         from featcache.capture.selectors import resolve_taps, tap_record
         from featcache.extraction.from_config import build_backbone_for, build_source_for
 
@@ -177,12 +169,8 @@ def verify_store(
             )
             return result
         runtime = dataclasses.replace(spec.runtime, device=device or spec.runtime.device)
-        layout = choose_layout(backbone.model, runtime)
-        tokens = token_layout(backbone.model, backbone.prefix_tokens, backbone.sequence_first)
-        _recompute(
-            result, store, spec, backbone.model, source, index, labels, samples, seed, layout,
-            tokens,
-        )  # fmt: skip
+        _recompute(result, store, dataclasses.replace(spec, runtime=runtime), backbone, source,
+                   samples=samples, seed=seed)  # fmt: skip
     return result
 
 
@@ -374,25 +362,21 @@ def _nonfinite(store: FeatureStore) -> list[str]:
 def _recompute(
     result: VerifyResult,
     store: FeatureStore,
-    spec,
-    model: torch.nn.Module,
-    source,
-    index: np.ndarray,
-    labels: np.ndarray | None,
+    spec: Spec,
+    backbone: Backbone,
+    source: SourceDataset,
+    *,
     samples: int,
     seed: int,
-    layout: Layout,
-    tokens: ReduceContext,
 ) -> None:
-    import torch
-    from torch.utils.data import DataLoader, Subset
-
-    from featcache.capture.memory import freed_memory_kept
-    from featcache.capture.selectors import resolve_taps
-    from featcache.capture.taps import TapSet
-    from featcache.extraction.batches import Collate, SourceRows
-    from featcache.extraction.loop import forward
-    from featcache.extraction.writer_thread import CapturedBatch
+    """Recompute ``samples`` rows of ``store`` (all with -1; always the first and the
+    last) through the run's own loader and hooked forward, in batches of the config's
+    size, and compare them with the stored rows within the one tolerance
+    (:mod:`featcache.extraction.compare`)."""
+    from featcache.extraction.compare import relative_differences, token_differences, tolerance_of
+    from featcache.extraction.from_config import run_options
+    from featcache.extraction.plan import make_plan
+    from featcache.extraction.run import recompute
 
     n = len(store)
     if n == 0:
@@ -403,80 +387,56 @@ def _recompute(
         chosen = random.Random(seed).sample(range(1, n - 1), samples)
         rows = sorted({0, n - 1, *chosen})
     result.rows = rows
-    taps = resolve_taps(model, spec.layers)
-    dtype = spec.store.dtype
-    # Module.to takes memory_format (documented), but torch's type stubs lack it.
-    place: Callable[..., torch.nn.Module] = model.eval().to
-    place(device=layout.device, memory_format=layout.memory_format)
-    # The rows go through the run loop's own batching, padding and forward.
-    positions = [int(index[r]) for r in rows]
-    loader = DataLoader(
-        SourceRows(Subset(source, positions), range(len(positions))),
-        batch_size=spec.loader.batch_size,
-        shuffle=False,
-        collate_fn=Collate(getattr(source, "pad_values", {})),
-    )
-    keep_all = StoreSpec(dtype=dtype, on_nonfinite="keep")
-    convert = functools.partial(codec.encode, dtype=dtype)
+    index, labels, dtype = store.index, store.labels, spec.store.dtype
+    plan = make_plan(
+        backbone.model, source, spec.layers, run_options(spec),
+        prefix_tokens=backbone.prefix_tokens, sequence_first=backbone.sequence_first,
+    )  # fmt: skip
+    tolerance = tolerance_of(dtype, plan.layout.amp)[0]
+    row_of = {int(index[r]): r for r in rows}
+    positions = sorted(row_of)
+    size = spec.loader.batch_size
+    batches = [positions[at : at + size] for at in range(0, len(positions), size)]
     mismatches: dict[str, list[int]] = {}
     worst: dict[str, float] = {}
     wrong_labels = []
-    done = 0
-    with freed_memory_kept(layout.device), TapSet(model, taps, convert=convert) as tapset:
-        for batch in loader:
-            if batch.error or batch.failed:
-                result.add("values", False, batch.error or batch.failed[0][1])
-                return
-            batch_rows = rows[done : done + len(batch.rows)]
-            captured = CapturedBatch(batch.rows.numpy(), [], batch.labels.numpy(), {}, None, [])
-            forward(tapset, batch, captured, layout, False, keep_all, [], None, tokens=tokens)
-            for key, value in captured.features.items():
-                expected = codec.values(value, dtype).float().cpu()
-                if key in captured.ragged:
-                    stored, _ = store.read_tokens(key, batch_rows)
-                else:
-                    stored = store.read(key, batch_rows)
-                stored = stored.float()
+    for captured in recompute(plan, batches, on_nonfinite="keep"):
+        if captured.skipped:
+            result.add("values", False, captured.skipped[0]["reason"])
+            return
+        batch_rows = [row_of[int(p)] for p in captured.index]
+        for key, value in captured.features.items():
+            expected = codec.values(value, dtype).float().cpu()
+            if key in captured.ragged:
+                assert captured.lengths is not None
+                stored, offsets = store.read_tokens(key, batch_rows)
+                relative = token_differences(expected, captured.lengths, stored, offsets)[0]
+            else:
+                stored = store.read(key, batch_rows)
                 if stored.shape != expected.shape:
-                    result.add(
-                        "shapes",
-                        False,
-                        f"{key}: stored {list(stored.shape)}, recomputed {list(expected.shape)}",
-                    )
+                    shapes = f"stored {list(stored.shape)}, recomputed {list(expected.shape)}"
+                    result.add("shapes", False, f"{key}: {shapes}")
                     return
-                # The same Inf, or NaN in both, is no error (a store kept them on purpose).
-                same = (stored == expected) | (stored.isnan() & expected.isnan())
-                error = torch.where(same, 0.0, (stored - expected).abs()).flatten(1)
-                finite = torch.nan_to_num(expected.abs(), nan=0.0, posinf=0.0)
-                scale = finite.flatten(1).amax(dim=1, keepdim=True).clamp_min(1e-6)
-                relative = (error / scale).amax(dim=1)
-                if key in captured.ragged:  # the worst token of each row
-                    owner = torch.repeat_interleave(
-                        torch.arange(len(batch_rows)), torch.from_numpy(captured.lengths)
-                    )
-                    relative = torch.zeros(len(batch_rows)).index_reduce_(
-                        0, owner, relative, "amax"
-                    )
-                worst[key] = max(worst.get(key, 0.0), float(relative.max()))
-                for j, r in enumerate(batch_rows):
-                    if not relative[j] <= TOLERANCE[dtype]:  # NaN counts as a mismatch
-                        mismatches.setdefault(key, []).append(r)
-            if labels is not None:
-                wrong_labels += [
-                    r for j, r in enumerate(batch_rows) if int(batch.labels[j]) != labels[r]
-                ]
-            done += len(batch.rows)
+                relative = relative_differences(expected, stored)
+            worst[key] = max(worst.get(key, 0.0), float(relative.max()))
+            for j, r in enumerate(batch_rows):
+                if not relative[j] <= tolerance:  # NaN counts as a mismatch
+                    mismatches.setdefault(key, []).append(r)
+        if labels is not None:
+            wrong_labels += [
+                r for j, r in enumerate(batch_rows) if int(captured.labels[j]) != labels[r]
+            ]
     if labels is not None and getattr(source, "labels", None) is None:
         result.add("labels", not wrong_labels, _rows_text(wrong_labels, "labels match"))
     if mismatches:
         parts = [f"{key}: rows {_list(found)}" for key, found in mismatches.items()]
         detail = "; ".join(parts) + f" differ (largest relative error {max(worst.values()):.3g}"
-        detail += f", tolerance {TOLERANCE[dtype]:g})"
+        detail += f", tolerance {tolerance:g})"
     else:
         largest = max(worst.values()) if worst else 0.0
         detail = (
             f"{len(rows)} rows recomputed, largest relative error {largest:.2g} "
-            f"(tolerance {TOLERANCE[dtype]:g})"
+            f"(tolerance {tolerance:g})"
         )
     result.add("values", not mismatches, detail)
 

@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from featcache.errors import ConfigError
 from featcache.store.merge import combine_shards, merge_store
-from featcache.store.paths import OVERWRITE, shard_path, shards_of
+from featcache.store.paths import OVERWRITE, shard_path
+from featcache.store.state import StoreState
 
 __all__ = [
     "Rank",
@@ -135,11 +136,12 @@ def block(
 
 
 def check_other_world_sizes(
-    path: str | os.PathLike, world_size: int, overwrite: bool, delete: bool = True
+    state: StoreState, world_size: int, overwrite: bool, delete: bool = True
 ) -> list[Path]:
     """Refuse shards left by a run with another number of processes; with ``overwrite``,
     delete them (or, without ``delete``, leave that to the caller) and return them."""
-    stale = {shard: size for shard, size in shards_of(path).items() if size != world_size}
+    path = state.path
+    stale = state.other_world_sizes(world_size)
     if stale and overwrite:
         for candidate in stale if delete else ():
             candidate.unlink(missing_ok=True)

@@ -8,20 +8,15 @@ import math
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, Dataset
 
-from featcache.extraction.batches import Collate, SourceRows, num_workers, started
 from featcache.extraction.grid import GridBatches
-from featcache.extraction.loop import LoopPlan, run_loop
+from featcache.extraction.plan import ExtractionPlan
+from featcache.extraction.run import loaded_batches, run_rows
 from featcache.extraction.writer_thread import CapturedBatch
 from featcache.store import codec
-
-if TYPE_CHECKING:
-    from featcache.extraction.api import RunOptions, _Plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,44 +72,25 @@ class _Recorder:
             batch.release()
 
 
-def dry_run(
-    model: nn.Module,
-    dataset: Dataset,
-    plan: _Plan,
-    run: RunOptions,
-    rows: range,
-    batch_size: int,
-    workers: bool = True,
-) -> DryRun:
+def dry_run(plan: ExtractionPlan, rows: range, batch_size: int, workers: bool = True) -> DryRun:
     """Run the source rows ``rows`` through the hooked forward in batches of
     ``batch_size`` as the run does, but keep only the shapes and timings. With
     ``workers`` the rows are loaded by as many worker processes as the full run would
     start (to time it), else in this process. ``torch.compile`` is left off."""
-    pin = plan.layout.device.type == "cuda"
-    if run.loader.pin_memory != "auto":
-        pin = bool(run.loader.pin_memory)
-    source_rows = SourceRows(dataset, rows, has_labels=plan.has_labels)
-    loader = DataLoader(
-        source_rows,
-        batch_sampler=GridBatches(rows, batch_size, plan.shard_starts),
-        num_workers=num_workers(run.loader.num_workers, len(plan.rows), batch_size)
-        if workers
-        else 0,
-        pin_memory=pin,
-        collate_fn=Collate(source_rows.pad_values),
+    options = plan.options
+    options = dataclasses.replace(
+        options,
+        loader=dataclasses.replace(options.loader, batch_size=batch_size),
+        runtime=dataclasses.replace(options.runtime, progress=False, compile=False),
     )
-    runtime = dataclasses.replace(run.runtime, progress=False, compile=False)
-    loader_options = dataclasses.replace(run.loader, batch_size=batch_size)
-    recorder = _Recorder(run.store.dtype)
+    recorder = _Recorder(options.store.dtype)
     cuda = plan.layout.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(plan.layout.device)
-    with started(loader) as batches:
-        loop = LoopPlan(
-            plan.taps, plan.ids, (loader_options, run.store, runtime), plan.layout, pin,
-            total=len(rows), tokens=plan.tokens, unit=plan.unit, warn=False,
-        )  # fmt: skip
-        run_loop(model, batches, recorder, loop)
+    grid = GridBatches(rows, batch_size, plan.shard_starts)
+    workers_for = len(plan.rows) if workers else None
+    with loaded_batches(plan, grid, rows=rows, workers_for=workers_for, options=options) as batches:
+        run_rows(plan, batches, recorder, total=len(rows), options=options, warn=False)
     if cuda:
         recorder.seen.peak_memory = int(torch.cuda.max_memory_allocated(plan.layout.device))
     return recorder.seen

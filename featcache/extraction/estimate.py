@@ -9,21 +9,16 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
-from torch import nn
-from torch.utils.data import Dataset
 
 from featcache.errors import FeatcacheError
 from featcache.extraction.dry_run import DryRun, LayerSize, dry_run
+from featcache.extraction.plan import ExtractionPlan
 from featcache.store import codec
 from featcache.store.layout import META_BLOCK_BYTES, chunk_rows_for
 from featcache.store.paths import partial_path
 from featcache.util.files import require_space
-
-if TYPE_CHECKING:
-    from featcache.extraction.api import RunOptions, _Plan
 
 SIZING_ROWS = 8  # rows tried, one at a time, until one reads (the others may be skipped)
 # Attribute text besides the provenance and the class names: the store key, library
@@ -63,15 +58,14 @@ class StoreEstimate:
         return max(self.bytes - written, 0) + copy
 
 
-def estimate_store(
-    model: nn.Module, dataset: Dataset, path: Path, plan: _Plan, run: RunOptions
-) -> StoreEstimate:
+def estimate_store(plan: ExtractionPlan, path: Path) -> StoreEstimate:
     """The size of the store a run of ``plan`` writes at ``path``; one row of the source
     runs through the hooked forward for the layers' shapes, and nothing is written."""
-    seen = sized_rows(model, dataset, plan, run)
+    seen = sized_rows(plan)
+    store = plan.options.store
     rows = len(plan.rows)
     tokens = plan.token_capacity if any(s.per_token for s in seen.layers.values()) else None
-    columns = getattr(dataset, "row_columns", None) or {}
+    columns = getattr(plan.dataset, "row_columns", None) or {}
     attrs = json.dumps(dict(plan.provenance), default=str) + json.dumps(plan.class_names)
     layers = tuple(seen.layers.values())
     total = store_bytes(
@@ -81,20 +75,20 @@ def estimate_store(
         has_labels=plan.has_labels,
         tokens=tokens,
         token_ids=seen.token_ids,
-        chunk_rows=run.store.chunk_rows,
-        checksum=run.store.checksum,
+        chunk_rows=store.chunk_rows,
+        checksum=store.checksum,
         row_column_bytes=sum(np.asarray(column).dtype.itemsize for column in columns.values()),
         attrs_bytes=len(attrs.encode()) + OTHER_ATTRS_BYTES,
     )
     per_layer = {}
     for layer in layers:
         length = max(tokens or 0, 1) if layer.per_token else rows
-        chunk = layer_chunk_rows(layer, length, run.store.chunk_rows)
+        chunk = layer_chunk_rows(layer, length, store.chunk_rows)
         per_layer[layer.key] = dataset_bytes(length, chunk, layer.item_bytes, checksum=False)
-    return StoreEstimate(path, rows, tokens, layers, per_layer, total, run.store.compression)
+    return StoreEstimate(path, rows, tokens, layers, per_layer, total, store.compression)
 
 
-def sized_rows(model: nn.Module, dataset: Dataset, plan: _Plan, run: RunOptions) -> DryRun:
+def sized_rows(plan: ExtractionPlan) -> DryRun:
     """A dry run of the first of the run's rows that reads: each layer's stored shape.
 
     Raises:
@@ -104,7 +98,7 @@ def sized_rows(model: nn.Module, dataset: Dataset, plan: _Plan, run: RunOptions)
     plain = dataclasses.replace(plan, layout=dataclasses.replace(plan.layout, channels_last=False))
     first = plan.rows.start
     for row in range(first, min(plan.rows.stop, first + SIZING_ROWS)):
-        seen = dry_run(model, dataset, plain, run, range(row, row + 1), 1, workers=False)
+        seen = dry_run(plain, range(row, row + 1), 1, workers=False)
         if seen.layers:
             return seen
     raise FeatcacheError(

@@ -13,20 +13,21 @@ from typing import TYPE_CHECKING, Any
 
 from featcache.config.spec import Spec, load_config, override_list, to_dict
 from featcache.errors import ConfigError, FeatcacheWarning
-from featcache.extraction.api import estimate, extract
+from featcache.extraction.api import run_plan
 from featcache.extraction.distributed import (
     Rank,
     check_other_world_sizes,
     current_rank,
     launch_words,
 )
-from featcache.extraction.estimate import check_free_space
+from featcache.extraction.estimate import check_free_space, estimate_store
 from featcache.extraction.many import Decoded, ModelRun, estimate_runs, extract_models
+from featcache.extraction.plan import RunOptions, make_plan
 from featcache.extraction.sharding import extract_shard
-from featcache.store import FeatureStore, check_output_path, stored_resume_key
+from featcache.store import FeatureStore, check_output_path
 from featcache.store.lock import writer_lock
 from featcache.store.provenance import config_fingerprint
-from featcache.store.resume import interrupted_overwrite
+from featcache.store.state import store_state
 
 if TYPE_CHECKING:
     from featcache.models import Backbone
@@ -143,16 +144,16 @@ def preprocessing_record(backbone: Backbone, max_length: int | None) -> str:
     return f"tokenizer {tokenizer.name}, max_length {limit}"
 
 
-def run_options(spec: Spec) -> dict[str, Any]:
-    """The keyword options of :func:`~featcache.extraction.extract` the config sets: its
-    loader, store and runtime keys, ``overwrite`` and ``update``."""
-    return {
-        **dataclasses.asdict(spec.loader),
-        **dataclasses.asdict(spec.store),
-        **dataclasses.asdict(spec.runtime),
-        "overwrite": spec.output.overwrite,
-        "update": spec.output.update,
-    }
+def run_options(spec: Spec) -> RunOptions:
+    """The run options the config sets: its loader, store and runtime sections, and
+    ``output.overwrite`` and ``output.update``."""
+    return RunOptions(
+        loader=spec.loader,
+        store=spec.store,
+        runtime=spec.runtime,
+        overwrite=spec.output.overwrite,
+        update=spec.output.update,
+    )
 
 
 def split_arguments(
@@ -163,10 +164,10 @@ def split_arguments(
     command: str | None,
     fingerprint: bool = True,
 ) -> dict[str, Any]:
-    """Everything but the model, the source, the layers and the path that
-    :func:`~featcache.extraction.extract` takes for one split of ``spec``: the provenance
-    written into its store, the dataset fingerprint (when ``fingerprint``), the model's
-    token layout and the config's run options."""
+    """The keyword arguments of :func:`~featcache.extraction.plan.make_plan` for one split
+    of ``spec``, besides the model, the source, the layers and the options: the
+    provenance written into its store, the dataset fingerprint (when ``fingerprint``) and
+    the model's token layout."""
     text = spec.data.inputs == "text"
     provenance = {
         "config": to_dict(spec),
@@ -189,18 +190,16 @@ def split_arguments(
         else None,
         prefix_tokens=backbone.prefix_tokens,
         sequence_first=backbone.sequence_first,
-        **run_options(spec),
     )
 
 
 def complete_already(spec: Spec, split: str) -> bool:
     """Whether ``split``'s store is in place, complete, from the same config, and not to
     be overwritten: a run then leaves it as it is."""
-    path = spec.store_path(split)
-    if spec.output.overwrite or not path.exists():
+    state = store_state(spec.store_path(split))
+    if spec.output.overwrite or not state.complete or state.key is None:
         return False
-    key = stored_resume_key(path)
-    return key is not None and key.get("config_fingerprint") == config_fingerprint(spec)
+    return state.key.get("config_fingerprint") == config_fingerprint(spec)
 
 
 def _extract_models(
@@ -246,7 +245,7 @@ def _extract_models(
             own = {k: arguments[k] for k in ("provenance", "prefix_tokens", "sequence_first")}
             path = one.store_path(split)
             runs[split].append(ModelRun(backbone.model, one.layers, path, backbone.transform, own))
-    options = run_options(spec)
+    options = run_options(spec).to_kwargs()
     if check_space:  # every model's and split's store, before any work
         estimates = []
         for split in sources:
@@ -280,14 +279,14 @@ def _check_outputs(spec: Spec, rank: Rank | None) -> dict[str, list[Path]]:
     stale: dict[str, list[Path]] = {}
     for split in spec.data.splits:
         path = spec.store_path(split)
+        state = store_state(path)
         if rank is None:  # a one-process run does not resume a torchrun run's shards
             # Under --overwrite they go once the new store has replaced the one they make
             # up: a run that fails keeps that store whole.
-            stale[split] = check_other_world_sizes(path, 1, spec.output.overwrite, delete=False)
-        key = stored_resume_key(path) if path.exists() else None
+            stale[split] = check_other_world_sizes(state, 1, spec.output.overwrite, delete=False)
         fingerprint = config_fingerprint(spec)
-        if key is None or key.get("config_fingerprint") != fingerprint:
-            resumes = interrupted_overwrite(path, {"config_fingerprint": fingerprint})
+        if state.key is None or state.key.get("config_fingerprint") != fingerprint:
+            resumes = state.interrupted_overwrite({"config_fingerprint": fingerprint})
             check_output_path(path, spec.output.overwrite or spec.output.update or resumes)
     return stale
 
@@ -304,20 +303,22 @@ def _extract_splits(
     backbone = build_backbone_for(spec)
     sources = {split: build_source_for(spec, split, backbone) for split in spec.data.splits}
     check_same_classes({split: source.class_names for split, source in sources.items()})
-    arguments = {
-        split: split_arguments(spec, split, source, backbone, command)
+    options = run_options(spec)
+    plans = {
+        split: make_plan(
+            backbone.model,
+            source,
+            spec.layers,
+            options,
+            **split_arguments(spec, split, source, backbone, command),
+        )
         for split, source in sources.items()
+        if rank is None
     }
     if check_space and rank is None:  # every split's store, before any work
         estimates = [
-            estimate(
-                backbone.model,
-                source,
-                spec.layers,
-                spec.store_path(split),
-                **arguments[split],
-            )
-            for split, source in sources.items()
+            estimate_store(plan, spec.store_path(split))
+            for split, plan in plans.items()
             if not complete_already(spec, split)
         ]
         check_free_space(estimates, spec.output.overwrite)
@@ -325,25 +326,13 @@ def _extract_splits(
     for split, source in sources.items():
         path = spec.store_path(split)
         if rank is None:
-            stores[split] = extract(
-                backbone.model,
-                source,
-                spec.layers,
-                path,
-                check_space=False,
-                **arguments[split],
-            )
+            stores[split] = run_plan(plans[split], path, check_space=False)
             for shard in stale[split]:
                 shard.unlink(missing_ok=True)
         else:
+            arguments = split_arguments(spec, split, source, backbone, command)
             stores[split] = extract_shard(
-                backbone.model,
-                source,
-                spec.layers,
-                path,
-                rank,
-                arguments[split],
-                check_space,
+                backbone.model, source, spec.layers, path, rank, options, arguments, check_space
             )
         report_retries(split, source)
     return stores

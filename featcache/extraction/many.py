@@ -18,15 +18,16 @@ import queue
 import threading
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from featcache.capture.runtime import resolve_device
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.extraction.api import RunOptions, estimate, extract, fed_by
+from featcache.extraction.api import estimate, run_plan
 from featcache.extraction.batches import (
     Batch,
     Collate,
@@ -41,7 +42,10 @@ from featcache.extraction.batches import (
 from featcache.extraction.dataset_info import dataset_classes, dataset_ids
 from featcache.extraction.estimate import StoreEstimate, check_free_space
 from featcache.extraction.grid import GridBatches, shard_starts
+from featcache.extraction.plan import RunOptions, plan_from_arguments
+from featcache.extraction.run import make_loader
 from featcache.store import FeatureStore
+from featcache.store.lock import writer_lock
 
 Transform = Callable[[Any], Any]
 _POLL = 0.2  # seconds between looks at whether a blocked hand-over should give up
@@ -268,12 +272,12 @@ class SharedPass:
         rows = SourceRows(self.dataset, span, has_labels=self.has_labels)
         grid = GridBatches(span, batch_size, self.shard_starts, None, batch_size)
         device = resolve_device(self.run.runtime.device)
-        loader = DataLoader(
+        loader = make_loader(
             rows,
-            batch_sampler=grid,
-            num_workers=num_workers(loader_options.num_workers, len(span), batch_size),
-            pin_memory=pins(loader_options.pin_memory, device),
-            collate_fn=FanOutCollate(self.count, rows.pad_values),
+            grid,
+            workers=num_workers(loader_options.num_workers, len(span), batch_size),
+            pin=pins(loader_options.pin_memory, device),
+            collate=FanOutCollate(self.count, rows.pad_values),
         )
         bar = tqdm(
             total=span.stop,
@@ -381,14 +385,13 @@ def extract_models(
     def work(member: int) -> None:
         model_run = runs[member]
         try:
-            with fed_by(shared_pass.feed(member)):
-                stores[member] = extract(
-                    model_run.model,
-                    views[member],
-                    model_run.layers,
-                    model_run.path,
-                    check_space=False,
-                    **arguments[member],
+            path = Path(model_run.path)
+            with writer_lock(path):
+                plan = plan_from_arguments(
+                    model_run.model, views[member], model_run.layers, **arguments[member]
+                )
+                stores[member] = run_plan(
+                    plan, path, check_space=False, feed=shared_pass.feed(member)
                 )
         except BaseException as exc:
             errors[member] = exc

@@ -11,13 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-from torch.utils.data import Dataset
 
-from featcache.capture.reduce import token_layout
 from featcache.config.spec import Spec, load_config
 from featcache.errors import ConfigError
-from featcache.extraction.api import RunOptions, _Plan, _plan
 from featcache.extraction.dry_run import dry_run
 from featcache.extraction.estimate import StoreEstimate, estimate_store
 from featcache.extraction.from_config import (
@@ -28,6 +24,7 @@ from featcache.extraction.from_config import (
     run_options,
     split_arguments,
 )
+from featcache.extraction.plan import ExtractionPlan, make_plan
 from featcache.util.files import free_bytes
 from featcache.util.units import format_bytes
 
@@ -170,22 +167,19 @@ def plan(
     sources = {split: build_source_for(spec, split, backbone) for split in spec.data.splits}
     check_same_classes({split: source.class_names for split, source in sources.items()})
     splits: list[SplitPlan] = []
-    plans: dict[str, tuple[RunOptions, _Plan]] = {}
+    plans: dict[str, ExtractionPlan] = {}
     for split, source in sources.items():
         arguments = split_arguments(spec, split, source, backbone, None, fingerprint=False)
-        run, split_plan = _plan_of(backbone.model, source, spec, arguments)
-        plans[split] = (run, split_plan)
-        estimate = estimate_store(backbone.model, source, spec.store_path(split), split_plan, run)
+        plans[split] = make_plan(
+            backbone.model, source, spec.layers, run_options(spec), **arguments
+        )
+        estimate = estimate_store(plans[split], spec.store_path(split))
         complete = complete_already(spec, split)
         needed = 0 if complete else estimate.needed(spec.output.overwrite)
         splits.append(SplitPlan(split, estimate, complete, needed))
     free, folder = free_bytes(Path(spec.output.dir))
-    first = next(iter(sources))
-    run, first_plan = plans[first]
-    timings = time_batch_sizes(
-        backbone.model, sources[first], first_plan, run, _candidates(spec, len(first_plan.rows)),
-        batches,
-    )  # fmt: skip
+    first_plan = plans[next(iter(sources))]
+    timings = time_batch_sizes(first_plan, _candidates(spec, len(first_plan.rows)), batches)
     return RunPlan(
         splits=splits,
         free=free,
@@ -198,12 +192,7 @@ def plan(
 
 
 def time_batch_sizes(
-    model: nn.Module,
-    dataset: Dataset,
-    plan: _Plan,
-    run: RunOptions,
-    batch_sizes: Iterable[int],
-    batches: int = TIMED_BATCHES,
+    plan: ExtractionPlan, batch_sizes: Iterable[int], batches: int = TIMED_BATCHES
 ) -> list[BatchTiming]:
     """Rows per second of the run's loop at each batch size, over ``batches`` batches
     after one that warms up (fewer where the rows run out)."""
@@ -212,7 +201,7 @@ def time_batch_sizes(
         rows = range(plan.rows.start, min(plan.rows.stop, plan.rows.start + size * (batches + 1)))
         started = time.perf_counter()
         try:
-            seen = dry_run(model, dataset, plan, run, rows, size)
+            seen = dry_run(plan, rows, size)
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
             timings.append(BatchTiming(size, None, 0))
@@ -237,18 +226,6 @@ def suggest_batch_size(timings: list[BatchTiming], configured: int) -> int:
     if base is not None and rates[best] < FASTER * base:
         return configured
     return best
-
-
-def _plan_of(
-    model: nn.Module, source: Dataset, spec: Spec, arguments: dict[str, Any]
-) -> tuple[RunOptions, _Plan]:
-    """What :func:`~featcache.extraction.extract` decides before its first batch, for
-    one split with ``arguments`` (:func:`split_arguments`)."""
-    options = {k: v for k, v in arguments.items() if k in run_options(spec)}
-    run = RunOptions.from_kwargs(**options)
-    tokens = token_layout(model, arguments["prefix_tokens"], arguments["sequence_first"])
-    provenance = arguments["provenance"]
-    return run, _plan(model, source, spec.layers, run, None, None, provenance, None, None, tokens)
 
 
 def _candidates(spec: Spec, rows: int) -> list[int]:

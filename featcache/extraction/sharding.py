@@ -10,11 +10,9 @@ from typing import Any
 from torch import nn
 from torch.utils.data import Dataset
 
-from featcache.capture.reduce import token_layout
 from featcache.config.spec import LayerSpec
 from featcache.errors import FeatcacheError
-from featcache.extraction.api import RunOptions, _plan, extract
-from featcache.extraction.batches import source_length
+from featcache.extraction.api import run_plan
 from featcache.extraction.distributed import (
     Rank,
     block,
@@ -22,10 +20,12 @@ from featcache.extraction.distributed import (
     combine_shards,
     shard_path,
 )
-from featcache.extraction.grid import shard_starts
-from featcache.store import FeatureStore, remove_store, stored_resume_key
+from featcache.extraction.plan import RunOptions, make_plan
+from featcache.store import FeatureStore, remove_store
 from featcache.store.history import run_record
+from featcache.store.lock import writer_lock
 from featcache.store.provenance import StoreKey
+from featcache.store.state import store_state
 
 
 def combined_key(shard_key: StoreKey, num_rows: int, world_size: int) -> StoreKey:
@@ -42,56 +42,40 @@ def extract_shard(
     layers: Sequence[LayerSpec],
     path: Path,
     rank: Rank,
+    options: RunOptions,
     arguments: dict[str, Any],
     check_space: bool = True,
-    rows: range | None = None,
 ) -> FeatureStore:
     """This rank's block into its shard; then rank 0 writes the store over all shards.
-    With ``check_space`` the rank refuses a shard its filesystem cannot hold. ``rows``
-    (a block of source rows, default all) is the store's share of the source."""
+    ``arguments`` are :func:`~featcache.extraction.plan.make_plan`'s for the whole store.
+    With ``check_space`` the rank refuses a shard its filesystem cannot hold."""
     rank.join()
     world = rank.world_size
-    overwrite = arguments["overwrite"]
-    num_rows, batch_size = len(rows or range(source_length(source))), arguments["batch_size"]
-    shard_arguments = dict(
-        arguments,
-        device=rank.device(arguments["device"]),
-        progress=arguments["progress"] and rank.is_main,
-    )
-    per_call = ("provenance", "dataset_fingerprint", "prefix_tokens", "sequence_first")
-    plan_options = {k: v for k, v in shard_arguments.items() if k not in per_call}
-    plan = _plan(
-        model,
-        source,
-        layers,
-        RunOptions.from_kwargs(**plan_options),
-        ids=None,
-        class_names=None,
-        provenance=arguments.get("provenance"),
-        dataset_fingerprint=arguments.get("dataset_fingerprint"),
-        rows=None,
-        tokens=token_layout(
-            model, arguments.get("prefix_tokens"), arguments.get("sequence_first", False)
+    runtime = options.runtime
+    options = dataclasses.replace(
+        options,
+        runtime=dataclasses.replace(
+            runtime, device=rank.device(runtime.device), progress=runtime.progress and rank.is_main
         ),
     )
+    plan = make_plan(model, source, layers, options, **arguments)
+    num_rows = len(plan.rows)
     done_key = combined_key(plan.key(), num_rows, world)
-    if path.exists() and not overwrite and done_key.matches(stored_resume_key(path)):
+    state = store_state(path)
+    if state.complete and not options.overwrite and done_key.matches(state.key):
         return FeatureStore(path)
-    check_other_world_sizes(path, world, overwrite)
-    if overwrite and rank.is_main:
+    check_other_world_sizes(state, world, options.overwrite)
+    if options.overwrite and rank.is_main:
         remove_store(path)
-    starts = shard_starts(source)  # a sharded source goes to the ranks in whole shards
-    blocks = [block(num_rows, batch_size, r, world, starts) for r in range(world)]
+    batch_size = options.loader.batch_size  # a sharded source goes in whole shards
+    blocks = [block(num_rows, batch_size, r, world, plan.shard_starts) for r in range(world)]
     if blocks[rank.rank]:
-        extract(
-            model,
-            source,
-            layers,
-            shard_path(path, rank.rank, world),
-            rows=blocks[rank.rank],
-            check_space=check_space,
-            **shard_arguments,
-        )
+        shard = shard_path(path, rank.rank, world)
+        with writer_lock(shard):
+            shard_plan = make_plan(
+                model, source, layers, options, rows=blocks[rank.rank], **arguments
+            )
+            run_plan(shard_plan, shard, check_space=check_space)
     rank.barrier()
     if rank.is_main:
         shards = [shard_path(path, r, world) for r in range(world) if blocks[r]]

@@ -18,8 +18,8 @@ computed ones equal to a fresh run's: bit for bit where the old store's rows are
 current ones (each grid batch holding a computed row then runs whole; a new layer runs
 every row on the fresh run's grid), else within the rounding of a different batch
 composition, which the resume check's tolerance bounds
-(:data:`~featcache.extraction.continuity.RELATIVE_TOLERANCE`: 1e-4 of a row's largest
-magnitude in float32, 4 units in the last place in float16 and bfloat16).
+(:mod:`featcache.extraction.compare`: 1e-4 of a row's largest magnitude in float32,
+4e-3 in float16, 3e-2 in bfloat16).
 
 What the rows are computed with must not have changed: the model, its weights, the
 preprocessing, the store dtype and the other settings that decide a stored value
@@ -39,31 +39,27 @@ import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from featcache.capture.selectors import tap_record
 from featcache.errors import ConfigError, FeatcacheWarning
-from featcache.extraction.batches import Collate, SourceRows, num_workers, pins, started
-from featcache.extraction.continuity import recompute, row_mismatch, tolerance_of
+from featcache.extraction.compare import first_over, relative_differences, tolerance_of
 from featcache.extraction.estimate import check_free_space, estimate_store
 from featcache.extraction.grid import GridBatches
-from featcache.extraction.loop import LoopPlan, run_loop
+from featcache.extraction.plan import ROW_UNITS, ExtractionPlan
+from featcache.extraction.run import loaded_batches, recompute, run_rows
 from featcache.extraction.writer_thread import CapturedBatch, WriterThread
 from featcache.sources.stamps import changed_rows
-from featcache.store import FeatureStore, partial_path, remove_partial, stored_resume_key
+from featcache.store import FeatureStore, remove_partial
 from featcache.store.codec import encode, values
 from featcache.store.history import history_of, run_record
 from featcache.store.paths import OVERWRITE
 from featcache.store.provenance import config_differences
 from featcache.store.resume import UPDATE_MARK
-
-if TYPE_CHECKING:
-    from featcache.extraction.api import RunOptions, _Plan
 
 # Per-row hashes of the samples' bytes, when the source records them (its row_columns).
 HASH_COLUMN = "content_hash"
@@ -133,13 +129,6 @@ class UpdateWork:
         return [computed[at : at + size].tolist() for at in range(0, len(computed), size)]
 
 
-def is_update_partial(path: str | Path) -> bool:
-    """Whether the ``.partial`` beside the store at ``path`` is a stopped update's."""
-    partial = partial_path(path)
-    key = stored_resume_key(partial) if partial.is_file() else None
-    return bool(key and UPDATE_MARK in key)
-
-
 def update_refusal(
     stored_key: Mapping[str, Any],
     key: Mapping[str, Any],
@@ -169,7 +158,7 @@ def update_refusal(
     )
 
 
-def plan_work(old: FeatureStore, plan: _Plan, hashes: np.ndarray | None) -> UpdateWork:
+def plan_work(old: FeatureStore, plan: ExtractionPlan, hashes: np.ndarray | None) -> UpdateWork:
     """Match the rows and layers of ``plan`` to those of the ``old`` store.
 
     ``hashes`` (``[source rows]``, the source's ``content_hash`` column, None without
@@ -209,14 +198,7 @@ def plan_work(old: FeatureStore, plan: _Plan, hashes: np.ndarray | None) -> Upda
     return UpdateWork(old_rows, new, kept, same_grid)
 
 
-def update_store(
-    model: nn.Module,
-    dataset: Dataset,
-    path: Path,
-    run: RunOptions,
-    plan: _Plan,
-    check_space: bool = True,
-) -> FeatureStore:
+def update_store(plan: ExtractionPlan, path: Path, *, check_space: bool = True) -> FeatureStore:
     """Bring the complete store at ``path`` up to ``plan``: copy what it holds, compute
     the rest (see the module's description). Returns the new store, whose ``history``
     attribute's last record says what was computed and what reused.
@@ -225,12 +207,10 @@ def update_store(
         ConfigError: the store was made with another model, weights, preprocessing or
             store settings (one line naming the difference), or holds per-token rows.
     """
-    from featcache.extraction.api import ROW_UNITS, open_writer_for
-
     with FeatureStore(path) as old:
         _check_updatable(old, path, plan)
-        columns = dict(getattr(dataset, "row_columns", None) or {})
-        if hashes_content(plan) and HASH_COLUMN not in columns:
+        columns = dict(getattr(plan.dataset, "row_columns", None) or {})
+        if plan.hashes_content and HASH_COLUMN not in columns:
             raise ConfigError(
                 f"cannot update {path}: data.content_hash is on but this source records no "
                 "hash per sample (image folders and manifests do), so a changed sample "
@@ -246,39 +226,26 @@ def update_store(
                 stacklevel=3,
             )
         work = plan_work(old, plan, hashes)
-        check_reused(old, path, model, dataset, plan, run, work)
+        check_reused(old, path, plan, work)
         remove_partial(path)  # a stopped update (or other run) starts over
         if check_space:  # the old store stays until the new one replaces it
-            check_free_space([estimate_store(model, dataset, path, plan, run)], True)
+            check_free_space([estimate_store(plan, path)], True)
         run_taps = list(plan.taps)
         if work.new_layers and not work.rows_computed:  # the forward stops at the new layers
             run_taps = [tap for tap in plan.taps if tap.key in work.new_layers]
-        batches = work.batches_run(GridBatches(plan.rows, run.loader.batch_size, plan.shard_starts))
+        batches = work.batches_run(plan.grid())
         if work.new_layers:
             positions = np.arange(plan.rows.start, plan.rows.stop)
         else:
             positions = plan.rows.start + np.array([o for b in batches for o in b], dtype=np.int64)
-        device = plan.layout.device
-        pin = pins(run.loader.pin_memory, device)
-        source_rows = SourceRows(dataset, plan.rows, has_labels=plan.has_labels)
-        loader = DataLoader(
-            source_rows,
-            batch_sampler=batches,
-            num_workers=num_workers(run.loader.num_workers, len(positions), run.loader.batch_size),
-            pin_memory=pin,
-            collate_fn=Collate(source_rows.pad_values),
-        )
-        loop = LoopPlan(
-            run_taps, plan.ids, (run.loader, run.store, run.runtime), plan.layout, pin,
-            total=len(plan.rows), done_before=len(plan.rows) - len(positions),
-            tokens=plan.tokens, unit=plan.unit,
-        )  # fmt: skip
         mark = {UPDATE_MARK: old.attrs.get("created") or str(path)}
+        dtype = plan.options.store.dtype
         start = time.perf_counter()
-        with started(loader) as loaded:
-            with WriterThread(open_writer_for(path, plan, run, mark), path) as thread:
-                merged = MergedRows(thread, old, dataset, plan, work, run.store.dtype, positions)
-                timing = run_loop(model, loaded, merged, loop)
+        with loaded_batches(plan, batches, workers_for=len(positions)) as loaded:
+            with WriterThread(plan.writer(path, mark), path) as thread:
+                merged = MergedRows(thread, old, plan, work, dtype, positions)
+                done_before = len(plan.rows) - len(positions)
+                timing = run_rows(plan, loaded, merged, taps=run_taps, done_before=done_before)
                 merged.finish()
             writer = thread.writer
             assert writer is not None  # the thread raised otherwise
@@ -295,7 +262,7 @@ def update_store(
     return FeatureStore.just_sealed(path)
 
 
-def _check_updatable(old: FeatureStore, path: Path, plan: _Plan) -> None:
+def _check_updatable(old: FeatureStore, path: Path, plan: ExtractionPlan) -> None:
     """Refuse an update whose rows would not be computed as the old store's were."""
     fix = f"pass {OVERWRITE} to extract it afresh"
     if old.offsets is not None or plan.row_tokens is not None or plan.bucket_window:
@@ -321,15 +288,7 @@ def _check_updatable(old: FeatureStore, path: Path, plan: _Plan) -> None:
         )
 
 
-def check_reused(
-    old: FeatureStore,
-    path: Path,
-    model: nn.Module,
-    dataset: Dataset,
-    plan: _Plan,
-    run: RunOptions,
-    work: UpdateWork,
-) -> None:
+def check_reused(old: FeatureStore, path: Path, plan: ExtractionPlan, work: UpdateWork) -> None:
     """Recompute the first :data:`CHECKED_ROWS` reused rows' kept layers and refuse the
     update when they differ from the store beyond the resume check's tolerance: a Python
     dataset's transform, or files changed under the same names without
@@ -342,28 +301,23 @@ def check_reused(
     if not len(reused) or not work.kept_layers:
         return
     kept = dataclasses.replace(plan, taps=[t for t in plan.taps if t.key in work.kept_layers])
-    (captured,) = recompute(model, dataset, kept, run, [reused.tolist()])
-    tolerance, dtype = tolerance_of(run.store.dtype, plan.layout.amp)
+    (captured,) = recompute(kept, [reused.tolist()])
+    dtype = plan.options.store.dtype
+    tolerance, rounding = tolerance_of(dtype, plan.layout.amp)
     rows = work.old_rows[captured.index - plan.rows.start]
     for key, value in captured.features.items():
-        stored = old.read(key, rows).float()
-        found = row_mismatch(values(value, run.store.dtype).float(), stored, tolerance)
-        if found is not None:
-            at, difference, _ = found
+        relative = relative_differences(values(value, dtype), old.read(key, rows))
+        at = first_over(relative, tolerance)
+        if at is not None:
+            difference = float(relative[at])
             sample = plan.ids[int(captured.index[at])]
             raise ConfigError(
                 f"cannot update {path}: row {sample!r}, layer {key!r}, recomputed now differs "
-                f"from the store by {difference:.1%} of its largest value, beyond {dtype} "
+                f"from the store by {difference:.1%} of its largest value, beyond {rounding} "
                 "rounding, although the model, weights and settings match; the data, its "
                 "transform or the model changed in a way the store's fingerprints cannot "
                 f"see; pass {OVERWRITE} to extract it afresh"
             )
-
-
-def hashes_content(plan: _Plan) -> bool:
-    """Whether the run's config asks for samples to be known by their bytes too."""
-    config = plan.provenance.get("config") or {}
-    return bool((config.get("data") or {}).get("content_hash"))
 
 
 class MergedRows:
@@ -380,8 +334,7 @@ class MergedRows:
         self,
         sink: WriterThread,
         old: FeatureStore,
-        dataset: Dataset,
-        plan: _Plan,
+        plan: ExtractionPlan,
         work: UpdateWork,
         dtype: str,
         positions: np.ndarray,
@@ -395,7 +348,7 @@ class MergedRows:
         self.copied = np.array([p for p in plan.rows if p not in run], dtype=np.int64)
         self.next = 0
         self.attrs: dict[str, dict[str, Any]] = {}
-        self.labels = _source_labels(dataset)
+        self.labels = _source_labels(plan.dataset)
 
     @property
     def skipped(self) -> int:

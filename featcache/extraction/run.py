@@ -1,0 +1,161 @@
+"""The one run: rows of a plan, loaded in batches, through the hooked forward, into a sink.
+
+Every computation of featcache goes through here and differs only in the rows it runs
+and where they go: a store (:class:`~featcache.extraction.writer_thread.WriterThread`),
+an update's merge of old and new rows, a comparison with stored rows (:func:`recompute`:
+the continuity check, the update's proof, ``verify``), or a timer (``plan``'s dry run).
+:func:`make_loader` is the one place a ``DataLoader`` of source rows is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from torch.utils.data import DataLoader, Dataset
+
+from featcache.capture.taps import Tap
+from featcache.extraction.batches import Batch, Collate, SourceRows, num_workers, pins, started
+from featcache.extraction.bucketing import WindowReorder
+from featcache.extraction.loop import LoopPlan, Sink, run_loop
+from featcache.extraction.plan import ExtractionPlan, RunOptions
+from featcache.extraction.writer_thread import CapturedBatch
+
+# Batches of the source rows in a range, from a loader shared with other runs.
+Feed = Callable[[range], contextlib.AbstractContextManager[Iterator[Batch]]]
+
+
+def make_loader(
+    rows: Dataset,
+    batches: Iterable[list[int]],
+    *,
+    workers: int,
+    pin: bool,
+    collate: Callable[[list[Any]], Any] | None = None,
+) -> DataLoader:
+    """A loader of ``rows`` (a :class:`SourceRows`, or a view of one) in ``batches``
+    (lists of positions into it), with ``workers`` processes, collated into one
+    :class:`~featcache.extraction.batches.Batch` each unless ``collate`` says otherwise."""
+    return DataLoader(
+        rows,
+        batch_sampler=batches,
+        num_workers=workers,
+        pin_memory=pin,
+        collate_fn=collate or Collate(getattr(rows, "pad_values", None)),
+    )
+
+
+@contextlib.contextmanager
+def loaded_batches(
+    plan: ExtractionPlan,
+    batches: Iterable[list[int]],
+    *,
+    rows: range | None = None,
+    workers_for: int | None = None,
+    feed: Feed | None = None,
+    options: RunOptions | None = None,
+) -> Iterator[Iterator[Batch]]:
+    """The batches of ``plan``'s source rows ``rows`` (default the plan's): ``batches``
+    lists positions into ``rows``. ``workers_for`` is the row count the loader's worker
+    processes are sized for (``loader.num_workers: auto``); None loads in this process.
+    A ``feed`` (a pass shared with other models) gives the batches of ``rows`` instead;
+    ``options`` replace the plan's (a dry run's batch size).
+    Enter it before opening the sink: forked workers then never hold the store's file."""
+    rows = plan.rows if rows is None else rows
+    if feed is not None:
+        with feed(rows) as fed:
+            yield fed
+        return
+    loader = (options or plan.options).loader
+    source_rows = SourceRows(plan.dataset, rows, has_labels=plan.has_labels)
+    workers = 0
+    if workers_for is not None:
+        workers = num_workers(loader.num_workers, workers_for, loader.batch_size)
+    pin = pins(loader.pin_memory, plan.layout.device)
+    with started(make_loader(source_rows, batches, workers=workers, pin=pin)) as loaded:
+        yield loaded
+
+
+def run_rows(
+    plan: ExtractionPlan,
+    batches: Iterator[Batch],
+    sink: Sink,
+    *,
+    taps: Sequence[Tap] | None = None,
+    total: int | None = None,
+    done_before: int = 0,
+    reorder: WindowReorder | None = None,
+    options: RunOptions | None = None,
+    warn: bool = True,
+) -> dict[str, float]:
+    """Run ``batches`` (from :func:`loaded_batches`) through ``plan``'s model, capturing
+    ``taps`` (default the plan's), into ``sink``; ``options`` replace the plan's for this
+    run (a dry run's batch size). The progress bar counts ``total`` rows (default the
+    plan's), ``done_before`` of them already done. ``reorder`` puts length-bucketed
+    batches back in source order; ``warn`` warns of gradient layers that stored only
+    zeros. Returns where the time went, in seconds."""
+    options = options or plan.options
+    loop = LoopPlan(
+        taps=plan.taps if taps is None else taps,
+        ids=plan.ids,
+        options=(options.loader, options.store, options.runtime),
+        layout=plan.layout,
+        pin=pins(options.loader.pin_memory, plan.layout.device),
+        total=len(plan.rows) if total is None else total,
+        done_before=done_before,
+        tokens=plan.tokens,
+        reorder=reorder,
+        unit=plan.unit,
+        warn=warn,
+    )
+    return run_loop(plan.model, batches, sink, loop)
+
+
+class Collected:
+    """A sink that keeps every batch, on the CPU: what a comparison recomputes."""
+
+    def __init__(self) -> None:
+        self.path = Path("recomputed")
+        self.waited = 0.0
+        self.batches: list[CapturedBatch] = []
+
+    @property
+    def skipped(self) -> int:
+        return sum(len(batch.skipped) for batch in self.batches)
+
+    def put(self, batch: CapturedBatch, feature_attrs: Mapping[str, Any]) -> None:
+        if batch.ready is not None:
+            batch.ready.synchronize()
+        if batch.release is not None:  # the values sit in reused host buffers
+            batch.features = {key: value.clone() for key, value in batch.features.items()}
+            batch.release()
+            batch.release = batch.ready = None
+        self.batches.append(batch)
+
+
+def recompute(
+    plan: ExtractionPlan,
+    batches: Sequence[list[int]],
+    *,
+    on_nonfinite: Literal["fail", "skip", "keep"] | None = None,
+) -> list[CapturedBatch]:
+    """The captured values of ``batches`` (positions into ``plan.rows``), run as the run
+    loop runs them, in this process and without a progress bar. Rows that cannot be read
+    are left out (recorded as skipped), as are rows the non-finite policy drops
+    (``on_nonfinite`` replaces the plan's)."""
+    options = plan.options
+    options = dataclasses.replace(
+        options,
+        loader=dataclasses.replace(options.loader, on_error="skip"),
+        store=dataclasses.replace(
+            options.store, on_nonfinite=on_nonfinite or options.store.on_nonfinite
+        ),
+        runtime=dataclasses.replace(options.runtime, progress=False, compile=False),
+    )
+    collected = Collected()
+    with loaded_batches(plan, batches) as loaded:
+        run_rows(plan, loaded, collected, options=options, warn=False)
+    return collected.batches
