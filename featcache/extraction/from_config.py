@@ -21,7 +21,7 @@ from featcache.extraction.distributed import (
     launch_words,
 )
 from featcache.extraction.estimate import check_free_space, estimate_store
-from featcache.extraction.many import Decoded, ModelRun, estimate_runs, extract_models
+from featcache.extraction.many import Decoded, ModelRun, estimate_runs, run_models
 from featcache.extraction.plan import RunOptions, make_plan
 from featcache.extraction.sharding import extract_shard
 from featcache.store import FeatureStore, check_output_path
@@ -245,24 +245,24 @@ def _extract_models(
             own = {k: arguments[k] for k in ("provenance", "prefix_tokens", "sequence_first")}
             path = one.store_path(split)
             runs[split].append(ModelRun(backbone.model, one.layers, path, backbone.transform, own))
-    options = run_options(spec).to_kwargs()
+    options = run_options(spec)
     if check_space:  # every model's and split's store, before any work
         estimates = []
         for split in sources:
             todo = [r for key, r in zip(specs, runs[split], strict=True)
                     if not complete_already(specs[key], split)]  # fmt: skip
             estimates += estimate_runs(
-                todo, decoded[split], dataset_fingerprint=fingerprints[split], **options
+                todo, decoded[split], options, dataset_fingerprint=fingerprints[split]
             )
         check_free_space(estimates, spec.output.overwrite)
     stores = {}
     for split, source in sources.items():
-        made = extract_models(
+        made = run_models(
             runs[split],
             decoded[split],
+            options,
             dataset_fingerprint=fingerprints[split],
             check_space=False,
-            **options,
         )
         for key, store in zip(specs, made, strict=True):
             stores[f"{key}/{split}"] = store

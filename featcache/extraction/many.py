@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from featcache.capture.runtime import resolve_device
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.extraction.api import estimate, run_plan
+from featcache.extraction.api import run_plan
 from featcache.extraction.batches import (
     Batch,
     Collate,
@@ -40,9 +40,9 @@ from featcache.extraction.batches import (
     started,
 )
 from featcache.extraction.dataset_info import dataset_classes, dataset_ids
-from featcache.extraction.estimate import StoreEstimate, check_free_space
+from featcache.extraction.estimate import StoreEstimate, check_free_space, estimate_store
 from featcache.extraction.grid import GridBatches, shard_starts
-from featcache.extraction.plan import RunOptions, plan_from_arguments
+from featcache.extraction.plan import PLAN_ARGUMENTS, ExtractionPlan, RunOptions, make_plan
 from featcache.extraction.run import make_loader
 from featcache.store import FeatureStore
 from featcache.store.lock import writer_lock
@@ -302,17 +302,31 @@ def _first_row(batch: Batch) -> int | None:
     return min(rows) if rows else None
 
 
+def plan_of_run(
+    run: ModelRun, dataset: Dataset, shared: RunOptions, **arguments: Any
+) -> ExtractionPlan:
+    """The plan of one model of a pass over ``dataset`` (the model's view of it): the
+    pass's ``shared`` options with the run's own, and ``arguments`` of
+    `featcache.extraction.plan.make_plan` with the run's own."""
+    own = {k: v for k, v in run.options.items() if k in PLAN_ARGUMENTS}
+    changes = {k: v for k, v in run.options.items() if k not in PLAN_ARGUMENTS}
+    options = shared.replaced(**changes) if changes else shared
+    return make_plan(run.model, dataset, run.layers, options, **{**arguments, **own})
+
+
 def estimate_runs(
-    runs: Sequence[ModelRun], dataset: Decoded, **options: Any
+    runs: Sequence[ModelRun], dataset: Decoded, shared: RunOptions, **arguments: Any
 ) -> list[StoreEstimate]:
-    """The size of each run's store (:func:`~featcache.extraction.estimate`), each
-    model's first row made from the same decoded sample; ``options`` are the shared
-    options of ``estimate``, each run's own added."""
+    """The size of each run's store (`featcache.extraction.estimate`), each model's
+    first row made from the same decoded sample; ``shared`` and ``arguments`` as
+    `plan_of_run` takes them."""
     return [
-        estimate(run.model, Transformed(dataset, run.transform), run.layers, run.path,
-                 **options, **run.options)
+        estimate_store(
+            plan_of_run(run, Transformed(dataset, run.transform), shared, **arguments),
+            Path(run.path),
+        )
         for run in runs
-    ]  # fmt: skip
+    ]
 
 
 def extract_models(
@@ -354,7 +368,24 @@ def extract_models(
                 f"runs[{at}] sets {', '.join(own)}, an option of the whole pass; give it "
                 "to extract_models for all models"
             )
-    shared = RunOptions.from_kwargs(**options)
+    return run_models(
+        runs, dataset, RunOptions.from_kwargs(**options), ids=ids, class_names=class_names,
+        rows=rows, dataset_fingerprint=dataset_fingerprint, check_space=check_space,
+    )  # fmt: skip
+
+
+def run_models(
+    runs: Sequence[ModelRun],
+    dataset: Dataset,
+    shared: RunOptions,
+    *,
+    ids: Sequence[str] | None = None,
+    class_names: Sequence[str] | None = None,
+    rows: range | None = None,
+    dataset_fingerprint: str | None = None,
+    check_space: bool = True,
+) -> list[FeatureStore]:
+    """`extract_models` with the pass's options as `RunOptions`."""
     if shared.loader.bucket_by_length:
         raise ConfigError(
             "loader.bucket_by_length orders batches by each model's token lengths, which a "
@@ -366,13 +397,11 @@ def extract_models(
         ids = dataset_ids(base) or [f"{type(base).__name__}:{i}" for i in range(len(decoded))]
     class_names = class_names if class_names is not None else dataset_classes(base)
     views = [Transformed(decoded, run.transform) for run in runs]
-    common = dict(
-        ids=ids, class_names=class_names, rows=rows, dataset_fingerprint=dataset_fingerprint
-    )
-    arguments = [{**common, **options, **run.options, "progress": False} for run in runs]
+    sized = dict(rows=rows, dataset_fingerprint=dataset_fingerprint)
+    common = dict(ids=ids, class_names=class_names, **sized)
     if check_space:  # every store, before any work
-        sized = dict(rows=rows, dataset_fingerprint=dataset_fingerprint, **options)
-        check_free_space(estimate_runs(runs, decoded, **sized), shared.overwrite)
+        check_free_space(estimate_runs(runs, decoded, shared, **sized), shared.overwrite)
+    quiet = dataclasses.replace(shared, runtime=dataclasses.replace(shared.runtime, progress=False))
     fan_out = FanOut(decoded, [run.transform for run in runs])
     shared_pass = SharedPass(fan_out, len(runs), shared, shard_starts(dataset))
     first = first_sample(decoded, rows or range(len(decoded)))
@@ -387,9 +416,7 @@ def extract_models(
         try:
             path = Path(model_run.path)
             with writer_lock(path):
-                plan = plan_from_arguments(
-                    model_run.model, views[member], model_run.layers, **arguments[member]
-                )
+                plan = plan_of_run(model_run, views[member], quiet, **common)
                 stores[member] = run_plan(
                     plan, path, check_space=False, feed=shared_pass.feed(member)
                 )

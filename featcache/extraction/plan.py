@@ -1,9 +1,9 @@
 """The plan of an extraction: everything decided before the first batch.
 
-:func:`make_plan` checks a model, a dataset and the layers asked for, and returns an
-:class:`ExtractionPlan`: the hooked layers (taps), the source rows and their ids, labels
+`make_plan` checks a model, a dataset and the layers asked for, and returns an
+`ExtractionPlan`: the hooked layers (taps), the source rows and their ids, labels
 and change stamps, where and how the model runs, the batch grid and the store key. Every
-run of featcache executes a plan (:func:`featcache.extraction.run.run_rows`): an
+run of featcache executes a plan (`featcache.extraction.run.run_rows`): an
 extraction or a resume, an update, a torchrun shard, one model of a shared pass, the
 continuity check, ``verify``'s recomputation and ``plan``'s timing.
 """
@@ -79,8 +79,13 @@ class RunOptions:
                 raw[owner[key]][key] = value
         return build(cls, raw)
 
+    def replaced(self, **changes: Any) -> RunOptions:
+        """These options with the config keys ``changes`` (``dtype=...``) set anew, checked
+        as :meth:`from_kwargs` checks them."""
+        return RunOptions.from_kwargs(**{**self.to_kwargs(), **changes})
+
     def to_kwargs(self) -> dict[str, Any]:
-        """The flat keyword arguments :meth:`from_kwargs` takes for these options."""
+        """The flat keyword arguments `from_kwargs` takes for these options."""
         flat: dict[str, Any] = {"overwrite": self.overwrite, "update": self.update}
         for name in _SECTIONS:
             flat.update(dataclasses.asdict(getattr(self, name)))
@@ -197,7 +202,7 @@ class ExtractionPlan:
         return change_report(changed.tolist(), ids, stamps[changed], current[changed])
 
     def stale_rows(self, path: Path) -> str:
-        """The rows of the complete store at ``path`` that :meth:`changes_since` names."""
+        """The rows of the complete store at ``path`` that `changes_since` names."""
         if self.stamps is None or self.hashes_content:
             return ""
         with FeatureStore(path) as store:
@@ -236,7 +241,7 @@ def make_plan(
     prefix_tokens: int | None = None,
     sequence_first: bool = False,
 ) -> ExtractionPlan:
-    """Check the arguments of :func:`~featcache.extraction.api.extract` (which takes the
+    """Check the arguments of `featcache.extraction.api.extract` (which takes the
     same) and decide what its run will do.
 
     Raises:
@@ -338,23 +343,11 @@ def make_plan(
     )
 
 
-# make_plan's own keyword arguments, among extract's (the others are run options)
+# make_plan's own keyword arguments, among those of extract (the others: run options)
 PLAN_ARGUMENTS = (
     "ids", "class_names", "provenance", "dataset_fingerprint", "rows", "prefix_tokens",
     "sequence_first",
 )  # fmt: skip
-
-
-def plan_from_arguments(
-    model: nn.Module,
-    dataset: Dataset,
-    layers: Iterable[LayerSpec | str | Mapping[str, Any]] | str,
-    **arguments: Any,
-) -> ExtractionPlan:
-    """:func:`make_plan` from the keyword arguments of
-    :func:`~featcache.extraction.api.extract`: its own and the run options together."""
-    own = {name: arguments.pop(name) for name in PLAN_ARGUMENTS if name in arguments}
-    return make_plan(model, dataset, layers, RunOptions.from_kwargs(**arguments), **own)
 
 
 def _unit(value: Any) -> str:

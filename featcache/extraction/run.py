@@ -1,10 +1,10 @@
 """The one run: rows of a plan, loaded in batches, through the hooked forward, into a sink.
 
 Every computation of featcache goes through here and differs only in the rows it runs
-and where they go: a store (:class:`~featcache.extraction.writer_thread.WriterThread`),
-an update's merge of old and new rows, a comparison with stored rows (:func:`recompute`:
+and where they go: a store (`featcache.extraction.writer_thread.WriterThread`),
+an update's merge of old and new rows, a comparison with stored rows (`recompute`:
 the continuity check, the update's proof, ``verify``), or a timer (``plan``'s dry run).
-:func:`make_loader` is the one place a ``DataLoader`` of source rows is built.
+`make_loader` is the one place a ``DataLoader`` of source rows is built.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ def make_loader(
     pin: bool,
     collate: Callable[[list[Any]], Any] | None = None,
 ) -> DataLoader:
-    """A loader of ``rows`` (a :class:`SourceRows`, or a view of one) in ``batches``
+    """A loader of ``rows`` (a `SourceRows`, or a view of one) in ``batches``
     (lists of positions into it), with ``workers`` processes, collated into one
-    :class:`~featcache.extraction.batches.Batch` each unless ``collate`` says otherwise."""
+    `featcache.extraction.batches.Batch` each unless ``collate`` says otherwise."""
     return DataLoader(
         rows,
         batch_sampler=batches,
@@ -91,7 +91,7 @@ def run_rows(
     options: RunOptions | None = None,
     warn: bool = True,
 ) -> dict[str, float]:
-    """Run ``batches`` (from :func:`loaded_batches`) through ``plan``'s model, capturing
+    """Run ``batches`` (from `loaded_batches`) through ``plan``'s model, capturing
     ``taps`` (default the plan's), into ``sink``; ``options`` replace the plan's for this
     run (a dry run's batch size). The progress bar counts ``total`` rows (default the
     plan's), ``done_before`` of them already done. ``reorder`` puts length-bucketed

@@ -47,7 +47,7 @@ class StoreState:
 
 
 def store_state(path: str | os.PathLike) -> StoreState:
-    """Read what lies at the store path ``path`` now (see :class:`StoreState`)."""
+    """Read what lies at the store path ``path`` now (see `StoreState`)."""
     path = Path(path)
     partial = partial_path(path)
     complete, has_partial = path.exists(), partial.is_file()
