@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -40,6 +41,11 @@ TrustFactory = Annotated[
 ]
 
 
+def _command(function: Callable[..., Any]) -> Callable[..., Any]:
+    """A command of the app, its errors printed as one line each (`friendly`)."""
+    return app.command()(friendly(function))
+
+
 def _version(show: bool) -> None:
     if show:
         from featcache import __version__
@@ -63,8 +69,7 @@ def _options(
     state["debug"] = debug
 
 
-@app.command()
-@friendly
+@_command
 def extract(
     config: ConfigFile,
     set_: Overrides = None,
@@ -106,24 +111,21 @@ def extract(
     from featcache.extraction.from_config import resume_command
     from featcache.store.history import describe_run
 
-    overrides = list(set_ or [])
-    if overwrite:
-        overrides.append("output.overwrite=true")
-    if update:
-        overrides.append("output.update=true")
-    if limit is not None:
-        overrides.append(f"data.limit={limit}")
+    flags = {"output.overwrite=true": overwrite, "output.update=true": update}
+    flags[f"data.limit={limit}"] = limit is not None
+    overrides = [*(set_ or []), *(flag for flag, given in flags.items() if given)]
     rank = current_rank()
+    main = rank is None or rank.is_main
     started = time.time_ns()
     try:
         stores = extract_from_config(config, overrides, check_space=not ignore_free_space)
     except KeyboardInterrupt:
-        if rank is None or rank.is_main:
+        if main:
             again = resume_command(config, overrides, rank)
             message = f"featcache: interrupted; what was written is kept, and `{again}` resumes it"
             say(message, err=True)
         raise typer.Exit(130) from None
-    if rank is None or rank.is_main:
+    if main:
         for store in stores.values():
             done_before = store.path.stat().st_mtime_ns < started  # a rerun found it complete
             say(store.describe().summary() + ("; already complete" if done_before else ""))
@@ -132,8 +134,7 @@ def extract(
                 say(f"{store.path}: {describe_run(history[-1])}")
 
 
-@app.command()
-@friendly
+@_command
 def plan(
     config: ConfigFile,
     set_: Overrides = None,
@@ -157,8 +158,7 @@ def plan(
         say(plan_run(one, batches=batches).format())
 
 
-@app.command()
-@friendly
+@_command
 def layers(
     model_or_config: Annotated[
         str,
@@ -205,8 +205,7 @@ def layers(
         say(f"{info.name:<{width}}  {info.type:<{type_width}}  {info.output}")
 
 
-@app.command()
-@friendly
+@_command
 def info(
     store: Annotated[Path, typer.Argument(help="A store written by featcache (.h5).")],
     as_json: Annotated[bool, typer.Option("--json", help="Print all attributes as JSON.")] = False,
@@ -224,8 +223,7 @@ def info(
     say(description.to_json() if as_json else description.format())
 
 
-@app.command()
-@friendly
+@_command
 def verify(
     store: Annotated[Path, typer.Argument(help="A store made by `featcache extract`.")],
     samples: Annotated[
@@ -282,8 +280,7 @@ def verify(
     say(f"verify: PASS ({len(result.rows)} rows recomputed): {result.path}")
 
 
-@app.command()
-@friendly
+@_command
 def merge(
     store: Annotated[Path, typer.Argument(help="A store, typically one made by torchrun.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="The single file to write.")],
@@ -301,8 +298,7 @@ def merge(
     say(merged.describe().summary())
 
 
-@app.command()
-@friendly
+@_command
 def demo(
     output: Annotated[
         Path, typer.Option("--output", "-o", help="Folder for the demo stores.")
@@ -340,8 +336,7 @@ def demo(
         say(f"wrote {json_path} and {png_path}")
 
 
-@app.command()
-@friendly
+@_command
 def probe(
     train: Annotated[Path, typer.Argument(help="Store to fit the probes on (.h5).")],
     layer: Annotated[
@@ -474,8 +469,7 @@ def probe(
         say(f"wrote {plot_layers(results, plot)}")
 
 
-@app.command()
-@friendly
+@_command
 def show(
     store: Annotated[Path, typer.Argument(help="A store written by featcache (.h5).")],
     layer: Annotated[str, typer.Option("--layer", "-l", help="A stored layer key.")],
@@ -498,8 +492,7 @@ def show(
     say(f"wrote {path}")
 
 
-@app.command()
-@friendly
+@_command
 def cam(
     store: Annotated[Path, typer.Argument(help="A store with activations and gradients.")],
     layer: Annotated[

@@ -1,9 +1,5 @@
-"""Pictures from a store: feature-map grids and Grad-CAM overlays.
+"""Pictures from a store: feature-map grids and Grad-CAM overlays (Selvaraju et al., 2017).
 
-:func:`feature_grid` lays one row's channels out as a grid of grey images, each channel
-scaled to [0, 1] on its own. :func:`grad_cam` weighs a layer's activation channels by
-their spatially averaged gradients (Selvaraju et al., 2017), and :func:`cam_overlay`
-blends that map over the source image, which the store's ids and recorded config locate.
 Images are written with :func:`torchvision.utils.save_image`; the CAM's colours are
 matplotlib's (the ``plot`` extra).
 """
@@ -96,9 +92,7 @@ def feature_grid(
         raise ConfigError(
             f"nrow must be a whole number >= 1 (or None for about a square), got {nrow}"
         )
-    fs = _open(store)
-    x = _spatial(fs, layer, row)[:max_channels]
-    x = normalize_channels(x)
+    x = normalize_channels(_spatial(_open(store), layer, row)[:max_channels])
     if scale > 1:
         x = F.interpolate(x[None], scale_factor=scale, mode="nearest")[0]
     nrow = nrow if nrow is not None else math.ceil(math.sqrt(len(x)))

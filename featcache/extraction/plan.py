@@ -81,7 +81,7 @@ class RunOptions:
 
     def replaced(self, **changes: Any) -> RunOptions:
         """These options with the config keys ``changes`` (``dtype=...``) set anew, checked
-        as :meth:`from_kwargs` checks them."""
+        as `from_kwargs` checks them."""
         return RunOptions.from_kwargs(**{**self.to_kwargs(), **changes})
 
     def to_kwargs(self) -> dict[str, Any]:

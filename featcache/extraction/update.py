@@ -34,7 +34,6 @@ starts it over (the old store is still in place), and a plain run refuses it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -58,7 +57,7 @@ from featcache.store import FeatureStore, remove_partial
 from featcache.store.codec import encode, values
 from featcache.store.history import history_of, run_record
 from featcache.store.paths import OVERWRITE
-from featcache.store.provenance import config_differences
+from featcache.store.provenance import config_differences, short_value, value_at
 from featcache.store.resume import UPDATE_MARK
 
 # Per-row hashes of the samples' bytes, when the source records them (its row_columns).
@@ -141,7 +140,7 @@ def update_refusal(
         if name not in UPDATABLE_KEYS and stored_key.get(name) != key.get(name):
             return (
                 f"its {name.replace('_', ' ')} differs from this run's "
-                f"({_short(stored_key.get(name))} vs {_short(key.get(name))})"
+                f"({short_value(stored_key.get(name))} vs {short_value(key.get(name))})"
             )
     if stored_config is None or config is None:
         return ""
@@ -152,10 +151,8 @@ def update_refusal(
     ]
     if not fixed:
         return ""
-    return (
-        f"its config differs from this run's at {', '.join(fixed[:3])} "
-        f"({_short(_value_at(stored_config, fixed[0]))} vs {_short(_value_at(config, fixed[0]))})"
-    )
+    was, now = (short_value(value_at(c, fixed[0])) for c in (stored_config, config))
+    return f"its config differs from this run's at {', '.join(fixed[:3])} ({was} vs {now})"
 
 
 def plan_work(old: FeatureStore, plan: ExtractionPlan, hashes: np.ndarray | None) -> UpdateWork:
@@ -469,16 +466,3 @@ def _source_labels(dataset: Dataset) -> np.ndarray | None:
     if labels is None or len(labels) != len(dataset):
         return None
     return np.array([-1 if label is None else int(label) for label in labels], dtype=np.int64)
-
-
-def _value_at(config: Mapping[str, Any], dotted: str) -> Any:
-    """The value at a dotted key of a config (None when absent)."""
-    value: Any = config
-    for part in dotted.split("."):
-        value = value.get(part) if isinstance(value, Mapping) else None
-    return value
-
-
-def _short(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-    return text if len(text) <= 40 else text[:16] + "..." + text[-8:]

@@ -13,13 +13,9 @@ from featcache.store.merge import combine_shards, copy_store, merge_store
 from featcache.store.metadata import seal
 from featcache.store.paths import check_output_path, partial_path, remove_partial, remove_store
 from featcache.store.reader import FeatureStore
-from featcache.store.resume import (
-    ResumePoint,
-    interrupted_overwrite,
-    plan_resume,
-    stored_resume_key,
-)
+from featcache.store.resume import ResumePoint, plan_resume, stored_resume_key
 from featcache.store.rows import read_rows, rows_of
+from featcache.store.state import StoreState, interrupted_overwrite, store_state
 from featcache.store.writer import StorePlan, StoreWriter
 
 __all__ = [
@@ -27,6 +23,7 @@ __all__ = [
     "FeatureStore",
     "ResumePoint",
     "StorePlan",
+    "StoreState",
     "StoreWriter",
     "check_output_path",
     "codec",
@@ -43,5 +40,6 @@ __all__ = [
     "rows_of",
     "scan_chunks",
     "seal",
+    "store_state",
     "stored_resume_key",
 ]

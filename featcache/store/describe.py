@@ -84,13 +84,9 @@ class StoreDescription:
     def time_split(self) -> dict[str, float] | None:
         """Seconds the run spent waiting for data, in the model and waiting for the disk
         (``{"data": ..., "model": ..., "disk": ...}``); None when not recorded."""
-        split: dict[str, float] = {}
-        for key, name in TIME_SPLIT.items():
-            seconds = self.attrs.get(f"seconds_{key}")
-            if seconds is None:
-                return None
-            split[name] = float(seconds)
-        return split
+        if any(self.attrs.get(f"seconds_{key}") is None for key in TIME_SPLIT):
+            return None
+        return {name: float(self.attrs[f"seconds_{key}"]) for key, name in TIME_SPLIT.items()}
 
     @property
     def resume_command(self) -> str | None:
@@ -174,15 +170,9 @@ class StoreDescription:
         decode = ((attrs.get("config") or {}).get("loader") or {}).get("decode")
         if decode:
             lines.append(f"decode     {decode}")
-        for key, label in (
-            ("split", "split"),
-            ("config_fingerprint", "config"),
-            ("dataset_fingerprint", "dataset"),
-            ("device", "device"),
-            ("created", "created"),
-        ):
+        for key in ("split", "config_fingerprint", "dataset_fingerprint", "device", "created"):
             if key in attrs:
-                lines.append(f"{label:<10} {attrs[key]}")
+                lines.append(f"{key.removesuffix('_fingerprint'):<10} {attrs[key]}")
         versions = attrs.get("versions") or {}
         lines.append("versions   " + ", ".join(f"{k} {v}" for k, v in versions.items()))
         layout = attrs.get("layout")
@@ -201,8 +191,7 @@ class StoreDescription:
 
     def _partial_text(self) -> list[str]:
         if self.writer is not None:
-            holder = Holder(**self.writer)
-            lines = [f"writer     {holder.describe()} (still running)"]
+            lines = [f"writer     {Holder(**self.writer).describe()} (still running)"]
         elif self.stopped_update:
             lines = [
                 "writer     none: the update stopped; rerun it with --update (update=True in "
@@ -282,10 +271,7 @@ def store_bytes(store: FeatureStore) -> int:
 
 def describe(store: FeatureStore) -> StoreDescription:
     """Everything ``featcache info`` reports about ``store``, read once."""
-    writer = None
-    if not store.complete:
-        found = holder(store_path_of(store.path))
-        writer = None if found is None else asdict(found)
+    writer = None if store.complete else holder(store_path_of(store.path))
     offsets = store.offsets
     return StoreDescription(
         path=store.path,
@@ -300,7 +286,7 @@ def describe(store: FeatureStore) -> StoreDescription:
         class_names=store.class_names,
         skipped=store.skipped,
         attrs=store.attrs,
-        writer=writer,
+        writer=None if writer is None else asdict(writer),
         tokens=None if offsets is None else int(offsets[-1]),
         stamps=_stamp_fields(store.file.get(STAMPS)),
     )

@@ -93,9 +93,8 @@ def write_checked(
     """A whole dataset ``name`` of ``data`` (at least one row), written at once, with its
     chunk checksums when ``checked`` (the skip records and per-row columns a store gets
     when it completes)."""
-    dataset = (allocate_checked if checked else allocate)(
-        file, name, data.shape, data.dtype, chunk_rows
-    )
+    add = allocate_checked if checked else allocate
+    dataset = add(file, name, data.shape, data.dtype, chunk_rows)
     dataset[...] = data
     if checked:
         file[checksums_name(name)][...] = stored_checksums(dataset)

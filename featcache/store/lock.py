@@ -156,10 +156,8 @@ def _acquire(key: Path) -> tuple[int, Holder]:
             )
         with contextlib.suppress(FileNotFoundError):
             if os.path.samestat(os.fstat(fd), os.stat(lock)):
-                started = datetime.datetime.now(datetime.timezone.utc)
-                record = Holder(
-                    os.getpid(), socket.gethostname(), started.isoformat("T", "seconds"), str(key)
-                )
+                started = datetime.datetime.now(datetime.timezone.utc).isoformat("T", "seconds")
+                record = Holder(os.getpid(), socket.gethostname(), started, str(key))
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, json.dumps(asdict(record)).encode(), 0)
                 return fd, record

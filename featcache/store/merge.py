@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -12,17 +13,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.store import codec
-from featcache.store.layout import (
-    PROGRESS,
-    TARGET_CHUNK_BYTES,
-    WHOLE_FILE_LIBVER,
-    allocate,
-    checksums_name,
-    chunk_rows_for,
-    stored_checksums,
-    write_checked,
-)
+from featcache.store import codec, layout
 from featcache.store.lock import writer_lock
 from featcache.store.metadata import DIGEST_ATTR, seal
 from featcache.store.paths import open_readonly, partial_path
@@ -59,11 +50,7 @@ def copy_store(
             require_space(total + total // 50 + (1 << 20), [target], "the copy")
         key = codec.attr(src, "resume_key")
         bar = tqdm(total=total, unit="B", unit_scale=True, desc=target.name, disable=not progress)
-        with (
-            bar,
-            building_beside(target, ".copying") as tmp,
-            h5py.File(tmp, "w", libver=WHOLE_FILE_LIBVER) as dst,
-        ):
+        with bar, _written_whole(target, ".copying") as dst:
             codec.copy_attrs(src, dst, skip={*drop, DIGEST_ATTR})
             for name, obj in objects:
                 if isinstance(obj, h5py.Group):
@@ -74,8 +61,16 @@ def copy_store(
             if isinstance(key, dict):
                 current["resume_key"] = dict(key, featcache_format=FORMAT_VERSION)
             codec.write_attrs(dst, {**current, **dict(attrs or {})})
-            seal(dst)
-    replace_durably(tmp, target)
+
+
+@contextlib.contextmanager
+def _written_whole(target: Path, suffix: str) -> Iterator[h5py.File]:
+    """A new store file written whole beside ``target``, sealed and moved into place last."""
+    with building_beside(target, suffix) as tmp:
+        with h5py.File(tmp, "w", libver=layout.WHOLE_FILE_LIBVER) as out:
+            yield out
+            seal(out)
+        replace_durably(tmp, target)
 
 
 def walk(group: h5py.Group, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -95,22 +90,23 @@ def _copy_dataset(
         bar.update(obj.size * obj.dtype.itemsize)
     else:
         n, shape, dtype = len(obj), obj.shape, obj.dtype
-        rows = min(obj.chunks[0] if obj.chunks else chunk_rows_for(shape[1:], dtype.itemsize, n), n)
+        rows = obj.chunks[0] if obj.chunks else layout.chunk_rows_for(shape[1:], dtype.itemsize, n)
+        rows = min(rows, n)
         if compression is None:  # written whole: its chunks need no index
-            out = allocate(dst, name, shape, dtype, rows, resizable=False)
+            out = layout.allocate(dst, name, shape, dtype, rows, resizable=False)
         else:
             out = dst.create_dataset(
                 name, shape=shape, dtype=dtype, chunks=(rows, *shape[1:]), compression=compression
             )
         chunk_bytes = rows * dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
-        step = rows * max(1, 8 * TARGET_CHUNK_BYTES // max(chunk_bytes, 1))  # a few chunks
+        step = rows * max(1, 8 * layout.TARGET_CHUNK_BYTES // max(chunk_bytes, 1))  # a few chunks
         reader = rows_of(obj)
         for start in range(0, n, step):
             block = np.empty((min(step, n - start), *shape[1:]), dtype=dtype)
             reader.read(start, start + len(block), block)
             out[start : start + len(block)] = block
             bar.update(block.nbytes)
-        dst.create_dataset(checksums_name(name), data=stored_checksums(out))
+        dst.create_dataset(layout.checksums_name(name), data=layout.stored_checksums(out))
     codec.copy_attrs(obj, out)
 
 
@@ -132,10 +128,7 @@ def combine_shards(
         for shard, f in zip(shards, files, strict=True):
             if not f.attrs.get("complete"):
                 raise FeatcacheError(f"shard {shard} is incomplete; rerun to resume it")
-        with (
-            building_beside(path, ".combining") as tmp,
-            h5py.File(tmp, "w", libver=WHOLE_FILE_LIBVER) as out,
-        ):
+        with _written_whole(path, ".combining") as out:
             _combine(out, shards, files, path.parent)
             codec.copy_attrs(files[0], out, skip=("resume_key", DIGEST_ATTR))
             rows = sum(int(f.attrs["num_rows"]) for f in files)
@@ -153,11 +146,9 @@ def combine_shards(
             }
             codec.write_attrs(out, {**summary, **dict(attrs or {})})
             out.attrs["complete"] = True
-            seal(out)
     finally:
         for f in files:
             f.close()
-    replace_durably(tmp, path)
     return FeatureStore(path)
 
 
@@ -169,7 +160,7 @@ def _combine(
     out.create_group("features", track_order=True)  # layers keep their capture order
     checked = "checksums" in files[0]
     for name, first in walk(files[0]):
-        if not isinstance(first, h5py.Dataset) or name == PROGRESS:
+        if not isinstance(first, h5py.Dataset) or name == layout.PROGRESS:
             continue
         if name.startswith(("skipped", "checksums")):
             continue
@@ -177,18 +168,18 @@ def _combine(
             ends = [read_head(f[name], len(f[name])) for f in files]
             bases = np.cumsum([0] + [int(e[-1]) for e in ends[:-1]])
             offsets = np.concatenate([[0], *(e[1:] + b for e, b in zip(ends, bases, strict=True))])
-            write_checked(out, name, offsets.astype(np.int64), first.chunks[0], checked)
+            layout.write_checked(out, name, offsets.astype(np.int64), first.chunks[0], checked)
             continue
-        layout = h5py.VirtualLayout(
+        virtual = h5py.VirtualLayout(
             (sum(len(f[name]) for f in files), *first.shape[1:]), first.dtype
         )
         at = 0
         for shard, f in zip(shards, files, strict=True):
             # Relative to the store's folder: HDF5 looks for sources beside the store.
             source = h5py.VirtualSource(os.path.relpath(shard, folder), name, shape=f[name].shape)
-            layout[at : at + len(f[name])] = source
+            virtual[at : at + len(f[name])] = source
             at += len(f[name])
-        codec.copy_attrs(first, out.create_virtual_dataset(name, layout))
+        codec.copy_attrs(first, out.create_virtual_dataset(name, virtual))
     records = [record for f in files for record in read_skipped(f)]
     if records:
         write_skipped(out, records, files[0]["index"].chunks[0], checked)

@@ -129,28 +129,28 @@ def key_difference(
 ) -> str:
     """What differs between a stored store key and this run's at ``key``, in words: for
     the config fingerprint, the config keys themselves when both configs are known."""
-    what, before, now = f"its {key.replace('_', ' ')} differs from this run's", stored, current
     keys = []
     if key == "config_fingerprint" and stored_config and config is not None:
         keys = config_differences(stored_config, config)
-    if keys:
-        key = keys[0]
-        named = " and ".join(keys)
-        if len(keys) > 2:
-            named = f"{key}, {keys[1]} and {len(keys) - 2} more"
-        what = f"its config differs from this run's at {named}"
-        before, now = {key: _value_at(stored_config, key)}, {key: _value_at(config, key)}
-    return f"{what} ({_short(before.get(key))} vs {_short(now.get(key))})"
+    if not keys:
+        what = f"its {key.replace('_', ' ')} differs from this run's"
+        return f"{what} ({short_value(stored.get(key))} vs {short_value(current.get(key))})"
+    named = (
+        " and ".join(keys) if len(keys) <= 2 else f"{keys[0]}, {keys[1]} and {len(keys) - 2} more"
+    )
+    before, now = (short_value(value_at(side, keys[0])) for side in (stored_config, config))
+    return f"its config differs from this run's at {named} ({before} vs {now})"
 
 
-def _value_at(config: Any, dotted: str) -> Any:
+def value_at(config: Any, dotted: str) -> Any:
     """The value at a dotted key of a config (None when absent)."""
     for part in dotted.split("."):
         config = config.get(part) if isinstance(config, Mapping) else None
     return config
 
 
-def _short(value: Any) -> str:
+def short_value(value: Any) -> str:
+    """``value`` as text (JSON unless a string), its middle cut out past 40 characters."""
     text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
     return text if len(text) <= 40 else text[:16] + "..." + text[-8:]
 

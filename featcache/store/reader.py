@@ -10,21 +10,12 @@ from typing import TYPE_CHECKING, Any
 import h5py
 import numpy as np
 
-from featcache.errors import (
-    ConfigError,
-    CorruptStoreError,
-    IncompleteStoreError,
-    first_line,
-)
+from featcache.errors import ConfigError, CorruptStoreError, IncompleteStoreError, first_line
 from featcache.store import codec
 from featcache.store.checks import durable_problem
 from featcache.store.containment import foreign_data_problem
 from featcache.store.layout import STAMPS
-from featcache.store.metadata import (
-    UNREADABLE_METADATA,
-    metadata_problem,
-    newer_format,
-)
+from featcache.store.metadata import UNREADABLE_METADATA, metadata_problem, newer_format
 from featcache.store.paths import (
     open_readonly,
     partial_path,
@@ -280,8 +271,7 @@ class FeatureStore:
         index = self.index
         if not len(index):
             return []
-        log = skipped_log_path(store_path_of(self.path))
-        records = read_log(log, before=int(index[-1]) + 1)
+        records = read_log(skipped_log_path(store_path_of(self.path)), before=int(index[-1]) + 1)
         return sorted(records, key=lambda record: record["index"])
 
     @property
@@ -331,8 +321,7 @@ class FeatureStore:
             raise ConfigError(f"layer {layer!r} holds one row per sample; read it with read()")
         picked = row_numbers(rows, len(self))
         # Only the offsets of the rows asked for are read: a row at a time stays cheap.
-        first = int(picked.min()) if len(picked) else 0
-        last = int(picked.max()) + 1 if len(picked) else 0
+        first, last = (int(picked.min()), int(picked.max()) + 1) if len(picked) else (0, 0)
         window = np.empty(last + 1 - first, dtype=np.int64)
         self._handle.rows("offsets").read(first, last + 1, window)
         return read_token_rows(self._reader(layer), window, picked - first)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,7 +16,7 @@ from featcache.store.layout import STAMPS, read_progress
 from featcache.store.metadata import UNREADABLE_METADATA
 from featcache.store.paths import OVERWRITE, open_readonly, partial_path, skipped_log_path
 from featcache.store.provenance import key_difference
-from featcache.store.rows import rows_of
+from featcache.store.rows import read_head, rows_of
 from featcache.store.skipped import read_log
 
 # The entry of a partial store's key that marks it as an update's
@@ -32,18 +31,6 @@ def stored_resume_key(path: str | os.PathLike) -> dict[str, Any] | None:
             return codec.attr(f, "resume_key")
     except UNREADABLE_METADATA:  # a torn file's headers fail their checksums
         return None
-
-
-def interrupted_overwrite(path: str | os.PathLike, key: Mapping[str, Any]) -> bool:
-    """Whether the ``.partial`` file beside a complete store at ``path`` was made under a
-    store key that agrees with ``key`` on every entry ``key`` gives: an ``--overwrite``
-    that was stopped, which rerunning the same command resumes, replacing the old store
-    once it completes (as the stopped run would have)."""
-    partial = partial_path(path)
-    if not (Path(path).is_file() and partial.is_file()):
-        return False
-    stored = stored_resume_key(partial)
-    return stored is not None and all(stored.get(k) == v for k, v in key.items())
 
 
 @dataclass
@@ -113,8 +100,7 @@ def plan_resume(
             if problem or bad:
                 raise refuse(problem or bad[0].describe(f))
             durable_rows, durable = read_progress(f)
-            index = np.empty(durable_rows, dtype=np.int64)
-            rows_of(f["index"]).read(0, durable_rows, index)
+            index = read_head(f["index"], durable_rows)
             next_position = int(index[-1]) + 1 if durable_rows else first
             # Restart on the batch grid of the first run (batches start at ``first``), so
             # that every batch holds the same samples as in an uninterrupted run: batch
@@ -124,10 +110,7 @@ def plan_resume(
             tokens = np.zeros(1, dtype=np.int64)
             if "offsets" in f:
                 rows_of(f["offsets"]).read(row, row + 1, tokens)
-            stamps = None
-            if STAMPS in f:
-                stamps = np.empty(row, dtype=f[STAMPS].dtype)
-                rows_of(f[STAMPS]).read(0, row, stamps)
+            stamps = read_head(f[STAMPS], row) if STAMPS in f else None
     except UNREADABLE_METADATA as exc:
         raise refuse(f"it is not readable ({first_line(exc)})") from exc
     skipped = read_log(skipped_log_path(path), before=position)

@@ -59,3 +59,8 @@ def store_state(path: str | os.PathLike) -> StoreState:
         partial_key=stored_resume_key(partial) if has_partial else None,
         shards=shards_of(path),
     )
+
+
+def interrupted_overwrite(path: str | os.PathLike, key: Mapping[str, Any]) -> bool:
+    """`StoreState.interrupted_overwrite` of the store path ``path`` now."""
+    return store_state(path).interrupted_overwrite(key)

@@ -17,30 +17,15 @@ import h5py
 import numpy as np
 
 from featcache.errors import CorruptStoreError, FeatcacheError
-from featcache.store import codec
+from featcache.store import codec, layout
 from featcache.store.checks import scan_file
-from featcache.store.layout import (
-    CHECKSUM,
-    LIBVER,
-    META_BLOCK_BYTES,
-    PROGRESS,
-    STAMP_ROOM,
-    STAMPS,
-    allocate,
-    allocate_checked,
-    checksum,
-    checksums_name,
-    chunk_addresses,
-    chunk_rows_for,
-    write_checked,
-)
 from featcache.store.merge import copy_store
 from featcache.store.metadata import seal
 from featcache.store.paths import OVERWRITE, open_readonly, partial_path, skipped_log_path
 from featcache.store.provenance import FORMAT_VERSION
 from featcache.store.resume import ResumePoint
 from featcache.store.skipped import rewrite_log, write_skipped
-from featcache.util.files import replace_durably
+from featcache.util.files import building_beside, replace_durably
 
 MARK_SECONDS = 0.5  # how often durable progress is recorded while writing
 _datasync = getattr(os, "fdatasync", os.fsync)  # fdatasync: Linux; fsync elsewhere
@@ -124,47 +109,46 @@ class StoreWriter:
                 f"layer {sorted(ragged)[0]!r} gives per-token rows, but {self.path} was not "
                 "sized for tokens; give the dataset a token_lengths attribute"
             )
-        creating = self.partial.with_name(self.partial.name + ".creating")
-        try:
-            with h5py.File(creating, "w", libver=LIBVER, meta_block_size=META_BLOCK_BYTES) as f:
+        with building_beside(self.partial, ".creating") as creating:
+            options = {"libver": layout.LIBVER, "meta_block_size": layout.META_BLOCK_BYTES}
+            with h5py.File(creating, "w", **options) as f:
                 codec.write_attrs(f, plan.attrs)
                 codec.write_attrs(f, {"featcache_format": FORMAT_VERSION, "capacity": plan.rows})
                 f.attrs["complete"] = False
-                add = allocate_checked if plan.checksum else allocate
-                meta_rows = plan.chunk_rows or chunk_rows_for((), 8, plan.rows)
+                add = layout.allocate_checked if plan.checksum else layout.allocate
                 shapes: dict[str, tuple[tuple, Any]] = {"index": ((plan.rows,), np.int64)}
                 shapes["ids"] = ((plan.rows,), h5py.string_dtype("utf-8", max(plan.ids_width, 1)))
                 if plan.has_labels:
                     shapes["labels"] = ((plan.rows,), np.int64)
                 if plan.stamps is not None:
-                    width = plan.stamps.dtype.itemsize + STAMP_ROOM
-                    shapes[STAMPS] = ((plan.rows,), np.dtype(f"S{width}"))
+                    width = plan.stamps.dtype.itemsize + layout.STAMP_ROOM
+                    shapes[layout.STAMPS] = ((plan.rows,), np.dtype(f"S{width}"))
                 tokens = max(plan.token_capacity or 0, 1)
                 if ragged:
                     shapes["offsets"] = ((plan.rows + 1,), np.int64)
                     if token_ids:
                         shapes["token_ids"] = ((tokens,), np.int64)
+                meta_rows = plan.chunk_rows or layout.chunk_rows_for((), 8, plan.rows)
                 for name, (shape, dtype) in shapes.items():
                     add(f, name, shape, dtype, meta_rows)
                 f.create_group("features", track_order=True)
                 stored = codec.numpy_dtype(plan.dtype)
                 for key, array in features.items():
                     shape = (tokens if key in ragged else plan.rows, *array.shape[1:])
-                    rows = plan.chunk_rows or chunk_rows_for(shape[1:], stored.itemsize, shape[0])
-                    dataset = add(f, f"features/{key}", shape, stored, rows)
-                    layout = {"layout": "tokens"} if key in ragged else {}
-                    codec.write_attrs(
-                        dataset, dict(feature_attrs.get(key, {}), dtype=plan.dtype, **layout)
+                    rows = plan.chunk_rows or layout.chunk_rows_for(
+                        shape[1:], stored.itemsize, shape[0]
                     )
+                    dataset = add(f, f"features/{key}", shape, stored, rows)
+                    per_token = {"layout": "tokens"} if key in ragged else {}
+                    attrs = dict(feature_attrs.get(key, {}), dtype=plan.dtype, **per_token)
+                    codec.write_attrs(dataset, attrs)
                 if plan.checksum:
-                    codec.set_attr(f["checksums"], "algorithm", CHECKSUM)
+                    codec.set_attr(f["checksums"], "algorithm", layout.CHECKSUM)
                 names = [*shapes, *(f"features/{key}" for key in features)]
-                progress = allocate(f, PROGRESS, (1 + len(names),), "<i8")
+                progress = layout.allocate(f, layout.PROGRESS, (1 + len(names),), "<i8")
                 progress[...] = 0
                 codec.set_attr(progress, "datasets", json.dumps(names))
             replace_durably(creating, self.partial)
-        finally:
-            creating.unlink(missing_ok=True)
         self._open()
 
     def _open(self) -> None:
@@ -172,18 +156,18 @@ class StoreWriter:
         resume = self.resume
         durable = resume.durable if resume else {}
         with open_readonly(self.partial) as f:
-            names = json.loads(codec.attr(f[PROGRESS], "datasets"))
-            self._progress_at = int(f[PROGRESS].id.get_offset())
+            names = json.loads(codec.attr(f[layout.PROGRESS], "datasets"))
+            self._progress_at = int(f[layout.PROGRESS].id.get_offset())
             columns = {}
             for name in names:
                 dataset = f[name]
-                addresses = chunk_addresses(dataset)
+                addresses = layout.chunk_addresses(dataset)
                 if addresses is None:
                     raise CorruptStoreError(
                         f"store {self.partial} is corrupted: the chunk index of {name} changed "
                         f"since the store was created; pass {OVERWRITE} to start over"
                     )
-                sums = f.get(checksums_name(name))
+                sums = f.get(layout.checksums_name(name))
                 per_token = name == "token_ids" or codec.attr(dataset, "layout") == "tokens"
                 start = self.tokens_appended if per_token else self.rows_appended
                 columns[name] = _Column(
@@ -222,6 +206,7 @@ class StoreWriter:
         """
         for record in skipped:
             self._log_skip(dict(record))
+        index = np.asarray(index, dtype=np.int64)
         rows = len(index)
         if rows == 0:
             return
@@ -247,14 +232,13 @@ class StoreWriter:
             self.tokens_appended = int(ends[-1])
         for key, array in features.items():
             columns[f"features/{key}"].push(array)
-        columns["index"].push(np.asarray(index, dtype=np.int64))
+        columns["index"].push(index)
         columns["ids"].push(np.char.encode(np.asarray(ids, dtype=str), "utf-8"))
         if "labels" in columns:
             columns["labels"].push(np.asarray(labels, dtype=np.int64))
-        if STAMPS in columns:  # b"" (unknown) where this run has no stamps
+        if layout.STAMPS in columns:  # b"" (unknown) where this run has no stamps
             stamps = self.plan.stamps
-            at = np.asarray(index, dtype=np.int64)
-            columns[STAMPS].push(np.zeros(rows, "S1") if stamps is None else stamps[at])
+            columns[layout.STAMPS].push(np.zeros(rows, "S1") if stamps is None else stamps[index])
         self.rows_appended += rows
         if time.monotonic() - self._last_mark >= self.plan.mark_seconds:
             self.mark()
@@ -379,7 +363,7 @@ class StoreWriter:
         rows = self.rows_appended
         if self.resume is not None:
             self._check_written()
-        with h5py.File(self.partial, "r+", libver=LIBVER, locking=False) as f:
+        with h5py.File(self.partial, "r+", libver=layout.LIBVER, locking=False) as f:
             for name, column in self._columns.items():
                 size = self.tokens_appended if column.per_token else rows + column.lead
                 if len(f[name]) != size:  # samples were skipped, or fewer tokens than sized for
@@ -392,7 +376,7 @@ class StoreWriter:
             index = f["index"][:rows]
             for name, per_source_row in row_columns.items():
                 values = np.asarray(per_source_row)[index]
-                write_checked(f, name, values, chunk_rows, self.plan.checksum)
+                layout.write_checked(f, name, values, chunk_rows, self.plan.checksum)
             if self.skipped:
                 records = sorted(self.skipped, key=lambda r: r["index"])
                 write_skipped(f, records, chunk_rows, self.plan.checksum)
@@ -455,9 +439,9 @@ class _Column:
     @property
     def durable(self) -> int:
         """Entries in whole chunks written: a chunk boundary, or the dataset's length."""
-        return (
-            self.written if self.written == self.length else self.written // self.rows * self.rows
-        )
+        if self.written == self.length:
+            return self.written
+        return self.written // self.rows * self.rows
 
     def push(self, values: np.ndarray) -> None:
         """Take the next ``len(values)`` entries."""
@@ -495,11 +479,10 @@ class _Column:
         for at in range(0, len(raw), size):
             _write_all(self.fd, raw[at : at + size], int(self.addresses[first + at // size]))
         if self.sums_at is not None:
-            sums = [checksum(raw[i : i + size]) for i in range(0, len(raw), size)]
+            sums = [layout.checksum(raw[i : i + size]) for i in range(0, len(raw), size)]
             _write_all(self.fd, np.array(sums, dtype="<u8"), self.sums_at + 8 * first)
-        self.written = min(
-            self.written + (len(values) if entries is None else entries), self.length
-        )
+        added = len(values) if entries is None else entries
+        self.written = min(self.written + added, self.length)
         self.filled = 0
 
 
