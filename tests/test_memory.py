@@ -101,7 +101,7 @@ def test_an_extraction_runs_inside_the_block(resnet18, images, tmp_path, monkeyp
 
 def test_verify_recomputes_inside_the_block(tmp_path, monkeypatch):
     store = synthetic_store(tmp_path, "float16")
-    devices = record_devices(memory, monkeypatch)  # verify imports it when it recomputes
+    devices = record_devices(loop, monkeypatch)  # verify recomputes through the one run
     assert verify.verify_store(store, samples=-1).passed
     assert devices == [torch.device("cpu")]
 

@@ -1,3 +1,1 @@
-"""What is taken from a model: layer selectors, forward hooks (taps), reductions, channel
-layouts, layer listing, device placement.
-"""
+"""What is taken from a model: selectors, hooks, reductions, layouts, layer lists, devices."""

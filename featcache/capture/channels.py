@@ -1,19 +1,10 @@
 """Which axis of a 4-d output holds the channels: ``[B, C, H, W]`` or ``[B, H, W, C]``.
 
-PyTorch's convolutions give ``[B, C, H, W]`` (``"nchw"``), but Swin and MambaOut stages,
-ConvNeXt's inner layers and any module after a ``permute`` give ``[B, H, W, C]``
-(``"nhwc"``). Pooling, feature grids and Grad-CAM must know which. In order:
-
-1. the layer's own ``layout`` option;
-2. what the model declares (:func:`declared_layouts`: 2-d convolutions, norms and pools,
-   timm's ``feature_info`` modules in its ``output_fmt``, torchvision's Swin stages,
-   transformers' CNN stages and embeddings);
-3. the input's grid: the spatial axes of a feature map follow the input image's (equal
-   for a square input, in its proportions for another), so at most one reading of most
-   shapes has them (:func:`channel_layout`);
-4. where neither reading has the grid (an attention map, a non-image input), PyTorch's
-   ``[B, C, ...]``. Where both do (``[B, 8, 8, 8]`` of a square input), it cannot be told,
-   and a reduction that needs it refuses, naming the option.
+In order: the layer's own ``layout`` option; what the model declares
+(:func:`declared_layouts`); the input's grid, which a feature map's spatial axes follow
+(:func:`channel_layout`); else PyTorch's ``[B, C, ...]``, where neither reading has the
+grid. Where both do (``[B, 8, 8, 8]`` of a square input), it cannot be told, and a
+reduction that needs it refuses, naming the option (``docs/concepts/reductions.md``).
 """
 
 from __future__ import annotations
@@ -40,9 +31,9 @@ CHANNELS_FIRST_MODULES = (
 
 
 def declared_layouts(model: nn.Module) -> dict[str, ChannelLayout]:
-    """The layouts ``model`` declares for some of its modules' outputs, by module name:
-    the 2-d convolutions, norms and pools of :data:`CHANNELS_FIRST_MODULES`, timm's
-    feature stages, torchvision's Swin stages, transformers' stages and embeddings."""
+    """The layouts ``model`` declares for some of its modules' 4-d outputs, by module name: 2-d
+    convolutions, norms and pools, timm's ``feature_info`` stages in its ``output_fmt``,
+    torchvision's Swin stages, transformers' CNN stages and embeddings."""
     import torchvision
 
     declared: dict[str, ChannelLayout] = {
@@ -73,9 +64,7 @@ def declared_layouts(model: nn.Module) -> dict[str, ChannelLayout]:
 
 
 def channel_layout(
-    shape: tuple[int, ...],
-    declared: str | None,
-    image_size: tuple[int, int] | None,
+    shape: tuple[int, ...], declared: str | None, image_size: tuple[int, int] | None
 ) -> str:
     """The layout of a 4-d output of per-sample ``shape`` ``(d1, d2, d3)``: ``declared``
     when given, else read from the input grid of an ``(H, W)`` image batch;
@@ -100,8 +89,7 @@ def channels_last(
     """Whether a 4-d output of per-sample ``shape`` holds its channels last.
 
     Raises:
-        ConfigError: the layout cannot be told and ``need`` (what needs it, in words) must
-            know it; naming the layer option that says it.
+        ConfigError: the layout cannot be told and ``need`` (in words) must know it.
     """
     layout = channel_layout(shape, declared, image_size)
     if layout == AMBIGUOUS:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,21 +41,18 @@ def describe_layers(
     sequence_first: bool = False,
     example: Mapping[str, torch.Tensor] | None = None,
 ) -> list[LayerInfo]:
-    """Run one ``[2, channels, H, W]`` batch and record every module's output.
+    """Run one batch of float32 zeros ``[2, channels, H, W]`` on ``device``; record every output.
 
-    ``input_size`` is the side of a square probe image, or its ``(H, W)``.
-
-    The batch is float32 zeros on ``device``; a text model is given ``example`` instead
-    (``{"input_ids": [2, T], "attention_mask": [2, T]}``, passed as keyword arguments),
-    and its outputs with a token axis of length ``T`` read ``"[T, D] tokens"``. Shapes are
-    reported per sample (without the batch dimension), as of the module's first call; a
-    tuple/list output reads ``"([C, H, W], [D])"``, a dict ``"{key: [D]}"``, anything else
-    its type name. For a model with a token layout (``prefix_tokens`` set), token outputs
-    read ``"[T, D] tokens (1 prefix)"``, sequence-first ones transposed to that form; a
-    4-d output that keeps its channels last reads ``"[14, 14, 384] channels last"``, one
-    whose layout cannot be told (:mod:`featcache.capture.channels`) says so.
-    Modules are listed in ``named_modules()`` order, the root excluded. The model's
-    train/eval flag is restored afterwards and all hooks are removed.
+    ``input_size`` is the side of a square probe image, or its ``(H, W)``. A text model is
+    given ``example`` instead (``{"input_ids": [2, T], "attention_mask": [2, T]}``, keyword
+    arguments), and its outputs with a token axis of length ``T`` read ``"[T, D] tokens"``.
+    Shapes are per sample, as of the module's first call; a tuple/list output reads
+    ``"([C, H, W], [D])"``, a dict ``"{key: [D]}"``, anything else its type name. With
+    ``prefix_tokens`` set, token outputs read ``"[T, D] tokens (1 prefix)"`` (sequence-first
+    ones transposed); a 4-d output that keeps its channels last reads ``"[14, 14, 384]
+    channels last"``, one whose layout cannot be told says so. Modules are listed in
+    ``named_modules()`` order, the root excluded; the model's train/eval flag is restored
+    and all hooks are removed.
 
     Raises:
         ConfigError: the probe batch fails in the model (an image size it does not take),
@@ -67,23 +65,20 @@ def describe_layers(
     height, width = input_size if isinstance(input_size, tuple) else (input_size, input_size)
     image = None if example is not None else (height, width)
     declared = declared_layouts(model)
+    modules = [(name, module) for name, module in model.named_modules() if name]
 
-    def recorder(name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
-        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if name in shapes:
-                return
-            shapes[name] = _describe(output, prefix_tokens, sequence_first, tokens)
-            if isinstance(output, torch.Tensor) and output.dim() == 4:
-                layout = channel_layout(tuple(output.shape[1:]), declared.get(name), image)
-                shapes[name] += LAYOUT_NOTES.get(layout, "")
-
-        return hook
+    def record(name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if name in shapes:
+            return
+        shapes[name] = _describe(output, prefix_tokens, sequence_first, tokens)
+        if isinstance(output, torch.Tensor) and output.dim() == 4:
+            layout = channel_layout(tuple(output.shape[1:]), declared.get(name), image)
+            shapes[name] += LAYOUT_NOTES.get(layout, "")
 
     was_training = model.training
     try:
-        for name, module in model.named_modules():
-            if name:
-                handles.append(module.register_forward_hook(recorder(name)))
+        for name, module in modules:
+            handles.append(module.register_forward_hook(functools.partial(record, name)))
         model.eval()
         with torch.inference_mode():
             if example is not None:
@@ -103,14 +98,8 @@ def describe_layers(
             handle.remove()
         model.train(was_training)
     return [
-        LayerInfo(
-            name,
-            type(module).__name__,
-            shapes.get(name, "-"),
-            sum(p.numel() for p in module.parameters()),
-        )
-        for name, module in model.named_modules()
-        if name
+        LayerInfo(n, type(m).__name__, shapes.get(n, "-"), sum(p.numel() for p in m.parameters()))
+        for n, m in modules
     ]
 
 

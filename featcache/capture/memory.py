@@ -1,24 +1,11 @@
 """Freed CPU memory kept for reuse while a run lasts: glibc's two malloc thresholds.
 
-glibc's ``malloc`` serves a request above its *mmap threshold* with a fresh mapping that
-``free`` unmaps again, and gives free memory at the top of its heap back to the kernel
-once it exceeds its *trim threshold*. The mmap threshold follows a rule of its own: it
-rises to the size of the largest mapped block freed so far, but never above 32 MiB (on
-64-bit systems), and the trim threshold stays at twice it.
-
-A CPU forward allocates and frees activations of tens of MiB every batch (resnet18 at
-112 px in batches of 64: 51 MB out of its first convolution alone), so under those
-rules the kernel maps, zero-fills and unmaps every page of them again each batch. On a
-2-core x86 machine that was 600,000 page faults and 19-21% of the CPU time of a
-1,024-image resnet18 forward to ``layer2``; with the thresholds raised as below, 510
-page faults and 1.36x the images/s (``scripts/bench_extract.py`` has a bare loop with
-freed memory kept).
-
-:func:`freed_memory_kept` raises both thresholds while a CPU run lasts, so that the
-blocks a batch frees serve the next batch. When the last run ends it sets them to the
-ceilings of glibc's own rule (glibc offers no call that hands the rule back) and trims
-the heap, returning what the run kept. Elsewhere (CUDA runs, other C libraries) it does
-nothing.
+glibc hands a freed block above its *mmap threshold* (at most 32 MiB on 64-bit systems,
+by its own rule) straight back to the kernel, and free heap top beyond its *trim
+threshold* (twice that), so a CPU forward maps and zero-fills its largest activations
+again on every batch (the measurements: ``docs/benchmarks.md``). glibc offers no call that
+hands its rule back, so a run ends with the thresholds at the rule's ceilings
+(:func:`settle_thresholds`).
 """
 
 from __future__ import annotations
@@ -66,9 +53,8 @@ def glibc() -> Any:
 
 
 def settle_thresholds() -> None:
-    """Set the thresholds to the ceilings of glibc's rule and trim the heap: the state a
-    run leaves the process in. (Benchmarks call it first, so that every case runs in the
-    same state whatever ran before it.)"""
+    """Set the thresholds to the ceilings of glibc's rule and trim the heap: the state a run
+    leaves the process in (benchmarks start from it)."""
     libc = glibc()
     if libc is None:
         return
@@ -81,9 +67,9 @@ def settle_thresholds() -> None:
 def freed_memory_kept(device: torch.device | str = "cpu") -> Iterator[None]:
     """Inside the block, freed CPU memory is kept for reuse instead of being returned to
     the kernel and faulted in again (glibc's malloc thresholds raised, so that the blocks
-    one batch of a CPU forward frees serve the next); a no-op for devices
-    other than the CPU and where the C library is not glibc. Nested and concurrent blocks
-    are counted: the thresholds settle when the last one ends."""
+    one batch of a CPU forward frees serve the next); a no-op for devices other than the
+    CPU and where the C library is not glibc. Nested and concurrent blocks are counted:
+    the thresholds settle, and the heap is trimmed, when the last one ends."""
     global _runs
     libc = glibc()
     if libc is None or torch.device(device).type != "cpu":

@@ -2,51 +2,40 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from featcache.capture.channels import channels_last, declared_layouts
+from featcache.capture.selectors import Tap
 from featcache.errors import ConfigError
-
-if TYPE_CHECKING:
-    from featcache.capture.selectors import Tap
 
 
 @dataclass(frozen=True)
 class ReduceContext:
-    """What a reduction may need to know besides the captured value.
+    """What a reduction may need to know besides the captured value: the model's token and
+    channel layouts, and the batch's shape."""
 
-    The model's token layout: ``prefix_tokens`` counts the tokens before the patch tokens
-    (class, distillation, register tokens) of its ``[B, T, D]`` token outputs (None: the
-    model declares no token layout, and token reductions treat token 0 as the class
-    token and average every token); ``sequence_first`` says its token outputs are
-    ``[T, B, D]``. ``sequence_first_modules`` names the modules of a model that does not
-    declare ``sequence_first`` but runs attention sequence-first (see
-    :func:`sequence_first_modules`). The batch: ``batch_size`` (None: not checked),
-    ``attention_mask`` ``[B, T]`` (1 for real tokens) for token inputs, else None, and
-    ``image_size``, the ``(H, W)`` of an image batch, which the patch grid of its token
-    outputs follows (None: not known, and a patch grid is square), and ``input_tokens``,
-    the ``T`` of a batch of token ids (``input_ids`` ``[B, T]``; None for other inputs).
-    ``channel_layouts`` maps module names to the layout (``"nchw"``, ``"nhwc"``) the
-    model declares for their 4-d outputs (see :mod:`featcache.capture.channels`).
-    """
-
-    attention_mask: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None  # [B, T], 1 for real tokens; token inputs only
+    # Tokens before the patch tokens (class, distillation, register) of [B, T, D] token
+    # outputs. None: no declared layout (token 0 is the class token, every token averaged).
     prefix_tokens: int | None = None
-    sequence_first: bool = False
-    batch_size: int | None = None
+    sequence_first: bool = False  # the model's token outputs are [T, B, D]
+    batch_size: int | None = None  # None: not checked
+    # Attention modules that run sequence-first in a model that does not declare
+    # sequence_first (see sequence_first_modules).
     sequence_first_modules: tuple[str, ...] = ()
+    # (H, W) of an image batch, which the patch grid of its token outputs follows (None:
+    # not known, and a patch grid is square).
     image_size: tuple[int, int] | None = None
-    input_tokens: int | None = None
-    channel_layouts: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    input_tokens: int | None = None  # T of a batch of token ids [B, T]; None for others
+    # Module name -> the layout ("nchw", "nhwc") the model declares for its 4-d outputs.
+    channel_layouts: Mapping[str, str] = field(default_factory=dict)
 
     def declared_layout(self, tap: Tap) -> str | None:
         """The channel layout of ``tap``'s 4-d outputs as its layer or the model says it."""
@@ -60,9 +49,8 @@ def token_layout(
     model: nn.Module, prefix_tokens: int | None, sequence_first: bool
 ) -> ReduceContext:
     """The layout the reductions use: ``prefix_tokens`` (default: the model's
-    ``num_prefix_tokens`` attribute, if any) and ``sequence_first`` (and, when that is
-    False, the model's attention modules that run sequence-first all the same), and the
-    channel layouts the model declares for its 4-d outputs."""
+    ``num_prefix_tokens``, if any), ``sequence_first`` (else the attention modules that run
+    sequence-first all the same) and the channel layouts the model declares."""
     if prefix_tokens is None:
         declared = getattr(model, "num_prefix_tokens", None)
         prefix_tokens = declared if isinstance(declared, int) else None
@@ -70,14 +58,11 @@ def token_layout(
         not isinstance(prefix_tokens, int) or isinstance(prefix_tokens, bool) or prefix_tokens < 0
     ):
         raise ConfigError(f"prefix_tokens must be a whole number >= 0, got {prefix_tokens!r}")
-    module = isinstance(model, nn.Module)
     return ReduceContext(
         prefix_tokens=prefix_tokens,
         sequence_first=bool(sequence_first),
-        sequence_first_modules=sequence_first_modules(model)
-        if module and not sequence_first
-        else (),
-        channel_layouts=declared_layouts(model) if module else {},
+        sequence_first_modules=() if sequence_first else sequence_first_modules(model),
+        channel_layouts=declared_layouts(model),
     )
 
 
@@ -95,28 +80,15 @@ def sequence_first_modules(model: nn.Module) -> tuple[str, ...]:
 def reduce_tensor(x: torch.Tensor, tap: Tap, context: ReduceContext = NO_CONTEXT) -> torch.Tensor:
     """Apply ``tap.reduce`` to a batch ``x`` of shape ``[B, ...]``; returns ``[B, ...]``.
 
-    ``avg``/``max`` pool over every dimension after the channel dimension (``[B, C, ...]``
-    -> ``[B, C]``); ``adaptive_avg`` pools ``[B, C, H, W]`` to ``[B, C, k, k]``;
-    ``flatten`` gives ``[B, prod(...)]``. A 4-d output that holds its channels last
-    (``[B, H, W, C]``, see :mod:`featcache.capture.channels`) is pooled over ``H`` and ``W`` all
-    the same, to ``[B, C]`` and ``[B, C, k, k]``.
-
-    Token outputs ``[B, T, D]`` of a model with a token layout (``context.prefix_tokens``
-    set), and 3-D outputs whose axis 1 is the ``T`` of a batch of token ids that needed
-    no padding (``context.input_tokens``), are reduced over their tokens, as a padded
-    batch's would be (never over the feature axis, as ``[B, C, L]`` maps are): ``cls`` is
-    token 0 (``[B, D]``); ``mean`` averages the patch tokens, prefix
-    tokens excluded (``[B, D]``); ``cls+mean`` is the two concatenated (``[B, 2D]``);
-    ``last`` is the last token;
-    ``patches`` lays the patch tokens out as their square grid ``[B, D, h, w]``, and
-    ``avg``, ``max`` and ``adaptive_avg`` pool that grid, never the feature axis.
-    Sequence-first outputs ``[T, B, D]`` of a model that declares them are transposed
-    first; an undeclared one, or an output without a batch axis, is refused, so that no
-    batch is ever reduced over the wrong axis.
-
-    A padded token batch (``context.attention_mask`` set) is reduced over its real tokens
-    only (see :func:`_reduce_masked`); ``none`` returns the padded ``[B, T, ...]`` value,
-    which the run loop packs into per-token rows.
+    ``avg``/``max`` pool every axis after the channels (``[B, C, ...]`` -> ``[B, C]``, a
+    channels-last 4-d output alike); ``adaptive_avg`` gives ``[B, C, k, k]``, ``flatten``
+    ``[B, prod(...)]``. Token outputs ``[B, T, D]`` of a model with a token layout, and 3-D
+    outputs whose axis 1 is the ``T`` of an unpadded batch of token ids, are reduced over their
+    tokens, never the feature axis: ``cls``, ``mean`` (of the patch tokens) and ``last`` give
+    ``[B, D]``, ``cls+mean`` ``[B, 2D]``, ``patches`` the grid ``[B, D, h, w]``, which ``avg``,
+    ``max`` and ``adaptive_avg`` pool. A padded batch (``context.attention_mask``) is reduced
+    over its real tokens only; ``none`` returns it padded, for the run loop to pack into
+    per-token rows. The rules, sequence-first outputs included: ``docs/concepts/tokens.md``.
     """
     x = _batch_first(x, tap, context)
     how = tap.reduce
@@ -154,14 +126,10 @@ def channels_first(x: torch.Tensor, tap: Tap, context: ReduceContext, need: str)
 def layer_prefix(
     tokens: int, prefix: int | None, image_size: tuple[int, int] | None = None
 ) -> int | None:
-    """The prefix tokens in a token output of ``tokens`` tokens of a model whose token
-    outputs carry ``prefix`` of them (None: the model declares no layout).
-
-    A layer that runs before the model adds its prefix tokens (a ViT's patch embedding)
-    holds the patch tokens alone. It is told apart by its count: ``tokens`` lays out as
-    the patch grid of an ``image_size`` input (see :func:`patch_grid`) and
-    ``tokens - prefix`` does not. When both do, or neither, it is taken to carry the prefix.
-    """
+    """The prefix tokens in a token output of ``tokens`` tokens of a model whose token outputs
+    carry ``prefix`` of them (None: no declared layout): 0 for a layer that runs before the
+    model adds them, told by its count making a patch grid where the count less ``prefix``
+    does not (``docs/concepts/tokens.md``)."""
     if prefix and patch_grid(tokens, image_size) and not patch_grid(tokens - prefix, image_size):
         return 0
     return prefix
@@ -206,14 +174,12 @@ def _reduce_tokens(x: torch.Tensor, tap: Tap, context: ReduceContext) -> torch.T
         return x[:, 0]
     if how == "last":
         return x[:, -1]
-    if how == "mean":
+    if how in ("mean", "avg"):
         return patches.mean(dim=1)
     if how == "cls+mean":
         return torch.cat([x[:, 0], patches.mean(dim=1)], dim=1)
     if how == "max":
         return patches.amax(dim=1)
-    if how == "avg":
-        return patches.mean(dim=1)
     grid = _patch_grid(patches, tap, context.image_size)  # patches, adaptive_avg
     return grid if how == "patches" else _adaptive_avg(grid, tap)
 
@@ -223,9 +189,8 @@ def _reduce_masked(x: torch.Tensor, tap: Tap, mask: torch.Tensor) -> torch.Tenso
 
     ``mask`` is the batch's ``[B, T]`` attention mask (nonzero for real tokens). ``mean``
     (and ``avg``) averages the real tokens, special tokens included (as sentence encoders
-    pool), ``max`` takes their maximum, ``cls`` is token
-    0 and ``last`` the last real token (for decoder models; wherever the padding is);
-    ``cls+mean`` concatenates two. Padded positions never reach a result.
+    pool), ``max`` takes their maximum, ``cls`` is token 0, ``last`` the last real token
+    (for decoder models; wherever the padding is), ``cls+mean`` concatenates two.
     """
     how = tap.reduce
     if x.dim() < 3 or tuple(x.shape[:2]) != tuple(mask.shape):
@@ -281,11 +246,9 @@ def _patch_grid(
     n = patches.shape[1]
     grid = patch_grid(n, image_size)
     if grid is None:
-        grid_of = (
-            "a square grid"
-            if image_size is None
-            else f"the patch grid of a {image_size[0]}x{image_size[1]} input"
-        )
+        grid_of = "a square grid"
+        if image_size is not None:
+            grid_of = f"the patch grid of a {image_size[0]}x{image_size[1]} input"
         raise ConfigError(
             f"layer {tap.key!r}: its {n} patch tokens do not form {grid_of}; "
             "use reduce mean, cls or none"
@@ -294,14 +257,8 @@ def _patch_grid(
 
 
 def _batch_first(x: torch.Tensor, tap: Tap, context: ReduceContext) -> torch.Tensor:
-    """``x`` with the batch axis first: a sequence-first ``[T, B, ...]`` is transposed.
-
-    With the batch size on both of the first two axes, a model that declares
-    ``sequence_first`` has its token outputs (3-D) transposed and every other output kept
-    as it is (``[B, C, H, W]`` with ``C == B``); a model that does not declare it but runs
-    attention sequence-first has such a token output refused, as its batch axis cannot
-    be told.
-    """
+    """``x`` with the batch axis first: a declared sequence-first ``[T, B, D]`` transposed, any
+    output whose batch axis cannot be told refused (``docs/concepts/tokens.md``)."""
     b = context.batch_size
     if b is None or x.dim() < 2:
         return x

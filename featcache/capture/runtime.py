@@ -1,13 +1,11 @@
 """Where and how the backbone runs: device, memory layout and autocast dtype.
 
-``runtime.channels_last: auto`` and ``runtime.amp: auto`` follow a rule rather than a
-timing run, so that the same config always runs the same way on the same hardware:
-
-* channels_last for networks with 2-d convolutions on the CPU (oneDNN's convolutions are
-  faster in NHWC: resnet18 1.23x and resnet50 1.37x on a 2-core x86 CPU), and on CUDA
-  when autocast is on (tensor-core convolutions want NHWC); otherwise the default layout.
-* autocast never on the CPU (bf16 ran 2x slower than fp32 on CPUs without bf16 units),
-  bf16 on CUDA devices that support it, else fp16.
+``runtime.channels_last: auto`` and ``runtime.amp: auto`` follow a fixed rule, not a
+timing run, so that the same config always runs the same way on the same hardware
+(measurements: ``docs/benchmarks.md``): channels_last for networks with 2-d convolutions on
+the CPU (oneDNN's convolutions are faster in NHWC), and on CUDA when autocast is on
+(tensor-core convolutions want NHWC); autocast never on the CPU, bf16 on CUDA devices that
+support it, else fp16.
 """
 
 from __future__ import annotations
@@ -57,10 +55,6 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def has_conv2d(model: nn.Module) -> bool:
-    return any(isinstance(module, nn.Conv2d) for module in model.modules())
-
-
 def choose_layout(model: nn.Module, runtime: RuntimeSpec) -> Layout:
     """Resolve ``runtime.device``, ``channels_last`` and ``amp`` (``auto`` by the rule above)."""
     device = resolve_device(runtime.device)
@@ -72,7 +66,8 @@ def choose_layout(model: nn.Module, runtime: RuntimeSpec) -> Layout:
     else:
         amp = AMP_DTYPES.get(runtime.amp or "")
     if runtime.channels_last == "auto":
-        channels_last = has_conv2d(model) and (device.type == "cpu" or amp is not None)
+        conv2d = any(isinstance(module, nn.Conv2d) for module in model.modules())
+        channels_last = conv2d and (device.type == "cpu" or amp is not None)
     else:
         channels_last = bool(runtime.channels_last)
     return Layout(device, channels_last, amp)
@@ -82,12 +77,11 @@ def choose_layout(model: nn.Module, runtime: RuntimeSpec) -> Layout:
 def placed(model: nn.Module, layout: Layout, *, lazy: bool = True) -> Iterator[nn.Module]:
     """Run ``model`` on ``layout.device`` in ``layout.memory_format`` inside the block.
 
-    The model is moved to the device at once. With ``lazy`` (the default), each module's
-    own 4-d weights are converted to channels_last just before the module first runs, so
-    a forward stopped early never pays to convert the layers after the stop; afterwards
-    exactly the converted modules are handed back in the default layout. ``lazy=False``
-    converts the whole model up front (for ``torch.compile``, which should trace a model
-    that does not change under it).
+    With ``lazy``, each module's own 4-d weights are converted to channels_last just before
+    it first runs, so a forward stopped early never converts the layers after the stop, and
+    exactly those modules are handed back in the default layout afterwards. ``lazy=False``
+    converts the whole model up front (``torch.compile`` should trace a model that does not
+    change under it).
     """
     # Module.to takes memory_format at run time; its type stub leaves it out.
     move: Any = model.to

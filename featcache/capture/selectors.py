@@ -1,16 +1,11 @@
-"""Layer selectors: which modules a layer list names, resolved into :class:`Tap` s.
-
-A selector is an exact module name, a name with index or slice steps over containers
-(``blocks[-1]``, ``encoder.layer[::2]``), a glob over module names, or ``type:ClassName``.
-"""
+"""Layer selectors: which modules a layer list names, resolved into :class:`Tap` s."""
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from torch import nn
@@ -36,7 +31,7 @@ class Tap:
 def tap_record(tap: Tap) -> dict[str, Any]:
     """``tap`` as the JSON-able record a store key holds (``layout`` only when set, so
     that the keys of stores written before the option existed stay the same)."""
-    record = dataclasses.asdict(tap)
+    record = asdict(tap)
     if record["layout"] is None:
         del record["layout"]
     return record
@@ -45,12 +40,11 @@ def tap_record(tap: Tap) -> dict[str, Any]:
 def resolve_taps(model: nn.Module, layers: Iterable[LayerSpec | str | dict]) -> list[Tap]:
     """Expand layer selectors into taps, in the order given.
 
-    A selector is an exact module name, a name with index or slice steps over
-    containers (``blocks[-1]``, ``blocks[-4:]``, ``encoder.layer[::2]``,
-    ``stages[2].blocks[0]``), a glob over module names (``layer*.1``: ``*`` stays within
-    one dotted part, ``**`` spans several), ``type:ClassName`` (every module of that
-    class, e.g. ``type:Conv2d``), or ``.``: the model itself, whose output (an open_clip
-    image tower's projected embedding, say) is stored under the key ``output``.
+    A selector is an exact module name, a name with index or slice steps over containers
+    (``blocks[-1]``, ``blocks[-4:]``, ``encoder.layer[::2]``, ``stages[2].blocks[0]``), a
+    glob over module names (``layer*.1``: ``*`` stays within one dotted part, ``**`` spans
+    several), ``type:ClassName`` (every module of that class), or ``.``: the model itself,
+    whose output is stored under the key ``output``.
     """
     modules = {name: module for name, module in model.named_modules() if name}
     taps: list[Tap] = []
@@ -61,24 +55,7 @@ def resolve_taps(model: nn.Module, layers: Iterable[LayerSpec | str | dict]) -> 
                 f"layer {layer.name!r} matches {len(names)} modules but sets one key "
                 f"{layer.key!r}; drop key or select a single module"
             )
-        for name in names:
-            suffix = {"input": "@input", "grad": "@grad"}.get(layer.capture, "")
-            key = layer.key or (name or MODEL_KEY) + suffix
-            target = None
-            if layer.capture == "grad":
-                target = "label" if layer.target is None else layer.target
-            taps.append(
-                Tap(
-                    key,
-                    name,
-                    layer.capture,
-                    layer.reduce,
-                    layer.size,
-                    layer.select,
-                    target,
-                    layer.layout,
-                )  # fmt: skip
-            )
+        taps += [_tap(layer, name) for name in names]
     seen: set[str] = set()
     for tap in taps:
         if tap.key in seen:
@@ -89,12 +66,25 @@ def resolve_taps(model: nn.Module, layers: Iterable[LayerSpec | str | dict]) -> 
     return taps
 
 
+def _tap(layer: LayerSpec, name: str) -> Tap:
+    """The tap of module ``name`` that ``layer`` selects."""
+    suffix = {"input": "@input", "grad": "@grad"}.get(layer.capture, "")
+    target = None
+    if layer.capture == "grad":
+        target = "label" if layer.target is None else layer.target
+    settings = (layer.capture, layer.reduce, layer.size, layer.select, target, layer.layout)
+    return Tap(layer.key or (name or MODEL_KEY) + suffix, name, *settings)
+
+
 MODEL = "."  # the selector of the model itself
 MODEL_KEY = "output"  # ... and the key its output is stored under by default
 
 # "name[...]" steps: an index ("-1"), or a slice ("-4:", "::2", "1:3")
 _SUBSCRIPT = re.compile(r"-?\d+|-?\d*:-?\d*(?::-?\d*)?")
 _STEP = re.compile(r"([^.\[\]]+)|\[([^\]]*)\]|(\.)")
+# Glob tokens: "**", "*", "?" and a closed "[...]" set (kept as it is, a regex set).
+_GLOB_TOKEN = re.compile(r"(\*\*|\*|\?|\[[^\]]*\])")
+_GLOB_REGEX = {"**": ".*", "*": "[^.]*", "?": "[^.]"}
 
 
 def _match(selector: str, model: nn.Module, modules: dict[str, nn.Module]) -> list[str]:
@@ -133,14 +123,10 @@ def _match(selector: str, model: nn.Module, modules: dict[str, nn.Module]) -> li
 def _match_indexed(
     selector: str, model: nn.Module, modules: dict[str, nn.Module]
 ) -> list[str] | None:
-    """Names a selector with index or slice steps means (``blocks[-1]``, ``blocks[-4:]``,
-    ``encoder.layer[::2]``, ``stages[2].blocks[0]``), or None when it has none (or reads
-    as a glob instead: ``layer[12]`` where ``layer`` is no module).
-
-    A subscript picks among a container's children in their order (``nn.Sequential``,
-    ``nn.ModuleList`` ...). An index out of range is an error naming the container's
-    length; nothing is dropped silently.
-    """
+    """Names a selector with index or slice steps means, or None when it has none (or reads as
+    a glob instead: ``layer[12]`` where ``layer`` is no module). A subscript picks among a
+    container's children in their order; an index out of range is an error, naming the
+    container's length."""
     matches = list(_STEP.finditer(selector))
     if sum(len(m.group(0)) for m in matches) != len(selector):
         return None  # characters no step reads: not this syntax
@@ -210,26 +196,7 @@ def _subscript(selector: str, parent: str, children: list[str], subscript: str) 
 
 def _glob_regex(glob: str) -> re.Pattern[str]:
     """Module-name glob: ``*`` and ``?`` stay within one dotted part, ``**`` crosses dots."""
-    out = []
-    i = 0
-    while i < len(glob):
-        if glob.startswith("**", i):
-            out.append(".*")
-            i += 2
-            continue
-        ch = glob[i]
-        if ch == "*":
-            out.append("[^.]*")
-        elif ch == "?":
-            out.append("[^.]")
-        elif ch == "[":
-            end = glob.find("]", i + 1)
-            if end == -1:
-                out.append(re.escape(ch))
-            else:
-                out.append(glob[i : end + 1])
-                i = end
-        else:
-            out.append(re.escape(ch))
-        i += 1
-    return re.compile("".join(out))
+    parts = _GLOB_TOKEN.split(glob)  # literal text at even indices, glob tokens at odd ones
+    return re.compile(
+        "".join(_GLOB_REGEX.get(p, p) if i % 2 else re.escape(p) for i, p in enumerate(parts))
+    )

@@ -1,16 +1,11 @@
-"""Layer taps: hook the selected modules, reduce what they produce, stop the forward early.
-
-A :class:`~featcache.capture.selectors.Tap` is one resolved capture point (see
-:mod:`featcache.capture.selectors`): a module, whether its output or its input is captured, and
-the reduction applied on the device before anything leaves it. :class:`TapSet`
-registers the hooks as a context manager (hooks are removed on every exit path) and runs
-batches through the model, stopping the forward as soon as every tap has fired, so layers
-after the last one captured are never computed.
-"""
+"""Layer taps: hook the selected modules, reduce what they produce on the device, and stop
+the forward as soon as every tap has fired, so layers after the last one captured are
+never computed."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,12 +23,6 @@ class _StopForward(Exception):
     """Raised from a hook once every tap has its value; ends the forward early."""
 
 
-def from_transformers(module: nn.Module) -> bool:
-    """Whether ``module`` is a Hugging Face transformers module, whose tuple outputs hold
-    the hidden states first, by the library's own convention."""
-    return type(module).__module__.startswith("transformers.")
-
-
 def _pick(value: Any, tap: Tap) -> torch.Tensor:
     """The tensor a tap captures out of a module's output (or input args tuple)."""
     if isinstance(value, torch.Tensor):
@@ -44,18 +33,17 @@ def _pick(value: Any, tap: Tap) -> torch.Tensor:
             )
         return value
     if isinstance(value, (tuple, list, dict)):
+        choices = list(value) if isinstance(value, dict) else list(range(len(value)))
         if tap.select is None:
             if tap.capture == "input" and isinstance(value, tuple) and value:
                 return _pick(value[0], tap)
             kind = type(value).__name__
-            choices = list(value) if isinstance(value, dict) else list(range(len(value)))
             raise ConfigError(
                 f"layer {tap.key!r}: its {tap.capture} is a {kind}; set select to one of {choices}"
             )
         try:
             picked = value[tap.select]  # type: ignore[index]  # a bad key is caught below
         except (IndexError, KeyError, TypeError):
-            choices = list(value) if isinstance(value, dict) else list(range(len(value)))
             raise ConfigError(
                 f"layer {tap.key!r}: select={tap.select!r} is not in its {tap.capture} "
                 f"(choose one of {choices})"
@@ -72,18 +60,16 @@ def _pick(value: Any, tap: Tap) -> torch.Tensor:
 
 
 class TapSet:
-    """Forward hooks for a list of taps, as a context manager.
+    """Forward hooks for a list of taps, as a context manager, removed whatever the exit path.
 
-    Inside the ``with`` block, :meth:`run` feeds one batch through the model and
-    returns ``{tap.key: reduced tensor [B, ...]}`` (on the model's device), passed
-    through ``convert`` (a dtype cast, say) when given. Captured values never alias the
-    model's own tensors. The first call of a module in a forward is the one captured.
-    Hooks are removed when the block exits, whatever the exit path.
+    Inside the ``with`` block, :meth:`run` feeds one batch through the model and returns
+    ``{tap.key: reduced tensor [B, ...]}`` (on the model's device), passed through
+    ``convert`` (a dtype cast, say) when given, never aliasing the model's own tensors. The
+    first call of a module in a forward is the one captured.
 
     Taps with ``capture="grad"`` get a tensor hook on the module's output, and :meth:`run`
-    then runs the whole forward with autograd on (no early stop) and one backward per
-    distinct target. Only the input batch is made to require grad: parameters are frozen
-    for the run (their ``requires_grad`` flags restored afterwards) and their ``.grad``
+    then runs the whole forward with autograd on and one backward per distinct target. Only
+    the input batch requires grad: parameters are frozen for the run only and their ``.grad``
     is never touched, so no weight gradients are computed or kept.
     """
 
@@ -122,11 +108,10 @@ class TapSet:
             for tap in self.taps:
                 module = modules[tap.module_name]
                 if tap.capture == "input":
-                    handle = module.register_forward_pre_hook(self._input_hook(tap))
-                elif tap.capture == "grad":
-                    handle = module.register_forward_hook(self._grad_hook(tap))
+                    handle = module.register_forward_pre_hook(functools.partial(self._record, tap))
                 else:
-                    handle = module.register_forward_hook(self._output_hook(tap))
+                    on = self._on_grad if tap.capture == "grad" else self._record
+                    handle = module.register_forward_hook(functools.partial(on, tap))
                 self._handles.append(handle)
         except BaseException:
             self.remove()
@@ -143,51 +128,37 @@ class TapSet:
         self._values = {}
         self._hooked = set()
 
-    def _input_hook(self, tap: Tap):
-        def hook(module: nn.Module, args: tuple) -> None:
-            self._record(tap, args)
+    def _on_grad(self, tap: Tap, module: nn.Module, args: tuple, output: Any) -> None:
+        if tap.key in self._hooked:
+            return
+        raw = _pick(output, self._selected(tap, output, module))
+        if not raw.requires_grad:
+            raise ConfigError(_no_path(tap))
+        self._hooked.add(tap.key)
+        # A tensor hook receives the gradient of the value the module returned, even
+        # when a later in-place op (ReLU(inplace=True)) changes the tensor.
+        raw.register_hook(lambda grad: self._store_grad(tap, grad))
 
-        return hook
-
-    def _output_hook(self, tap: Tap):
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            self._record(tap, output, module)
-
-        return hook
-
-    def _grad_hook(self, tap: Tap):
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if tap.key in self._hooked:
-                return
-            raw = _pick(output, self._selected(tap, output, module))
-            if not raw.requires_grad:
-                raise ConfigError(_no_path(tap))
-            self._hooked.add(tap.key)
-            # A tensor hook receives the gradient of the value the module returned, even
-            # when a later in-place op (ReLU(inplace=True)) changes the tensor.
-            raw.register_hook(lambda grad: self._store_grad(tap, grad))
-
-        return hook
-
-    def _record(self, tap: Tap, value: Any, module: nn.Module | None = None) -> None:
+    def _record(self, tap: Tap, module: nn.Module, args: tuple, output: Any = None) -> None:
+        """The forward (pre-)hook of an input or output tap."""
         if tap.key in self._values:
             return
+        value = args if tap.capture == "input" else output
         self._store(tap, _pick(value, self._selected(tap, value, module)))
         if self.stop_early and len(self._values) == len(self.taps):
             raise _StopForward
 
-    def _selected(self, tap: Tap, value: Any, module: nn.Module | None) -> Tap:
-        """``tap``, or for the tuple output of a transformers module and no ``select``,
-        ``tap`` with ``select=0``: the hidden states, by the library's own convention
-        (recorded in :attr:`observed`)."""
+    def _selected(self, tap: Tap, value: Any, module: nn.Module) -> Tap:
+        """``tap``, or for the tuple output of a Hugging Face transformers module and no
+        ``select``, ``tap`` with ``select=0``: the hidden states, by the library's own
+        convention (recorded in :attr:`observed`)."""
         if (
             tap.select is None
             and tap.capture != "input"
             and isinstance(value, (tuple, list))
             and value
             and isinstance(value[0], torch.Tensor)
-            and module is not None
-            and from_transformers(module)
+            and type(module).__module__.startswith("transformers.")
         ):
             self.observed.setdefault(tap.key, {})["select"] = "0"
             return dataclasses.replace(tap, select=0)
@@ -201,9 +172,8 @@ class TapSet:
                 self._nonzero_grads.add(tap.key)
 
     def zero_gradients(self) -> list[Tap]:
-        """The gradient taps whose every value stored so far (after the reduction) was
-        exactly zero: their target does not depend on it (a ViT's last-block patch
-        tokens, which its head never reads)."""
+        """The gradient taps whose every value stored so far (after the reduction) was exactly
+        zero: their target does not depend on them."""
         return [t for t in self.taps if t.capture == "grad" and t.key not in self._nonzero_grads]
 
     def _store(self, tap: Tap, raw: torch.Tensor) -> None:
@@ -232,12 +202,9 @@ class TapSet:
         context: ReduceContext = NO_CONTEXT,
         **kwargs: Any,
     ) -> dict[str, torch.Tensor]:
-        """One forward over a batch; returns each tap's reduced value, in tap order.
-
-        ``inputs`` and ``kwargs`` are passed to the model. ``labels`` (``[B]`` int64, -1
-        for none) are needed only by grad taps whose target is ``"label"``; ``context``
-        goes to the reductions.
-        """
+        """One forward over a batch (``inputs`` and ``kwargs`` go to the model); returns each
+        tap's reduced value, in tap order. ``labels`` (``[B]`` int64, -1 for none) are needed
+        only by grad taps whose target is ``"label"``; ``context`` goes to the reductions."""
         if not self._handles:
             raise RuntimeError("TapSet.run is only valid inside its `with` block")
         self._values = {}
@@ -255,12 +222,7 @@ class TapSet:
             self._active_target = None
             self._context = NO_CONTEXT
         values, self._values = self._values, {}
-        missing = [tap.module_name for tap in self.taps if tap.key not in values]
-        if missing:
-            raise FeatcacheError(
-                f"layer(s) {', '.join(missing)} never ran in the model's forward; "
-                "capture a module that forward() actually calls"
-            )
+        _check_ran([tap for tap in self.taps if tap.key not in values])
         return {tap.key: values[tap.key] for tap in self.taps}
 
     def _run_with_grad(
@@ -289,12 +251,7 @@ class TapSet:
         self, logits: torch.Tensor, leaves: list[torch.Tensor], labels: torch.Tensor | None
     ) -> None:
         grad_taps = [tap for tap in self.taps if tap.capture == "grad"]
-        unhooked = [tap for tap in grad_taps if tap.key not in self._hooked]
-        if unhooked:
-            raise FeatcacheError(
-                f"layer(s) {', '.join(t.module_name for t in unhooked)} never ran in the "
-                "model's forward; capture a module that forward() actually calls"
-            )
+        _check_ran([tap for tap in grad_taps if tap.key not in self._hooked])
         if not logits.requires_grad:
             raise ConfigError(_no_path(grad_taps[0]))
         targets: dict[str | int | None, list[Tap]] = {}
@@ -327,11 +284,9 @@ def zero_gradient_note(tap: Tap, where: str) -> str:
 def target_scores(
     logits: torch.Tensor, target: str | int | None, labels: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The per-sample score ``[B]`` that a gradient target names, from ``logits`` ``[B, D]``.
-
+    """The per-sample score ``[B]`` that a gradient target names, from ``logits`` ``[B, D]``:
     ``"label"``: ``logits[i, labels[i]]``; ``"predicted"``: the largest logit of each row;
-    a class index ``k``: ``logits[:, k]``; ``"output:K"``: ``logits.flatten(1)[:, K]``.
-    """
+    a class index ``k``: ``logits[:, k]``; ``"output:K"``: ``logits.flatten(1)[:, K]``."""
     mode, index = parse_target(target)
     flat = logits.flatten(1)
     if mode == "label":
@@ -371,6 +326,15 @@ def _logits(output: Any) -> torch.Tensor:
     if output.dim() == 1:
         output = output[:, None]
     return output
+
+
+def _check_ran(missing: list[Tap]) -> None:
+    """Refuse, in one line, the taps whose module never ran in the forward."""
+    if missing:
+        raise FeatcacheError(
+            f"layer(s) {', '.join(t.module_name for t in missing)} never ran in the model's "
+            "forward; capture a module that forward() actually calls"
+        )
 
 
 def _grad_leaf(x: Any) -> Any:

@@ -1,7 +1,7 @@
 """Model kinds and the backbones they build: :func:`build_backbone` -> :class:`Backbone`.
 
-The built-in kinds are registered below, in one list; a new kind (``timm``, ``hf``,
-``open_clip``) is a :class:`ModelKind` subclass in its own module and one more line here.
+The built-in kinds are registered below, in one list; a new kind is a :class:`ModelKind`
+subclass in its own module and one more entry in that list.
 """
 
 from __future__ import annotations
@@ -37,11 +37,8 @@ from featcache.models.registry import (
 from featcache.models.timm import TimmKind
 from featcache.models.torchvision import TorchvisionKind, resolve_weights
 
-register(TorchvisionKind())
-register(FactoryKind())
-register(TimmKind())
-register(HFKind())
-register(OpenClipKind())
+for _kind in (TorchvisionKind, FactoryKind, TimmKind, HFKind, OpenClipKind):
+    register(_kind())
 
 __all__ = [
     "IMAGENET_MEAN",

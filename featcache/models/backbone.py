@@ -1,16 +1,7 @@
 """Build a :class:`Backbone` from a :class:`ModelSpec` through its model kind, a checkpoint on top.
 
-:attr:`Backbone.weights` is a JSON-able record of which weights the model holds. It always
-has ``"model"`` (``model.name`` or ``model.factory``, as written) and ``"source"``:
-
-* ``"torchvision"``: ``"enum"`` (``"ResNet18_Weights.IMAGENET1K_V1"``) and ``"url"``.
-* ``"checkpoint"``: ``"path"`` and ``"sha256"`` of the file; when the checkpoint was loaded
-  on top of torchvision weights, also their ``"enum"`` and ``"url"``.
-* ``"random"``: ``"seed"``, the seed set right before the model was constructed. A factory
-  that loads weights by itself is recorded as ``"random"`` too: featcache cannot see that.
-
-Stores record it, and resume and verify compare it, so it changes exactly when the
-weights do (and never with the kind's bookkeeping).
+:attr:`Backbone.weights` records which weights the model holds: its kind's identity, or a
+checkpoint's over it, with ``"model"`` (``model.name`` or ``model.factory`` as written).
 """
 
 from __future__ import annotations
@@ -44,9 +35,8 @@ from featcache.models.registry import (
 class Backbone:
     """A model ready for feature extraction, with the preprocessing its weights expect.
 
-    ``kind`` names the model kind that built it (``"torchvision"``, ``"factory"``);
-    ``tokenizer``, ``prefix_tokens`` and ``sequence_first`` describe its inputs and token
-    outputs (see :class:`~featcache.models.registry.BuiltModel`).
+    ``kind`` names the model kind that built it (``"torchvision"``, ``"factory"``); the
+    fields after it are as in :class:`~featcache.models.registry.BuiltModel`.
     """
 
     model: nn.Module  # in eval() mode, on CPU
@@ -56,8 +46,7 @@ class Backbone:
     _: KW_ONLY
     kind: str
     tokenizer: Tokenizer | None = None  # None: the model takes images
-    # class/register tokens before the patch tokens of token outputs (None: undeclared)
-    prefix_tokens: int | None = None
+    prefix_tokens: int | None = None  # class/register tokens before the patch tokens
     sequence_first: bool = False  # token outputs are [T, B, D] rather than [B, T, D]
 
 
@@ -66,17 +55,13 @@ def build_backbone(
 ) -> Backbone:
     """Build the model described by ``model`` and the transform described by ``preprocess``.
 
-    ``torch.manual_seed(seed)`` is called right before the model is constructed, so a
-    randomly initialised model is the same for the same seed. With no explicit
-    ``preprocess`` the transform is the model's own where its kind has one (torchvision
-    weights' ``transforms()``); otherwise it is
+    A randomly initialised model is the same for the same ``seed``. With no explicit
+    ``preprocess`` the transform is the model's own where its kind has one, else
     :func:`~featcache.models.preprocess.build_transform`. ``model.checkpoint``, if set, is
-    loaded on top of what the kind built.
-
-    ``inputs="text"`` builds the model's text side (a text model, or a dual encoder's text
-    tower) with its :attr:`Backbone.tokenizer`; the module then takes ``input_ids`` and
-    ``attention_mask`` keyword arguments. No image is read then, so the transform is
-    ``preprocess``'s alone and the model's image preprocessing is never looked up.
+    loaded on top of what the kind built. ``inputs="text"`` builds the model's text side
+    (a text model, or a dual encoder's text tower) with its :attr:`Backbone.tokenizer`,
+    called with ``input_ids`` and ``attention_mask`` keyword arguments; the transform is
+    then ``preprocess``'s alone (no image is read).
     """
     check(model, "model")
     if inputs not in INPUTS:
@@ -117,10 +102,8 @@ def _build(kind: ModelKind, ref: str, model: ModelSpec, seed: int, inputs: Input
 
 
 def build_preprocessing(model: ModelSpec, preprocess: PreprocessSpec) -> Preprocessing:
-    """The preprocessing :func:`build_backbone` would use, without building the model.
-
-    Downloads nothing; gives the sizes an image is shown at as the model sees it.
-    """
+    """The preprocessing :func:`build_backbone` would use, without building the model or
+    downloading anything: the sizes an image is shown at as the model sees it."""
     check(model, "model")
     kind, ref = kind_for(model)
     return kind.preprocessing(ref, model, preprocess)
@@ -134,10 +117,9 @@ def backbone_layers(
     ``model_or_config`` is a model name (``resnet50``, ``timm:vit_small_patch16_224``,
     ``hf:<repo or folder>``, ``open_clip:<architecture>``) or a YAML config file. One probe
     batch runs through the model: a square image of side ``input_size`` (default: for a
-    config, the size its own data reaches the model at, its first image through the
-    preprocessing, where the data can be read; else the size the model's preprocessing
-    gives, else 224), or with ``text`` (or a config whose data is text) a short text
-    through the model's tokenizer. Returns a
+    config, the size its own first image reaches the model at, where the data can be read;
+    else the size the model's preprocessing gives, else 224), or with ``text`` (or a
+    config whose data is text) a short text through the model's tokenizer. Returns a
     `featcache.capture.layers.LayerInfo` per module (output ``"-"`` for those the forward
     never called) and the probe input in words (``"input 224px"``, ``"input 12 tokens"``).
     """
@@ -189,5 +171,4 @@ def _data_image_size(spec: Spec, backbone: Backbone) -> tuple[int, int] | None:
         return None
     if not isinstance(image, torch.Tensor) or image.dim() != 3:
         return None
-    height, width = int(image.shape[1]), int(image.shape[2])
-    return (height, width)
+    return int(image.shape[1]), int(image.shape[2])

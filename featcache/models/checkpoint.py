@@ -1,16 +1,7 @@
-"""Local state-dict checkpoints: loaded strictly, only with ``torch.load(weights_only=True)``.
-
-A checkpoint is not a model kind but a weights-loading step applied on top of any kind:
-it says nothing about the architecture, which a kind must build first, and every kind's
-module can take one (fine-tuned torchvision weights, a factory's network, later a timm
-model). As a kind it would have to wrap each of the others.
-
-``weights_only=True`` reads tensors and plain containers only and never unpickles
-arbitrary objects. Weights identity after loading: ``{"source": "checkpoint", "path",
-"sha256"}`` of the file, followed by what the kind had loaded underneath, if anything
-(torchvision's ``"enum"`` and ``"url"``); randomly initialised weights underneath leave no
-trace, since a strict load replaced every one of them.
-"""
+"""Local state-dict checkpoints: loaded strictly, only with ``torch.load(weights_only=True)``,
+which never unpickles arbitrary objects. A checkpoint is not a model kind but a
+weights-loading step on top of any kind: it says nothing about the architecture, which a
+kind must build first."""
 
 from __future__ import annotations
 
@@ -37,11 +28,10 @@ def apply_checkpoint(
     strip_prefix: str | None,
     underneath: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """Load checkpoint ``path`` into ``module``; return the identity of the weights it holds.
-
-    ``underneath`` is the identity of the weights the module held before (a kind's
-    ``{"source": ..., ...}``); its entries other than ``"source"`` are kept after the
-    checkpoint's own, unless those weights were random.
+    """Load checkpoint ``path`` into ``module``; return the identity of the weights it holds:
+    ``{"source": "checkpoint", "path", "sha256"}`` of the file, then the entries of
+    ``underneath`` (the identity of the weights the module held before, a kind's) other
+    than ``"source"``, unless those were random: a strict load replaced every one of them.
     """
     sha256 = load_checkpoint(module, path, strip_prefix)
     identity: dict[str, Any] = {"source": "checkpoint", "path": str(path), "sha256": sha256}
@@ -55,11 +45,10 @@ def load_checkpoint(
 ) -> str:
     """Load the state dict in file ``path`` into ``module`` (strictly); return its sha256.
 
-    The file holds a state dict, or a dict with one under ``"state_dict"``,
-    ``"model_state_dict"`` or ``"model"``. ``strip_prefix`` is removed from the start of
-    every key that has it (``"module."`` for checkpoints saved from ``DataParallel``).
-    Any mismatch (missing or unexpected keys, tensors of the wrong shape) is one
-    :class:`ConfigError` line that lists a few of each and suggests a ``strip_prefix``.
+    The file holds a state dict, or a dict with one under one of :data:`STATE_DICT_KEYS`.
+    ``strip_prefix`` is removed from the start of every key that has it (``"module."`` for
+    ``DataParallel`` checkpoints). Any mismatch (missing or unexpected keys, tensors of the
+    wrong shape) is one :class:`ConfigError` line listing a few of each.
     """
     path = Path(path)
     if not path.is_file():
@@ -90,19 +79,14 @@ def load_checkpoint(
                 f"checkpoint {path} does not load into the model: {first_line(exc)}"
             ) from exc
         result = module.load_state_dict({k: state[k] for k in state if k not in wrong}, False)
-    missing = [k for k in result.missing_keys if k not in wrong]
-    problems = [
-        _some_keys(keys, what)
-        for keys, what in (
-            (
-                [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in wrong],
-                "tensors of the wrong shape",
-            ),
-            (missing, "missing keys"),
-            (result.unexpected_keys, "unexpected keys"),
-        )
-        if keys
-    ]
+    found = {
+        "tensors of the wrong shape": [
+            f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in wrong
+        ],
+        "missing keys": [k for k in result.missing_keys if k not in wrong],
+        "unexpected keys": result.unexpected_keys,
+    }
+    problems = [_some_keys(keys, what) for what, keys in found.items() if keys]
     if problems:
         hint = "; check model.kwargs (e.g. num_classes) and the architecture" if wrong else ""
         raise ConfigError(
@@ -142,10 +126,8 @@ def _some_keys(keys: list[str], what: str, shown: int = 3) -> str:
 
 
 def _prefix_hint(keys: list[str], own: Mapping[str, Any], strip_prefix: str | None) -> str:
-    """Suggest strip_prefix when every checkpoint key starts with the same ``name.``.
-
-    ``keys`` are the checkpoint's keys as stored, before any prefix was stripped.
-    """
+    """Suggest strip_prefix when every checkpoint key (``keys``, as stored) starts with the same
+    ``name.``."""
     if strip_prefix and not any(k.startswith(strip_prefix) for k in keys):
         note = f"; model.strip_prefix {strip_prefix!r} matched no checkpoint key"
         strip_prefix = None

@@ -1,11 +1,9 @@
 """The factory model kind: ``"package.module:callable"`` imported and called with ``model.kwargs``.
 
-**This is the only way a config executes code**: featcache imports the named module and
-calls the named callable, so only use configs whose factory you trust.
-
-Weights identity: ``{"source": "random", "seed": seed}``, the seed set right before the
-call. A factory that loads weights by itself is recorded as ``"random"`` too: featcache
-cannot see that; load them with ``model.checkpoint`` instead to have them recorded.
+**A config that names a factory executes code**, so only use configs whose factory you
+trust. Weights identity: ``{"source": "random", "seed": seed}``, the seed set right before
+the call, even for a factory that loads weights itself (featcache cannot see that: load
+them with ``model.checkpoint`` to have them recorded).
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
-"""The hf model kind: Hugging Face transformers image models, their weights and image processors.
+"""The hf model kind: Hugging Face transformers models, their weights and image processors.
 
-``model.name`` is ``"hf:<repo id>[@<revision>]"`` (``hf:facebook/dinov2-small``,
-``hf:google/vit-base-patch16-224@main``) or ``"hf:<folder>"``, an existing folder written
-by ``save_pretrained`` (absolute or relative). Without ``model.weights`` the architecture
-comes from the repository's ``config.json`` (``AutoModel.from_config``, seeded);
-``weights: pretrained`` loads its weights (``AutoModel.from_pretrained``), offline from the
-local Hugging Face cache when ``HF_HUB_OFFLINE=1``. Both are float32 unless
-``model.kwargs`` sets ``dtype``; ``model.kwargs`` go to ``from_config``/``from_pretrained``.
-Dual encoders (a config with a ``vision_config``: CLIP, SigLIP) give their image tower:
-the whole model is built the same way and its ``vision_model`` (``CLIPVisionModel``,
-``SiglipVisionModel``) returned, so layer names are relative to it (``encoder.layers.0``).
-On text data (``inputs="text"``) the model is built the same way and its text side is
-returned with its tokenizer: see :mod:`featcache.models.text`.
-The repository's own Python code runs only with ``model.trust_remote_code: true``.
+``model.name`` is ``"hf:<repo id>[@<revision>]"`` or ``"hf:<folder>"`` written by
+``save_pretrained``; ``AutoModel.from_config`` (seeded) or, with ``weights: pretrained``,
+``from_pretrained``, float32 unless ``model.kwargs`` sets ``dtype``. A dual encoder gives
+its image tower, or on text data its text side (:mod:`featcache.models.text`); the guide
+``docs/guides/model-zoos.md`` says the rest.
 
-Weights identity: ``{"source": "hf", "repo": ..., "revision": <commit of the cached
-snapshot, null for a folder>, "files": {<weight file>: <sha256>}}``, or
-``{"source": "random", "seed": seed, "config_sha256": <sha256 of config.json>}``.
-
-Preprocessing (with no explicit ``preprocess``): the repository's image processor, read
-from local files only (or, without one, the model type's default processor sized to the
-config's ``image_size``), rebuilt as a torchvision pipeline that gives the processor's
-``pixel_values`` (:mod:`featcache.models.hf_processor`).
+Weights identity: ``{"source": "hf", "repo", "revision": <commit of the cached snapshot,
+null for a folder>, "files": {<weight file>: <sha256>}}``, or ``{"source": "random",
+"seed": seed, "config_sha256": <sha256 of config.json>}``.
 """
 
 from __future__ import annotations
@@ -45,7 +32,6 @@ from featcache.models.hub import (
     quiet_loading,
     remote_kwargs,
     snapshot,
-    trust,
 )
 from featcache.models.preprocess import Preprocessing, spec_preprocessing
 from featcache.models.registry import BuiltModel, Inputs, ModelKind, random_weights
@@ -78,7 +64,7 @@ class HFKind(ModelKind):
         check_weights(model)
         if preprocess.is_set():
             return spec_preprocessing(preprocess)
-        transformers = _transformers(model)
+        transformers = require("transformers", f"model.name {model.name!r}")
         config = _load_config(transformers, source, model, local_only=True)
         return processor_preprocessing(_image_processor(transformers, source, model, config))
 
@@ -93,21 +79,18 @@ class HFKind(ModelKind):
     def build(self, ref: str, model: ModelSpec, seed: int, inputs: Inputs = "image") -> BuiltModel:
         source = parse_ref(ref)
         check_weights(model)
-        transformers = _transformers(model)
+        transformers = require("transformers", f"model.name {model.name!r}")
         kwargs = {"dtype": torch.float32, **model.kwargs}
+        # Weights the files lack (a pooler the checkpoint never had, say) start at random,
+        # seeded as a random model is, so that a rerun gives the same values.
+        torch.manual_seed(seed)
         if model.weights is None:
             config = _load_config(transformers, source, model, local_only=False)
-            torch.manual_seed(seed)
-            module = _call(
-                transformers.AutoModel.from_config, source, model, config, **trust(model), **kwargs
-            )
+            kwargs["trust_remote_code"] = model.trust_remote_code
+            module = _call(transformers.AutoModel.from_config, source, model, config, **kwargs)
             folder = snapshot(source)
-            weights = random_weights(seed)
-            weights["config_sha256"] = file_sha256(folder / "config.json")
+            weights = {**random_weights(seed), "config_sha256": file_sha256(folder / "config.json")}
         else:
-            # Weights the files lack (a pooler the checkpoint never had, say) start at
-            # random: seeded, so that a rerun gives the same values.
-            torch.manual_seed(seed)
             module, loading = _call(
                 transformers.AutoModel.from_pretrained,
                 source,
@@ -138,11 +121,8 @@ class HFKind(ModelKind):
 
 
 def parse_ref(ref: str) -> Source:
-    """``"owner/name@rev"`` -> a hub :class:`Source`; an existing folder -> a local one.
-
-    A folder without ``config.json``, or a reference that is neither an existing folder nor
-    a repo id, is one :class:`ConfigError`.
-    """
+    """``"owner/name@rev"`` -> a hub :class:`Source`; an existing folder -> a local one. A folder
+    without ``config.json``, or neither a folder nor a repo id, is one :class:`ConfigError`."""
     folder = Path(ref).expanduser()
     if ref and folder.is_dir():
         if not (folder / "config.json").is_file():
@@ -184,12 +164,9 @@ def image_tower(module: nn.Module, source: Source) -> nn.Module:
 
 
 def prefix_tokens(module: nn.Module) -> int:
-    """Tokens before the patch tokens: class, distillation and register token parameters.
-
-    ``cls_token`` ``[1, 1, D]`` and ``class_embedding`` ``[D]`` count 1 each,
-    ``register_tokens`` ``[1, R, D]`` counts R: ViT 1, DeiT 2, Dinov2 1 (+ registers),
-    CLIP 1, SigLIP 0.
-    """
+    """Tokens before the patch tokens, from the class, distillation and register token
+    parameters: ``cls_token`` ``[1, 1, D]`` and ``class_embedding`` ``[D]`` count 1 each,
+    ``register_tokens`` ``[1, R, D]`` R (ViT 1, DeiT 2, Dinov2 1 + registers, CLIP 1, SigLIP 0)."""
     count = 0
     for name, parameter in module.named_parameters():
         if name.rpartition(".")[2] in _PREFIX_PARAMETERS:
@@ -198,12 +175,9 @@ def prefix_tokens(module: nn.Module) -> int:
 
 
 def weight_files(snapshot: Path, kwargs: dict[str, Any]) -> list[Path]:
-    """The weight files ``from_pretrained`` reads from ``snapshot``, by transformers' names.
-
+    """The weight files ``from_pretrained`` reads from ``snapshot``, by transformers' names:
     ``model.safetensors`` or the shards its ``.index.json`` lists, else ``pytorch_model.bin``
-    or its shards; ``kwargs`` ``subfolder``, ``variant`` and ``use_safetensors=False`` are
-    honoured as transformers does.
-    """
+    or its shards, with ``kwargs`` ``subfolder``, ``variant`` and ``use_safetensors=False``."""
     folder = snapshot / str(kwargs.get("subfolder") or "")
     variant = kwargs.get("variant")
     stems = ["model", "pytorch_model"]
@@ -221,10 +195,6 @@ def weight_files(snapshot: Path, kwargs: dict[str, Any]) -> list[Path]:
     raise FeatcacheError(
         f"no weight files (model.safetensors, pytorch_model.bin or their shards) in {folder}"
     )
-
-
-def _transformers(model: ModelSpec) -> Any:
-    return require("transformers", f"model.name {model.name!r}")
 
 
 def _call(load: Callable[..., Any], source: Source, model: ModelSpec, *args: Any, **kw: Any) -> Any:

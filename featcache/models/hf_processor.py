@@ -1,11 +1,6 @@
-"""A Hugging Face image processor as featcache preprocessing: a torchvision pipeline.
-
-A standard processor (transformers' torchvision backend, no steps of its own) becomes, in
-its own order: uint8 tensor -> resize (torchvision v2, antialiased: v1 rounds uint8
-differently) -> centre crop (offsets rounded down) -> fused rescale and normalise. Its
+"""A Hugging Face image processor as featcache preprocessing: a torchvision pipeline whose
 output equals the processor's ``pixel_values`` (measured exactly equal on transformers
-5.23). Any other processor (ConvNeXt's ``crop_pct``, BEiT's, one that pads) is run as it
-is, one image at a time (:class:`RunProcessor`): its ``pixel_values`` are the input.
+5.23), or, for a processor with steps of its own, the processor itself (:class:`RunProcessor`).
 """
 
 from __future__ import annotations
@@ -13,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,12 +33,10 @@ _RESAMPLE = {
 def processor_preprocessing(processor: Any) -> Preprocessing:
     """A transformers image processor as a picklable torchvision pipeline and its sizes.
 
-    PIL RGB -> uint8 ``[3, H, W]`` -> resize (``size``: ``shortest_edge`` or
-    ``height``/``width``, antialiased, ``resample`` as a torchvision mode) -> centre crop
-    (``crop_size``, if ``do_center_crop``) -> float32 rescaled (``rescale_factor``) and
-    normalised (``image_mean``/``image_std``): the order and rounding of the processor.
-    A processor with steps of its own, or sizes or a resample mode the pipeline does not
-    take, is run as it is (:class:`RunProcessor`).
+    PIL RGB -> uint8 ``[3, H, W]`` -> resize (``size``; torchvision v2, antialiased: v1 rounds
+    uint8 differently) -> centre crop (``crop_size``, if ``do_center_crop``) -> float32
+    rescaled and normalised: the processor's order and rounding. A processor with steps of its
+    own, or settings the pipeline does not take, is run as it is (:class:`RunProcessor`).
     """
     if own_steps(processor):
         return Preprocessing(RunProcessor(processor))
@@ -78,24 +72,23 @@ def _pipeline(processor: Any) -> Preprocessing:
             raise _Untranslatable(f"crop_size {crop}")
         steps.append(CenterCrop(crop["height"], crop["width"]))
         crop_size = crop["height"] if crop["height"] == crop["width"] else None
-    steps.append(
-        RescaleNormalize(
-            float(processor.rescale_factor) if getattr(processor, "do_rescale", False) else None,
-            _triple(processor.image_mean) if getattr(processor, "do_normalize", False) else None,
-            _triple(processor.image_std) if getattr(processor, "do_normalize", False) else None,
-        )
-    )
+    normalize = getattr(processor, "do_normalize", False)
+    scale = float(processor.rescale_factor) if getattr(processor, "do_rescale", False) else None
+    mean = _triple(processor.image_mean) if normalize else None
+    std = _triple(processor.image_std) if normalize else None
+    steps.append(RescaleNormalize(scale, mean, std))
     return Preprocessing(T.Compose(steps), decode_size, crop_size)
 
 
+@dataclass(frozen=True)
 class CenterCrop:
     """Centre crop of a ``[C, H, W]`` tensor with transformers' offsets (rounded down).
 
     torchvision rounds half offsets to even; a one pixel shift would break equality.
     """
 
-    def __init__(self, height: int, width: int) -> None:
-        self.height, self.width = height, width
+    height: int
+    width: int
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
         h, w = image.shape[-2:]
@@ -104,23 +97,17 @@ class CenterCrop:
         top, left = int((h - self.height) / 2.0), int((w - self.width) / 2.0)
         return image[..., top : top + self.height, left : left + self.width]
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(height={self.height}, width={self.width})"
 
-
+@dataclass(frozen=True)
 class RescaleNormalize:
     """uint8 ``[3, H, W]`` -> float32 ``(x * scale - mean) / std``, fused as transformers does.
 
     With both, ``(x - mean / scale) / (std / scale)``; ``None`` skips a step.
     """
 
-    def __init__(
-        self,
-        scale: float | None,
-        mean: tuple[float, float, float] | None,
-        std: tuple[float, float, float] | None,
-    ) -> None:
-        self.scale, self.mean, self.std = scale, mean, std
+    scale: float | None
+    mean: tuple[float, float, float] | None
+    std: tuple[float, float, float] | None
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
         x = image.to(torch.float32)
@@ -130,9 +117,6 @@ class RescaleNormalize:
         if self.scale is not None:
             mean, std = mean * (1.0 / self.scale), std * (1.0 / self.scale)
         return TF.normalize(x, mean.tolist(), std.tolist())
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(scale={self.scale}, mean={self.mean}, std={self.std})"
 
 
 class RunProcessor:

@@ -1,6 +1,5 @@
 """Where a ``hf:`` model's files come from: a hub repository, its cached snapshot, or a
-folder written by ``save_pretrained``; shared by the image (:mod:`featcache.models.hf`) and
-text (:mod:`featcache.models.text`) sides."""
+folder written by ``save_pretrained``; for the image and text sides alike."""
 
 from __future__ import annotations
 
@@ -32,13 +31,8 @@ class Source:
 def remote_kwargs(source: Source, model: ModelSpec) -> dict[str, Any]:
     """The revision, and ``trust_remote_code`` as the config says (an explicit False: left
     unset, transformers asks on a terminal whether to run a repository's code)."""
-    if source.revision is not None:
-        return {"revision": source.revision, **trust(model)}
-    return trust(model)
-
-
-def trust(model: ModelSpec) -> dict[str, Any]:
-    return {"trust_remote_code": model.trust_remote_code}
+    revision = {} if source.revision is None else {"revision": source.revision}
+    return {**revision, "trust_remote_code": model.trust_remote_code}
 
 
 @contextlib.contextmanager
@@ -57,9 +51,8 @@ def quiet_loading() -> Iterator[None]:
 
 
 def check_reachable(source: Source) -> None:
-    """Fail at once when a hub repository's ``config.json`` is neither cached nor
-    reachable: one request without retries, rather than the hub client's backoff (about
-    half a minute and a log line per retry) before the same end.
+    """Fail at once when a hub repository's ``config.json`` is neither cached nor reachable:
+    one request without retries, rather than the hub client's half a minute of backoff.
 
     Raises:
         FeatcacheError: :func:`not_cached`'s line.

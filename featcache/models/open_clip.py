@@ -1,26 +1,13 @@
 """The open_clip model kind: CLIP architectures and pretrained tags, built as their image tower.
 
-``model.name`` is ``"open_clip:<architecture>[/<tag>]"``: an architecture from
-``open_clip.list_models()`` and, optionally, one of its pretrained tags
-(``open_clip.list_pretrained_tags_by_model``), e.g. ``open_clip:ViT-B-32/laion2b_s34b_b79k``.
-``model.weights`` is null (random, seeded), ``"pretrained"`` (the tag's weights, which
-open_clip reads from the Hugging Face hub cache and downloads there when online) or the
-path of a local file holding the whole CLIP model's state dict, loaded by
-``open_clip.create_model(architecture, pretrained=<path>)``. The module is the image tower
-``model.visual``, called as ``visual(images)``; layer names are relative to it
-(``transformer.resblocks.11``). On text data (``inputs="text"``) it is the text tower,
-:class:`OpenClipTextTower`, with ``open_clip.get_tokenizer(architecture)`` as its tokenizer
-(:class:`~featcache.models.text.OpenClipTokenizer`).
+``model.name`` is ``"open_clip:<architecture>[/<tag>]"``; ``model.weights`` is null
+(random, seeded), ``"pretrained"`` (the tag's) or a local file holding the whole CLIP
+model's state dict. The module is ``model.visual``, or on text data
+:class:`OpenClipTextTower`; the guide ``docs/guides/model-zoos.md`` says the rest.
 
-Weights identity: ``{"source": "open_clip", "architecture": ..., "tag": ..., "files":
-{<file name>: <sha256>}}`` (``"tag"`` is null for a local file), or
-``{"source": "random", "seed": seed, "config_sha256": ...}`` without weights, the hash
-being that of the architecture's config as open_clip registers it.
-
-Preprocessing is open_clip's own eval transform, built without the model: the
-architecture's image size (``model.kwargs`` ``force_image_size`` wins) and the tag's mean,
-std, interpolation and resize mode, or OpenAI's defaults without a tag, then
-``force_preprocess_cfg`` from ``model.kwargs``. Explicit ``preprocess`` keys win.
+Weights identity: ``{"source": "open_clip", "architecture", "tag" (null for a local
+file), "files": {<file name>: <sha256>}}``, or ``{"source": "random", "seed": seed,
+"config_sha256": <sha256 of the architecture's config as open_clip registers it>}``.
 """
 
 from __future__ import annotations
@@ -85,7 +72,7 @@ class OpenClipKind(ModelKind):
     def preprocessing(
         self, ref: str, model: ModelSpec, preprocess: PreprocessSpec
     ) -> Preprocessing:
-        open_clip = _require(model)
+        open_clip = require("open_clip", f"model.name {model.name!r}")
         parsed = parse_ref(open_clip, ref)
         weights_file(parsed, model.weights)  # a bad model.weights fails here already
         if preprocess.is_set():
@@ -93,7 +80,7 @@ class OpenClipKind(ModelKind):
         return eval_preprocessing(open_clip, parsed, model.kwargs)
 
     def build(self, ref: str, model: ModelSpec, seed: int, inputs: Inputs = "image") -> BuiltModel:
-        open_clip = _require(model)
+        open_clip = require("open_clip", f"model.name {model.name!r}")
         parsed = parse_ref(open_clip, ref)
         path = weights_file(parsed, model.weights)
         pretrained = model.weights == PRETRAINED
@@ -118,37 +105,28 @@ class OpenClipKind(ModelKind):
         visual = getattr(clip, "visual", None)
         if not isinstance(visual, nn.Module):
             raise ConfigError(f"open_clip's {parsed} has no image tower (model.visual)")
-        prefix_tokens, sequence_first = token_layout(visual)
-        return BuiltModel(
-            visual, weights, prefix_tokens=prefix_tokens, sequence_first=sequence_first
-        )
+        return BuiltModel(visual, weights, None, *token_layout(visual))
 
 
 class OpenClipTextTower(nn.Module):
     """The text tower of an open_clip model: ``tower(input_ids) == clip.encode_text(ids)``.
 
-    ``input_ids`` is int64 ``[B, T]`` with ``T`` up to the context length, padded on the
-    right; ``attention_mask`` is accepted and ignored: the tower is causal, so positions
-    after a text's end-of-text token change none of its own, and the pooled position
-    (``argmax``: the end-of-text token, the highest id; ``eos``; ``first``) is a real
-    token. The positional embedding and causal mask are cut to ``T``, so the token
-    outputs of its submodules (``token_embedding``, ``transformer.resblocks.<i>``,
-    ``ln_final``) have ``T`` positions, those of the padded ids that ``encode_text`` sees
-    up to ``T``. Towers that attend both ways or pool the last position need every
-    position: their tokenizer keeps the padding
-    (:class:`~featcache.models.text.OpenClipTokenizer` ``fixed_length``).
+    ``input_ids`` is int64 ``[B, T]``, ``T`` up to the context length, padded on the right;
+    ``attention_mask`` is ignored: the tower is causal, so a text's positions never see the
+    padding after its end-of-text token, and the pooled position is a real token. The
+    positional embedding and causal mask are cut to ``T``. Towers that attend both ways or
+    pool the last position need every position: their tokenizer keeps the padding.
     """
 
-    token_embedding: nn.Module
     positional_embedding: torch.Tensor  # [context length, width]
-    transformer: Any  # open_clip's Transformer (resblocks)
-    ln_final: nn.Module
     text_projection: Any  # [width, E] parameter, nn.Linear or None
     attn_mask: torch.Tensor | None  # additive causal mask; None: attention both ways
 
     def __init__(self, text: Any) -> None:
         """``text``: a ``CLIP`` model (its text modules are its own attributes) or an
         open_clip ``TextTransformer``; the tower shares their modules, not copies."""
+        import open_clip
+
         super().__init__()
         self.token_embedding = text.token_embedding
         self.positional_embedding = text.positional_embedding
@@ -157,7 +135,7 @@ class OpenClipTextTower(nn.Module):
         self.text_projection = text.text_projection
         self.register_buffer("attn_mask", text.attn_mask, persistent=False)
         self.context_length = int(text.context_length)
-        if isinstance(text, open_clip_module().CLIP):
+        if isinstance(text, open_clip.CLIP):
             self.pool_type, self.eos_id = text.text_pool_type, text.text_eos_id
         else:
             self.pool_type, self.eos_id = text.pool_type, text.eos_id
@@ -189,11 +167,9 @@ class OpenClipTextTower(nn.Module):
 def text_built(
     open_clip: ModuleType, ref: OpenClipRef, clip: nn.Module, weights: dict[str, Any]
 ) -> BuiltModel:
-    """The :class:`BuiltModel` of ``clip``'s text tower and tokenizer.
-
-    A ``CLIP`` model or a ``CustomTextCLIP`` whose text tower is a ``TextTransformer``
-    without a class token (CoCa) or padding mask; others are one :class:`ConfigError`.
-    """
+    """The :class:`BuiltModel` of ``clip``'s text tower and tokenizer: a ``CLIP`` model's, or
+    a ``TextTransformer`` without a class token (CoCa) or padding mask; others are one
+    :class:`ConfigError`."""
     from featcache.models.text import open_clip_tokenizer
 
     text = clip if isinstance(clip, open_clip.CLIP) else getattr(clip, "text", None)
@@ -216,19 +192,12 @@ def text_built(
     return BuiltModel(tower, weights, tokenizer, None, sequence_first)
 
 
-def open_clip_module() -> ModuleType:
-    """open_clip, imported (it is an optional extra)."""
-    import open_clip
-
-    return open_clip
-
-
 def parse_ref(open_clip: ModuleType, ref: str) -> OpenClipRef:
     """``"ViT-B-32/laion2b_s34b_b79k"`` -> ``OpenClipRef("ViT-B-32", "laion2b_s34b_b79k")``.
 
     The tag is matched as open_clip matches it (case and ``-``/``_`` aside) and given as
-    open_clip lists it. An unknown architecture or tag is a :class:`ConfigError` with
-    close matches; nothing is downloaded.
+    open_clip lists it; an unknown architecture or tag is a :class:`ConfigError` with close
+    matches. Nothing is downloaded.
     """
     architecture, slash, tag = ref.partition("/")
     names = open_clip.list_models()
@@ -253,12 +222,9 @@ def parse_ref(open_clip: ModuleType, ref: str) -> OpenClipRef:
 
 
 def weights_file(ref: OpenClipRef, weights: str | None) -> str | None:
-    """The local weights file ``model.weights`` names, checking the value.
-
-    ``None`` (random weights) and ``"pretrained"`` (needs a tag in the reference) give
-    ``None``; a path to an existing file gives the path; anything else is a
-    :class:`ConfigError` naming what is allowed.
-    """
+    """The local weights file ``model.weights`` names: None for ``None`` (random) and
+    ``"pretrained"`` (which needs a tag in the reference), or an existing file's path;
+    anything else is a :class:`ConfigError` naming what is allowed."""
     if weights is None:
         return None
     if weights == PRETRAINED:
@@ -283,8 +249,7 @@ def cached_weights(open_clip: ModuleType, ref: OpenClipRef) -> str:
     Hugging Face hub cache, or ``~/.cache/clip`` for URLs), downloaded there when online.
 
     Raises:
-        FeatcacheError: the file is not cached and cannot be downloaded; one line naming
-            the cache folder and the command that fetches it.
+        FeatcacheError: not cached and cannot be downloaded; naming the cache and the fix.
     """
     assert ref.tag is not None
     cfg = open_clip.get_pretrained_cfg(ref.architecture, ref.tag)
@@ -302,13 +267,11 @@ def eval_preprocessing(
 ) -> Preprocessing:
     """open_clip's eval transform for ``ref`` (PIL RGB -> float32 [3, H, W]) and its sizes.
 
-    What ``open_clip.create_model_and_transforms(architecture, pretrained=tag)`` returns as
-    its eval transform, computed from the configs alone: the image size of the
-    architecture's vision config, the tag's mean/std, interpolation and resize mode
-    (OpenAI's defaults without a tag), ``force_image_size`` and ``force_preprocess_cfg``
-    from ``kwargs``. ``decode_size``/``crop_size`` are the side of a square ``shortest``
-    resize and crop; a ``squash`` resize has no crop; ``longest`` (resize, then pad) has
-    neither.
+    What ``open_clip.create_model_and_transforms(architecture, pretrained=tag)`` gives as its
+    eval transform, from the configs alone: the architecture's image size, the tag's
+    mean/std, interpolation and resize mode (OpenAI's defaults without a tag), then
+    ``force_image_size`` and ``force_preprocess_cfg`` from ``kwargs``. The sizes are those
+    of a square ``shortest`` resize and crop; ``squash`` has no crop, ``longest`` neither.
     """
     from open_clip.transform import PreprocessCfg, image_transform_v2, merge_preprocess_dict
 
@@ -333,12 +296,9 @@ def eval_preprocessing(
 def token_layout(visual: nn.Module) -> tuple[int, bool]:
     """``(prefix_tokens, sequence_first)`` of an open_clip image tower's token outputs.
 
-    ``VisionTransformer`` (with or without attentional pooling) puts one class token
-    (``class_embedding``) before the patch tokens; its transformer runs batch-first
-    (``[B, T, D]``) when ``transformer.batch_first``, as in open_clip 3.x, and
-    sequence-first (``[T, B, D]``) when false or, in older open_clip, absent. A timm trunk
-    (``TimmModel``) has ``trunk.num_prefix_tokens`` (class and register tokens) and runs
-    batch-first; ``ModifiedResNet`` (the RN50 family) has no tokens: ``(0, False)``.
+    ``VisionTransformer`` has one class token (``class_embedding``) and runs batch-first when
+    ``transformer.batch_first`` (open_clip 3.x), else sequence-first. A timm trunk has
+    ``trunk.num_prefix_tokens`` and runs batch-first; ``ModifiedResNet`` (RN50) has no tokens.
     """
     if isinstance(getattr(visual, "class_embedding", None), torch.Tensor):
         prefix = 1
@@ -355,10 +315,6 @@ def config_sha256(open_clip: ModuleType, architecture: str) -> str:
     """sha256 of the architecture's config (canonical JSON), as open_clip registers it."""
     config = open_clip.get_model_config(architecture)
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
-
-
-def _require(model: ModelSpec) -> ModuleType:
-    return require("open_clip", f"model.name {model.name!r}")
 
 
 def _tag_key(tag: str) -> str:
@@ -402,8 +358,7 @@ def _create_model(
 def _not_cached(
     open_clip: ModuleType, ref: OpenClipRef, cfg: dict[str, Any], exc: BaseException | None
 ) -> str:
-    hub = cfg.get("hf_hub") and open_clip.pretrained.has_hf_hub()
-    if hub:
+    if cfg.get("hf_hub") and open_clip.pretrained.has_hf_hub():
         from huggingface_hub import constants
 
         cache = constants.HF_HUB_CACHE  # read now: tests and users may repoint it
@@ -413,12 +368,9 @@ def _not_cached(
         cache = os.path.expanduser("~/.cache/clip")
         where = cfg.get("url") or "no download source"
         offline = False
+    reason = f" and could not be downloaded ({first_line(exc)})" if exc is not None else ""
     if offline:
         reason = " and HF_HUB_OFFLINE is set"
-    elif exc is not None:
-        reason = f" and could not be downloaded ({first_line(exc)})"
-    else:
-        reason = ""
     fetch = (
         f"python -c \"import open_clip; open_clip.create_model('{ref.architecture}', "
         f"pretrained='{ref.tag}')\""

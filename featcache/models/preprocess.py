@@ -28,12 +28,10 @@ Transform = Callable[[Image.Image], torch.Tensor]
 
 @dataclass(frozen=True)
 class Preprocessing:
-    """A model's eval preprocessing: the transform and the geometry it applies.
-
-    ``decode_size`` is the shorter side ``transform`` resizes to first (``None``: no
-    resize, or not a single number); sources use it to decode JPEGs in draft mode no
-    smaller than needed. ``crop_size`` is the side of the centre crop that follows, if any.
-    """
+    """A model's eval preprocessing: the transform and the geometry it applies. ``decode_size``
+    is the shorter side ``transform`` resizes to first (None: no resize, or not one number),
+    which sources decode JPEGs in draft mode no smaller than; ``crop_size`` is the side of
+    the centre crop that follows, if any."""
 
     transform: Transform
     decode_size: int | None = None
@@ -46,11 +44,9 @@ def spec_preprocessing(preprocess: PreprocessSpec) -> Preprocessing:
 
 
 def build_transform(preprocess: PreprocessSpec) -> Transform:
-    """Resize (shorter side) -> CenterCrop -> float32 in [0, 1] -> Normalize, as configured.
-
-    Resize and crop are skipped when null; mean/std default to ImageNet's. The result maps
-    a PIL RGB image to a float32 tensor [3, H, W] and is picklable (for DataLoader workers).
-    """
+    """Resize (shorter side) -> CenterCrop -> float32 in [0, 1] -> Normalize, as configured:
+    a picklable map of a PIL RGB image to a float32 tensor [3, H, W]. Resize and crop are
+    skipped when null; mean/std default to ImageNet's."""
     interpolation = INTERPOLATIONS.get(preprocess.interpolation)
     if interpolation is None:
         raise ConfigError(

@@ -1,23 +1,8 @@
 """The registry of model kinds: the questions every kind answers, and which kind a spec names.
 
-A *model kind* is one way of getting a backbone: ``torchvision`` (a model name and its
-weights enum) and ``factory`` (a ``package.module:callable``) today; ``timm``, ``hf`` and
-``open_clip`` are meant to be further entries, not further branches. Each kind answers
-the same questions, as the methods of :class:`ModelKind`:
-
-* :meth:`ModelKind.preprocessing`: the eval preprocessing (transform, decode and crop
-  size), given the explicit ``preprocess`` section, which wins over the kind's own;
-* :meth:`ModelKind.build`: the ``nn.Module``, the identity of the weights it actually
-  read, and (as :class:`BuiltModel` fields with defaults) its tokenizer, the number of
-  prefix tokens in its token outputs and whether those are sequence-first. ``inputs``
-  says what the data holds: ``"image"`` or ``"text"`` (token ids, for the kinds whose
-  models read text: ``hf`` and ``open_clip``; the others refuse it with
-  :func:`refuse_text`).
-
-Which kind a :class:`~featcache.config.spec.ModelSpec` names (:func:`kind_for`): ``model.factory``
-names the ``factory`` kind; ``model.name`` is ``"<kind>:<reference>"`` or, with no
-registered prefix, a ``torchvision`` model name. A local checkpoint is not a kind: it is
-a weights-loading step applied on top of any kind (see :mod:`featcache.models.checkpoint`).
+A *model kind* (torchvision, factory, timm, hf, open_clip) is a :class:`ModelKind` subclass,
+registered once, not a branch elsewhere. A local checkpoint is not a kind but a
+weights-loading step on top of any kind (:mod:`featcache.models.checkpoint`).
 """
 
 from __future__ import annotations
@@ -49,32 +34,26 @@ _KIND_NAME = re.compile(r"[a-z][a-z0-9_]*")
 class BuiltModel:
     """What :meth:`ModelKind.build` returns: the module and what the forward will look like.
 
-    ``weights`` is the JSON-able identity of the weights the module holds, as read:
-    ``{"source": <where from>, ...}`` (``"torchvision"`` with ``"enum"`` and ``"url"``,
-    ``"random"`` with ``"seed"``, ...); :func:`~featcache.models.build_backbone` adds
-    ``"model"``. It decides whether a store may be resumed, so it must change exactly when
-    the weights do.
-
-    The other fields have the defaults of an image model and are per model, not per kind
-    (one kind serves CNNs and ViTs): ``tokenizer`` turns texts into inputs (``None``: the
-    model takes images); ``prefix_tokens`` counts the tokens (class, register) before the
-    patch tokens of its ``[B, T, D]`` token outputs; ``sequence_first`` says token outputs
-    are ``[T, B, D]`` instead.
+    The fields after ``weights`` are per model, not per kind (one kind serves CNNs and
+    ViTs), with the defaults of an image model.
     """
 
     module: nn.Module
+    # The JSON-able identity of the weights as read, {"source": <where from>, ...}. It
+    # decides whether a store may be resumed, so it must change exactly when they do.
     weights: dict[str, Any]
-    tokenizer: Tokenizer | None = None
-    prefix_tokens: int | None = None  # None: the model declares no token layout
-    sequence_first: bool = False
+    tokenizer: Tokenizer | None = None  # turns texts into inputs; None: the model takes images
+    # Tokens (class, register) before the patch tokens of [B, T, D] token outputs; None: the
+    # model declares no token layout.
+    prefix_tokens: int | None = None
+    sequence_first: bool = False  # token outputs are [T, B, D]
 
 
 class ModelKind(ABC):
     """One way to build a backbone; subclass it and :func:`register` an instance.
 
-    ``ref`` is what the spec names within the kind: ``model.name`` without its
-    ``"<kind>:"`` prefix, or ``model.factory``. ``model`` is the whole (checked) spec, for
-    ``weights`` and ``kwargs``.
+    ``ref`` is what the spec names within the kind (``model.name`` without its ``"<kind>:"``
+    prefix, or ``model.factory``); ``model`` is the whole checked spec.
     """
 
     name: ClassVar[str]  # the registry key and the model.name prefix: "timm" in "timm:vit_b"
@@ -88,33 +67,28 @@ class ModelKind(ABC):
     ) -> Preprocessing:
         """The eval preprocessing of the model ``ref``, mapping PIL RGB to float32 [3, H, W].
 
-        Called before :meth:`build`, and on its own (to show images as the model sees
-        them), so it must download nothing and fail on a bad ``ref`` or ``model.weights``
-        with one :class:`~featcache.errors.ConfigError` line. An explicit ``preprocess``
-        (``preprocess.is_set()``) wins over the model's own preprocessing. The default is
-        ``preprocess`` alone (:func:`~featcache.models.preprocess.spec_preprocessing`).
+        Called before :meth:`build`, and on its own, so it must download nothing and fail on a bad
+        ``ref`` or ``model.weights`` with one :class:`~featcache.errors.ConfigError` line. An
+        explicit ``preprocess`` (``preprocess.is_set()``) wins over the model's own; this default
+        uses it alone.
         """
         return spec_preprocessing(preprocess)
 
     def code_run(self, ref: str, model: ModelSpec) -> str | None:
-        """What :meth:`build` would import and run that the config names, in words (None:
-        nothing but the kind's own library code).
-
-        Stores record their config, and a store is data: ``verify`` asks this before
-        rebuilding a recorded model and refuses unless the user allows it.
-        """
+        """What :meth:`build` would import and run that the config names, in words (None: only
+        the kind's own library code). A store is data: ``verify`` asks this before rebuilding a
+        recorded model and refuses unless the user allows it."""
         return None
 
     @abstractmethod
     def build(self, ref: str, model: ModelSpec, seed: int, inputs: Inputs = "image") -> BuiltModel:
         """Construct the module (any mode, any device) and say which weights it read.
 
-        Call ``torch.manual_seed(seed)`` right before constructing it, so that randomly
-        initialised parameters are the same for the same seed. With ``inputs="text"`` the
-        module takes ``input_ids`` and ``attention_mask`` (int64 ``[B, T]``, right padded)
-        as keyword arguments and :attr:`BuiltModel.tokenizer` is set; a kind whose models
-        read images only raises :func:`refuse_text`'s error. A kind written without the
-        ``inputs`` parameter is called without it, for images only.
+        Call ``torch.manual_seed(seed)`` right before constructing it, so that random parameters
+        are the same for the same seed. With ``inputs="text"`` the module takes ``input_ids`` and
+        ``attention_mask`` (int64 ``[B, T]``, right padded) keyword arguments and
+        :attr:`BuiltModel.tokenizer` is set; a kind whose models read images only raises
+        :func:`refuse_text`'s error. A kind written without ``inputs`` is called for images only.
         """
 
 
@@ -122,11 +96,8 @@ _KINDS: dict[str, ModelKind] = {}  # name -> kind, in registration order
 
 
 def register(kind: ModelKind, *, replace: bool = False) -> ModelKind:
-    """Add ``kind`` to the registry under ``kind.name``; returns it.
-
-    Names are lower-case identifiers (they prefix ``model.name``). Registering a taken name
-    is an error unless ``replace``.
-    """
+    """Add ``kind`` to the registry under ``kind.name`` (a lower-case identifier: it prefixes
+    ``model.name``); returns it. Registering a taken name is an error unless ``replace``."""
     name = getattr(kind, "name", None)
     if not isinstance(name, str) or not _KIND_NAME.fullmatch(name):
         raise ValueError(f"a model kind's name must be a lower-case identifier, not {name!r}")
@@ -147,13 +118,10 @@ def registered() -> list[str]:
 
 
 def kind_for(model: ModelSpec) -> tuple[ModelKind, str]:
-    """The kind that builds ``model``, and the reference it is given.
-
-    ``factory="pkg.mod:fn"`` -> (factory, ``"pkg.mod:fn"``); ``name="timm:vit_b"`` ->
-    (timm, ``"vit_b"``); ``name="resnet50"`` -> (torchvision, ``"resnet50"``). A name
-    whose prefix is no registered kind, or ``model.kwargs`` with a key the kind refuses
-    (:attr:`ModelKind.refused_kwargs`), is one :class:`~featcache.errors.ConfigError`.
-    """
+    """The kind that builds ``model``, and the reference it is given: ``factory="pkg.mod:fn"``
+    -> (factory, ``"pkg.mod:fn"``); ``name="timm:vit_b"`` -> (timm, ``"vit_b"``);
+    ``name="resnet50"`` -> (torchvision, ``"resnet50"``). An unknown prefix, or a
+    ``model.kwargs`` key the kind refuses, is one :class:`~featcache.errors.ConfigError`."""
     kind, ref = _named_kind(model)
     for key in model.kwargs:
         if key in kind.refused_kwargs:
@@ -213,11 +181,9 @@ def random_weights(seed: int) -> dict[str, Any]:
 def refuse_text(model: ModelSpec) -> ConfigError:
     """The one-line error of a kind whose models read images only, given text data."""
     named = model.name or model.factory
-    api = (
-        "; featcache.extract takes any model, with a dataset of tokenised dicts"
-        if model.factory is not None
-        else ""
-    )
+    api = ""
+    if model.factory is not None:
+        api = "; featcache.extract takes any model, with a dataset of tokenised dicts"
     return ConfigError(
         f"model {named} takes images; text data needs a text model: "
         f"hf:<text model or dual encoder> or open_clip:<architecture>{api}"

@@ -1,20 +1,9 @@
 """Text sides of models and their tokenizers, as :class:`~featcache.sources.tokenizer.Tokenizer`.
 
-On text data (``build_backbone(..., inputs="text")``) a model kind returns the part of the
-model that reads token ids, called as ``module(input_ids=..., attention_mask=...)`` with
-int64 ``[B, T]`` tensors padded on the right, and a tokenizer that gives unpadded ids:
-
-* ``hf:`` (:func:`hf_text_model`): a text model (BERT, GPT-2, RoBERTa...) as it is; the
-  encoder of an encoder-decoder (T5); the ``text_model`` of a dual encoder (a config with
-  a ``text_config``: CLIP, SigLIP), layer names relative to it (``encoder.layers.0``). Its
-  tokenizer is ``AutoTokenizer`` from local files only (:class:`HFTokenizer`).
-* ``open_clip:``: the text tower of :class:`~featcache.models.open_clip.OpenClipTextTower`
-  with ``open_clip.get_tokenizer`` (:class:`OpenClipTokenizer`).
-
-Text towers have no prefix-token layout (reductions over tokens use the attention mask),
-so these kinds leave ``prefix_tokens`` as None. The weights identity is the model's, as
-for images; the tokenizer's identity is its :attr:`~featcache.sources.tokenizer.Tokenizer.name`,
-which text sources record in their fingerprint.
+On text data a kind returns the part of the model that reads token ids, called as
+``module(input_ids=..., attention_mask=...)`` with int64 ``[B, T]`` tensors padded on the
+right, and a tokenizer that gives unpadded ids, whose ``name`` is its identity. Text towers
+declare no prefix tokens: token reductions use the attention mask.
 """
 
 from __future__ import annotations
@@ -22,18 +11,16 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 
+from featcache.config.spec import ModelSpec
 from featcache.errors import ConfigError, FeatcacheError, first_line
+from featcache.models.hub import Source, not_cached, remote_kwargs, snapshot
 from featcache.sources.tokenizer import Tokenized
 from featcache.util.fingerprints import file_sha256
-
-if TYPE_CHECKING:
-    from featcache.config.spec import ModelSpec
-    from featcache.models.hub import Source
 
 # Files a transformers tokenizer reads, whichever a repository or folder has.
 TOKENIZER_FILES = (
@@ -54,19 +41,15 @@ _NO_LIMIT = 1_000_000
 
 class HFTokenizer:
     """A transformers tokenizer as a featcache :class:`~featcache.sources.tokenizer.Tokenizer`.
-
-    ``pad_id`` is the tokenizer's pad token, else its end-of-sequence token (GPT-2 has no
-    pad token), else 0: padded positions are masked out, so only its range matters.
-    """
+    ``pad_id`` is its pad token, else its end-of-sequence token (GPT-2 has no pad token), else
+    0: padded positions are masked out, so only its range matters."""
 
     def __init__(self, tokenizer: Any, name: str, max_length: int | None) -> None:
         self.tokenizer = tokenizer
         self.name = name
         self.max_length = max_length
-        pad = tokenizer.pad_token_id
-        if pad is None:
-            pad = tokenizer.eos_token_id
-        self.pad_id = int(pad) if pad is not None else 0
+        pads = (tokenizer.pad_token_id, tokenizer.eos_token_id)
+        self.pad_id = int(next((pad for pad in pads if pad is not None), 0))
 
     def __call__(self, texts: Sequence[str], max_length: int | None) -> Tokenized:
         """Ids of ``texts`` with the tokenizer's special tokens, cut to ``max_length``
@@ -92,11 +75,9 @@ class HFTokenizer:
 def hf_text_model(
     transformers: Any, module: nn.Module, source: Source, model: ModelSpec
 ) -> tuple[nn.Module, HFTokenizer]:
-    """The text side of a transformers model just built from ``source``, and its tokenizer.
-
-    ``max_length`` is the smaller of the tokenizer's ``model_max_length`` (when it states
-    one) and the text config's ``max_position_embeddings`` (when it has one), else None.
-    """
+    """The text side of a transformers model just built from ``source``, and its tokenizer,
+    whose ``max_length`` is the smaller of its ``model_max_length`` and the text config's
+    ``max_position_embeddings`` where they state one, else None."""
     tower = text_tower(module, source)
     tokenizer = load_tokenizer(transformers, source, model)
     config = getattr(module.config, "text_config", None) or module.config
@@ -104,7 +85,7 @@ def hf_text_model(
     positions = getattr(config, "max_position_embeddings", None)
     if isinstance(positions, int) and positions > 0:
         limits.append(positions)
-    name = f"hf:{source.repo} sha256:{tokenizer_sha256(tokenizer_folder(source))}"
+    name = f"hf:{source.repo} sha256:{tokenizer_sha256(snapshot(source))}"
     return tower, HFTokenizer(tokenizer, name, min(limits) if limits else None)
 
 
@@ -131,14 +112,10 @@ def text_tower(module: nn.Module, source: Source) -> nn.Module:
 
 
 def load_tokenizer(transformers: Any, source: Source, model: ModelSpec) -> Any:
-    """``AutoTokenizer.from_pretrained`` from local files only; one line when it is missing.
-
-    A folder or cached snapshot without any of the :data:`TOKENIZER_FILES` has no
-    tokenizer (transformers would build one with an empty vocabulary).
-    """
-    from featcache.models.hub import not_cached, remote_kwargs
-
-    folder = tokenizer_folder(source)
+    """``AutoTokenizer.from_pretrained`` from local files only; one line when it is missing (a
+    folder or snapshot without any :data:`TOKENIZER_FILES`, from which transformers would
+    build a tokenizer with an empty vocabulary)."""
+    folder = snapshot(source)
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         missing = FileNotFoundError(f"none of {', '.join(TOKENIZER_FILES[:4])}...")
         if source.folder is None:
@@ -161,13 +138,6 @@ def load_tokenizer(transformers: Any, source: Source, model: ModelSpec) -> Any:
         raise not_cached(source, exc) from exc
 
 
-def tokenizer_folder(source: Source) -> Path:
-    """The folder whose tokenizer files were read: the local folder or the cached snapshot."""
-    from featcache.models.hub import snapshot
-
-    return snapshot(source)
-
-
 def tokenizer_sha256(folder: Path) -> str:
     """One sha256 over the :data:`TOKENIZER_FILES` in ``folder``: names and contents."""
     digest = hashlib.sha256()
@@ -181,11 +151,10 @@ def tokenizer_sha256(folder: Path) -> str:
 class OpenClipTokenizer:
     """An open_clip tokenizer as a featcache :class:`~featcache.sources.tokenizer.Tokenizer`.
 
-    open_clip pads every text to its context length. With ``fixed_length`` false the ids
-    are cut after the first end-of-text token (padding removed: the causal text tower never
-    lets a later position change an earlier one); with ``fixed_length`` true (towers that
-    attend in both directions, or pool the last position) each text keeps all its
-    positions, padding included, as ``encode_text`` sees them.
+    open_clip pads every text to its context length. Without ``fixed_length`` the ids end at
+    the first end-of-text token (the causal text tower never lets a later position change an
+    earlier one); with it (towers that attend both ways, or pool the last position) each
+    text keeps all its positions, padding included, as ``encode_text`` sees them.
     """
 
     def __init__(
@@ -252,6 +221,4 @@ def open_clip_tokenizer(
 def _limit(asked: int | None, model_limit: int | None) -> int | None:
     """The length texts are cut to: the one asked for, never past the model's limit (its
     positions end there)."""
-    if asked is None or model_limit is None:
-        return model_limit if asked is None else asked
-    return min(asked, model_limit)
+    return min((n for n in (asked, model_limit) if n is not None), default=None)

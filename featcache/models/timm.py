@@ -1,20 +1,11 @@
 """The timm model kind: ``timm.create_model`` by name and tag, with timm's own eval transform.
 
-``model.name`` is ``"timm:<name>[.<tag>]"`` (``timm:resnet50``,
-``timm:vit_small_patch16_224.augreg_in21k``), a name from ``timm.list_models()`` and
-optionally one of its tags from ``timm.list_pretrained("<name>.*")``; ``model.kwargs``
-go to ``timm.create_model``. ``model.weights`` is null (random weights, seeded),
-``"pretrained"`` (the tag's weights, read by timm from the Hugging Face hub cache,
-downloaded there first unless ``HF_HUB_OFFLINE`` is set) or the path of a local weights
-file (``.safetensors``, ``.pth``, ``.bin``; loaded by timm's own loader, which adapts
-classifiers and position embeddings as for its hub weights).
+``model.name`` is ``"timm:<name>[.<tag>]"``; ``model.weights`` is null (random, seeded),
+``"pretrained"`` (the tag's, from the Hugging Face hub cache) or a local weights file,
+loaded by timm's own loader (which adapts classifiers and position embeddings).
 
-Weights identity: ``{"source": "timm", "name": <name>, "tag": <tag>, "files": {<file
-name>: <sha256>}}`` of the file timm read, or ``{"source": "random", "seed": seed}``.
-Without an explicit ``preprocess``, the transform is timm's eval transform
-(``timm.data.create_transform``) for the data config of the model as configured: resize
-to ``size / crop_pct``, centre crop, the tag's interpolation and mean/std; an
-``img_size`` in ``model.kwargs`` sets the crop.
+Weights identity: ``{"source": "timm", "name", "tag", "files": {<file name>: <sha256>}}``
+of the file timm read, or ``{"source": "random", "seed": seed}``.
 """
 
 from __future__ import annotations
@@ -54,7 +45,7 @@ class TimmKind(ModelKind):
     def preprocessing(
         self, ref: str, model: ModelSpec, preprocess: PreprocessSpec
     ) -> Preprocessing:
-        timm = _import_timm(model)
+        timm = require("timm", f"model.name {model.name!r}")
         name, tag = parse_ref(timm, ref)
         check_weights(timm, name, tag, model.weights)
         if preprocess.is_set():
@@ -64,7 +55,7 @@ class TimmKind(ModelKind):
     def build(self, ref: str, model: ModelSpec, seed: int, inputs: Inputs = "image") -> BuiltModel:
         if inputs != "image":
             raise refuse_text(model)
-        timm = _import_timm(model)
+        timm = require("timm", f"model.name {model.name!r}")
         name, tag = parse_ref(timm, ref)
         weights = check_weights(timm, name, tag, model.weights)
         if weights is None:
@@ -95,11 +86,9 @@ class TimmKind(ModelKind):
 
 
 def parse_ref(timm: ModuleType, ref: str) -> tuple[str, str]:
-    """``"vit_small_patch16_224.augreg_in21k"`` -> ``("vit_small_patch16_224", "augreg_in21k")``.
-
-    The tag is ``""`` when ``ref`` has none. An unknown name or tag, or a name timm keeps
-    only as an alias, is one :class:`ConfigError` with close matches.
-    """
+    """``"vit_small_patch16_224.augreg_in21k"`` -> ``("vit_small_patch16_224", "augreg_in21k")``;
+    the tag is ``""`` when ``ref`` has none. An unknown name or tag, or a name timm keeps only
+    as an alias, is one :class:`ConfigError` with close matches."""
     name, _, tag = ref.partition(".")
     deprecated = timm.models.get_deprecated_models()
     if name in deprecated:
@@ -119,11 +108,9 @@ def parse_ref(timm: ModuleType, ref: str) -> tuple[str, str]:
 
 
 def check_weights(timm: ModuleType, name: str, tag: str, weights: str | None) -> str | None:
-    """``model.weights`` checked: ``None``, ``"pretrained"`` or the path of an existing file.
-
-    ``"pretrained"`` needs a tag with weights (the name's default tag when there is none).
-    Checking reads nothing and downloads nothing.
-    """
+    """``model.weights`` checked, reading and downloading nothing: ``None``, ``"pretrained"``
+    (which needs a tag with weights, or a name whose default tag has them) or the path of an
+    existing file."""
     ref = f"{name}.{tag}" if tag else name
     if weights is None:
         return None
@@ -144,11 +131,11 @@ def check_weights(timm: ModuleType, name: str, tag: str, weights: str | None) ->
 
 
 def timm_preprocessing(timm: ModuleType, ref: str, kwargs: dict[str, Any]) -> Preprocessing:
-    """timm's eval transform (PIL RGB -> float32 [3, H, W]) for ``ref`` built with ``kwargs``.
+    """timm's eval transform (PIL RGB -> float32 [3, H, W]) for ``ref`` built with ``kwargs``:
+    resize to ``size / crop_pct``, centre crop, the tag's interpolation and mean/std.
 
-    The data config is the tag's (``resolve_model_data_config``) with the input size of
-    the model as configured, read from a copy built on the meta device (no memory, no
-    weights, no download); ``img_size`` in ``kwargs`` is used where that cannot be built.
+    The input size is the model's as configured, read from a copy built on the meta device
+    (no memory, no download); ``img_size`` in ``kwargs`` where that cannot be built.
     """
     config = _data_config(timm, ref, kwargs)
     transform = timm.data.create_transform(**config, is_training=False)
@@ -157,20 +144,20 @@ def timm_preprocessing(timm: ModuleType, ref: str, kwargs: dict[str, Any]) -> Pr
     first = steps[0] if steps else None
     decode_size = single_size(first.size) if isinstance(first, T.Resize) else None
     crops = [s for s in steps if type(s).__name__ in ("CenterCrop", "CenterCropOrPad")]
-    crop_size = _square_side(crops[0].size) if crops else None
-    return Preprocessing(transform, decode_size, crop_size)
+    crop = crops[0].size if crops else None  # 32, [32] or (32, 32); a rectangle has no side
+    if isinstance(crop, (list, tuple)) and len(crop) == 2 and crop[0] == crop[1]:
+        crop = crop[0]
+    return Preprocessing(transform, decode_size, single_size(crop))
 
 
 def hub_weights_file(timm: ModuleType, ref: str, cfg: Any) -> Path:
-    """The local file of the pretrained weights of ``ref``, from the Hugging Face hub cache.
-
-    Tries the file names timm tries, in timm's order; a file not yet cached is downloaded
-    into the cache unless ``HF_HUB_OFFLINE`` is set. Tags whose weights are not on the hub
-    are fetched from their URL into the torch hub cache, as timm does.
+    """The local file of the pretrained weights of ``ref`` in the Hugging Face hub cache, under
+    the names timm tries, in its order, downloaded unless ``HF_HUB_OFFLINE`` is set (weights
+    not on the hub: from their URL into the torch hub cache, as timm fetches them).
 
     Raises:
-        FeatcacheError: not cached while offline, or the download failed; one line naming
-            the cache folder and the command that fetches the weights.
+        FeatcacheError: not cached while offline, or the download failed; naming the cache
+            folder and the command that fetches the weights.
     """
     hub_id = getattr(cfg, "hf_hub_id", None)
     try:
@@ -276,14 +263,12 @@ def _create(
     *,
     local: bool = False,
 ) -> nn.Module:
+    extra = {} if overlay is None else {"pretrained_cfg_overlay": overlay}
     torch.manual_seed(seed)
     try:
-        if overlay is None:
-            module: nn.Module = timm.create_model(ref, pretrained=False, **kwargs)
-        else:
-            module = timm.create_model(
-                ref, pretrained=True, pretrained_cfg_overlay=overlay, **kwargs
-            )
+        module: nn.Module = timm.create_model(
+            ref, pretrained=overlay is not None, **extra, **kwargs
+        )
     except TypeError as exc:  # timm's constructors reject unknown kwargs with it
         raise _kwargs_error(ref, kwargs, exc) from exc
     except (RuntimeError, ValueError, KeyError, OSError) as exc:
@@ -302,12 +287,11 @@ def _create(
 
 
 def _not_in_file(timm: ModuleType, module: nn.Module, path: Path, cfg: Any, ref: str) -> list[str]:
-    """The weights of ``module`` that the local file ``path`` does not hold: a classifier
-    of another size, which stays at random (seeded). timm loads a file leniently when
-    ``num_classes`` differs from its tag's, dropping the file's classifier even where it
-    fits: one that fits is loaded here. Any other weight missing from the file is one
-    ConfigError naming some, rather than a model left partly random. A file whose keys
-    timm converts on loading (none match the model's) is left as timm loaded it."""
+    """The weights of ``module`` that the local file ``path`` does not hold: a classifier of
+    another size, left random (seeded). timm drops a file's classifier when ``num_classes``
+    differs from its tag's, even where it fits: one that fits is loaded here. Any other
+    weight missing is a ConfigError, not a model left partly random. A file whose keys timm
+    converts on loading (none match the model's) is left as timm loaded it."""
     try:
         stored = timm.models.load_state_dict(str(path), weights_only=True)
     except Exception:  # timm has read it already; a form it converts is not compared
@@ -354,14 +338,3 @@ def _built(module: nn.Module, weights: dict[str, Any]) -> BuiltModel:
     # Class, distillation and register tokens in timm's ViTs, DeiTs, EVAs...; 0 for CNNs.
     prefix = int(getattr(module, "num_prefix_tokens", 0) or 0)
     return BuiltModel(module, weights, prefix_tokens=prefix, sequence_first=False)
-
-
-def _square_side(size: Any) -> int | None:
-    """``32``, ``[32]`` or ``(32, 32)`` -> 32; a rectangle -> ``None``."""
-    if isinstance(size, (list, tuple)) and len(size) == 2 and size[0] == size[1]:
-        return int(size[0])
-    return single_size(size)
-
-
-def _import_timm(model: ModelSpec) -> ModuleType:
-    return require("timm", f"model.name {model.name!r}")

@@ -1,12 +1,7 @@
 """The torchvision model kind: model names, their weights enums and the weights' own transforms.
 
-``model.name`` is a name from ``torchvision.models.list_models()``, built with
-``torchvision.models.get_model``; ``model.weights`` names one of its weights enums
-(``"DEFAULT"``, ``"IMAGENET1K_V2"`` or ``"ResNet50_Weights.IMAGENET1K_V2"``), which
-torchvision downloads into the torch hub cache the first time, as usual. Without an
-explicit ``preprocess``, the transform is the weights' own ``transforms()``; with random
-weights (``weights: null``), those of the architecture's default weights (resize and
-centre crop included), as timm's models get timm's eval transform.
+``model.name`` is a name from ``torchvision.models.list_models()``; ``model.weights`` one
+of its weights enums (``"DEFAULT"``, ``"IMAGENET1K_V2"``, ``"ResNet50_Weights.IMAGENET1K_V2"``).
 
 Weights identity: ``{"source": "torchvision", "enum": "ResNet18_Weights.IMAGENET1K_V1",
 "url": ...}``, or ``{"source": "random", "seed": seed}`` without weights.
@@ -40,14 +35,14 @@ class TorchvisionKind(ModelKind):
     ) -> Preprocessing:
         # Resolving first makes a bad name or weights fail before anything is built.
         enum = resolve_weights(ref, model.weights)
-        if preprocess.is_set():
+        # Without an explicit preprocess, the weights' own transforms(); random weights get
+        # those of the architecture's default weights (their files are not read).
+        standard = None if preprocess.is_set() else enum or default_weights(ref)
+        if standard is None:
             return spec_preprocessing(preprocess)
-        # Random weights get the architecture's standard eval transform: its default
-        # weights' (their files are not read), as timm gives its own.
-        standard = enum or default_weights(ref)
-        return (
-            spec_preprocessing(preprocess) if standard is None else weights_preprocessing(standard)
-        )
+        transform = standard.transforms()
+        resize, crop = (getattr(transform, key, None) for key in ("resize_size", "crop_size"))
+        return Preprocessing(transform, single_size(resize), single_size(crop))
 
     def build(self, ref: str, model: ModelSpec, seed: int, inputs: Inputs = "image") -> BuiltModel:
         if inputs != "image":
@@ -63,13 +58,17 @@ class TorchvisionKind(ModelKind):
 
 
 def resolve_weights(name: str, weights: str | None) -> torchvision.models.WeightsEnum | None:
-    """The weights enum member of torchvision model ``name`` called ``weights``.
-
-    ``weights`` is a member name (``"IMAGENET1K_V2"``, ``"DEFAULT"``) or the full form
-    (``"ResNet50_Weights.IMAGENET1K_V2"``); ``None`` gives ``None``. Resolving downloads
-    nothing. An unknown model or weights name is a :class:`ConfigError` with close matches.
-    """
-    check_model_name(name)
+    """The weights enum member of torchvision model ``name`` called ``weights``: a member name
+    (``"IMAGENET1K_V2"``, ``"DEFAULT"``) or the full form (``"ResNet50_Weights.IMAGENET1K_V2"``);
+    ``None`` gives ``None``. Downloads nothing; an unknown model or weights name is a
+    :class:`ConfigError` with close matches."""
+    names = torchvision.models.list_models()
+    if name not in names:
+        hint = did_you_mean(name, names)
+        raise ConfigError(
+            f"unknown torchvision model {name!r}{hint} "
+            "(torchvision.models.list_models() lists them all)"
+        )
     if weights is None:
         return None
     enum_cls = torchvision.models.get_model_weights(name)
@@ -99,27 +98,6 @@ def default_weights(name: str) -> torchvision.models.WeightsEnum | None:
     except (KeyError, ValueError):
         return None
     return weights if isinstance(weights.transforms(), ImageClassification) else None
-
-
-def check_model_name(name: str) -> None:
-    """Raise a :class:`ConfigError` with close matches unless torchvision has model ``name``."""
-    names = torchvision.models.list_models()
-    if name not in names:
-        hint = did_you_mean(name, names)
-        raise ConfigError(
-            f"unknown torchvision model {name!r}{hint} "
-            "(torchvision.models.list_models() lists them all)"
-        )
-
-
-def weights_preprocessing(enum: torchvision.models.WeightsEnum) -> Preprocessing:
-    """The weights' own ``transforms()`` (PIL RGB -> float32 [3, H, W]) and their sizes."""
-    transform = enum.transforms()
-    return Preprocessing(
-        transform,
-        single_size(getattr(transform, "resize_size", None)),
-        single_size(getattr(transform, "crop_size", None)),
-    )
 
 
 def enum_id(enum: Any) -> str:

@@ -1,3 +1,1 @@
-"""Small helpers every layer may use: output files, units, URLs, optional packages,
-fingerprints, plotting.
-"""
+"""Small helpers every layer may use: files, units, URLs, extras, fingerprints, plotting."""

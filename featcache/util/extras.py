@@ -35,11 +35,9 @@ def has_module(name: str) -> bool:
 def require(name: str, purpose: str) -> ModuleType:
     """Import the optional package ``name`` (a key of :data:`EXTRAS`) and return it.
 
-    ``purpose`` leads the error: ``"timm:vit_small_patch16_224 needs timm; install it
-    with: pip install 'featcache[timm]'"``.
-
     Raises:
-        FeatcacheError: the package is not installed; one line naming the extra.
+        FeatcacheError: not installed; one line led by ``purpose``, naming the extra
+            (``"timm:vit_b needs timm; install it with: pip install 'featcache[timm]'"``).
     """
     try:
         return importlib.import_module(name)

@@ -15,9 +15,7 @@ def has_matplotlib() -> bool:
 def require_matplotlib(purpose: str = "drawing charts") -> None:
     """Make sure matplotlib can be imported, before a function that draws imports it.
 
-    ``purpose`` leads the error (``"drawing charts needs matplotlib; ..."``).
-
     Raises:
-        FeatcacheError: matplotlib is not installed; one line naming the extra.
+        FeatcacheError: not installed; one line led by ``purpose``, naming the extra.
     """
     require("matplotlib", purpose)
