@@ -14,23 +14,14 @@ linear evaluations:
    with their statistics) and evaluated once on the test split, which no choice
    ever looked at.
 
-``recipe`` swaps in a published protocol instead (:mod:`.recipes`: DINOv3's logistic
-regression, CLIP_benchmark's linear probe) and ``normalize`` the preparation of rows
-(:mod:`.scaling`). :mod:`.weighted_knn` is DINO's weighted k-NN classifier, streamed over the
-training rows; :mod:`.fewshot` fits each method on k rows per class over seeded draws.
-
-Two trainers fit linear probes: :mod:`.full` (the whole split in memory, full-batch
-L-BFGS, or AdamW for a recipe that trains so, :mod:`.adamw`) and :mod:`.streaming`
-(mini-batch Adam over chunk-shuffled batches, for stores larger than memory); both run
-the one sweep of :mod:`.sweep`. :mod:`.api` holds the entry points, :mod:`.options` the
-options, :mod:`.splits` the store checks and the validation split, :mod:`.parts` the rows
-a pass reads, :mod:`.metrics` the accuracy and feature statistics, :mod:`.results` what
-an evaluation returns, :mod:`.report` the text and JSON reports, :mod:`.plot` the layer
-curve.
+``recipe`` swaps in a published protocol instead (:mod:`.recipes`) and ``normalize`` the
+preparation of rows (:mod:`.metrics`). Two trainers fit linear probes, :mod:`.full` (in
+memory) and :mod:`.streaming` (for stores larger than memory), both through the one sweep
+of :mod:`.sweep`; :mod:`.weighted_knn` is DINO's k-NN classifier and :mod:`.fewshot` fits
+each method on k rows per class. :mod:`.api` holds the entry points.
 
 Everything is seeded: the same stores and options give the same numbers (on the same
-machine and number of threads; float sums depend on their order).
-"""
+machine and number of threads; float sums depend on their order)."""
 
 from featcache.probe.api import evaluate, knn, probe, probe_layers
 from featcache.probe.fewshot import draw_shots

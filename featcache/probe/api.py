@@ -9,13 +9,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from featcache.capture.runtime import resolve_device
 from featcache.errors import ConfigError
 from featcache.probe.fewshot import FewShotData, draw_shots, few_shot_draw, summary_lines
 from featcache.probe.full import run_full
+from featcache.probe.metrics import scaling_for
 from featcache.probe.options import ProbeOptions, resolve_options
 from featcache.probe.recipes import recipe
 from featcache.probe.results import FewShotResult, KnnResult, ProbeResult, Result
-from featcache.probe.scaling import scaling_for
 from featcache.probe.splits import Source, Splits
 from featcache.probe.streaming import run_streaming
 from featcache.probe.sweep import Grid
@@ -43,8 +44,7 @@ def probe(
 
     Raises:
         ConfigError: a layer missing from a store, stores whose layers, shapes or class
-            names differ, a store without labels, a single class, bad options.
-    """
+            names differ, a store without labels, a single class, bad options."""
     (result,) = probe_layers(train, [layer], val=val, test=test, options=options, **kwargs)
     return result
 
@@ -115,10 +115,8 @@ def evaluate(
             results += _few_shot_layer(splits, name, options)
             continue
         for method in options.methods:
-            if method == "linear":
-                results.append(_probe_layer(splits, name, options))
-            else:
-                results.append(_knn_layer(splits, name, options))
+            run = _probe_layer if method == "linear" else _knn_layer
+            results.append(run(splits, name, options))
     return results
 
 
@@ -133,25 +131,15 @@ def _open(train: Source, val: Source | None, test: Source | None, options: Probe
     return Splits.open(train, val, test, fraction, options.seed)
 
 
-def _layer_size(splits: Splits, layer: str) -> tuple[list[int], int, int]:
-    """The layer's row shape, its flat size, and the bytes of every store's rows as
-    float32."""
-    shape = list(splits.stores["train"].shape(layer))
-    dim = int(np.prod(shape))
-    rows = sum(len(store) for store in splits.stores.values())
-    return shape, dim, 4 * dim * rows
-
-
-def _device(options: ProbeOptions) -> torch.device:
-    from featcache.capture.runtime import resolve_device
-
-    return resolve_device(options.device)
+def _layer_bytes(splits: Splits, layer: str) -> int:
+    """The bytes of every store's rows of ``layer`` as float32."""
+    dim = int(np.prod(splits.stores["train"].shape(layer)))
+    return 4 * dim * sum(len(store) for store in splits.stores.values())
 
 
 def _probe_layer(splits: Splits, layer: str, options: ProbeOptions) -> ProbeResult:
-    device = _device(options)
-    shape, dim, size = _layer_size(splits, layer)
-    needed = 2 * size  # float32 rows plus their standardised copy
+    device = resolve_device(options.device)
+    needed = 2 * _layer_bytes(splits, layer)  # float32 rows plus their standardised copy
     trainer, notes = options.trainer, []
     published = recipe(options.recipe)
     if published is not None and needed > options.max_bytes and trainer != "full":
@@ -187,11 +175,8 @@ def _probe_layer(splits: Splits, layer: str, options: ProbeOptions) -> ProbeResu
             )
     fit.seconds["total"] = round(time.perf_counter() - start, 4)
     return ProbeResult(
-        layer=layer,
-        shape=shape,
+        **_common(splits, layer, fit.features_sha256, notes, options),
         trainer=trainer,
-        num_classes=splits.num_classes,
-        class_names=splits.class_names,
         lam=fit.lam,
         sweep=fit.sweep,
         n_train=len(splits.fit_rows),
@@ -201,18 +186,15 @@ def _probe_layer(splits: Splits, layer: str, options: ProbeOptions) -> ProbeResu
         val=fit.val,
         test=fit.test,
         seconds=fit.seconds,
-        stores=_stores(splits, fit.features_sha256),
-        notes=notes,
         model=fit.model,
-        options=options,
         recipe=options.recipe,
         normalize=scaling.name,
     )
 
 
 def _knn_layer(splits: Splits, layer: str, options: ProbeOptions) -> KnnResult:
-    device = _device(options)
-    shape, _, size = _layer_size(splits, layer)
+    device = resolve_device(options.device)
+    size = _layer_bytes(splits, layer)
     streamed, notes = options.trainer == "streaming", []
     if options.trainer == "auto" and size > options.max_bytes:
         streamed = True
@@ -228,10 +210,7 @@ def _knn_layer(splits: Splits, layer: str, options: ProbeOptions) -> KnnResult:
         notes.append(f"k is at most the {fit.n_neighbours} neighbour rows")
     scored = "test" if "test" in splits.stores else "val"
     return KnnResult(
-        layer=layer,
-        shape=shape,
-        num_classes=splits.num_classes,
-        class_names=splits.class_names,
+        **_common(splits, layer, fit.features_sha256, notes, options),
         temperature=options.temperature,
         normalize=scaling.name,
         n_train=fit.n_neighbours,
@@ -240,18 +219,13 @@ def _knn_layer(splits: Splits, layer: str, options: ProbeOptions) -> KnnResult:
         validation=splits.validation if scored == "val" else "",
         metrics=fit.metrics,
         seconds=fit.seconds,
-        stores=_stores(splits, fit.features_sha256),
-        notes=notes,
-        options=options,
     )
 
 
 def _few_shot_layer(splits: Splits, layer: str, options: ProbeOptions) -> list[FewShotResult]:
     assert options.shots is not None
-    device = _device(options)
-    shape = list(splits.stores["train"].shape(layer))
+    device = resolve_device(options.device)
     data = FewShotData(splits, layer, options)
-    stores = _stores(splits, data.digests)
     results = []
     for method in options.methods:
         scaling = scaling_for(method, options)
@@ -267,12 +241,9 @@ def _few_shot_layer(splits: Splits, layer: str, options: ProbeOptions) -> list[F
             seconds = round(time.perf_counter() - start, 4)
             results.append(
                 FewShotResult(
-                    layer=layer,
-                    shape=shape,
+                    **_common(splits, layer, data.digests, [], options),
                     method=method,
                     shots=shots,
-                    num_classes=splits.num_classes,
-                    class_names=splits.class_names,
                     n_val=len(splits.y_val),
                     n_test=len(data.y_scored),
                     scored=data.scored,
@@ -281,11 +252,8 @@ def _few_shot_layer(splits: Splits, layer: str, options: ProbeOptions) -> list[F
                     draws=draws,
                     summary=summary_lines(method, draws),
                     seconds={"draws": seconds, "total": seconds},
-                    stores=stores,
-                    notes=[],
                     recipe=options.recipe if method == "linear" else None,
                     normalize=scaling.name,
-                    options=options,
                 )
             )
     return results
@@ -296,9 +264,17 @@ def _chance(labels: torch.Tensor) -> float:
     return (torch.bincount(labels).max() / len(labels)).item()
 
 
-def _stores(splits: Splits, digests: dict[str, str]) -> dict[str, dict[str, Any]]:
-    """Every store's record, with the hash of the rows of the layer read from it."""
-    stores = splits.store_info()
-    for role, digest in digests.items():
-        stores[role]["features_sha256"] = digest
-    return stores
+def _common(
+    splits: Splits, layer: str, digests: dict[str, str], notes: list[str], options: ProbeOptions
+) -> dict[str, Any]:
+    """The fields every result has: the layer and its shape, the classes, every store's
+    record (with the sha256 ``digests`` of the layer's rows), notes and options."""
+    return {
+        "layer": layer,
+        "shape": list(splits.stores["train"].shape(layer)),
+        "num_classes": splits.num_classes,
+        "class_names": splits.class_names,
+        "stores": splits.store_info(digests),
+        "notes": notes,
+        "options": options,
+    }

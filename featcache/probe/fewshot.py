@@ -5,12 +5,11 @@ rows a probe may fit (train less the held-out validation rows); each method is f
 those rows alone and scored on the test store (the validation rows without one). The
 linear probe chooses its regularisation on the validation rows and is not refitted with
 them, which would fit more than ``shots`` rows per class (the DINOv3 and CLIP_benchmark
-few-shot protocols do the same). Draw ``d`` of every number of shots starts from the same
-shuffle of each class, so the 1-shot rows of a draw are among its 5-shot rows.
-"""
+few-shot protocols do the same)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from typing import Any
 
@@ -18,18 +17,14 @@ import numpy as np
 import torch
 
 from featcache.errors import ConfigError
-from featcache.probe.full import fit_sweep, read_layer
-from featcache.probe.metrics import rank, require_finite, topk_metrics
+from featcache.probe.full import READ_ROWS, fit_sweep, read_layer
+from featcache.probe.metrics import Scaling, rank, require_finite, topk_metrics
 from featcache.probe.options import ProbeOptions
 from featcache.probe.parts import Part, in_order
-from featcache.probe.results import LinearProbe
-from featcache.probe.scaling import Scaling
 from featcache.probe.splits import Splits
 from featcache.probe.sweep import Grid
 from featcache.probe.weighted_knn import knn_in_memory
 from featcache.read.dataset import FeatureDataset
-
-READ_ROWS = 8192
 
 
 def draw_shots(
@@ -43,8 +38,7 @@ def draw_shots(
     subset of a larger one's rows.
 
     Raises:
-        ConfigError: a class has fewer than ``shots`` rows to draw from.
-    """
+        ConfigError: a class has fewer than ``shots`` rows to draw from."""
     rng = np.random.default_rng([seed, draw])
     picked = []
     for label in np.unique(labels[candidates]):
@@ -62,12 +56,8 @@ def summarize(values: list[float]) -> dict[str, float]:
     """Mean, standard deviation (``n - 1``; 0 for one value), min and max."""
     array = np.asarray(values, dtype=np.float64)
     std = float(array.std(ddof=1)) if len(array) > 1 else 0.0
-    return {
-        "mean": float(array.mean()),
-        "std": std,
-        "min": float(array.min()),
-        "max": float(array.max()),
-    }
+    mean, low, high = float(array.mean()), float(array.min()), float(array.max())
+    return {"mean": mean, "std": std, "min": low, "max": high}
 
 
 class FewShotData:
@@ -80,14 +70,16 @@ class FewShotData:
         self.digests: dict[str, str] = {}
         most = max(options.shots or [1])  # the draws of fewer shots take a subset of these
         labels = splits.labels["train"]
-        draws = [
-            draw_shots(labels, splits.fit_rows, most, d, options.seed)
-            for d in range(options.n_draws)
-        ]
-        needed = np.zeros(len(splits.labels["train"]), dtype=bool)
-        needed[np.concatenate(draws)] = True
+        drawn = np.concatenate(
+            [
+                draw_shots(labels, splits.fit_rows, most, d, options.seed)
+                for d in range(options.n_draws)
+            ]
+        )
         ids = splits.stores["train"].ids
-        self.ids = {int(row): ids[row] for row in np.unique(np.concatenate(draws))}
+        self.ids = {int(row): ids[row] for row in np.unique(drawn)}
+        needed = np.zeros(len(labels), dtype=bool)
+        needed[drawn] = True
         if splits.val_rows is not None:
             needed[splits.val_rows] = True
         self.x_train, self.position = self._gather(layer, needed)
@@ -108,14 +100,12 @@ class FewShotData:
     def _gather(self, layer: str, needed: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
         """The ``needed`` rows of the train store (one pass, which hashes every row) and
         each row's place among them (-1: not read)."""
-        dataset = FeatureDataset(self.splits.stores["train"].path, layer, dtype=torch.float32)
+        path = self.splits.stores["train"].path
         digest, xs = hashlib.sha256(), []
-        try:
+        with contextlib.closing(FeatureDataset(path, layer, dtype=torch.float32)) as dataset:
             for _, x, _, _, raw in in_order([Part(dataset, needed)], READ_ROWS):
                 digest.update(raw.reshape(len(raw), -1).numpy().data)
                 xs.append(x)
-        finally:
-            dataset.close()
         self.digests["train"] = digest.hexdigest()
         x = torch.cat(xs)
         require_finite(x, f"the train store's features of layer {layer}")
@@ -160,19 +150,10 @@ def few_shot_draw(
         per_k = {k: topk_metrics(r, data.y_scored, splits.class_names) for k, r in ranked.items()}
         return {"rows": len(rows), "k": {k: _headline(m) for k, m in per_k.items()}}
     grid = Grid.for_trainer("full", options, rows=len(rows))
-    lam, _, (w, b), val, (mean, std) = fit_sweep(
-        x_fit,
-        y_fit.to(device),
-        scaling.rows(data.x_val),
-        data.y_val.to(device),
-        splits,
-        grid,
-        options,
-        device,
-        scaling,
-        desc,
+    x_val, y_fit, y_val = scaling.rows(data.x_val), y_fit.to(device), data.y_val.to(device)
+    lam, _, val, model = fit_sweep(
+        x_fit, y_fit, x_val, y_val, splits, grid, options, device, scaling, desc
     )
-    model = LinearProbe(mean, std, w, b, l2=scaling.l2)
     scored = topk_metrics(rank(model.logits(data.x_scored)), data.y_scored, splits.class_names)
     return {
         "rows": len(rows),

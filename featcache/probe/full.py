@@ -1,27 +1,27 @@
 """The in-memory trainer: the whole split in memory, L-BFGS warm-started along the path
-(or AdamW for a recipe that trains so)."""
+(or mini-batch AdamW for a recipe that trains so, as CLIP_benchmark trains them)."""
 
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
-from featcache.probe.adamw import fit_adamw
-from featcache.probe.metrics import Moments, rank, require_finite, topk_metrics
+from featcache.probe.metrics import Moments, Scaling, rank, require_finite, topk_metrics
 from featcache.probe.options import ProbeOptions
-from featcache.probe.recipes import recipe
+from featcache.probe.parts import progress
+from featcache.probe.recipes import Recipe, recipe
 from featcache.probe.results import Fit, LinearProbe, Timings
-from featcache.probe.scaling import STANDARDIZE, Scaling
 from featcache.probe.splits import Splits
 from featcache.probe.sweep import Grid, run_sweep
 from featcache.store import FeatureStore
 
-READ_ROWS = 8192  # rows per read when a layer is loaded
+READ_ROWS = 8192  # rows per read of a store's layer
 
 
 def fit_lbfgs(
@@ -38,8 +38,7 @@ def fit_lbfgs(
     Minimises ``mean cross-entropy + lam / 2 * ||W||^2`` with the bias unregularised.
     ``x``: float32 ``[N, D]`` (standardised), ``y``: int64 ``[N]``, on one device;
     ``init``: a starting ``(W [C, D], b [C])``, zeros by default. Returns ``(W, b,
-    iterations)``.
-    """
+    iterations)``."""
     if init is None:
         weight = x.new_zeros(num_classes, x.shape[1])
         bias = x.new_zeros(num_classes)
@@ -68,23 +67,75 @@ def fit_lbfgs(
     return weight.detach(), bias.detach(), int(iterations)
 
 
+def fit_adamw(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    num_classes: int,
+    decays: Sequence[float],
+    published: Recipe,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One linear probe per weight decay in ``decays``, trained side by side as
+    ``published`` trains them.
+
+    Each model starts from the same seeded ``nn.Linear`` initialisation (uniform within
+    ``1 / sqrt(D)``) and is trained with AdamW (decoupled weight decay on weight and
+    bias, as ``model.parameters()`` gets it) on the cross-entropy, for the recipe's
+    ``epochs`` over seeded shuffled batches of its ``batch_size`` rows, the learning rate
+    decayed from its ``lr`` to zero along a cosine without warm-up. The models see the
+    same batches and do not interact: their losses are summed, and each has its own
+    parameter group.
+
+    ``x``: float32 ``[N, D]``, ``y``: int64 ``[N]``, on one device. Returns float32
+    weights ``[K, C, D]`` and biases ``[K, C]``."""
+    generator = torch.Generator().manual_seed(seed)
+    bound = 1.0 / math.sqrt(x.shape[1])
+    weight = (torch.rand(num_classes, x.shape[1], generator=generator) * 2 - 1) * bound
+    bias = (torch.rand(num_classes, generator=generator) * 2 - 1) * bound
+    params = [
+        (weight.clone().to(x.device).requires_grad_(), bias.clone().to(x.device).requires_grad_())
+        for _ in decays
+    ]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": list(pair), "weight_decay": decay}
+            for pair, decay in zip(params, decays, strict=True)
+        ],
+        lr=published.lr,
+    )
+    schedule = cosine_decay(optimizer, published.epochs * math.ceil(len(x) / published.batch_size))
+    for _ in range(published.epochs):
+        order = torch.randperm(len(x), generator=generator).to(x.device)
+        for rows in order.split(published.batch_size):
+            xb, yb = x[rows], y[rows]
+            loss = sum(F.cross_entropy(F.linear(xb, w, b), yb) for w, b in params)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # type: ignore[union-attr]
+            optimizer.step()
+            schedule.step()
+    weights = torch.stack([w.detach() for w, _ in params])
+    return weights, torch.stack([b.detach() for _, b in params])
+
+
+def cosine_decay(optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning rate decayed from its peak to zero along a cosine over ``steps``."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda t: 0.5 * (1 + math.cos(math.pi * min(t, steps) / steps))
+    )
+
+
 def run_full(
     splits: Splits,
     layer: str,
     grid: Grid,
     options: ProbeOptions,
     device: torch.device,
-    scaling: Scaling = STANDARDIZE,
-    refit: bool = True,
+    scaling: Scaling,
 ) -> Fit:
-    """Probe ``layer`` with every row in memory.
-
-    Rows are prepared by ``scaling`` (standardised with the statistics of the rows being
-    fitted by default). The sweep fits on the fit rows; with ``refit``, the chosen model
-    is refitted on fit + validation rows (prepared with their statistics), warm-started
-    from the sweep's weights, else the sweep's model is the one scored. The test store is
-    scored once, at the end.
-    """
+    """Probe ``layer`` with every row in memory, prepared by ``scaling``: the sweep fits on
+    the fit rows; the chosen model is refitted on fit + validation rows (prepared with
+    their statistics, warm-started from the sweep's weights) and scored once on the test
+    store."""
     timings = Timings()
     digests = {}
     with timings.phase("load"):
@@ -102,20 +153,20 @@ def run_full(
         y_val = torch.from_numpy(splits.y_val).to(device)
 
     with timings.phase("sweep"):
-        lam, sweep, (w, b), val, (mean, std) = fit_sweep(
+        lam, sweep, val, swept = fit_sweep(
             x_fit, y_fit, x_val, y_val, splits, grid, options, device, scaling, f"probe {layer}"
         )
 
-    if refit:
-        with timings.phase("refit"):
-            z_all = torch.cat([x_fit, x_val]).to(device)
-            del x_fit, x_val
-            mean, std = scaling.standardizer(Moments(z_all.shape[1]).update(z_all), device)
-            z_all.sub_(mean).div_(std)
-            y_all = torch.cat([y_fit, y_val])
-            strength = grid.refit_lambda(lam, len(y_all))
-            w, b, _ = _fit(z_all, y_all, splits.num_classes, [strength], options, (w, b))[0]
-            del z_all
+    with timings.phase("refit"):
+        z_all = torch.cat([x_fit, x_val]).to(device)
+        del x_fit, x_val
+        mean, std = scaling.standardizer(Moments(z_all.shape[1]).update(z_all), device)
+        z_all.sub_(mean).div_(std)
+        y_all = torch.cat([y_fit, y_val])
+        strength = grid.refit_lambda(lam, len(y_all))
+        init = (swept.weight, swept.bias)
+        w, b, _ = _fit(z_all, y_all, splits.num_classes, [strength], options, init)[0]
+        del z_all
     model = LinearProbe(mean, std, w, b, l2=scaling.l2)
 
     test = None
@@ -141,23 +192,13 @@ def _fit(
     for a recipe that trains so. Returns ``(W, b, iterations or epochs)`` each."""
     published = recipe(options.recipe)
     if published is not None and published.optimizer == "adamw":
-        weights, biases = fit_adamw(
-            z,
-            y,
-            num_classes,
-            lambdas,
-            lr=published.lr,
-            epochs=published.epochs,
-            batch_size=published.batch_size,
-            seed=options.seed,
-        )
+        weights, biases = fit_adamw(z, y, num_classes, lambdas, published, options.seed)
         return [(w, b, published.epochs) for w, b in zip(weights, biases, strict=True)]
     max_iter = published.max_iter if published is not None else options.max_iter
     out = []
     for lam in lambdas:
-        w, b, iterations = fit_lbfgs(z, y, num_classes, lam, init=init, max_iter=max_iter)
-        out.append((w, b, iterations))
-        init = (w, b)
+        out.append(fit_lbfgs(z, y, num_classes, lam, init=init, max_iter=max_iter))
+        init = out[-1][:2]
     return out
 
 
@@ -172,32 +213,19 @@ def fit_sweep(
     device: torch.device,
     scaling: Scaling,
     desc: str,
-) -> tuple[
-    float,
-    list[dict[str, Any]],
-    tuple[torch.Tensor, torch.Tensor],
-    dict[str, Any],
-    tuple[torch.Tensor, torch.Tensor],
-]:
+) -> tuple[float, list[dict[str, Any]], dict[str, Any], LinearProbe]:
     """The sweep: each grid fit starts from the previous one (stronger regularisation),
     each refinement fit from the best grid fit (L-BFGS); AdamW fits start afresh.
 
-    Returns the chosen lambda, the sweep (increasing lambda), the chosen ``(W, b)``, its
-    validation metrics and the ``(mean, std)`` the rows were standardised with.
-    """
+    Returns the chosen lambda, the sweep (increasing lambda), the chosen model's
+    validation metrics and the chosen model (with the rows' standardisation)."""
     mean, std = scaling.standardizer(Moments(x_fit.shape[1]).update(x_fit), device)
     z_fit = (x_fit.to(device) - mean) / std
     z_val = (x_val.to(device) - mean) / std
     fits: dict[float, tuple[torch.Tensor, torch.Tensor]] = {}
     published = recipe(options.recipe)
     unit = "epochs" if published is not None and published.optimizer == "adamw" else "iterations"
-    with tqdm(
-        total=len(grid.lambdas) + 2 * grid.refine,
-        desc=desc,
-        unit="fit",
-        disable=not options.progress,
-        dynamic_ncols=True,
-    ) as bar:
+    with progress(options, total=len(grid.lambdas) + 2 * grid.refine, desc=desc, unit="fit") as bar:
 
         def fit(lambdas: list[float], near: float | None) -> list[dict[str, Any]]:
             entries: list[dict[str, Any]] = []
@@ -223,7 +251,7 @@ def fit_sweep(
         bar.refresh()
     w, b = fits[lam]
     val = topk_metrics(rank(F.linear(z_val, w, b)), y_val, splits.class_names)
-    return lam, sweep, (w, b), val, (mean, std)
+    return lam, sweep, val, LinearProbe(mean, std, w, b, l2=scaling.l2)
 
 
 def read_layer(store: FeatureStore, layer: str) -> tuple[torch.Tensor, str]:

@@ -1,14 +1,19 @@
-"""What both trainers measure: top-k accuracy of ranked predictions, feature moments."""
+"""What the probes measure and how they prepare rows: top-k accuracy of ranked
+predictions, feature moments, and the scaling of rows built on them."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from featcache.errors import ConfigError
+from featcache.probe.options import ProbeOptions
+from featcache.probe.recipes import recipe
 
 SLICE_ROWS = 8192  # rows Moments converts to float64 at a time
 
@@ -27,8 +32,7 @@ def topk_metrics(
     ``ranked``: int64 ``[N, k]``, the k highest-scoring classes per row, best first;
     ``labels``: int64 ``[N]``. Gives top-1, top-5 (when ``k >= 5``), the accuracy of each
     class present (by name when ``class_names`` is given) and its mean, and the chance
-    level: the accuracy of always guessing the most frequent class(es).
-    """
+    level: the accuracy of always guessing the most frequent class(es)."""
     ranked, labels = ranked.cpu(), labels.cpu()
     hit1 = ranked[:, 0] == labels
     counts = torch.bincount(labels)
@@ -83,8 +87,7 @@ class Moments:
 
         Raises:
             ConfigError: the rows held NaN or Inf (a store written with
-                ``store.on_nonfinite: keep``), which no probe can fit.
-        """
+                ``store.on_nonfinite: keep``), which no probe can fit."""
         if not (torch.isfinite(self.mean).all() and torch.isfinite(self.m2).all()):
             raise nonfinite_features("the features")
         n = max(self.n, 1)
@@ -110,3 +113,50 @@ def require_finite(x: torch.Tensor, where: str) -> None:
     """Refuse rows ``x`` that hold NaN or Inf (see :func:`nonfinite_features`)."""
     if not bool(torch.isfinite(x).all()):
         raise nonfinite_features(where)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaling:
+    """The preparation of rows ``[N, D]``: each row scaled to unit L2 norm (``l2``, first),
+    then each dimension standardised with the fitted rows' mean and standard deviation
+    (``standardize``)."""
+
+    l2: bool
+    standardize: bool
+
+    @classmethod
+    def named(cls, name: str) -> Scaling:
+        """``"standardize"``, ``"l2"``, ``"l2+standardize"`` or ``"none"``."""
+        steps = set(name.split("+")) - {"none"}
+        return cls(l2="l2" in steps, standardize="standardize" in steps)
+
+    @property
+    def name(self) -> str:
+        steps = [step for step, on in (("l2", self.l2), ("standardize", self.standardize)) if on]
+        return "+".join(steps) or "none"
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows ``[N, D]`` with the per-row step applied (float32; a zero row stays zero)."""
+        return F.normalize(x, dim=1) if self.l2 else x
+
+    def standardizer(
+        self, moments: Moments, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 ``(mean, std)`` ``[D]`` that rows are standardised with: the fitted
+        rows' (``moments``), or zeros and ones when this scaling does not standardise.
+        NaN or Inf in the rows is refused either way."""
+        mean, std = moments.standardizer(device)
+        if not self.standardize:
+            return torch.zeros_like(mean), torch.ones_like(std)
+        return mean, std
+
+
+def scaling_for(method: str, options: ProbeOptions) -> Scaling:
+    """The scaling ``method`` uses: ``options.normalize``, else the method's default (k-NN:
+    ``l2``; linear: the recipe's, or ``standardize``)."""
+    if options.normalize is not None:
+        return Scaling.named(options.normalize)
+    if method == "knn":
+        return Scaling.named("l2")
+    published = recipe(options.recipe)
+    return Scaling.named(published.normalize if published else "standardize")

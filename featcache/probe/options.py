@@ -18,8 +18,6 @@ Method = Literal["linear", "knn"]
 METHODS: tuple[str, ...] = typing.get_args(Method)
 RecipeName = Literal["dinov3", "clip"]
 RECIPES: tuple[str, ...] = typing.get_args(RecipeName)
-# How rows are prepared before a probe: L2 normalisation of each row, standardisation of
-# each dimension with the fitted rows' statistics, both (L2 first), or neither.
 Normalize = Literal["standardize", "l2", "l2+standardize", "none"]
 NORMALIZE: tuple[str, ...] = typing.get_args(Normalize)
 UNKNOWN_OPTION = "unknown probe option {key!r}; known: {known}"
@@ -75,10 +73,6 @@ def _methods(value: Any, at: str) -> Any:
     return value
 
 
-def _bytes(value: Any, at: str) -> int:
-    return parse_bytes(value)
-
-
 @dataclasses.dataclass
 class ProbeOptions:
     """How a probe is fitted. Every field is also a keyword argument of
@@ -92,7 +86,7 @@ class ProbeOptions:
     refine: int | None = option(None, ge=0)
     max_iter: int = option(500, ge=1)  # L-BFGS iterations per fit (full trainer)
     # Bytes (or "4GiB") of features the full trainer may hold.
-    max_memory: int | str = option(4 << 30, ge=1, convert=_bytes)
+    max_memory: int | str = option(4 << 30, ge=1, convert=lambda value, at: parse_bytes(value))
     epochs: int | None = option(None, ge=1)  # streaming; None: 10, or enough for 300 steps
     batch_size: int = option(1024, ge=1)  # streaming
     lr: float = option(0.05, gt=0)  # streaming: Adam's peak learning rate, cosine-decayed
@@ -144,8 +138,7 @@ def resolve_options(options: ProbeOptions | None, changes: Mapping[str, Any]) ->
     The result has ``lambdas`` sorted and unique and ``max_memory`` in bytes.
 
     Raises:
-        ConfigError: an unknown option, or a value of the wrong kind or out of bounds.
-    """
+        ConfigError: an unknown option, or a value of the wrong kind or out of bounds."""
     base = options or ProbeOptions()
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
     return build(ProbeOptions, {**fields, **changes}, unknown=UNKNOWN_OPTION)

@@ -1,14 +1,20 @@
-"""The rows of a store that one pass of a probe reads: all of them, or a kept subset."""
+"""The rows of a store that one pass of a probe reads (all of them, or a kept subset), the
+datasets they are read from, and the pass's progress bar."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
+from featcache.probe.options import ProbeOptions
+from featcache.probe.splits import Splits
 from featcache.read.dataset import Batch, FeatureDataset
 
 
@@ -56,3 +62,35 @@ def in_order(
         for batch in batches:
             x, y, rows = part.kept(batch)
             yield part, x, y, rows, unpack(batch)[0]
+
+
+@contextlib.contextmanager
+def open_datasets(splits: Splits, layer: str) -> Iterator[dict[str, FeatureDataset]]:
+    """Every store's ``layer`` as a float32 dataset, by role, closed on leaving."""
+    datasets = {
+        role: FeatureDataset(store.path, layer, dtype=torch.float32)
+        for role, store in splits.stores.items()
+    }
+    try:
+        yield datasets
+    finally:
+        for dataset in datasets.values():
+            dataset.close()
+
+
+def fit_and_val(
+    splits: Splits, datasets: dict[str, FeatureDataset], l2: bool = False
+) -> tuple[Part, Part]:
+    """The rows the sweep fits on and the validation rows: the train and val stores, or
+    the train store's rows outside and inside the held-out ones."""
+    if splits.val_rows is None:
+        return Part(datasets["train"], l2=l2), Part(datasets["val"], l2=l2)
+    held = np.zeros(len(datasets["train"]), dtype=bool)
+    held[splits.val_rows] = True
+    return Part(datasets["train"], ~held, l2), Part(datasets["train"], held, l2)
+
+
+def progress(options: ProbeOptions, iterable: Iterable[Any] | None = None, **bar: Any) -> tqdm:
+    """A progress bar over ``iterable`` (``bar``: tqdm's options), shown with
+    ``options.progress``."""
+    return tqdm(iterable, disable=not options.progress, dynamic_ncols=True, **bar)

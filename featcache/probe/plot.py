@@ -35,8 +35,7 @@ def plot_layers(
     ``(width, height)`` in pixels. Returns the path.
 
     Raises:
-        FeatcacheError: matplotlib (the ``plot`` extra) is not installed.
-    """
+        FeatcacheError: matplotlib (the ``plot`` extra) is not installed."""
     require_matplotlib()
     path = output_file(path, (".png",), "plot")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -74,35 +73,27 @@ def plot_layers(
         xs = [x for x, v in zip(positions, values, strict=True) if v is not None]
         ys = [100 * v for v in values if v is not None]
         errors = [100 * (e or 0) for v, e in zip(values, spread, strict=True) if v is not None]
+        label = f"{name} top-1" if name in ("val", "test") else name
         (line,) = axes.plot(
-            xs,
-            ys,
-            color=colour,
-            linewidth=2.2,
-            marker="o",
-            markersize=6,
-            label=f"{name} top-1" if name in ("val", "test") else name,
+            xs, ys, color=colour, linewidth=2.2, marker="o", markersize=6, label=label
         )
         if any(errors):
             axes.errorbar(xs, ys, yerr=errors, fmt="none", ecolor=colour, capsize=3, linewidth=1)
         lines.append(line)
 
-    axes.set_xlim(-0.5, len(layers) - 0.5)
-    axes.set_ylim(0, 100)
+    axes.set(xlim=(-0.5, len(layers) - 0.5), ylim=(0, 100), xlabel="layer")
     axes.yaxis.set_major_locator(MultipleLocator(20))
     axes.yaxis.set_minor_locator(MultipleLocator(10))
     axes.yaxis.set_major_formatter(PercentFormatter(decimals=0))
     axes.grid(axis="y", which="both", color="#e1e1e1", linewidth=0.8)
     axes.set_axisbelow(True)
     axes.tick_params(axis="x", length=0)
-    for side in ("top", "right"):
-        axes.spines[side].set_visible(False)
+    axes.spines[["top", "right"]].set_visible(False)
     axes.set_xticks(positions, layers)
     slot = (width - left - right) / len(layers) - 4
     measure = _text_width(canvas, axes.get_xticklabels()[0])
     axes.set_xticks(positions, [_fit_text(layer, slot, measure) for layer in layers])
 
-    axes.set_xlabel("layer")
     axes.set_title(title, loc="left", fontsize="medium")
     axes.legend(
         handles=[*lines, chance_line],

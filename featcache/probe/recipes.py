@@ -1,25 +1,16 @@
-"""The published linear-probe recipes: what each sets, and where it is published.
+"""The published linear-probe recipes (:data:`PUBLISHED`): what each fixes, and its source.
 
 A recipe fixes what a paper's code fixes: the grid of regularisation strengths and how it
 is searched, how much of train is held out to choose on, how rows are prepared, the
-optimiser, and whether the chosen model is refitted on train + validation. featcache's
-own protocol (:mod:`featcache.probe`) is used when no recipe is named.
+optimiser, and whether the chosen model is refitted on train + validation (never for
+few-shot). featcache's own protocol (:mod:`featcache.probe`) is used when none is named.
 
-* ``dinov3``: DINOv3's logistic-regression evaluation (``dinov3/eval/log_regression.py``):
-  scikit-learn's L-BFGS ``LogisticRegression`` for 45 values of ``C`` log-spaced from
-  1e-6 to 1e5 on the raw features, ``C`` chosen by top-1 on 10% of each class of train
-  (1% for few-shot), the model refitted on train + validation (not for few-shot).
-  featcache fits the same objective with its own L-BFGS: scikit-learn minimises
+* ``dinov3``: DINOv3's scikit-learn L-BFGS ``LogisticRegression`` over ``C``, on the raw
+  features. featcache fits the same objective with its own L-BFGS: scikit-learn minimises
   ``C * sum(cross-entropy) + ||W||^2 / 2``, which is featcache's
   ``mean(cross-entropy) + lambda / 2 * ||W||^2`` with ``lambda = 1 / (C * N)``.
-* ``clip``: CLIP_benchmark's linear probe (``clip_benchmark/metrics/linear_probe.py`` and
-  the train/val/test command of its README): a linear layer trained by AdamW (learning
-  rate 0.1, cosine decay without warm-up, 20 epochs, batches of 512) on L2-normalised
-  features, for weight decays from a grid of 97 values log-spaced from 1e-6 to 1e2:
-  7 of them first (every 16th), then around the best one at steps of 8, 4, 2 and 1 grid
-  places; chosen on 10% of train; retrained on train + validation (on the drawn rows
-  alone for few-shot).
-"""
+* ``clip``: CLIP_benchmark's linear layer trained by mini-batch AdamW on L2-normalised
+  features, its weight decay found by :func:`bisect_search`."""
 
 from __future__ import annotations
 
@@ -38,7 +29,6 @@ CLIP_SOURCE = (
     "CLIP_benchmark, LAION-AI/CLIP_benchmark clip_benchmark/metrics/linear_probe.py and the "
     "README's train/val/test command, at 48de38c1689f"
 )
-FEATCACHE_SOURCE = "featcache (Kornblith et al. 2019; the SimCLR and CLIP linear evaluations)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +37,7 @@ class Recipe:
 
     ``penalty`` names the swept strength (``"lambda"``: featcache's L2 on the mean loss;
     ``"C"``: scikit-learn's inverse strength on the summed loss; ``"weight_decay"``:
-    AdamW's decoupled decay) and ``values`` its grid in increasing order.
-    """
+    AdamW's decoupled decay) and ``values`` its grid in increasing order."""
 
     name: str
     source: str
@@ -59,7 +48,7 @@ class Recipe:
     few_shot_val_fraction: float
     normalize: str  # how rows are prepared (see ProbeOptions.normalize)
     optimizer: str  # "lbfgs" (full batch) or "adamw" (mini-batch)
-    refit: bool  # refit the chosen model on train + validation (never for few-shot)
+    refit: bool = True  # refit the chosen model on train + validation (never for few-shot)
     max_iter: int = 1000  # L-BFGS iterations per fit
     lr: float = 0.1  # AdamW
     epochs: int = 20  # AdamW
@@ -81,8 +70,6 @@ PUBLISHED = {
         few_shot_val_fraction=0.01,
         normalize="none",
         optimizer="lbfgs",
-        refit=True,
-        max_iter=1000,
     ),
     "clip": Recipe(
         name="clip",
@@ -94,7 +81,6 @@ PUBLISHED = {
         few_shot_val_fraction=0.1,
         normalize="l2",
         optimizer="adamw",
-        refit=True,
     ),
 }
 
@@ -114,8 +100,7 @@ def bisect_search(
     position is tried first; then, for each step, the best so far and the positions
     ``step`` places to either side (clipped to the grid). The first of the best wins, in
     the order tried (left, centre, right): a tie goes to the weaker decay on the left.
-    Returns the chosen position.
-    """
+    Returns the chosen position."""
     stride = (count - 1) // (first - 1)
     best = _first_best(list(range(0, count, stride)), evaluate)
     for step in steps:

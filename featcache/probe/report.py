@@ -33,12 +33,10 @@ def save_results(
     it used), the protocols, the options and the library versions. Returns the path.
 
     The options recorded are ``options`` when given, else those the results were fitted
-    with; a result fitted with other options carries its own in its entry.
-    """
+    with; a result fitted with other options carries its own in its entry."""
     from featcache.store.provenance import library_versions
 
-    fitted = [result.options for result in results if result.options is not None]
-    options = options or (fitted[0] if fitted else ProbeOptions())
+    options = options or next((r.options for r in results if r.options), ProbeOptions())
     entries = []
     for result in results:
         entry = result.to_dict()
@@ -87,12 +85,10 @@ SHORT_NAMES = {"weight_decay": "decay"}  # a swept strength's name in the report
 def protocol(results: Sequence[Result]) -> str:
     """What the results followed, in words: featcache's linear protocol, each recipe
     (with its source), k-NN, few-shot; the linear protocol alone for plain probes."""
-    parts = []
     recipes = [r.recipe for r in results if not isinstance(r, KnnResult) and r.method == "linear"]
-    if not results or None in recipes:
-        parts.append(LINEAR_PROTOCOL)
-    for name in sorted({name for name in recipes if name is not None}):
-        parts.append(f"linear recipe {PUBLISHED[name].describe()}")
+    parts = [LINEAR_PROTOCOL] if not results or None in recipes else []
+    named = sorted({name for name in recipes if name is not None})
+    parts += [f"linear recipe {PUBLISHED[name].describe()}" for name in named]
     if any(r.method == "knn" for r in results):
         parts.append(KNN_PROTOCOL)
     if any(isinstance(r, FewShotResult) for r in results):
@@ -108,6 +104,9 @@ def format_result(result: Result) -> str:
         return _format_few_shot(result)
     published = recipe(result.recipe)
     penalty = "lambda" if published is None else published.penalty
+    short = SHORT_NAMES.get(penalty, penalty)
+    chosen = [e[penalty] for e in result.sweep if e["lambda"] == result.lam]
+    value = result.lam if published is None else chosen[0]
     lines = [
         f"probe {result.layer} {result.shape} ({result.trainer} trainer): "
         f"{result.n_train} train, {result.n_val} val ({result.validation}), "
@@ -117,21 +116,12 @@ def format_result(result: Result) -> str:
         lines.append(f"recipe     {published.describe()}")
     if result.normalize != "standardize":
         lines.append(f"normalize  {result.normalize}")
-    if published is None:
-        lines += [
-            "sweep      "
-            + "  ".join(f"{e['lambda']:.1e}:{100 * e['val_top1']:.1f}" for e in result.sweep),
-            f"lambda     {result.lam:.2e} (val top-1 {_pct(result.val['top1'])})",
-        ]
-    else:
-        value = next(e for e in result.sweep if e["lambda"] == result.lam)[penalty]
-        short = SHORT_NAMES.get(penalty, penalty)
-        shown_sweep = sorted(result.sweep, key=lambda e: e[penalty])
-        lines += [
-            f"{'sweep ' + short:<10} "
-            + "  ".join(f"{e[penalty]:.1e}:{100 * e['val_top1']:.1f}" for e in shown_sweep),
-            f"{short:<10} {value:.2e} (val top-1 {_pct(result.val['top1'])})",
-        ]
+    sweep = sorted(result.sweep, key=lambda e: e[penalty])
+    lines += [
+        f"{'sweep' if published is None else 'sweep ' + short:<10} "
+        + "  ".join(f"{e[penalty]:.1e}:{100 * e['val_top1']:.1f}" for e in sweep),
+        f"{short:<10} {value:.2e} (val top-1 {_pct(result.val['top1'])})",
+    ]
     if result.test is None:
         lines.append(
             f"val        {_scores(result.val)}  <- no test store; the split that chose "
@@ -141,13 +131,21 @@ def format_result(result: Result) -> str:
     else:
         lines.append(f"test       {_scores(result.test)}")
         shown = result.test
-    per_class = ", ".join(f"{name} {100 * acc:.1f}" for name, acc in shown["per_class"].items())
-    if len(shown["per_class"]) <= 20:
-        lines.append(f"per class  {per_class}")
+    return "\n".join(lines + _per_class(shown, "") + _tail(result))
+
+
+def _per_class(metrics: Mapping[str, Any], where: str) -> list[str]:
+    """The line of per-class accuracies (after ``where``), for at most 20 classes."""
+    per_class = metrics["per_class"]
+    if len(per_class) > 20:
+        return []
+    return [f"per class  {where}" + ", ".join(f"{n} {100 * a:.1f}" for n, a in per_class.items())]
+
+
+def _tail(result: Result) -> list[str]:
+    """The seconds per phase and the notes."""
     seconds = ", ".join(f"{key} {value:.1f}" for key, value in result.seconds.items())
-    lines.append(f"seconds    {seconds}")
-    lines += [f"note       {note}" for note in result.notes]
-    return "\n".join(lines)
+    return [f"seconds    {seconds}", *(f"note       {note}" for note in result.notes)]
 
 
 def format_table(results: Sequence[Result], val: str = "val", test: str = "test") -> str:
@@ -239,24 +237,17 @@ def _format_knn(result: KnnResult) -> str:
     ]
     for k, metrics in sorted(result.metrics.items()):
         lines.append(f"k={k:<9}{_scores(metrics)}")
-    headline = result.metrics[result.k]
-    if len(headline["per_class"]) <= 20:
-        per_class = ", ".join(f"{n} {100 * a:.1f}" for n, a in headline["per_class"].items())
-        lines.append(f"per class  (k={result.k}) {per_class}")
-    seconds = ", ".join(f"{key} {value:.1f}" for key, value in result.seconds.items())
-    lines.append(f"seconds    {seconds}")
-    lines += [f"note       {note}" for note in result.notes]
-    return "\n".join(lines)
+    lines += _per_class(result.metrics[result.k], f"(k={result.k}) ")
+    return "\n".join(lines + _tail(result))
 
 
 def _format_few_shot(result: FewShotResult) -> str:
     """The report of one few-shot evaluation: mean and spread over the draws."""
     published = recipe(result.recipe)
     name = "linear" if result.method == "linear" else "k-NN"
-    rows = "test" if result.scored == "test" else "val"
     lines = [
         f"{name} {result.shots}-shot {result.layer} {result.shape}: {len(result.draws)} draws "
-        f"of {result.shots} train rows per class; {result.n_test} {rows} rows; "
+        f"of {result.shots} train rows per class; {result.n_test} {result.scored} rows; "
         f"{result.num_classes} classes",
     ]
     if result.method == "linear":
@@ -267,9 +258,7 @@ def _format_few_shot(result: FewShotResult) -> str:
         lines.append(f"recipe     {published.describe()}")
     lines.append(f"normalize  {result.normalize}")
     for score in result.scores():
-        top5 = ""
-        if score.top5 is not None:
-            top5 = f"  top-5 {_pct_spread(score.top5, score.top5_std)}"
+        top5 = "" if score.top5 is None else f"  top-5 {_pct_spread(score.top5, score.top5_std)}"
         lines.append(
             f"{score.method:<22} top-1 {_pct_spread(score.top1, score.top1_std)}{top5}"
             f"  (chance {_pct(score.chance_top1)})"

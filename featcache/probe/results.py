@@ -22,8 +22,7 @@ class LinearProbe:
     ``x`` first scaled to unit L2 norm when ``l2``.
 
     ``mean``, ``std``: float32 ``[D]``; ``weight``: float32 ``[C, D]``; ``bias``:
-    float32 ``[C]``. Inputs are rows of the layer, ``[N, *shape]`` in any float dtype.
-    """
+    float32 ``[C]``. Inputs are rows of the layer, ``[N, *shape]`` in any float dtype."""
 
     mean: torch.Tensor
     std: torch.Tensor
@@ -86,14 +85,8 @@ class ProbeResult:
         return [Score(label, shown["top1"], shown.get("top5"), shown["chance_top1"])]
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"layer": self.layer, "shape": self.shape}
-        out["dim"] = int(np.prod(self.shape))
-        out["method"] = self.method
-        for f in dataclasses.fields(self)[2:]:
-            if f.name not in ("model", "options", "recipe"):
-                out["lambda" if f.name == "lam" else f.name] = getattr(self, f.name)
-        out["recipe"] = recipe_record(self.recipe)
-        return out
+        skip = ("model", "options", "recipe")
+        return {**_fields(self, skip), "recipe": recipe_record(self.recipe)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,14 +146,8 @@ class KnnResult:
         ]
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"layer": self.layer, "shape": self.shape}
-        out["dim"] = int(np.prod(self.shape))
-        out["method"] = self.method
-        for f in dataclasses.fields(self)[2:]:
-            if f.name != "options":
-                out[f.name] = getattr(self, f.name)
-        out["metrics"] = {str(k): m for k, m in sorted(self.metrics.items())}
-        return out
+        metrics = {str(k): m for k, m in sorted(self.metrics.items())}
+        return {**_fields(self, ("options",)), "metrics": metrics}
 
 
 @dataclasses.dataclass
@@ -213,30 +200,30 @@ class FewShotResult:
             name = "linear" if line == "linear" else f"k-NN {line}"
             if line == "linear" and self.recipe is not None:
                 name = f"linear ({self.recipe})"
-            top5 = stats.get("top5")
+            label, top1, top5 = f"{name} {self.shots}-shot", stats["top1"], stats.get("top5") or {}
+            top5_mean, top5_std = top5.get("mean"), top5.get("std")
             out.append(
-                Score(
-                    f"{name} {self.shots}-shot",
-                    stats["top1"]["mean"],
-                    top5["mean"] if top5 else None,
-                    self.chance_top1,
-                    stats["top1"]["std"],
-                    top5["std"] if top5 else None,
-                )
+                Score(label, top1["mean"], top5_mean, self.chance_top1, top1["std"], top5_std)
             )
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"layer": self.layer, "shape": self.shape}
-        out["dim"] = int(np.prod(self.shape))
-        for f in dataclasses.fields(self)[2:]:
-            if f.name not in ("options", "recipe"):
-                out[f.name] = getattr(self, f.name)
-        out["recipe"] = recipe_record(self.recipe)
-        return out
+        return {**_fields(self, ("options", "recipe")), "recipe": recipe_record(self.recipe)}
 
 
 Result = ProbeResult | KnnResult | FewShotResult
+
+
+def _fields(result: Result, skip: tuple[str, ...]) -> dict[str, Any]:
+    """A result's JSON entry: layer, shape, flat dim, method, then its other fields but
+    ``skip``, in order (``lam`` as ``"lambda"``)."""
+    out: dict[str, Any] = {"layer": result.layer, "shape": result.shape}
+    out["dim"] = int(np.prod(result.shape))
+    out["method"] = result.method
+    for f in dataclasses.fields(result)[2:]:
+        if f.name not in skip:
+            out["lambda" if f.name == "lam" else f.name] = getattr(result, f.name)
+    return out
 
 
 def recipe_record(name: str | None) -> dict[str, str] | None:
@@ -247,10 +234,8 @@ def recipe_record(name: str | None) -> dict[str, str] | None:
 
 @dataclasses.dataclass
 class Fit:
-    """What a trainer returns for one layer; the splits supply the rest of a result.
-
-    ``features_sha256`` maps each role whose store was read to the sha256 of its rows.
-    """
+    """What a trainer returns for one layer (the splits supply the rest of a result);
+    ``features_sha256``: the sha256 of the rows of each role whose store was read."""
 
     lam: float
     sweep: list[dict[str, Any]]
@@ -263,8 +248,7 @@ class Fit:
 
 @dataclasses.dataclass
 class KnnFit:
-    """What a k-NN run returns for one layer: top-k metrics per ``k``, the numbers of
-    neighbour and query rows, seconds per phase and the stores' hashes."""
+    """What a k-NN run returns for one layer, as :class:`Fit` for a trainer."""
 
     metrics: dict[int, dict[str, Any]]
     n_neighbours: int

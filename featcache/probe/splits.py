@@ -43,15 +43,11 @@ class Splits:
         Raises:
             ConfigError: a val store and a val fraction both, one file in two roles, a
                 store without labels or with rows labelled -1 (none), different class
-                names, a single class, or a fraction that holds out no rows.
-        """
+                names, a single class, or a fraction that holds out no rows."""
         if val is not None and val_fraction is not None:
             raise ConfigError("give either a val store or a val fraction, not both")
-        stores = {"train": open_store(train)}
-        if val is not None:
-            stores["val"] = open_store(val)
-        if test is not None:
-            stores["test"] = open_store(test)
+        given = {"train": train, "val": val, "test": test}
+        stores = {role: open_store(source) for role, source in given.items() if source is not None}
         paths: dict[Path, str] = {}
         for role, store in stores.items():
             where = store.path.resolve()
@@ -98,12 +94,8 @@ class Splits:
             )
         # The classes the probe can predict come from the fitted splits (and the class
         # names), never from the test labels.
-        num_classes = max(
-            int(labels[role].max()) + 1 for role in ("train", "val") if role in labels
-        )
-        if names:
-            num_classes = max(num_classes, len(names))
         fitted = np.unique(np.concatenate([labels[r] for r in ("train", "val") if r in labels]))
+        num_classes = max(int(fitted[-1]) + 1, len(names or []))
         if num_classes > SPARSE_CLASSES and num_classes > 10 * len(fitted):
             raise ConfigError(
                 f"the labels run up to {num_classes - 1} over {len(fitted)} classes, so the "
@@ -137,8 +129,9 @@ class Splits:
             return self.labels["val"]
         return self.labels["train"][self.val_rows]
 
-    def store_info(self) -> dict[str, dict[str, Any]]:
-        """Path, rows, fingerprints and weights of every store (null where absent)."""
+    def store_info(self, digests: dict[str, str]) -> dict[str, dict[str, Any]]:
+        """Path, rows, fingerprints and weights of every store (null where absent), with
+        ``digests``: the sha256 of the rows of the layer read from it."""
         out = {}
         for role, store in self.stores.items():
             attrs = store.attrs
@@ -149,6 +142,8 @@ class Splits:
                 "dataset_fingerprint": attrs.get("dataset_fingerprint"),
                 "weights": attrs.get("weights"),
             }
+            if role in digests:
+                out[role]["features_sha256"] = digests[role]
         return out
 
     def layers(self, layers: str | Sequence[str]) -> list[str]:
@@ -157,8 +152,7 @@ class Splits:
 
         Raises:
             ConfigError: no layer, stores with different layers (for ``"all"``), a layer
-                missing from a store, or shapes that differ between stores.
-        """
+                missing from a store, or shapes that differ between stores."""
         stores = self.stores
         names = requested_layers(stores["train"], layers)
         if not names:
@@ -217,8 +211,7 @@ def stratified_split(
     """Seeded split of rows into (fit, held-out), keeping each class's proportion.
 
     Every class with at least two rows keeps at least one on each side. Returns two
-    sorted int64 arrays of row numbers.
-    """
+    sorted int64 arrays of row numbers."""
     rng = np.random.default_rng(seed)
     fit, held = [], []
     for label in np.unique(labels):

@@ -1,10 +1,9 @@
-"""The streaming trainer: mini-batch Adam over chunk-shuffled batches, for big stores.
-
-It holds no layer in memory, so it probes stores larger than memory.
-"""
+"""The streaming trainer: mini-batch Adam over chunk-shuffled batches; it holds no layer
+in memory, so it probes stores larger than memory."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Iterator, Sequence
@@ -14,16 +13,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 
-from featcache.probe.metrics import Moments, rank, require_finite, topk_metrics
+from featcache.probe.full import cosine_decay
+from featcache.probe.metrics import Moments, Scaling, rank, require_finite, topk_metrics
 from featcache.probe.options import ProbeOptions
-from featcache.probe.parts import Part, in_order, unpack
+from featcache.probe.parts import Part, fit_and_val, in_order, open_datasets, progress, unpack
 from featcache.probe.results import Fit, LinearProbe, Timings
-from featcache.probe.scaling import STANDARDIZE, Scaling
 from featcache.probe.splits import Splits
 from featcache.probe.sweep import Grid, run_sweep
-from featcache.read.dataset import FeatureDataset, ShuffledBatches
+from featcache.read.dataset import ShuffledBatches
 
 Rows = tuple[torch.Tensor, torch.Tensor]  # float32 features [b, D], int64 labels [b]
 
@@ -34,57 +32,35 @@ def run_streaming(
     grid: Grid,
     options: ProbeOptions,
     device: torch.device,
-    scaling: Scaling = STANDARDIZE,
+    scaling: Scaling,
 ) -> Fit:
-    """Probe ``layer`` without holding its rows.
+    """Probe ``layer`` without holding its rows, prepared by ``scaling`` as they are read.
 
-    One in-order pass gives the standardisation statistics of the fit and validation rows
-    (and the stores' hashes); the models of each sweep phase then train side by side with
-    Adam over seeded, chunk-aware shuffled batches (:class:`ShuffledBatches` in a
-    ``DataLoader``); the chosen lambda is refitted on fit + validation rows and scored
-    once on the test store. Rows are prepared by ``scaling`` as they are read.
-    """
+    One in-order pass gives the statistics of the fit and validation rows (and the stores'
+    hashes); the models of each sweep phase then train side by side (:func:`_train_many`);
+    the chosen lambda is refitted on fit + validation rows and scored once on the test store."""
     timings = Timings()
-    datasets = {
-        role: FeatureDataset(store.path, layer, dtype=torch.float32)
-        for role, store in splits.stores.items()
-    }
     l2 = scaling.l2
-    if splits.val_rows is None:
-        fit_parts = [Part(datasets["train"], l2=l2)]
-        val_parts = [Part(datasets["val"], l2=l2)]
-    else:
-        held = np.zeros(len(datasets["train"]), dtype=bool)
-        held[splits.val_rows] = True
-        fit_parts = [Part(datasets["train"], ~held, l2)]
-        val_parts = [Part(datasets["train"], held, l2)]
-    all_parts = [Part(dataset, l2=l2) for role, dataset in datasets.items() if role != "test"]
     dim = int(np.prod(splits.stores["train"].shape(layer)))
-    try:
+    train = functools.partial(
+        _train_many, num_classes=splits.num_classes, options=options, device=device
+    )
+    predict = functools.partial(_predict, options=options, device=device)
+    with open_datasets(splits, layer) as datasets:
+        fit_part, val_part = fit_and_val(splits, datasets, l2)
+        all_parts = [Part(data, l2=l2) for role, data in datasets.items() if role != "test"]
         with timings.phase("statistics"):
-            fit_moments, val_moments, digests = _statistics(
-                fit_parts[0], val_parts[0], dim, options
-            )
+            fit_moments, val_moments, digests = _statistics(fit_part, val_part, dim, options)
 
         with timings.phase("sweep"):
             mean, std = scaling.standardizer(fit_moments, device)
-            epochs = _epochs(sum(map(len, fit_parts)), options)
+            epochs = _epochs(len(fit_part), options)
             ranks: dict[float, Rows] = {}  # ranked predictions and labels of held-out rows
 
             def fit(lambdas: list[float], near: float | None) -> list[dict[str, Any]]:
-                phase = "sweep" if near is None else "refine"
-                weights, biases = _train_many(
-                    fit_parts,
-                    mean,
-                    std,
-                    lambdas,
-                    splits.num_classes,
-                    epochs,
-                    options,
-                    device,
-                    f"probe {layer} {phase}",
-                )
-                ranked, labels, _ = _predict(val_parts, mean, std, weights, biases, options, device)
+                desc = f"probe {layer} {'sweep' if near is None else 'refine'}"
+                weights, biases = train([fit_part], mean, std, lambdas, epochs, desc)
+                ranked, labels, _ = predict([val_part], mean, std, weights, biases)
                 entries = []
                 for k, lam in enumerate(lambdas):
                     top1 = (ranked[k, :, 0] == labels).double().mean().item()
@@ -98,36 +74,19 @@ def run_streaming(
         with timings.phase("refit"):
             moments = Moments(dim).merge(fit_moments).merge(val_moments)
             mean, std = scaling.standardizer(moments, device)
-            weights, biases = _train_many(
-                all_parts,
-                mean,
-                std,
-                [lam],
-                splits.num_classes,
-                _epochs(sum(map(len, all_parts)), options),
-                options,
-                device,
-                f"probe {layer} refit",
-            )
+            epochs = _epochs(sum(map(len, all_parts)), options)
+            weights, biases = train(all_parts, mean, std, [lam], epochs, f"probe {layer} refit")
             model = LinearProbe(mean, std, weights[0], biases[0], l2=l2)
 
         test = None
         if "test" in datasets:
             with timings.phase("test"):
-                ranked, labels, digests["test"] = _predict(
-                    [Part(datasets["test"], l2=l2)],
-                    mean,
-                    std,
-                    weights,
-                    biases,
-                    options,
-                    device,
-                    check=f"the test store's features of layer {layer}",
+                test_part = Part(datasets["test"], l2=l2)
+                check = f"the test store's features of layer {layer}"
+                ranked, labels, digests["test"] = predict(
+                    [test_part], mean, std, weights, biases, check
                 )
                 test = topk_metrics(ranked[0], labels, splits.class_names)
-    finally:
-        for dataset in datasets.values():
-            dataset.close()
     return Fit(lam, sweep, val, test, timings.seconds, digests, model)
 
 
@@ -138,8 +97,7 @@ def _shuffled(
 
     Each store is read with chunk-aware shuffling (:class:`ShuffledBatches`, whole chunks
     into a shuffled buffer, ``num_workers`` loader processes); the batches of several
-    stores are interleaved in a seeded random order.
-    """
+    stores are interleaved in a seeded random order."""
     sources = [
         ShuffledBatches(part.dataset, options.batch_size, seed=options.seed, with_index=True)
         for part in parts
@@ -189,15 +147,10 @@ def _statistics(
     digests = {}
     for role, dataset in stores.items():
         digest = hashlib.sha256()
-        for batch in tqdm(
-            dataset.batches(options.batch_size, shuffle=False, with_index=True),
-            total=math.ceil(len(dataset) / options.batch_size),
-            desc=f"statistics {role}",
-            unit="batch",
-            disable=not options.progress,
-            dynamic_ncols=True,
-            leave=False,
-        ):
+        batches = dataset.batches(options.batch_size, shuffle=False, with_index=True)
+        total = math.ceil(len(dataset) / options.batch_size)
+        desc = f"statistics {role}"
+        for batch in progress(options, batches, total=total, desc=desc, unit="batch", leave=False):
             raw = unpack(batch)[0]
             digest.update(raw.reshape(len(raw), -1).numpy().data)
             for part in (fit, held_out):
@@ -220,34 +173,26 @@ def _train_many(
     mean: torch.Tensor,
     std: torch.Tensor,
     lams: Sequence[float],
-    num_classes: int,
     epochs: int,
+    desc: str,
+    *,
+    num_classes: int,
     options: ProbeOptions,
     device: torch.device,
-    desc: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fit one probe per lambda side by side, reading each batch once.
 
     The losses are summed, and Adam's update is elementwise, so the models train as if
-    alone. Returns float32 weights ``[K, C, D]`` and biases ``[K, C]``.
-    """
+    alone. Returns float32 weights ``[K, C, D]`` and biases ``[K, C]``."""
     k = len(lams)
     weight = torch.zeros(k, num_classes, len(mean), device=device, requires_grad=True)
     bias = torch.zeros(k, num_classes, device=device, requires_grad=True)
     strength = torch.tensor(list(lams), dtype=torch.float32, device=device)
     steps = epochs * sum(math.ceil(len(part.dataset) / options.batch_size) for part in parts)
     optimizer = torch.optim.Adam([weight, bias], lr=options.lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda t: 0.5 * (1 + math.cos(math.pi * min(t, steps) / steps))
-    )
-    for x, y in tqdm(
-        _shuffled(parts, epochs, options, device),
-        total=steps,
-        desc=desc,
-        unit="batch",
-        disable=not options.progress,
-        dynamic_ncols=True,
-    ):
+    schedule = cosine_decay(optimizer, steps)
+    batches = _shuffled(parts, epochs, options, device)
+    for x, y in progress(options, batches, total=steps, desc=desc, unit="batch"):
         z = (x.to(device, non_blocking=True) - mean) / std
         y = y.to(device, non_blocking=True)
         logits = _many_logits(z, weight, bias)  # [B, K, C]
@@ -267,9 +212,10 @@ def _predict(
     std: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor,
+    check: str | None = None,
+    *,
     options: ProbeOptions,
     device: torch.device,
-    check: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, str]:
     """Ranked predictions of K models over the kept rows, in store order: int64
     ``[K, N, min(5, C)]``, their labels int64 ``[N]``, and the sha256 of every row read

@@ -28,8 +28,7 @@ class Grid:
     ``lambdas`` are what the trainers fit: the L2 strength on the mean loss, or for a
     recipe that sweeps AdamW, the weight decay. ``penalty`` names what the recipe sweeps;
     for ``"C"`` (scikit-learn's inverse strength on the summed loss over ``rows`` rows),
-    ``C = 1 / (lambda * rows)``.
-    """
+    ``C = 1 / (lambda * rows)``."""
 
     lambdas: tuple[float, ...]
     refine: int
@@ -76,8 +75,7 @@ def run_sweep(grid: Grid, fit: FitMany) -> tuple[float, list[dict[str, Any]]]:
     with ``grid.bisect``, CLIP_benchmark's search, which fits only the values it visits).
 
     Returns the chosen lambda (best validation top-1 of every fit, see :func:`choose`;
-    CLIP_benchmark's own rule for ``bisect``) and all sweep entries in increasing lambda.
-    """
+    CLIP_benchmark's own rule for ``bisect``) and all sweep entries in increasing lambda."""
     if grid.bisect:
         return _bisect(grid, fit)
     entries = list(fit(sorted(grid.lambdas, reverse=True), None))

@@ -1,16 +1,11 @@
 """Weighted k-NN classification on stored features, as DINO evaluates a backbone.
 
-Each query row is compared with every training row by cosine similarity (rows scaled to
-unit L2 norm, then a dot product). Its ``k`` most similar training rows vote for their
+Each query row's ``k`` most similar training rows by cosine similarity vote for their
 classes, each with weight ``exp(similarity / T)`` (Wu et al. 2018; DINO, Caron et al.
-2021: ``T = 0.07``, ``k = 20``; DINOv2 and DINOv3 report ``k`` = 10, 20, 100, 200). The
-class with the most weight is predicted; the ranking of the weights gives top-5.
-
-The training rows are read in blocks (:meth:`FeatureDataset.batches` in store order)
-while each query row keeps a running top-``k`` of the most similar rows seen so far, so a
-store larger than memory is searched in one pass; only the query rows and their running
-top-``k`` are held. Every ``k`` comes from the one search for the largest.
-"""
+2021: ``T = 0.07``, ``k = 20``; DINOv2 and DINOv3 report ``k`` = 10, 20, 100, 200); the
+ranking of the votes gives top-1 and top-5. The training rows are read in blocks while
+each query row keeps a running top-``k`` (:func:`nearest`), so a store larger than memory
+is searched in one pass; every ``k`` comes from the one search for the largest."""
 
 from __future__ import annotations
 
@@ -20,20 +15,17 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
-from featcache.probe.full import read_layer
-from featcache.probe.metrics import Moments, rank, require_finite, topk_metrics
+from featcache.probe.full import READ_ROWS, read_layer
+from featcache.probe.metrics import Moments, Scaling, rank, require_finite, topk_metrics
 from featcache.probe.options import ProbeOptions
-from featcache.probe.parts import Part, in_order
+from featcache.probe.parts import Part, fit_and_val, in_order, open_datasets, progress
 from featcache.probe.results import KnnFit, Timings
-from featcache.probe.scaling import Scaling
 from featcache.probe.splits import Splits
 from featcache.read.dataset import FeatureDataset
 
 BLOCK_BYTES = 16 << 20  # training rows per block, as float32
 TILE_BYTES = 32 << 20  # similarities of one tile of query rows against one block
-QUERY_ROWS = 8192  # rows per read of held-out query rows
 Block = tuple[torch.Tensor, torch.Tensor]  # float32 rows [b, D], their positions int64 [b]
 
 
@@ -51,8 +43,7 @@ def nearest(
 
     Returns float32 similarities ``[M, k']`` (best first) and the int64 positions of those
     rows ``[M, k']``, on the queries' device; ``k'`` is ``k``, or the number of training
-    rows when there are fewer.
-    """
+    rows when there are fewer."""
     device = queries.device
     best = queries.new_empty(len(queries), 0)
     where = torch.empty(len(queries), 0, dtype=torch.int64, device=device)
@@ -92,15 +83,10 @@ def vote(
     neighbours' classes. Neighbour ``j`` of a row votes ``exp(s_j / T)`` for its class,
     computed as ``exp((s_j - s_0) / T)``: the same votes up to one factor per row, which
     no ranking sees, and no overflow at any temperature. Returns float32 votes
-    ``[M, num_classes]`` per ``k`` (each ``k`` at most ``K``).
-    """
+    ``[M, num_classes]`` per ``k`` (each ``k`` at most ``K``)."""
     weights = ((similarity - similarity[:, :1]) / temperature).exp_()
-    return {
-        k: similarity.new_zeros(len(similarity), num_classes).scatter_add_(
-            1, labels[:, :k], weights[:, :k]
-        )
-        for k in ks
-    }
+    zeros = similarity.new_zeros(len(similarity), num_classes)
+    return {k: zeros.clone().scatter_add_(1, labels[:, :k], weights[:, :k]) for k in ks}
 
 
 def classify(
@@ -135,8 +121,8 @@ def knn_in_memory(
     ``scaling`` (standardised with the training rows' statistics) before the cosine."""
     x_train, x_query = scaling.rows(x_train), scaling.rows(x_query)
     mean, std = scaling.standardizer(Moments(x_train.shape[1]).update(x_train), device)
-    train = _unit((x_train.to(device) - mean) / std)
-    queries = _unit((x_query.to(device) - mean) / std)
+    train = F.normalize((x_train.to(device) - mean) / std, dim=1)
+    queries = F.normalize((x_query.to(device) - mean) / std, dim=1)
     block = (train, torch.arange(len(train), device=device))
     return classify(queries, [block], y_train, options, num_classes)
 
@@ -152,14 +138,9 @@ def run_knn(
     """k-NN on ``layer`` with every training row: the neighbours are the train store's
     rows (and the val store's) and the queries the test store's; without a test store,
     the fit rows are the neighbours and the validation rows the queries. With
-    ``streamed`` the neighbours are read in blocks, else loaded whole.
-    """
+    ``streamed`` the neighbours are read in blocks, else loaded whole."""
     timings = Timings()
-    datasets = {
-        role: FeatureDataset(store.path, layer, dtype=torch.float32)
-        for role, store in splits.stores.items()
-    }
-    try:
+    with open_datasets(splits, layer) as datasets:
         neighbours = _Neighbours(_neighbour_parts(splits, datasets), splits, layer, scaling)
         with timings.phase("load"):
             x_query, y_query = _queries(splits, datasets, layer, neighbours.digests)
@@ -171,24 +152,16 @@ def run_knn(
                     moments.update(rows)
         mean, std = scaling.standardizer(moments, device)
         with timings.phase("neighbours"):
-            queries = _unit((x_query.to(device) - mean) / std)
+            queries = F.normalize((x_query.to(device) - mean) / std, dim=1)
+            bar = {"desc": f"k-NN {layer}", "unit": "block", "leave": False}
+            read = progress(options, neighbours.rows(streamed), **bar)
             blocks = (
-                (_unit((rows.to(device) - mean) / std), positions)
-                for rows, positions in tqdm(
-                    neighbours.rows(streamed),
-                    desc=f"k-NN {layer}",
-                    unit="block",
-                    disable=not options.progress,
-                    dynamic_ncols=True,
-                    leave=False,
-                )
+                (F.normalize((rows.to(device) - mean) / std, dim=1), positions)
+                for rows, positions in read
             )
             ranked = classify(queries, blocks, neighbours.labels, options, splits.num_classes)
         with timings.phase("votes"):
             metrics = {k: topk_metrics(r, y_query, splits.class_names) for k, r in ranked.items()}
-    finally:
-        for dataset in datasets.values():
-            dataset.close()
     return KnnFit(metrics, len(neighbours), len(y_query), timings.seconds, neighbours.digests)
 
 
@@ -197,17 +170,7 @@ def _neighbour_parts(splits: Splits, datasets: dict[str, FeatureDataset]) -> lis
     one, else the fit rows."""
     if "test" in datasets:
         return [(role, Part(dataset)) for role, dataset in datasets.items() if role != "test"]
-    if splits.val_rows is None:
-        return [("train", Part(datasets["train"]))]
-    return [("train", Part(datasets["train"], _held(splits, len(datasets["train"])) == 0))]
-
-
-def _held(splits: Splits, n: int) -> np.ndarray:
-    """Int8 ``[n]``: 1 for the train store's held-out validation rows."""
-    held = np.zeros(n, dtype=np.int8)
-    if splits.val_rows is not None:
-        held[splits.val_rows] = 1
-    return held
+    return [("train", fit_and_val(splits, datasets)[0])]
 
 
 def _queries(
@@ -219,12 +182,8 @@ def _queries(
         x, digests["test"] = read_layer(splits.stores["test"], layer)
         require_finite(x, f"the test store's features of layer {layer}")
         return x, torch.from_numpy(splits.labels["test"])
-    if splits.val_rows is None:
-        part = Part(datasets["val"])
-    else:
-        part = Part(datasets["train"], _held(splits, len(datasets["train"])) == 1)
     xs, ys = [], []
-    for _, x, y, _, _ in in_order([part], QUERY_ROWS):
+    for _, x, y, _, _ in in_order([fit_and_val(splits, datasets)[1]], READ_ROWS):
         xs.append(x)
         ys.append(y)
     return torch.cat(xs), torch.cat(ys)
@@ -275,8 +234,3 @@ class _Neighbours:
             xs.append(self.scaling.rows(x))
             positions.append(rows + int(offset))
         return torch.cat(xs), torch.cat(positions)
-
-
-def _unit(x: torch.Tensor) -> torch.Tensor:
-    """Rows scaled to unit L2 norm (cosine similarity is then a dot product)."""
-    return F.normalize(x, dim=1)

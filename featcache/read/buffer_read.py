@@ -5,8 +5,7 @@ drawn from the current one. When the batches run out first (always for the first
 buffer), the thread drawing them has nothing to do but wait, so it reads blocks too:
 both threads take the next block to read from one counter. Reads that release the GIL
 (featcache's reads through a memory map, :mod:`featcache.store.rows`) then run on two cores;
-HDF5's reads would only take turns, so a buffer that HDF5 reads is left to the reader.
-"""
+HDF5's reads would only take turns, so a buffer that HDF5 reads is left to the reader."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ class SharedRead:
     :meth:`result` reads whatever no thread has taken yet (only the reader takes any when
     ``shared`` is false), then waits for the reader's block in flight; the first error
     of either thread is raised there. :meth:`stop` keeps both from taking more blocks (an
-    epoch left early, or a read that failed).
-    """
+    epoch left early, or a read that failed)."""
 
     def __init__(
         self,

@@ -1,17 +1,8 @@
-"""``FeatureDataset``: cached features as a torch Dataset for downstream training.
-
-Two ways to get shuffled batches out of a store:
-
-* a ``DataLoader`` with any sampler: each batch is read in increasing row order, one
-  slice per run of consecutive rows (:meth:`FeatureDataset.__getitems__`);
-* chunk-aware shuffling (:meth:`FeatureDataset.batches`, :class:`ShuffledBatches`): whole
-  blocks of chunks are read in a random order into a buffer and batches are drawn from a
-  random permutation of the buffer, so no HDF5 call is made per row and a shuffled epoch
-  runs about as fast as indexing an array in memory.
-"""
+"""``FeatureDataset``: cached features as a torch Dataset for downstream training."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -77,8 +68,7 @@ class FeatureDataset(Dataset):
     [`pad_tokens`][featcache.read.dataset.FeatureDataset.pad_tokens] as its ``collate_fn``, which
     pads them and gives a mask), not through `batches`.
     [`TokenDataset`][featcache.read.token_view.TokenDataset] serves their single tokens, shuffled
-    by chunk.
-    """
+    by chunk."""
 
     def __init__(
         self,
@@ -90,8 +80,9 @@ class FeatureDataset(Dataset):
         allow_incomplete: bool = False,
         chunk_cache: int | None = None,
     ):
+        name = type(self).__name__
         if not isinstance(path, (str, os.PathLike)):
-            raise ConfigError(f"FeatureDataset takes a store path, got {type(path).__name__}")
+            raise ConfigError(f"{name} takes a store path, got {type(path).__name__}")
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise ConfigError(f"dtype must be a torch.dtype such as torch.float32, got {dtype!r}")
         self.path = Path(path)
@@ -102,37 +93,38 @@ class FeatureDataset(Dataset):
             raise ConfigError(f"layers must be a layer key or a list of them, got {layers!r}")
         self.layers = [layers] if isinstance(layers, str) else list(layers)
         if not self.layers:
-            raise ConfigError("FeatureDataset needs at least one layer")
+            raise ConfigError(f"{name} needs at least one layer")
         store = FeatureStore(self.path, allow_incomplete=allow_incomplete)
         for layer in self.layers:
             store.shape(layer)  # raises a clear error for a missing layer
+        self.class_names = store.class_names
+        self.dtype = dtype
+        self._count_rows(store, allow_incomplete)
+        self._read_layouts(store, chunk_cache)
+        self._memory: dict[str, torch.Tensor] | None = None
+        if in_memory:
+            self._memory = {layer: self._convert(self._load(store, layer)) for layer in self.layers}
+        store.close()
+        # Opened in each process on first read; an incomplete store is read from its .partial.
+        self._handle = StoreFile(self.path)
+        self._spare: list[dict[str, torch.Tensor]] | None = None  # read buffers, reused
+
+    def _count_rows(self, store: FeatureStore, allow_incomplete: bool) -> None:
+        """The rows served (:attr:`num_rows`), their labels and the per-token offsets."""
         self.num_rows = store.rows_written if allow_incomplete else len(store)
         self.per_token = [layer for layer in self.layers if store.is_per_token(layer)]
         self.offsets = store.offsets if self.per_token else None
         labels = store.labels
         self.has_labels = labels is not None
-        self.labels = torch.from_numpy(
-            labels[: self.num_rows]
-            if labels is not None
-            else np.full(self.num_rows, -1, dtype=np.int64)
-        )
-        self.class_names = store.class_names
-        self.dtype = dtype
-        self._read_layouts(store, chunk_cache)
-        self._memory: dict[str, torch.Tensor] | None = None
-        if in_memory:
-            self._memory = {
-                layer: self._convert(
-                    store.read_tokens(layer, slice(0, self.num_rows))[0]
-                    if layer in self.per_token
-                    else store.read(layer, slice(0, self.num_rows))
-                )
-                for layer in self.layers
-            }
-        store.close()
-        # Opened in each process on first read; an incomplete store is read from its .partial.
-        self._handle = StoreFile(self.path)
-        self._spare: list[dict[str, torch.Tensor]] | None = None  # read buffers, reused
+        if labels is None:
+            labels = np.full(self.num_rows, -1, dtype=np.int64)
+        self.labels = torch.from_numpy(labels[: self.num_rows])
+
+    def _load(self, store: FeatureStore, layer: str) -> torch.Tensor:
+        """Every row of ``layer`` in its stored dtype, for ``in_memory``."""
+        if layer in self.per_token:
+            return store.read_tokens(layer, slice(0, self.num_rows))[0]
+        return store.read(layer, slice(0, self.num_rows))
 
     def _read_layouts(self, store: FeatureStore, chunk_cache: int | None) -> None:
         """Each layer's item shape, stored dtype and chunk cache, and :attr:`block_rows`."""
@@ -149,8 +141,7 @@ class FeatureDataset(Dataset):
             chunk_bytes = reader.chunk_rows * row_bytes
             block_rows.append(reader.chunk_rows * max(1, BLOCK_BYTES // chunk_bytes))
             self._caches[layer] = _chunk_cache(chunk_bytes, not reader.direct, chunk_cache)
-        # A block is the unit the shuffling reader reads: whole chunks of about BLOCK_BYTES
-        # of the layer with the most rows per block (whole chunks of every layer, with
+        # The layer with the most rows per block sets it (whole chunks of every layer, with
         # featcache's chunk sizes).
         self.block_rows = max(1, min(max(block_rows), self.num_rows))
 
@@ -210,13 +201,13 @@ class FeatureDataset(Dataset):
         rows = row_numbers(indices, self.num_rows)
         features = self._rows(rows)
         labels = self.labels[torch.from_numpy(rows)]
+        return [(self._item(features, j), labels[j]) for j in range(len(rows))]
+
+    def _item(self, features: dict[str, torch.Tensor | list[torch.Tensor]], j: int) -> Features:
+        """Item ``j`` of the rows :meth:`_rows` read: a tensor, or a dict for several layers."""
         if self.single:
-            (values,) = features.values()
-            return [(values[j], labels[j]) for j in range(len(rows))]
-        return [
-            ({layer: features[layer][j] for layer in self.layers}, labels[j])
-            for j in range(len(rows))
-        ]
+            return features[self.layers[0]][j]
+        return {layer: features[layer][j] for layer in self.layers}
 
     def batches(
         self,
@@ -246,8 +237,7 @@ class FeatureDataset(Dataset):
         epoch; with ``read_ahead`` (the default) a thread reads and checks the next
         buffer's blocks while batches are drawn from the current one, which takes a
         second buffer, and a buffer the batches wait for is read on both threads
-        (`featcache.read.buffer_read`).
-        """
+        (`featcache.read.buffer_read`)."""
         return self._batches(
             batch_size, shuffle, seed, epoch, buffer_rows, drop_last, with_index, 0, 1,
             read_ahead=read_ahead,
@@ -297,42 +287,32 @@ class FeatureDataset(Dataset):
             per_buffer = min(BUFFER_BLOCKS, BUFFER_BYTES // max(block_bytes, 1))
         else:
             per_buffer = buffer_rows // self.block_rows
-        return self._read_blocks(
-            starts, max(per_buffer, 1), batch_size, rng, drop_last, with_index, read_ahead
+        per_buffer = max(per_buffer, 1)
+        blocks = functools.partial(
+            self._shuffle_blocks, starts, per_buffer, batch_size, rng, drop_last, with_index
         )
+        capacity = min(per_buffer * self.block_rows + batch_size, self.num_rows)
+        return self._read_blocks(blocks, capacity, read_ahead)
 
     def _read_blocks(
-        self,
-        starts: np.ndarray,
-        per_buffer: int,
-        batch_size: int,
-        rng: np.random.Generator | None,
-        drop_last: bool,
-        with_index: bool,
-        read_ahead: bool,
+        self, shuffle: Callable[..., Iterator[Batch]], capacity: int, read_ahead: bool
     ) -> Iterator[Batch]:
         # In memory, batches are gathered straight from the layers by row number. From the
         # file, blocks are read into a buffer (one tensor per layer) and batches gathered
         # from it by position; reading ahead, the next blocks go into a second buffer
         # meanwhile. The buffers are reused, and kept for the next epoch (fresh pages cost
         # as much as the read).
-        shuffle = functools.partial(
-            self._shuffle_blocks, starts, per_buffer, batch_size, rng, drop_last, with_index
-        )
         if self._memory is not None:
             yield from shuffle(None, None)
             return
-        capacity = min(per_buffer * self.block_rows + batch_size, self.num_rows)
         kept, self._spare = self._spare, None
         kept = [b for b in kept or [] if all(len(t) >= capacity for t in b.values())]
         while len(kept) < (2 if read_ahead else 1):
             kept.append(self._new_buffers(capacity))
         pair = kept[:2] if read_ahead else [kept[0], kept[0]]
+        reading = ThreadPoolExecutor(1, thread_name_prefix="featcache-read") if read_ahead else None
         try:
-            if not read_ahead:
-                yield from shuffle(pair, None)
-                return
-            with ThreadPoolExecutor(1, thread_name_prefix="featcache-read") as reader:
+            with reading or contextlib.nullcontext() as reader:
                 yield from shuffle(pair, reader)
         finally:
             self._spare = kept
@@ -357,19 +337,18 @@ class FeatureDataset(Dataset):
         """Batches from blocks read into ``pair`` (buffer ``t % 2`` holds the ``t``-th group
         of blocks; the same buffer twice without read-ahead), by ``reader`` when given;
         straight from the layers in memory when ``pair`` is None."""
-        groups = [starts[first : first + per_buffer] for first in range(0, len(starts), per_buffer)]
+        groups = [starts[i : i + per_buffer] for i in range(0, len(starts), per_buffer)]
         spans = [
-            [(int(s), min(int(s) + self.block_rows, self.num_rows)) for s in group]
-            for group in groups
+            [(int(s), min(int(s) + self.block_rows, self.num_rows)) for s in g] for g in groups
         ]
         pending: SharedRead | None = None
         if pair is not None and spans:
             pending = self._read_into(reader, spans[0], pair[0], 0)
         rows_left = np.empty(0, dtype=np.int64)
         try:
-            for t in range(len(groups)):
+            for t in range(len(spans)):
                 rows = np.concatenate([rows_left, *(np.arange(a, b) for a, b in spans[t])])
-                last = t + 1 == len(groups)
+                last = t + 1 == len(spans)
                 full = len(rows) if last else len(rows) - len(rows) % batch_size
                 buffers = self._memory
                 if pair is not None:
@@ -446,9 +425,8 @@ class FeatureDataset(Dataset):
 
 
 def _chunk_cache(chunk_bytes: int, by_hdf5: bool, nbytes: int | None) -> tuple[int, int]:
-    """``(nslots, nbytes)`` of the HDF5 chunk cache of one layer: ``nbytes`` when given;
-    else, for a layer HDF5 reads (``by_hdf5``: compressed, or a format-2 store), room for
-    a few whole chunks, which HDF5 decodes whole; none for one read through the memory map."""
+    """``(nslots, nbytes)`` of one layer's HDF5 chunk cache (``chunk_cache`` of
+    :class:`FeatureDataset`); ``by_hdf5``: compressed, or a format-2 store."""
     if nbytes is None:
         nbytes = max(CACHE_FLOOR_BYTES, CACHE_CHUNKS * chunk_bytes) if by_hdf5 else 0
     if nbytes == 0:
@@ -463,6 +441,5 @@ def _take(tensor: torch.Tensor, index: np.ndarray) -> torch.Tensor:
     """``tensor[index]`` along the first dimension, as a new tensor.
 
     numpy's take is single-threaded and as fast as torch's gather on one thread; torch's
-    slows down badly with several intra-op threads on a busy machine.
-    """
+    slows down badly with several intra-op threads on a busy machine."""
     return codec.from_array(codec.as_array(tensor).take(index, axis=0), tensor.dtype)

@@ -25,8 +25,7 @@ class PadTokens:
         loader = DataLoader(dataset, batch_size=32, collate_fn=dataset.pad_tokens)
         for features, mask, labels in loader: ...
 
-    Picklable, for DataLoader workers.
-    """
+    Picklable, for DataLoader workers."""
 
     def __init__(self, per_token: Collection[str] | None = None, pad_value: float = 0.0):
         self.per_token = None if per_token is None else frozenset(per_token)

@@ -29,8 +29,7 @@ class ShuffledBatches(IterableDataset):
     Call [`set_epoch`][featcache.read.shuffled_batches.ShuffledBatches.set_epoch] before each
     epoch for a different order; the order depends only on ``seed``, the epoch and the
     number of workers. The epoch lives in shared memory, so it also reaches workers kept
-    alive with ``persistent_workers=True``.
-    """
+    alive with ``persistent_workers=True``."""
 
     def __init__(
         self,
