@@ -88,12 +88,12 @@ def test_the_weights_are_hashed_on_the_writer_thread(resnet18, images, tmp_path,
     compared with the run's key first."""
     import threading
 
-    import featcache.extraction.api as api_module
+    import featcache.extraction.plan as plan_module
 
     threads = []
-    original = api_module.module_fingerprint
+    original = plan_module.module_fingerprint
     monkeypatch.setattr(
-        api_module,
+        plan_module,
         "module_fingerprint",
         lambda m: threads.append(threading.current_thread().name) or original(m),
     )

@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import yaml
 
@@ -150,22 +150,56 @@ def _split_map(value: Any, at: str) -> Any:
     return value
 
 
-# The data keys that only some sources read (splits and content_hash go to every one); a
-# key set for another source would be ignored, so it is refused.
-_READ_BY: dict[str, tuple[str, ...]] = {
-    "root": tuple(s for s in get_args(SourceKind) if s != "synthetic"),
-    "dataset": ("torchvision", "hf"),
-    "kwargs": ("torchvision", "synthetic"),
-    "image_column": ("hf", "parquet", "webdataset"),
-    "text_column": ("text", "hf", "parquet", "webdataset"),
-    "label_column": ("text", "hf", "parquet", "webdataset"),
-    # webdataset refuses id_column itself, saying why: its ids are the sample keys.
-    "id_column": ("text", "hf", "parquet", "webdataset"),
-    "storage_options": ("imagefolder", "manifest", "text", "parquet", "webdataset"),
-}
+@dataclass(frozen=True)
+class SourceOptions:
+    """The data keys one source kind owns.
 
-# The sources whose paths may be fsspec URLs (s3://, https://, ...).
-URL_SOURCES = ("imagefolder", "manifest", "text", "parquet", "webdataset")
+    ``reads``: the keys it reads besides those every kind reads (``splits``,
+    ``content_hash``, ``class_names``, ``limit``; ``max_length`` with texts): such a key set
+    for another kind would be ignored, so it is refused. A kind that reads
+    ``storage_options`` takes fsspec URLs for its paths. ``required``: key -> the rest of
+    the error line when that key is unset.
+    """
+
+    reads: tuple[str, ...]
+    required: Mapping[str, str] = field(default_factory=dict)
+
+    def require(self, data: DataSpec, at: str = "data") -> None:
+        """Raise ConfigError (``data.dataset must name ...``) for the first required key
+        that ``data`` leaves unset."""
+        for key, rest in self.required.items():
+            if not getattr(data, key):
+                raise ConfigError(f"{at}.{key} {rest}")
+
+
+_COLUMNS = ("image_column", "text_column", "label_column", "id_column")
+
+# source kind -> the data keys it owns; the config checks them when it is loaded, and the
+# registry of source kinds (featcache.sources.registry) when it builds a source.
+SOURCE_OPTIONS: dict[str, SourceOptions] = {
+    "imagefolder": SourceOptions(
+        ("root", "storage_options"), {"root": "is required for data.source=imagefolder"}
+    ),
+    "manifest": SourceOptions(
+        ("root", "storage_options"), {"root": "is required for data.source=manifest"}
+    ),
+    "torchvision": SourceOptions(
+        ("root", "dataset", "kwargs"),
+        {"dataset": "must name a torchvision dataset class, e.g. CIFAR10"},
+    ),
+    "synthetic": SourceOptions(("kwargs",)),
+    "text": SourceOptions(("root", "text_column", "label_column", "id_column", "storage_options")),
+    "hf": SourceOptions(
+        ("root", "dataset", *_COLUMNS),
+        {
+            "dataset": "must name a Hugging Face dataset (hub name, or a folder written by "
+            "save_to_disk)"
+        },
+    ),
+    "parquet": SourceOptions(("root", *_COLUMNS, "storage_options")),
+    # webdataset refuses id_column itself, saying why: its ids are the sample keys.
+    "webdataset": SourceOptions(("root", *_COLUMNS, "storage_options")),
+}
 
 
 @dataclass
@@ -219,15 +253,7 @@ class DataSpec:
                     f"{at}.splits: {split!r} is not a usable split name (it names the store "
                     f"file <name>.h5); use a plain name, mapped to a folder: {{all: {split!r}}}"
                 )
-        if self.source == "torchvision" and not self.dataset:
-            raise ConfigError(f"{at}.dataset must name a torchvision dataset class, e.g. CIFAR10")
-        if self.source == "hf" and not self.dataset:
-            raise ConfigError(
-                f"{at}.dataset must name a Hugging Face dataset (hub name, or a folder "
-                "written by save_to_disk)"
-            )
-        if self.source in ("imagefolder", "manifest") and not self.root:
-            raise ConfigError(f"{at}.root is required for data.source={self.source}")
+        SOURCE_OPTIONS[self.source].require(self, at)
         self._check_urls(at)
         names = self.class_names
         if isinstance(names, list) and (not names or len(set(names)) != len(names)):
@@ -269,6 +295,15 @@ class DataSpec:
                 f"{at}.max_length is not used by image data (it caps the tokens of texts: "
                 "data.source text, or a text_column); remove it"
             )
+
+
+# data key -> the source kinds that read it, for the keys only some kinds read
+_READ_BY: dict[str, tuple[str, ...]] = {
+    f.name: readers
+    for f in dataclasses.fields(DataSpec)
+    if (readers := tuple(name for name, kind in SOURCE_OPTIONS.items() if f.name in kind.reads))
+}
+URL_SOURCES = _READ_BY["storage_options"]  # the kinds whose paths may be fsspec URLs
 
 
 @dataclass

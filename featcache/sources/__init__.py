@@ -1,29 +1,26 @@
-"""The image dataset of one split, built from a config's ``data`` section.
+"""The dataset of one split, built from a config's ``data`` section by its source kind
+(:mod:`featcache.sources.registry`).
 
-Every source is a :class:`SourceDataset`: ``ds[i] -> (image, label)``, where ``image`` is
-``transform`` applied to a PIL RGB image and ``label`` an int class index (-1 when the source
-has no labels). Each row also has a stable string id (``ds.ids[i]``) that identifies it in a
-store. Sources hold only plain data (paths, labels, options), so they pickle into DataLoader
-workers under both fork and spawn.
+Every source is a :class:`SourceDataset` with a stable string id per row (``ds.ids[i]``)
+that identifies it in a store. Sources hold only plain data (paths, labels, options), so
+they pickle into DataLoader workers under both fork and spawn.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from featcache.config.spec import SOURCES, DataSpec
+from featcache.config.spec import DataSpec
 from featcache.errors import ConfigError
 from featcache.sources.base import IMAGE_EXTENSIONS, SourceDataset, Transform
 from featcache.sources.decode import load_rgb
+from featcache.sources.registry import SourceRequest, kind_for
 from featcache.sources.remote import Remote
 from featcache.sources.synthetic import SyntheticOptions
+from featcache.sources.tokenizer import Tokenizer
 from featcache.util.urls import is_url
-
-if TYPE_CHECKING:
-    from featcache.sources.tokenizer import Tokenizer
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -35,20 +32,6 @@ __all__ = [
 ]
 
 
-# source kind -> "module:function" building it; imported only when used, so that an
-# optional extra (datasets, pyarrow) is needed only by the configs that name its source.
-BUILDERS: dict[str, str] = {
-    "imagefolder": "featcache.sources.files:imagefolder_source",
-    "manifest": "featcache.sources.files:manifest_source",
-    "torchvision": "featcache.sources.torchvision_datasets:torchvision_source",
-    "synthetic": "featcache.sources.synthetic:synthetic_source",
-    "text": "featcache.sources.text:text_source",
-    "hf": "featcache.sources.hf:hf_source",
-    "webdataset": "featcache.sources.webdataset:webdataset_source",
-    "parquet": "featcache.sources.parquet:parquet_source",
-}
-
-
 def build_source(
     data: DataSpec,
     split: str,
@@ -58,34 +41,25 @@ def build_source(
 ) -> SourceDataset:
     """The dataset of split ``split`` of ``data``.
 
-    Image rows yield ``(transform(rgb), label)``; text rows (``source: text``, or a
-    ``text_column``) yield ``({"input_ids": int64 [T], "attention_mask": int64 [T]},
-    label)``, tokenised by ``tokenizer`` (the model's). ``decode_size`` is the shorter
-    side ``transform`` resizes to first, if it does: JPEG files are then decoded at a
-    reduced scale that still covers it (see :func:`load_rgb`). With ``data.limit``, the
-    split's rows are that many spread evenly over it (:mod:`featcache.sources.selection`).
+    Image rows yield ``(transform(rgb), label)``, label -1 where the source has none; text
+    rows (``source: text``, or a ``text_column``) yield ``({"input_ids": int64 [T],
+    "attention_mask": int64 [T]}, label)``, tokenised by ``tokenizer`` (the model's).
+    ``decode_size`` is the shorter side ``transform`` resizes to first, if it does: JPEGs
+    are then decoded at a reduced scale that still covers it (:func:`load_rgb`). With
+    ``data.limit``, the split's rows are that many spread evenly over it
+    (:mod:`featcache.sources.selection`).
 
     Raises:
-        ConfigError: unknown split or source, missing root/folder/manifest, an empty split,
-            a bad manifest row, a torchvision dataset that is unknown or not on disk, or
-            text data for a model without a tokenizer.
+        ConfigError: unknown split or source, a data key the source does not use or needs,
+            a split that is missing, empty or malformed, or text data for a model without
+            a tokenizer.
     """
     if split not in data.splits:
         known = ", ".join(map(str, data.splits)) or "none"
         raise ConfigError(f"unknown split {split!r}; data.splits has: {known}")
-    if data.source not in BUILDERS:
-        raise ConfigError(f"data.source is {data.source!r}; choose one of: {', '.join(SOURCES)}")
-    data.refuse_unused()
-    module, _, name = BUILDERS[data.source].partition(":")
-    builder = getattr(importlib.import_module(module), name)
-    if data.source in ("text", "hf", "webdataset", "parquet"):
-        source = builder(data, split, data.splits[split], transform, tokenizer)
-    else:
-        source = builder(data, split, data.splits[split], transform)
-    if hasattr(source, "decode_size"):  # image sources that decode JPEGs in draft mode
-        source.decode_size = decode_size
-    if hasattr(source, "hash_content"):  # sources that can record each row's bytes' hash
-        source.hash_content = data.content_hash
+    kind = kind_for(data)
+    kind.validate(data)
+    source = kind.build(SourceRequest(data, split, transform, tokenizer, decode_size))
     if data.class_names is not None:
         source.class_names = given_class_names(data.class_names, source, data.storage_options)
     if data.limit is not None:  # a trial: rows spread over the split, every class among them

@@ -39,16 +39,12 @@ class SourceDataset(Dataset):
     ``image`` is ``transform(pil_rgb_image)``: with featcache's preprocessing a float32 tensor
     [3, H, W]; the PIL RGB image itself when ``transform`` is None. ``label`` is an int class
     index, or -1 when the source has no labels (``has_labels`` False).
-
-    Attributes:
-        ids: stable sample id per row, ``len(ids) == len(ds)``.
-        class_names: ``class_names[label]`` names a class; None when unknown or unlabeled.
-        has_labels: whether labels are real class indices.
     """
 
-    ids: list[str]
-    class_names: list[str] | None
-    has_labels: bool
+    ids: list[str]  # stable sample id per row, len(ids) == len(ds)
+    class_names: list[str] | None  # class_names[label] names a class; None when unknown
+    has_labels: bool  # whether labels are real class indices
+    labels: Any = None  # [N] class indices, where the source lists them before reading rows
 
     def __init__(
         self,
@@ -57,9 +53,7 @@ class SourceDataset(Dataset):
         has_labels: bool,
         transform: Transform | None,
     ) -> None:
-        self.ids = ids
-        self.class_names = class_names
-        self.has_labels = has_labels
+        self.ids, self.class_names, self.has_labels = ids, class_names, has_labels
         self.transform = transform
 
     def __len__(self) -> int:
@@ -88,6 +82,10 @@ class SourceDataset(Dataset):
     def _load(self, i: int) -> tuple[Image.Image, int]:
         """Row ``i`` (already in range) as a PIL RGB image and its label."""
         raise NotImplementedError
+
+    def label(self, i: int) -> int:
+        """Row ``i``'s class index in :attr:`labels`; -1 when the source has none."""
+        return -1 if self.labels is None else int(self.labels[i])
 
     def prefetch(self, rows: list[int]) -> None:
         """A hint that ``rows`` (one batch, in order) are read next, so that a source
@@ -122,10 +120,8 @@ def jsonl_objects(
     file: Path | str, what: str, example: str, remote: Remote | None = None
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(line number, object)`` for each non-blank line of a JSONL file (or URL, read
-    through ``remote``).
-
-    ``what`` leads the error lines (``"manifest data/train.jsonl"``); ``example`` shows a
-    good object in them.
+    through ``remote``); ``what`` leads the error lines (``"manifest data/train.jsonl"``),
+    ``example`` shows a good object in them.
 
     Raises:
         ConfigError: a line that is not valid JSON, or not a JSON object.
@@ -152,10 +148,8 @@ def jsonl_objects(
 def label_indices(
     labels: Sequence[tuple[str, int | str]], what: str
 ) -> tuple[list[int], list[str] | None]:
-    """Class indices of ``(where, label)`` pairs, and class names when labels are names.
-
-    Integer labels are the indices (class names unknown); string labels become indices
-    into their sorted set. ``what`` and each ``where`` place a label in errors
+    """Class indices of ``(where, label)`` pairs, and class names when labels are names
+    (strings, indexed in sorted order); ``what`` and each ``where`` place a label in errors
     (``"manifest data/train.csv"``, ``"line 7"``).
 
     Raises:

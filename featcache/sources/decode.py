@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from typing import Any
@@ -11,6 +12,8 @@ import torch
 from PIL import Image
 
 from featcache.errors import FeatcacheError, first_line
+
+_DECODE_ERRORS = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
 
 
 def load_rgb(path: str | os.PathLike, min_side: int | None = None) -> Image.Image:
@@ -27,12 +30,8 @@ def load_rgb(path: str | os.PathLike, min_side: int | None = None) -> Image.Imag
             truncated or unrecognised files.
     """
     try:
-        with Image.open(path) as image:
-            if min_side and image.format == "JPEG" and min(image.size) >= 2 * min_side:
-                image.draft(image.mode, _draft_size(image.size, min_side))
-            image.load()
-            return _to_rgb(image)
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        return _decode(path, min_side)
+    except _DECODE_ERRORS as exc:
         if isinstance(exc, FileNotFoundError):
             reason = "file not found"
         elif os.path.isfile(path) and os.path.getsize(path) == 0:
@@ -40,6 +39,29 @@ def load_rgb(path: str | os.PathLike, min_side: int | None = None) -> Image.Imag
         else:
             reason = first_line(exc)
         raise FeatcacheError(f"cannot decode image {path}: {reason}") from exc
+
+
+def decode_bytes(data: bytes, where: str, min_side: int | None = None) -> Image.Image:
+    """Encoded image bytes as an 8-bit RGB PIL image, decoded as :func:`load_rgb` decodes
+    a file.
+
+    Raises:
+        FeatcacheError: ``cannot decode image {where}: {reason}``.
+    """
+    if not data:
+        raise FeatcacheError(f"cannot decode image {where}: no bytes (0 bytes)")
+    try:
+        return _decode(io.BytesIO(data), min_side)
+    except _DECODE_ERRORS as exc:
+        raise FeatcacheError(f"cannot decode image {where}: {first_line(exc)}") from exc
+
+
+def _decode(file: str | os.PathLike | io.BytesIO, min_side: int | None) -> Image.Image:
+    with Image.open(file) as image:
+        if min_side and image.format == "JPEG" and min(image.size) >= 2 * min_side:
+            image.draft(image.mode, _draft_size(image.size, min_side))
+        image.load()
+        return _to_rgb(image)
 
 
 def _draft_size(size: tuple[int, int], min_side: int) -> tuple[int, int]:

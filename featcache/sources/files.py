@@ -1,8 +1,8 @@
 """Sources over image files: class folders (imagefolder) and CSV/JSONL manifests.
 
-Folders, manifests and the images a manifest lists may be fsspec URLs
-(:mod:`featcache.sources.remote`): a remote class folder is listed once (every object
-with its size and ETag), and the images of each batch are fetched concurrently.
+Folders, manifests and the images a manifest lists may be fsspec URLs: a remote class
+folder is listed once (every object with its size and ETag), and the images of each
+batch are fetched concurrently.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import hashlib
 import os
 import posixpath
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -29,10 +30,9 @@ from featcache.sources.base import (
     label_indices,
     open_text,
 )
-from featcache.sources.decode import load_rgb
+from featcache.sources.decode import decode_bytes, load_rgb
 from featcache.sources.remote import Remote, object_version
 from featcache.sources.stamps import file_stamp, object_stamp
-from featcache.sources.tabular import decode_bytes
 from featcache.util.fingerprints import file_line, file_sha256, lines_sha256
 from featcache.util.urls import check_url, is_url, join, parent, relative
 
@@ -41,9 +41,11 @@ class FileSource(SourceDataset):
     """Image files with optional labels: the imagefolder and manifest sources.
 
     ``listed`` when a manifest decides the row order and the labels; in a class folder
-    both follow from the file names (the ids). Paths that are URLs are read through
-    ``remote``; ``versions`` holds their size and ETag as listed (None for local files),
-    and the bytes of the batch fetched last are kept per process.
+    both follow from the file names (the ids). URLs are read through ``remote``
+    (``versions``: each one's size and ETag as listed, None for a local file), the bytes
+    of the batch fetched last kept per process. JPEGs decode at a reduced scale still
+    covering ``decode_size``; ``hash_content`` (``data.content_hash``) records each file's
+    sha256.
     """
 
     def __init__(
@@ -53,19 +55,17 @@ class FileSource(SourceDataset):
         ids: list[str],
         class_names: list[str] | None,
         transform: Transform | None,
+        decode_size: int | None = None,
+        hash_content: bool = False,
         listed: bool = False,
         remote: Remote | None = None,
-        versions: list[str | None] | None = None,
+        versions: Sequence[str | None] | None = None,
     ) -> None:
         super().__init__(ids, class_names, labels is not None, transform)
-        self.paths = paths
-        self.labels = labels
-        self.listed = listed
-        self.decode_size: int | None = None  # see build_source
-        self.remote = remote
-        self.versions = versions
+        self.paths, self.labels, self.listed = paths, labels, listed
+        self.decode_size, self.hash_content = decode_size, hash_content
+        self.remote, self.versions = remote, versions
         self._fetched: dict[int, bytes | Exception] = {}
-        self.hash_content = False  # record each file's sha256 (data.content_hash)
         self._hashes: np.ndarray | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -83,22 +83,21 @@ class FileSource(SourceDataset):
         self._fetched = dict(zip(remote_rows, got, strict=True))
 
     def _load(self, i: int) -> tuple[Image.Image, int]:
-        label = -1 if self.labels is None else self.labels[i]
         path = self.paths[i]
         if not is_url(path):
-            return load_rgb(path, self.decode_size), label
+            return load_rgb(path, self.decode_size), self.label(i)
         data = self._fetched.get(i)
         if data is None:
             data = (self.remote or Remote()).read(path)
         if isinstance(data, Exception):
             raise FeatcacheError(f"cannot decode image {path}: {data}")
-        return decode_bytes(data, path, self.decode_size), label
+        return decode_bytes(data, path, self.decode_size), self.label(i)
 
     @property
     def row_columns(self) -> dict[str, np.ndarray]:
         """Per-row arrays to record beside the features: with :attr:`hash_content`,
-        ``content_hash`` (``S64``: each file's hex sha256), by which an update of the
-        store tells a sample whose bytes changed (see :mod:`featcache.extraction.update`)."""
+        ``content_hash`` (:meth:`content_hashes`), by which an update of the store tells a
+        sample whose bytes changed."""
         return {"content_hash": self.content_hashes()} if self.hash_content else {}
 
     def content_hashes(self) -> np.ndarray:
@@ -148,10 +147,16 @@ class FileSource(SourceDataset):
 
 
 def imagefolder_source(
-    data: DataSpec, split: str, value: Any, transform: Transform | None
+    data: DataSpec,
+    split: str,
+    value: Any,
+    transform: Transform | None,
+    decode_size: int | None = None,
 ) -> FileSource:
+    """The images of the class folders under ``data.root/<value>`` (a folder or a URL):
+    label i is the i-th class folder by name, ids are paths relative to ``value``."""
     if is_url(data.root):
-        return _remote_imagefolder(data, split, value, transform)
+        return _remote_imagefolder(data, split, value, transform, decode_size)
     folder = _under_root(data, split, value, "a subfolder of data.root")
     if not folder.is_dir():
         raise ConfigError(_not_found(folder))
@@ -174,11 +179,11 @@ def imagefolder_source(
                 ids.append((rel_root / file).as_posix())
     if not paths:
         raise _no_images(split, folder, classes)
-    return FileSource(paths, labels, ids, classes, transform)
+    return FileSource(paths, labels, ids, classes, transform, decode_size, data.content_hash)
 
 
 def _remote_imagefolder(
-    data: DataSpec, split: str, value: Any, transform: Transform | None
+    data: DataSpec, split: str, value: Any, transform: Transform | None, decode_size: int | None
 ) -> FileSource:
     """:func:`imagefolder_source` under a URL: the folder listed once, its classes,
     files, order and ids as a local copy of it gives them."""
@@ -187,8 +192,7 @@ def _remote_imagefolder(
     folder = join(str(data.root), value).rstrip("/")
     check_url(folder, f"data.splits.{split}")
     remote = Remote(data.storage_options)
-    folders: dict[str, list[tuple[str, str, str]]] = {}  # class folder -> (dir, file, url)
-    versions: dict[str, str] = {}
+    folders: dict[str, list[tuple[str, str, str, str]]] = {}  # class -> (dir, file, url, version)
     for url, info in remote.find(folder):
         parts = relative(url, folder).strip("/").split("/")
         if url.rstrip("/") == folder or parts[0].startswith("."):
@@ -202,22 +206,23 @@ def _remote_imagefolder(
         file = parts[-1]
         if file.startswith(".") or not file.lower().endswith(IMAGE_EXTENSIONS):
             continue
-        members.append(("/".join(parts[:-1]), file, url))
-        versions[url] = object_version(info)
+        members.append(("/".join(parts[:-1]), file, url, object_version(info)))
     classes = sorted(folders)
-    paths: list[str] = []
-    labels: list[int] = []
-    ids: list[str] = []
-    for label, name in enumerate(classes):
-        # torchvision's order, as for a local folder: by folder, then by file name.
-        for directory, file, url in sorted(folders[name]):
-            paths.append(url)
-            labels.append(label)
-            ids.append(f"{directory}/{file}")
-    if not paths:
+    # torchvision's order, as for a local folder: by folder, then by file name.
+    rows = [(k, *member) for k, name in enumerate(classes) for member in sorted(folders[name])]
+    if not rows:
         raise _no_images(split, folder, classes)
-    listed: list[str | None] = [versions[p] for p in paths]
-    return FileSource(paths, labels, ids, classes, transform, remote=remote, versions=listed)
+    return FileSource(
+        [url for *_, url, _ in rows],
+        [k for k, *_ in rows],
+        [f"{directory}/{file}" for _, directory, file, *_ in rows],
+        classes,
+        transform,
+        decode_size,
+        data.content_hash,
+        remote=remote,
+        versions=[version for *_, version in rows],
+    )
 
 
 def _no_images(split: str, folder: Path | str, classes: list[str]) -> ConfigError:
@@ -262,8 +267,18 @@ def _leads_up(folder: str, here: str) -> bool:
 
 
 def manifest_source(
-    data: DataSpec, split: str, value: Any, transform: Transform | None
+    data: DataSpec,
+    split: str,
+    value: Any,
+    transform: Transform | None,
+    decode_size: int | None = None,
 ) -> FileSource:
+    """The images a CSV or JSONL manifest lists (``path`` and optional ``label`` per row),
+    in its row order; ids are the paths as written.
+
+    Raises:
+        ConfigError: a missing manifest or image, a bad row or label (naming its line).
+    """
     remote = None
     file: Path | str
     if is_url(data.root) or is_url(value):
@@ -310,6 +325,8 @@ def manifest_source(
         ids,
         class_names,
         transform,
+        decode_size,
+        data.content_hash,
         listed=True,
         remote=remote,
         versions=versions if remote else None,
@@ -417,9 +434,7 @@ def _check_row(file: Path | str, line: int, path: Any, label: int | str | None) 
 
 
 def _under_root(data: DataSpec, split: str, value: Any, what: str) -> Path:
-    if not data.root:
-        raise ConfigError(f"data.root is required for data.source={data.source}")
-    root = Path(data.root).expanduser()
+    root = Path(str(data.root)).expanduser()
     if not root.is_dir():
         raise ConfigError(_not_found(root))
     if not isinstance(value, str):

@@ -14,7 +14,7 @@ Images are read undecoded and decoded like image files (JPEGs in draft mode).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -26,14 +26,12 @@ from featcache.sources.tabular import (
     EncodedImageSource,
     check_columns,
     class_indices,
-    missing_column,
+    require_columns,
     text_rows,
 )
+from featcache.sources.tokenizer import Tokenizer
 from featcache.util.extras import require
 from featcache.util.fingerprints import lines_sha256
-
-if TYPE_CHECKING:
-    from featcache.sources.tokenizer import Tokenizer
 
 
 class HFSource(EncodedImageSource):
@@ -54,22 +52,18 @@ class HFSource(EncodedImageSource):
         identity: str,
         root: str | None,
         transform: Transform | None,
+        decode_size: int | None,
     ) -> None:
-        super().__init__(ids, class_names, labels is not None, transform)
-        self.dataset = dataset
-        self.column = column
-        self.labels = labels
-        self.identity = identity
-        self.root = root
-        self.decode_size: int | None = None
+        super().__init__(ids, labels, class_names, transform, decode_size)
+        self.dataset, self.column = dataset, column
+        self.identity, self.root = identity, root
 
     def _load(self, i: int) -> tuple[Image.Image, int]:
         try:
             value = self.dataset[i][self.column]
         except Exception as exc:
             raise FeatcacheError(f"cannot read row {self.ids[i]}: {first_line(exc)}") from exc
-        label = -1 if self.labels is None else int(self.labels[i])
-        return self.decode(value, self.ids[i], self.root), label
+        return self.decode(value, self.ids[i], self.root), self.label(i)
 
     def fingerprint(self, content: bool = False) -> str:
         # The dataset's own fingerprint changes with its content (datasets derives it
@@ -83,6 +77,7 @@ def hf_source(
     value: Any,
     transform: Transform | None,
     tokenizer: Tokenizer | None = None,
+    decode_size: int | None = None,
 ) -> SourceDataset:
     """Split ``value`` of the dataset ``data.dataset`` (see the module docstring).
 
@@ -106,14 +101,7 @@ def hf_source(
     label_column = data.label_column or next(
         (c for c in columns if isinstance(features[c], datasets.ClassLabel)), None
     )
-    for option, column in (
-        ("label_column", label_column),
-        ("id_column", data.id_column),
-        ("text_column", data.text_column),
-        ("image_column", data.image_column),
-    ):
-        if column is not None and column not in columns:
-            raise missing_column(option, column, what, columns)
+    require_columns(data, label_column, columns, what)
     if not len(dataset):
         raise ConfigError(f"{what} has no rows")
 
@@ -125,24 +113,15 @@ def hf_source(
             )
     else:
         ids = [f"{label}/{value}/{i}" for i in range(len(dataset))]
-    labels, class_names = None, None
-    if label_column:
-        labels, class_names = _labels(datasets, dataset, label_column, what)
-        class_names = class_names if labels is not None else None
-    identity = "\t".join(
-        [
-            f"hf:{label}",
-            str(getattr(dataset, "_fingerprint", "")),
-            str(dataset.info.version or ""),
-            value,
-            ",".join(columns),
-        ]
+    labels, class_names = (
+        _labels(datasets, dataset, label_column, what) if label_column else (None, None)
     )
+    fingerprint, version = getattr(dataset, "_fingerprint", ""), dataset.info.version or ""
+    identity = f"hf:{label}\t{fingerprint}\t{version}\t{value}\t{','.join(columns)}"
 
     if data.text_column:
         texts = [v or "" for v in _column(dataset, data.text_column)]
-        version = lines_sha256([identity])[:16]
-        where = f"{what} ({version})"
+        where = f"{what} ({lines_sha256([identity])[:16]})"
         return text_rows(texts, labels, ids, class_names, tokenizer, data.max_length, where)
 
     column = data.image_column or next(
@@ -157,7 +136,9 @@ def hf_source(
     if isinstance(features[column], datasets.Image):
         narrowed = narrowed.cast_column(column, datasets.Image(decode=False))
     root = str(Path(data.root).expanduser()) if data.root else None
-    return HFSource(narrowed, column, ids, labels, class_names, identity, root, transform)
+    return HFSource(
+        narrowed, column, ids, labels, class_names, identity, root, transform, decode_size
+    )
 
 
 def _open(datasets: Any, data: DataSpec, name: str, split: str) -> tuple[Any, str]:
@@ -206,8 +187,7 @@ def _open(datasets: Any, data: DataSpec, name: str, split: str) -> tuple[Any, st
 
 def _column(dataset: Any, column: str) -> list[Any]:
     """All values of one column as Python objects (respecting any indices mapping)."""
-    values: list[Any] = dataset.with_format("arrow")[column].to_pylist()
-    return values
+    return list(dataset.with_format("arrow")[column].to_pylist())
 
 
 def _labels(
@@ -224,7 +204,7 @@ def _labels(
     labels, class_names = class_indices(values, f"data.label_column {column!r} of {what}")
     if isinstance(feature, datasets.ClassLabel):
         # -1 is ClassLabel's "no label": the store's own marker for it
-        return (labels if (labels >= 0).any() else None), list(feature.names)
+        return (labels, list(feature.names)) if (labels >= 0).any() else (None, None)
     if class_names is None and len(labels) and labels.min() < 0:
         raise ConfigError(
             f"data.label_column {column!r} of {what}: label {labels.min()} must be >= 0"

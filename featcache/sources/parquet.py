@@ -1,19 +1,16 @@
 """The parquet source: rows of one or more Parquet files, read a row group at a time.
 
 ``data.splits.<split>`` names one file, a glob or brace pattern, or a list of them
-(relative to ``data.root``). The image column holds encoded bytes, a struct with a
-``bytes`` field (as Hugging Face writes images), or paths (relative to ``data.root``);
-by default the first column of bytes or of such structs. The label column (default
-``label`` when there is one) holds class indices or class names; ids come from
+(relative to ``data.root``; URLs such as ``s3://bucket/table/*.parquet`` or
+``hf://datasets/...`` are read through fsspec). The image column holds encoded bytes, a
+struct with a ``bytes`` field (as Hugging Face writes images), or paths (relative to
+``data.root``); by default the first column of bytes or of such structs. The label column
+(default ``label`` when there is one) holds class indices or class names; ids come from
 ``data.id_column``, else ``<file>:<row>``.
 
-Only the row-group layout, labels and ids are read up front. ``ds[i]`` reads the image
-column of the row group holding row ``i`` and keeps it until a row of another group is
-asked for, per process: consecutive rows (a loader's batches) cost one read per group.
-
-Files named by URLs (``s3://bucket/table/*.parquet``, ``hf://datasets/...``) are read
-through fsspec (:mod:`featcache.sources.remote`): the footer once per file and process,
-then each row group's image column chunk with one range request, each retried alone.
+Only the footers, labels and ids are read up front. ``ds[i]`` reads the image column of
+the row group holding row ``i`` (one range request for a URL) and keeps it until a row of
+another group is asked for, per process: a loader's batches cost one read per group.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ import json
 import os
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -31,38 +28,30 @@ from PIL import Image
 from featcache.config.spec import DataSpec
 from featcache.errors import ConfigError, FeatcacheError, first_line
 from featcache.sources.base import SourceDataset, Transform
-from featcache.sources.remote import Remote, object_version
+from featcache.sources.remote import object_version
 from featcache.sources.tabular import (
     EncodedImageSource,
+    SplitFiles,
     check_columns,
     class_indices,
-    display_name,
-    is_remote,
-    missing_column,
-    split_files,
-    split_urls,
+    require_columns,
+    split_paths,
     text_rows,
 )
+from featcache.sources.tokenizer import Tokenizer
 from featcache.util.extras import require
 from featcache.util.fingerprints import file_sha256, lines_sha256
 from featcache.util.urls import is_url
 
-if TYPE_CHECKING:
-    from featcache.sources.tokenizer import Tokenizer
-
 
 class ParquetSource(EncodedImageSource):
-    """Images (and labels) of the rows of Parquet files.
-
-    Holds the file paths (or URLs, read through ``remote``, with their sizes), the first
-    row of every file and of every row group (int64 arrays), labels and ids; file handles
-    and the cached row group are per process and never pickled.
-    """
+    """Images (and labels) of the rows of Parquet files: the files, the first row of each
+    file and of each row group (int64 arrays), labels and ids; file handles and the cached
+    row group are per process and never pickled."""
 
     def __init__(
         self,
-        files: list[str],
-        names: list[str],
+        files: SplitFiles,
         file_starts: np.ndarray,
         group_starts: list[np.ndarray],
         column: str,
@@ -72,17 +61,13 @@ class ParquetSource(EncodedImageSource):
         labels: np.ndarray | None,
         class_names: list[str] | None,
         transform: Transform | None,
-        remote: Remote | None = None,
-        sizes: list[int] | None = None,
+        decode_size: int | None,
     ) -> None:
-        super().__init__(ids, class_names, labels is not None, transform)
-        self.files, self.names = files, names
-        self.remote, self.sizes = remote, sizes  # set when the files are URLs
+        super().__init__(ids, labels, class_names, transform, decode_size, files.remote)
+        self.files = files
         self.file_starts = file_starts  # [F + 1]: row of the first row of each file
         self.group_starts = group_starts  # per file, [G + 1]: first row of each group
         self.column, self.kind, self.root = column, kind, root
-        self.labels = labels
-        self.decode_size: int | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -103,24 +88,18 @@ class ParquetSource(EncodedImageSource):
         _, pq = _arrow()
         handle = self._handles.get(file)
         if handle is None:
-            handle = self._handles[file] = pq.ParquetFile(self._open(file))
+            handle = self._handles[file] = pq.ParquetFile(self.files.open(file))
         table = handle.read_row_group(group, columns=[self.column])
         values = table.column(0).combine_chunks()
         self._group = (file, group, values)
         return values
-
-    def _open(self, file: int) -> Any:
-        """A local file's path, or a remote file as a file object of range requests."""
-        if self.remote is None or self.sizes is None:
-            return self.files[file]
-        return self.remote.open(self.files[file], self.sizes[file], buffer_size=0)
 
     def _cell(self, i: int) -> tuple[Any, str]:
         file = int(np.searchsorted(self.file_starts, i, side="right")) - 1
         row = i - int(self.file_starts[file])
         starts = self.group_starts[file]
         group = int(np.searchsorted(starts, row, side="right")) - 1
-        where = f"{self.names[file]} row {row}"
+        where = f"{self.files.names[file]} row {row}"
         try:
             values = self._values(file, group)
         except Exception as exc:
@@ -129,16 +108,12 @@ class ParquetSource(EncodedImageSource):
             ) from exc
         j = row - int(starts[group])
         if self.kind == "struct":
-            data = values.field("bytes")[j].as_py()
-            value: Any = data if data else values.field("path")[j].as_py()
-        else:
-            value = values[j].as_py()
-        return value, where
+            return values.field("bytes")[j].as_py() or values.field("path")[j].as_py(), where
+        return values[j].as_py(), where
 
     def _load(self, i: int) -> tuple[Image.Image, int]:
         value, where = self._cell(i)
-        label = -1 if self.labels is None else int(self.labels[i])
-        return self.decode(value, f"{self.ids[i]} ({where})", self.root), label
+        return self.decode(value, f"{self.ids[i]} ({where})", self.root), self.label(i)
 
     def fingerprint(self, content: bool = False) -> str:
         """sha256 over the row count, the image column and each file's name, size and
@@ -146,21 +121,16 @@ class ParquetSource(EncodedImageSource):
         the store lists them now, so that a file replaced since is seen."""
         _, pq = _arrow()
         lines = [f"parquet\t{len(self)} rows\t{self.column}"]
-        if self.remote is not None:
-            infos = self.remote.stat(self.files)
-            for f, (url, info) in enumerate(zip(self.files, infos, strict=True)):
-                schema = pq.read_schema(self._open(f)).remove_metadata().to_string()
-                line = f"{url}\t{object_version(info)}\t{schema}"
-                if content:
-                    line += "\t" + self.remote.sha256(url, int(info["size"]))
-                lines.append(line)
-            return lines_sha256(lines)
-        for path, name in zip(self.files, self.names, strict=True):
-            schema = pq.read_schema(path).remove_metadata().to_string()
-            line = f"{name}\t{os.path.getsize(path)}\t{schema}"
-            if content:
-                line += "\t" + file_sha256(path)
-            lines.append(line)
+        infos = self.remote.stat(self.files.paths) if self.remote else []
+        for f, (path, name) in enumerate(zip(self.files.paths, self.files.names, strict=True)):
+            schema = pq.read_schema(self.files.open(f)).remove_metadata().to_string()
+            if self.remote is None:
+                line = f"{name}\t{os.path.getsize(path)}\t{schema}"
+                digest = file_sha256(path) if content else ""
+            else:
+                line = f"{path}\t{object_version(infos[f])}\t{schema}"
+                digest = self.remote.sha256(path, int(infos[f]["size"])) if content else ""
+            lines.append(f"{line}\t{digest}" if content else line)
         return lines_sha256(lines)
 
 
@@ -176,6 +146,7 @@ def parquet_source(
     value: Any,
     transform: Transform | None,
     tokenizer: Tokenizer | None = None,
+    decode_size: int | None = None,
 ) -> SourceDataset:
     """The rows of the Parquet files ``value`` names (see the module docstring).
 
@@ -185,23 +156,12 @@ def parquet_source(
     """
     pa, pq = _arrow()
     check_columns(data)
-    remote = Remote(data.storage_options) if is_remote(data, value) else None
-    paths: list[Path | str]
-    sizes: list[int] | None = None
-    if remote is not None:
-        objects = split_urls(data, split, value, "Parquet files", remote)
-        paths = [url for url, _ in objects]
-        versions = [object_version(info) for _, info in objects]
-        sizes = [int(info["size"]) for _, info in objects]
-    else:
-        paths = [*split_files(data, split, value, "Parquet files")]
-    names = [display_name(p, data) for p in paths]
+    files = split_paths(data, split, value, "Parquet files")
+    names = files.names
     metas = []
-    for f, (path, name) in enumerate(zip(paths, names, strict=True)):
+    for f, name in enumerate(names):
         try:
-            metas.append(
-                pq.ParquetFile(remote.open(str(path), sizes[f], 0) if remote and sizes else path)
-            )
+            metas.append(pq.ParquetFile(files.open(f)))
         except (pa.ArrowException, OSError) as exc:
             raise ConfigError(
                 f"{name} cannot be read as a Parquet file ({first_line(exc)})"
@@ -217,14 +177,7 @@ def parquet_source(
             )
 
     label_column = data.label_column or ("label" if "label" in columns else None)
-    for option, column in (
-        ("label_column", label_column),
-        ("id_column", data.id_column),
-        ("text_column", data.text_column),
-        ("image_column", data.image_column),
-    ):
-        if column is not None and column not in columns:
-            raise missing_column(option, column, what, columns)
+    require_columns(data, label_column, columns, what)
     wanted = [c for c in (label_column, data.id_column, data.text_column) if c]
     tables = [meta.read(columns=wanted) for meta in metas] if wanted else []
 
@@ -251,11 +204,7 @@ def parquet_source(
 
     if data.text_column:
         texts = [v or "" for t in tables for v in t.column(data.text_column).to_pylist()]
-        version = lines_sha256(
-            f"{n}\t{versions[f] if remote else os.path.getsize(p)}"
-            for f, (p, n) in enumerate(zip(paths, names, strict=True))
-        )
-        where = f"{', '.join(names)} ({version[:16]})"
+        where = f"{', '.join(names)} ({files.identity()[:16]})"
         return text_rows(texts, labels, ids, class_names, tokenizer, data.max_length, where)
 
     column, kind = _image_column(pa, schema, data.image_column, what)
@@ -268,19 +217,7 @@ def parquet_source(
     if data.root:
         root = data.root if is_url(data.root) else str(Path(data.root).expanduser())
     return ParquetSource(
-        files=[str(p) if remote else str(Path(p).resolve()) for p in paths],
-        names=names,
-        file_starts=starts,
-        group_starts=groups,
-        column=column,
-        kind=kind,
-        root=root,
-        ids=ids,
-        labels=labels,
-        class_names=class_names,
-        transform=transform,
-        remote=remote,
-        sizes=sizes,
+        files, starts, groups, column, kind, root, ids, labels, class_names, transform, decode_size
     )
 
 

@@ -1,15 +1,12 @@
 """Files named by fsspec URLs: their filesystems, bounded retries and one-line errors.
 
 A path with a protocol (``s3://``, ``gs://``, ``az://``, ``https://``, ``hf://``, or any
-other fsspec protocol) is read through fsspec with ``data.storage_options``; anything
-else is a local path, read as before. Every remote read goes through :meth:`Remote.call`:
-a transient failure (a dropped or reset connection, a timeout, HTTP 5xx, throttling) is
-retried up to :data:`RETRIES` times with exponential backoff and counted; a permanent
-one (a missing object, access denied) is one line naming the URL and the fix.
-
-Credentials never travel in a config (see :mod:`featcache.util.urls`): fsspec's filesystems
-read them where their cloud libraries do, and error lines name URLs, never what
-authenticated them.
+other fsspec protocol) is read through fsspec with ``data.storage_options``. Every remote
+read goes through :meth:`Remote.call`: a transient failure (a dropped or reset connection,
+a timeout, HTTP 5xx, throttling) is retried up to :data:`RETRIES` times with exponential
+backoff and counted; a permanent one (a missing object, access denied) is one line naming
+the URL and the fix. Credentials never travel in a config (:mod:`featcache.util.urls`):
+the cloud libraries read them, and error lines never name them.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ import io
 import random
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, BinaryIO, TypeVar, cast
 
 import torch
@@ -43,16 +40,10 @@ BLOCK_SIZE = 16 << 20
 
 # protocol -> the featcache extra that installs its fsspec implementation
 PROTOCOL_EXTRAS: dict[str, str] = {
-    "s3": "s3",
-    "s3a": "s3",
-    "gs": "gcs",
-    "gcs": "gcs",
-    "az": "azure",
-    "abfs": "azure",
-    "abfss": "azure",
-    "adl": "azure",
-    "http": "http",
-    "https": "http",
+    **dict.fromkeys(("s3", "s3a"), "s3"),
+    **dict.fromkeys(("gs", "gcs"), "gcs"),
+    **dict.fromkeys(("az", "abfs", "abfss", "adl"), "azure"),
+    **dict.fromkeys(("http", "https"), "http"),
     "hf": "hub",
 }
 
@@ -155,9 +146,7 @@ class Remote:
 
     def url(self, like: str, path: str) -> str:
         """The URL of a filesystem ``path`` (as a listing gives it), of ``like``'s protocol."""
-        if is_url(path):
-            return path
-        return f"{protocol_of(like)}://{path}"
+        return path if is_url(path) else f"{protocol_of(like)}://{path}"
 
     def call(self, url: str, action: Callable[[Any, str], T]) -> T:
         """``action(fs, path)`` for ``url``, retried while it fails transiently.
@@ -402,10 +391,7 @@ def transient_kind(exc: BaseException) -> str | None:
     permanent one (missing object, access denied, a bad request)."""
     if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError)):
         return None
-    seen: set[int] = set()
-    chain: BaseException | None = exc
-    while chain is not None and id(chain) not in seen:
-        seen.add(id(chain))
+    for chain in _chain(exc):
         status, code = _status(chain)
         if code in _THROTTLE_CODES or status == 429:
             return "throttled"
@@ -413,15 +399,28 @@ def transient_kind(exc: BaseException) -> str | None:
             return "server error"
         if status is not None and 400 <= status < 500:
             return None
-        names = {c.__name__ for c in type(chain).__mro__}
-        if names & _CONNECTION_ERRORS:
+        number = chain.errno if isinstance(chain, OSError) else None
+        if _class_names(chain) & _CONNECTION_ERRORS or number in _CONNECTION_ERRNOS:
             return "connection"
-        if isinstance(chain, OSError) and chain.errno in _CONNECTION_ERRNOS:
-            return "connection"
-        if isinstance(chain, OSError) and chain.errno in (errno.EBUSY, 121):  # s3fs: 503, 500
+        if number in (errno.EBUSY, 121):  # s3fs: 503, 500
             return "server error"
-        chain = chain.__cause__ or chain.__context__
     return None
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, then each exception it was raised from or while handling, once each."""
+    seen: set[int] = set()
+    chain: BaseException | None = exc
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        yield chain
+        chain = chain.__cause__ or chain.__context__
+
+
+def _class_names(exc: BaseException) -> set[str]:
+    """The names of ``exc``'s class and its bases (no cloud library is imported to test
+    for its exceptions)."""
+    return {c.__name__ for c in type(exc).__mro__}
 
 
 def _status(exc: BaseException) -> tuple[int | None, str | None]:
@@ -472,14 +471,7 @@ def _failure(url: str, exc: BaseException, attempts: int, kind: str | None) -> s
 def _no_credentials(exc: BaseException) -> bool:
     """Whether ``exc`` (or an exception it was raised from) says that no credentials
     were found."""
-    seen: set[int] = set()
-    chain: BaseException | None = exc
-    while chain is not None and id(chain) not in seen:
-        seen.add(id(chain))
-        if {c.__name__ for c in type(chain).__mro__} & _NO_CREDENTIALS:
-            return True
-        chain = chain.__cause__ or chain.__context__
-    return False
+    return any(_class_names(chain) & _NO_CREDENTIALS for chain in _chain(exc))
 
 
 def _option_path(name: str, options: Mapping[str, Any], at: str = "") -> str | None:

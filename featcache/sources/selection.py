@@ -1,15 +1,11 @@
 """``data.limit``: a trial run's rows, spread evenly over the source.
 
-A limited run reads ``N`` rows at evenly spaced positions of the source (its first and
-last rows among them), the same ones every time for the same source. Sources list their
-rows in a stable order, a class folder class by class, so the selection holds every class
-in proportion to its size (given at least as many rows as classes), where the first ``N``
-rows would hold the first class only.
-
-The selection is itself a source (:class:`SpreadRows`): its ids, labels, per-row columns
-and fingerprint are those of the chosen rows, so a run, its resume, ``verify`` and
-``--update`` treat it like any other source, and a store's ids name the samples it holds.
-Its ``index`` column counts positions in the selection.
+A limited run reads ``N`` rows at evenly spaced positions of the source, its first and
+last among them, the same ones every time. Sources list their rows in a stable order (a
+class folder class by class), so the selection holds every class in proportion to its
+size, where the first ``N`` rows would hold the first class only. The selection is itself
+a source (:class:`SpreadRows`) whose ids, labels, per-row columns and fingerprint are those
+of the chosen rows; its ``index`` column counts positions in the selection.
 """
 
 from __future__ import annotations
@@ -63,8 +59,7 @@ class SpreadRows(SourceDataset):
 
     def change_stamps(self) -> list[str] | None:
         """The chosen rows' change stamps (None when the base tells none)."""
-        stamps = getattr(self.base, "change_stamps", None)
-        return self._rows_of(stamps() if callable(stamps) else None)
+        return self._rows_of(self.base.change_stamps())
 
     @property
     def labels(self) -> Any:

@@ -1,50 +1,53 @@
 """Helpers shared by the column and shard sources (hf, parquet, webdataset).
 
-Image bytes are decoded like image files (:func:`~featcache.sources.decode.load_rgb`):
-JPEGs in draft mode down to ``decode_size``, everything to 8-bit RGB. Labels given as
-class names become indices into their sorted names. Split values name files relative to
-``data.root``, with ``{a,b}`` / ``{000..099}`` brace patterns and globs.
+Image cells are decoded like image files (:mod:`featcache.sources.decode`). Labels given
+as class names become indices into their sorted names. Split values name files relative
+to ``data.root``, with ``{a,b}`` / ``{000..099}`` brace patterns and globs.
 """
 
 from __future__ import annotations
 
 import glob
-import io
 import os
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
 from PIL import Image
 
 from featcache.config.spec import DataSpec
-from featcache.errors import ConfigError, FeatcacheError, first_line
+from featcache.errors import ConfigError, FeatcacheError
 from featcache.sources.base import SourceDataset, Transform
-from featcache.sources.decode import _draft_size, _to_rgb, load_rgb
-from featcache.sources.remote import Remote
+from featcache.sources.decode import _to_rgb, decode_bytes, load_rgb
+from featcache.sources.remote import Remote, object_version
+from featcache.sources.tokenizer import Tokenizer
+from featcache.util.fingerprints import lines_sha256
 from featcache.util.urls import check_url, is_url, join, relative
-
-if TYPE_CHECKING:
-    from featcache.sources.tokenizer import Tokenizer
 
 
 class EncodedImageSource(SourceDataset):
-    """A source whose images are encoded bytes (or paths) it decodes itself.
+    """A source whose images are encoded bytes (or paths) it decodes itself, JPEGs at a
+    reduced scale still covering ``decode_size``; ``labels`` are int64 [N] class indices
+    or None, ``remote`` reads the paths that are URLs."""
 
-    ``decode_size`` plays the part it plays for image files (set by
-    :func:`~featcache.sources.build_source`): the shorter side the transform resizes to
-    first, so that JPEGs decode at a reduced scale still covering it.
-    """
-
-    decode_size: int | None = None
-    remote: Remote | None = None  # reads the paths that are URLs
+    def __init__(
+        self,
+        ids: list[str],
+        labels: np.ndarray | None,
+        class_names: list[str] | None,
+        transform: Transform | None,
+        decode_size: int | None,
+        remote: Remote | None = None,
+    ) -> None:
+        super().__init__(ids, class_names, labels is not None, transform)
+        self.labels, self.decode_size, self.remote = labels, decode_size, remote
 
     def decode(self, value: Any, where: str, root: str | None = None) -> Image.Image:
-        """``value`` (encoded bytes, a ``{"bytes", "path"}`` mapping, a path or a PIL
-        image) as an RGB PIL image; ``where`` names the sample in errors."""
+        """``value`` as an RGB PIL image (:func:`decode_image`)."""
         return decode_image(value, where, self.decode_size, root, self.remote)
 
 
@@ -59,7 +62,7 @@ def decode_image(
 
     ``value`` is encoded bytes, a mapping with ``bytes`` (or, when that is empty,
     ``path``), a path (relative to ``root``, a folder or a URL; a URL is read through
-    ``remote``), or a PIL image.
+    ``remote``), or a PIL image; ``where`` names the sample in errors.
 
     Raises:
         FeatcacheError: ``cannot decode image {where}: {reason}``.
@@ -67,8 +70,7 @@ def decode_image(
     if isinstance(value, Image.Image):
         return _to_rgb(value)
     if isinstance(value, dict):
-        data, path = value.get("bytes"), value.get("path")
-        value = data if data else path
+        value = value.get("bytes") or value.get("path")
     if isinstance(value, (bytes, bytearray, memoryview)):
         return decode_bytes(bytes(value), where, min_side)
     if isinstance(value, str) and value:
@@ -83,26 +85,12 @@ def decode_image(
     )
 
 
-def decode_bytes(data: bytes, where: str, min_side: int | None = None) -> Image.Image:
-    """Encoded image bytes as an 8-bit RGB PIL image, JPEGs in draft mode (see
-    :func:`~featcache.sources.decode.load_rgb`)."""
-    if not data:
-        raise FeatcacheError(f"cannot decode image {where}: no bytes (0 bytes)")
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            if min_side and image.format == "JPEG" and min(image.size) >= 2 * min_side:
-                image.draft(image.mode, _draft_size(image.size, min_side))
-            image.load()
-            return _to_rgb(image)
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        raise FeatcacheError(f"cannot decode image {where}: {first_line(exc)}") from exc
-
-
 def class_indices(values: Sequence[Any], where: str) -> tuple[np.ndarray, list[str] | None]:
-    """Labels as int64 class indices, and class names when they were given as names.
+    """Labels as int64 class indices, and class names when they were given as names
+    (strings, indexed in sorted order); ``where`` names the column in errors.
 
-    Integers stay as they are (class names unknown); strings become indices into their
-    sorted set. ``where`` names the column in errors.
+    Raises:
+        ConfigError: labels that are not all integers or all strings.
     """
     kinds = {type(v) for v in values}
     if kinds <= {int, np.int64, np.int32, np.int16, np.int8} or not values:
@@ -118,12 +106,32 @@ def class_indices(values: Sequence[Any], where: str) -> tuple[np.ndarray, list[s
     )
 
 
-def missing_column(option: str, column: str, what: str, columns: Sequence[str]) -> ConfigError:
-    """``data.<option> 'x' is not a column of <what>; its columns: a, b``."""
-    return ConfigError(
-        f"data.{option} {column!r} is not a column of {what}; its columns: "
-        + (", ".join(columns) or "none")
-    )
+def check_columns(data: DataSpec) -> None:
+    """Text and image columns are exclusive: a text column makes a text source."""
+    if data.text_column and data.image_column:
+        raise ConfigError(
+            f"data.text_column ({data.text_column}) and data.image_column "
+            f"({data.image_column}) are both set; set the one the model reads"
+        )
+
+
+def require_columns(
+    data: DataSpec, label_column: str | None, columns: Sequence[str], what: str
+) -> None:
+    """Raise ConfigError (``data.<option> 'x' is not a column of <what>; its columns:
+    a, b``) unless every column the config names, and ``label_column``, is in ``columns``."""
+    named = {
+        "label_column": label_column,
+        "id_column": data.id_column,
+        "text_column": data.text_column,
+        "image_column": data.image_column,
+    }
+    for option, column in named.items():
+        if column is not None and column not in columns:
+            raise ConfigError(
+                f"data.{option} {column!r} is not a column of {what}; its columns: "
+                + (", ".join(columns) or "none")
+            )
 
 
 def text_rows(
@@ -135,8 +143,8 @@ def text_rows(
     max_length: int | None,
     identity: str,
 ) -> SourceDataset:
-    """A text source over ``texts``, tokenised by the model's ``tokenizer`` (see
-    :func:`featcache.sources.text.texts_source`); ``identity`` names the data and its
+    """The rows of a ``data.text_column``, tokenised by the model's ``tokenizer``
+    (:func:`featcache.sources.text.texts_source`); ``identity`` names the data and its
     version."""
     from featcache.sources.text import texts_source
 
@@ -145,25 +153,7 @@ def text_rows(
             "data.text_column is set but the model has no tokenizer; use a text model (an "
             "hf: text model or dual encoder, or open_clip:), or unset data.text_column"
         )
-    limit = max_length if max_length is not None else tokenizer.max_length
-    return texts_source(
-        list(texts),
-        None if labels is None else labels.tolist(),
-        ids,
-        class_names,
-        tokenizer,
-        limit,
-        identity,
-    )
-
-
-def check_columns(data: DataSpec) -> None:
-    """Text and image columns are exclusive: a text column makes a text source."""
-    if data.text_column and data.image_column:
-        raise ConfigError(
-            f"data.text_column ({data.text_column}) and data.image_column "
-            f"({data.image_column}) are both set; set the one the model reads"
-        )
+    return texts_source(texts, labels, ids, class_names, tokenizer, max_length, identity)
 
 
 _BRACE = re.compile(r"\{([^{}]*)\}")
@@ -200,125 +190,121 @@ def _zero_padded(bound: str) -> bool:
     return len(digits) > 1 and digits[0] == "0"
 
 
-def split_patterns(split: str, value: Any, what: str) -> list[str]:
-    """A split value as a list of paths or patterns.
+@dataclass
+class SplitFiles:
+    """The files of one split of a file-backed source (Parquet files, tar shards).
+
+    ``paths`` are absolute local paths, or URLs read through ``remote``; ``names`` are as
+    the config names them (relative to ``data.root``); ``versions`` say what each file held
+    when listed: a local file's size, a URL's size and ETag
+    (:func:`~featcache.sources.remote.object_version`).
+    """
+
+    paths: list[str]
+    names: list[str]
+    versions: list[str]
+    remote: Remote | None = None
+
+    @property
+    def sizes(self) -> list[int]:
+        """Each file's size in bytes, as listed."""
+        return [int(version.split("\t")[0]) for version in self.versions]
+
+    def open(self, i: int) -> Any:
+        """File ``i`` to read: a local path, or a URL as a seekable file whose every read
+        is one range request."""
+        if self.remote is None:
+            return self.paths[i]
+        return self.remote.open(self.paths[i], self.sizes[i], buffer_size=0)
+
+    def identity(self) -> str:
+        """sha256 over each file's name and version, in order."""
+        return lines_sha256(f"{n}\t{v}" for n, v in zip(self.names, self.versions, strict=True))
+
+
+def split_paths(data: DataSpec, split: str, value: Any, what: str) -> SplitFiles:
+    """The files the split value ``value`` names: a path, a glob or brace pattern, or a
+    list of them, relative to ``data.root`` (the working directory when unset), in the
+    order given (globs sorted), each once; URLs when ``data.root`` is one or ``value``
+    names one (globs listed once, every object's size and ETag from one listing per
+    folder). ``what`` says what the files are, in errors.
 
     Raises:
-        ConfigError: not a non-empty string or list of them.
+        ConfigError: a bad value, a pattern that matches nothing, a missing file, a local
+            path among URLs.
+        RemoteError: an object that does not exist, or cannot be listed.
     """
     patterns = [value] if isinstance(value, str) else value
-    if (
-        not isinstance(patterns, list)
-        or not patterns
-        or not all(isinstance(p, str) and p for p in patterns)
+    if not (
+        isinstance(patterns, list) and patterns and all(isinstance(p, str) and p for p in patterns)
     ):
         raise ConfigError(
             f"data.splits.{split} must be {what} (a path, a pattern, or a list of them), "
             f"got {value!r}"
         )
-    return patterns
+    names = [name for pattern in patterns for name in brace_expand(pattern)]
+    if not (is_url(data.root) or any(is_url(p) for p in patterns)):
+        files = _local_files(data, split, names)
+        root = Path(data.root).expanduser() if data.root else None
+        shown = [_name_under(file, root) for file in files]
+        sizes = [str(file.stat().st_size) for file in files]
+        return SplitFiles([str(file.resolve()) for file in files], shown, sizes)
+    remote = Remote(data.storage_options)
+    urls = _urls(data, split, names, remote)
+    versions = [object_version(info) for info in remote.stat(urls)]
+    return SplitFiles(urls, [relative(url, data.root) for url in urls], versions, remote)
 
 
-def is_remote(data: DataSpec, value: Any) -> bool:
-    """Whether the split value ``value`` names URLs: ``data.root`` is one, or it does."""
-    values = value if isinstance(value, list) else [value]
-    return is_url(data.root) or any(is_url(v) for v in values)
-
-
-def split_files(data: DataSpec, split: str, value: Any, what: str) -> list[Path]:
-    """The files a split value names: a path, a glob or brace pattern, or a list of them,
-    relative to ``data.root`` (the working directory when unset), in the order given
-    (globs sorted), each once.
-
-    Raises:
-        ConfigError: a bad value, a pattern that matches nothing, a missing file.
-    """
-    patterns = split_patterns(split, value, what)
+def _local_files(data: DataSpec, split: str, names: list[str]) -> list[Path]:
     root = Path(data.root).expanduser() if data.root else Path()
     if data.root and not root.is_dir():
         raise ConfigError(
             f"data root not found: {root}; set data.root to the folder the split paths are in"
         )
     files: list[Path] = []
-    for pattern in patterns:
-        for name in brace_expand(pattern):
-            full = root / Path(name).expanduser()
-            if glob.has_magic(name):
-                found = sorted(Path(p) for p in glob.glob(str(full)))
-                if not found:
-                    raise ConfigError(
-                        f"data.splits.{split}: {full} matches no file; check the pattern"
-                    )
-                files.extend(found)
-            else:
-                if not full.is_file():
-                    raise ConfigError(
-                        f"data.splits.{split}: file not found: {full}; paths are relative "
-                        "to data.root"
-                    )
-                files.append(full)
-    unique = list(dict.fromkeys(files))
-    return unique
+    for name in names:
+        full = root / Path(name).expanduser()
+        if glob.has_magic(name):
+            found = sorted(Path(p) for p in glob.glob(str(full)))
+            if not found:
+                raise ConfigError(f"data.splits.{split}: {full} matches no file; check the pattern")
+            files.extend(found)
+        elif full.is_file():
+            files.append(full)
+        else:
+            raise ConfigError(
+                f"data.splits.{split}: file not found: {full}; paths are relative to data.root"
+            )
+    return list(dict.fromkeys(files))
 
 
-def split_urls(
-    data: DataSpec, split: str, value: Any, what: str, remote: Remote
-) -> list[tuple[str, dict[str, Any]]]:
-    """:func:`split_files` for URLs: ``(url, info)`` of every object the split value
-    names under the URL ``data.root`` (or as URLs itself), globs listed once, every
-    object's size and ETag from one listing per folder.
-
-    Raises:
-        ConfigError: a bad value, a local path among URLs, a pattern that matches nothing.
-        RemoteError: an object that does not exist, or cannot be listed.
-    """
+def _urls(data: DataSpec, split: str, names: list[str], remote: Remote) -> list[str]:
     urls: list[str] = []
-    for pattern in split_patterns(split, value, what):
-        for name in brace_expand(pattern):
-            full = join(data.root, name) if data.root else name
-            if not is_url(full):
+    for name in names:
+        full = join(data.root, name) if data.root else name
+        if not is_url(full):
+            raise ConfigError(
+                f"data.splits.{split}: {name} is a local path among URLs; give the files "
+                "of a split all under data.root, or all as URLs"
+            )
+        check_url(full, f"data.splits.{split}")
+        if glob.has_magic(urlsplit(full).path):
+            found = remote.glob(full)
+            if not found:
                 raise ConfigError(
-                    f"data.splits.{split}: {name} is a local path among URLs; give the files "
-                    "of a split all under data.root, or all as URLs"
+                    f"data.splits.{split}: {full} matches no object; check the pattern"
                 )
-            check_url(full, f"data.splits.{split}")
-            if glob.has_magic(urlsplit(full).path):
-                found = remote.glob(full)
-                if not found:
-                    raise ConfigError(
-                        f"data.splits.{split}: {full} matches no object; check the pattern"
-                    )
-                urls.extend(found)
-            else:
-                urls.append(full)
-    unique = list(dict.fromkeys(urls))
-    return list(zip(unique, remote.stat(unique), strict=True))
+            urls.extend(found)
+        else:
+            urls.append(full)
+    return list(dict.fromkeys(urls))
 
 
-def display_name(path: Path | str, data: DataSpec) -> str:
-    """``path`` relative to ``data.root`` (as the config names it), for ids and fingerprints."""
-    if isinstance(path, str):
-        return relative(path, data.root)
-    if data.root:
+def _name_under(file: Path, root: Path | None) -> str:
+    """``file`` relative to ``root`` when it is under it, as a POSIX path."""
+    if root is not None:
         try:
-            return path.relative_to(Path(data.root).expanduser()).as_posix()
+            return file.relative_to(root).as_posix()
         except ValueError:
             pass
-    return path.as_posix()
-
-
-__all__ = [
-    "EncodedImageSource",
-    "Transform",
-    "brace_expand",
-    "check_columns",
-    "class_indices",
-    "decode_bytes",
-    "decode_image",
-    "display_name",
-    "missing_column",
-    "is_remote",
-    "split_files",
-    "split_urls",
-    "text_rows",
-]
+    return file.as_posix()

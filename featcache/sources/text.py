@@ -46,13 +46,8 @@ class TextSource(SourceDataset):
     ``tokens`` is ``{"input_ids": int64 [T_i], "attention_mask": int64 [T_i] (all ones)}``
     and ``label`` an int class index (-1 when there is none). A row whose text is empty
     raises :class:`FeatcacheError` when read, so ``loader.on_error: skip`` can skip it.
-
-    Attributes:
-        token_lengths: int64 [N], tokens per row after truncation (0 for an empty text).
-        truncated: bool [N], whether a row's tokens were cut to ``max_length``.
-        pad_values: what the loader pads each input with: ``input_ids`` the tokenizer's
-            pad id, ``attention_mask`` 0.
-        tokenizer_name, max_length: the tokenizer and length limit that made the ids.
+    ``pad_values`` is what the loader pads each input with; ``tokenizer_name`` and
+    ``max_length`` are the tokenizer and length limit that made the ids.
     """
 
     def __init__(
@@ -75,17 +70,17 @@ class TextSource(SourceDataset):
         self.token_ids = token_ids  # int64 [sum of T_i]
         self.offsets = offsets  # int64 [N + 1]; row i is token_ids[offsets[i]:offsets[i + 1]]
         self.labels = labels  # int64 [N], or None
-        self.truncated = truncated
+        self.truncated = truncated  # bool [N]: the row's tokens were cut to max_length
         self.empty = empty  # bool [N]: the row's text is empty or blank
         self.pad_values = {"input_ids": int(pad_id), "attention_mask": 0}
-        self.tokenizer_name = tokenizer_name
-        self.max_length = max_length
+        self.tokenizer_name, self.max_length = tokenizer_name, max_length
         self.identity = identity
         self.file = file  # the file the texts were read from, for the fingerprint
         self.remote: Remote | None = None  # reads ``file`` when it is a URL
 
     @property
     def token_lengths(self) -> np.ndarray:
+        """int64 [N]: tokens per row after truncation (0 for an empty text)."""
         return np.diff(self.offsets)
 
     @property
@@ -105,8 +100,8 @@ class TextSource(SourceDataset):
                 "none of it), so the model has nothing to read"
             )
         input_ids = torch.from_numpy(self.token_ids[start:stop].copy())
-        label = -1 if self.labels is None else int(self.labels[i])
-        return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}, label
+        mask = torch.ones_like(input_ids)
+        return {"input_ids": input_ids, "attention_mask": mask}, self.label(i)
 
     def fingerprint(self, content: bool = False) -> str:
         """sha256 over the sorted ids, the source's identity (a file's name and size;
@@ -145,7 +140,7 @@ class TextSource(SourceDataset):
 
 def texts_source(
     texts: Sequence[str],
-    labels: Sequence[int] | None,
+    labels: Sequence[int] | np.ndarray | None,
     ids: Sequence[str],
     class_names: list[str] | None,
     tokenizer: Tokenizer,
@@ -245,10 +240,13 @@ def text_source(
     elif suffix == ".csv":
         records = list(_csv_records(file, remote))
     else:
-        records = list(_jsonl_records(file, remote))
+        example = '{"text": "...", "label": 1}'
+        records = [
+            (f"line {n}", n, obj) for n, obj in jsonl_objects(file, str(file), example, remote)
+        ]
     if not records:
         raise ConfigError(f"text file {file} has no rows; write one text per row")
-    columns = _columns(records) if suffix != ".txt" else ["text"]
+    columns = list(dict.fromkeys(name for _, _, row in records for name in row))  # in order
     text_col = _column(data.text_column, "text", "text_column", columns, file, required=True)
     label_col = _column(data.label_column, "label", "label_column", columns, file)
     id_col = _column(data.id_column, "id", "id_column", columns, file)
@@ -256,8 +254,7 @@ def text_source(
     texts = [_text(file, where, row, text_col) for where, _, row in records]
     ids = _ids(file, records, id_col)
     labels, class_names = _labels(file, records, label_col)
-    max_length = data.max_length if data.max_length is not None else tokenizer.max_length
-    source = texts_source(texts, labels, ids, class_names, tokenizer, max_length, _name(file))
+    source = texts_source(texts, labels, ids, class_names, tokenizer, data.max_length, _name(file))
     source.file = str(file)
     source.remote = remote
     return source
@@ -326,25 +323,12 @@ def _csv_records(file: Path | str, remote: Remote | None) -> Iterator[_Record]:
             yield where, number, dict(zip(header, cells, strict=True))
 
 
-def _jsonl_records(file: Path | str, remote: Remote | None) -> Iterator[_Record]:
-    for line, obj in jsonl_objects(file, str(file), '{"text": "...", "label": 1}', remote):
-        yield f"line {line}", line, obj
-
-
 def _txt_records(file: Path | str, remote: Remote | None) -> Iterator[_Record]:
     with open_text(file, remote, newline="") as f:
         for line, text in enumerate(f, start=1):
             text = text.rstrip("\r\n")
             if text.strip():
                 yield f"line {line}", line, {"text": text}
-
-
-def _columns(records: list[_Record]) -> list[str]:
-    """The column names of the records, in order of first appearance."""
-    seen: dict[str, None] = {}
-    for _, _, row in records:
-        seen.update(dict.fromkeys(row))
-    return list(seen)
 
 
 def _column(
@@ -386,8 +370,7 @@ def _text(file: Path | str, where: str, row: dict[str, Any], column: str | None)
 def _ids(file: Path | str, records: list[_Record], column: str | None) -> list[str]:
     if column is None:
         return [f"{_name(file)}:{number}" for _, number, _ in records]
-    ids: list[str] = []
-    first_at: dict[str, str] = {}
+    first_at: dict[str, str] = {}  # id -> where it is, in row order
     for where, _, row in records:
         value = row.get(column)
         if isinstance(value, str):
@@ -404,8 +387,7 @@ def _ids(file: Path | str, records: list[_Record], column: str | None) -> list[s
                 f"the {column} column must be unique"
             )
         first_at[sample_id] = where
-        ids.append(sample_id)
-    return ids
+    return list(first_at)
 
 
 def _labels(

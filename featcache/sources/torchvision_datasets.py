@@ -10,7 +10,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torchvision  # safe: importing featcache first made it importable
 from PIL import Image
 from torch.utils.data import Dataset
 
@@ -74,9 +73,9 @@ def _file_sample(sample: Any) -> bool:
 def torchvision_source(
     data: DataSpec, split: str, value: Any, transform: Transform | None
 ) -> _TorchvisionSource:
-    name = data.dataset
-    if not name:
-        raise ConfigError("data.dataset must name a torchvision dataset class, e.g. CIFAR10")
+    import torchvision  # safe: importing featcache first made it importable
+
+    name = str(data.dataset)
     cls = getattr(torchvision.datasets, name, None)
     if not (isinstance(cls, type) and issubclass(cls, Dataset)):
         known = {

@@ -1,30 +1,20 @@
 """The webdataset source: samples stored as consecutive members of uncompressed tar shards.
 
-A sample is a run of consecutive members sharing a key: the member's path up to the first
+A sample is a run of consecutive members sharing a key, the member's path up to the first
 dot of its file name (``train/cat/0001.jpg`` and ``train/cat/0001.cls`` are sample
 ``train/cat/0001``, WebDataset's ``__key__``). Its image is the first member with an image
 extension (or the extension ``data.image_column`` names), its label the integer text of
 its ``cls`` member or the ``data.label_column`` field (default ``label``) of its ``json``
 member, its text (with ``data.text_column``) the member with that extension (``txt``).
 
-One pass over the tar headers (no decoding) indexes every shard: each sample's shard,
-byte offset and size, held in numpy arrays. ``ds[i]`` then reads those bytes with one
-positioned read from a file handle opened lazily in each process, so the source is
-map-style: its length is known up front and an interrupted run resumes by position.
-
-The pass reads about 15,000 samples a second when every sample has a ``cls`` member
-(each one a small read), so its result is kept per shard as JSON in
-``$FEATCACHE_CACHE_DIR/wds-index`` (default ``~/.cache/featcache/wds-index``), keyed by
-the shard's path, size and modification time and the options that shape the index; a
-changed shard is indexed again. Set ``FEATCACHE_CACHE_DIR`` to an empty string to keep
-no index.
-
-Shards named by URLs (``s3://bucket/shards-{000000..000099}.tar``) are read through
-fsspec (:mod:`featcache.sources.remote`): a shard is indexed by reading it once from
-start to end in large range requests (its index cached under the object's URL and ETag,
-so a rerun or a resume reads no shard it has indexed), and the samples of each batch
-are then fetched together, one range request per batch, in order; nothing is written
-to disk but the index.
+One pass over the tar headers indexes every shard (each sample's shard, byte offset and
+size, in numpy arrays); ``ds[i]`` is then one positioned read, so the source is map-style
+and resumes by position. The index of each shard is kept as JSON in
+``$FEATCACHE_CACHE_DIR/wds-index`` (default ``~/.cache/featcache/wds-index``; an empty
+``FEATCACHE_CACHE_DIR`` keeps none), keyed by the shard's path, size and modification time
+(a URL's ETag) and the options that shape the index. Shards named by URLs
+(:mod:`featcache.sources.remote`) are indexed by one read from start to end in large
+range requests; the samples of a batch are then fetched with one range request.
 """
 
 from __future__ import annotations
@@ -35,9 +25,10 @@ import json
 import os
 import posixpath
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 from PIL import Image
@@ -45,23 +36,19 @@ from PIL import Image
 from featcache.config.spec import DataSpec
 from featcache.errors import ConfigError, FeatcacheError, first_line
 from featcache.sources.base import IMAGE_EXTENSIONS, SourceDataset, Transform
+from featcache.sources.decode import decode_bytes
 from featcache.sources.remote import Remote, object_version
 from featcache.sources.stamps import file_stamp, object_stamp
 from featcache.sources.tabular import (
     EncodedImageSource,
+    SplitFiles,
     check_columns,
     class_indices,
-    decode_bytes,
-    display_name,
-    is_remote,
-    split_files,
-    split_urls,
+    split_paths,
     text_rows,
 )
+from featcache.sources.tokenizer import Tokenizer
 from featcache.util.fingerprints import file_line, lines_sha256
-
-if TYPE_CHECKING:
-    from featcache.sources.tokenizer import Tokenizer
 
 IMAGE_EXTS = tuple(ext[1:] for ext in IMAGE_EXTENSIONS)
 
@@ -69,15 +56,15 @@ IMAGE_EXTS = tuple(ext[1:] for ext in IMAGE_EXTENSIONS)
 class WebDatasetSource(EncodedImageSource):
     """Images (and labels) of the samples of tar shards; ids are the samples' keys.
 
-    Holds the shard paths (or URLs, read through ``remote``) and per-sample int arrays
-    (shard, offset, size); file handles, and the bytes of the batch fetched from a
-    remote shard, are per process and never pickled.
+    Holds the shards (``shards``: absolute paths, or URLs read through ``remote``;
+    ``names`` as the config names them) and per-sample int arrays (shard, offset, size);
+    file handles, and the bytes of the batch fetched from a remote shard, are per process
+    and never pickled.
     """
 
     def __init__(
         self,
-        shards: list[str],
-        names: list[str],
+        files: SplitFiles,
         ids: list[str],
         shard: np.ndarray,
         offset: np.ndarray,
@@ -86,16 +73,12 @@ class WebDatasetSource(EncodedImageSource):
         labels: np.ndarray | None,
         class_names: list[str] | None,
         transform: Transform | None,
-        remote: Remote | None = None,
+        decode_size: int | None,
     ) -> None:
-        super().__init__(ids, class_names, labels is not None, transform)
-        self.shards = shards  # absolute paths, or URLs
-        self.names = names  # as the config names them (relative to data.root)
+        super().__init__(ids, labels, class_names, transform, decode_size, files.remote)
+        self.shards, self.names = files.paths, files.names
         self.shard, self.offset, self.size = shard, offset, size
         self.exts = exts
-        self.labels = labels
-        self.decode_size: int | None = None
-        self.remote = remote  # set when the shards are URLs
         self._fds: dict[int, int] = {}
         self._span: tuple[int, int, bytes | Exception] | None = None  # (shard, start, bytes)
         self._pid = os.getpid()
@@ -145,8 +128,7 @@ class WebDatasetSource(EncodedImageSource):
 
     def read_bytes(self, i: int) -> bytes:
         """The encoded image of row ``i``."""
-        shard, size = int(self.shard[i]), int(self.size[i])
-        where = self._where(i)
+        shard, size, where = int(self.shard[i]), int(self.size[i]), self._where(i)
         if self.remote is not None:
             return self._read_remote(i, shard, size, where)
         try:
@@ -181,8 +163,7 @@ class WebDatasetSource(EncodedImageSource):
         return f"{self.ids[i]}.{self.exts[i]} in shard {self.names[int(self.shard[i])]}"
 
     def _load(self, i: int) -> tuple[Image.Image, int]:
-        label = -1 if self.labels is None else int(self.labels[i])
-        return decode_bytes(self.read_bytes(i), self._where(i), self.decode_size), label
+        return decode_bytes(self.read_bytes(i), self._where(i), self.decode_size), self.label(i)
 
     def change_stamps(self) -> list[str]:
         """Each sample's stamp: its image member's size and its shard's stamp (a local
@@ -203,16 +184,14 @@ class WebDatasetSource(EncodedImageSource):
         ``content``); for URLs, each shard's URL, size and ETag as the store lists them
         now, so that a shard replaced since is seen."""
         lines = [f"webdataset\t{len(self)} samples"]
-        if self.remote is not None:
-            infos = self.remote.stat(self.shards)
-            for url, info in zip(self.shards, infos, strict=True):
-                line = f"{url}\t{object_version(info)}"
-                if content:
-                    line += "\t" + self.remote.sha256(url, int(info["size"]))
-                lines.append(line)
-            return lines_sha256(lines)
-        for path, name in zip(self.shards, self.names, strict=True):
-            lines.append(file_line(name, path, content))
+        if self.remote is None:
+            shards = zip(self.shards, self.names, strict=True)
+            return lines_sha256(lines + [file_line(name, path, content) for path, name in shards])
+        for url, info in zip(self.shards, self.remote.stat(self.shards), strict=True):
+            line = f"{url}\t{object_version(info)}"
+            if content:
+                line += "\t" + self.remote.sha256(url, int(info["size"]))
+            lines.append(line)
         return lines_sha256(lines)
 
 
@@ -239,6 +218,7 @@ def webdataset_source(
     value: Any,
     transform: Transform | None,
     tokenizer: Tokenizer | None = None,
+    decode_size: int | None = None,
 ) -> SourceDataset:
     """The samples of the tar shards ``value`` names (see the module docstring).
 
@@ -258,23 +238,16 @@ def webdataset_source(
         label_field_set=data.label_column is not None,
         text_ext=data.text_column.lower().lstrip(".") if data.text_column else None,
     )
-    remote = Remote(data.storage_options) if is_remote(data, value) else None
-    paths: list[Path | str]
-    if remote is not None:
-        objects = split_urls(data, split, value, "tar shards", remote)
-        paths = [url for url, _ in objects]
-        versions = [object_version(info) for _, info in objects]
-    else:
-        paths = [*split_files(data, split, value, "tar shards")]
-    names = [display_name(p, data) for p in paths]
+    files = split_paths(data, split, value, "tar shards")
+    names, remote = files.names, files.remote
     first_shard: dict[str, int] = {}
     samples: list[_Sample] = []
     shard_of: list[int] = []
-    for s, (path, name) in enumerate(zip(paths, names, strict=True)):
-        if remote is not None:
-            index = _cached_remote_index(str(path), versions[s], name, options, remote)
-        else:
+    for s, (path, name) in enumerate(zip(files.paths, names, strict=True)):
+        if remote is None:
             index = _cached_index(Path(path), name, options)
+        else:
+            index = _cached_remote_index(path, files.versions[s], name, options, remote)
         for sample in index:
             other = first_shard.setdefault(sample.key, s)
             if other != s:
@@ -286,44 +259,39 @@ def webdataset_source(
             shard_of.append(s)
     if not samples:
         raise ConfigError(
-            f"no samples in the {len(paths)} shard(s) of split {split!r}; samples are tar "
+            f"no samples in the {len(names)} shard(s) of split {split!r}; samples are tar "
             "members named <key>.<extension>"
         )
     labels, class_names = _labels(samples, names, shard_of, options)
     ids = [sample.key for sample in samples]
     if options.text_ext is not None:
-        sizes = lines_sha256(
-            f"{n}\t{versions[k] if remote else os.path.getsize(p)}"
-            for k, (p, n) in enumerate(zip(paths, names, strict=True))
-        )
-        where = f"webdataset split {split} ({len(paths)} shards, {sizes[:16]})"
+        where = f"webdataset split {split} ({len(names)} shards, {files.identity()[:16]})"
         texts = [sample.text or "" for sample in samples]
         return text_rows(texts, labels, ids, class_names, tokenizer, data.max_length, where)
     for sample, s in zip(samples, shard_of, strict=True):
         if sample.image is None:
             found = ", ".join(sample.members) or "none"
+            fix = (
+                f"none is {options.image_ext!r}: check data.image_column"
+                if options.image_ext
+                else "set data.image_column to the image's extension"
+            )
             raise ConfigError(
                 f"sample {sample.key!r} in shard {names[s]} has no image member (its "
-                f"extensions: {found}); "
-                + (
-                    f"none is {options.image_ext!r}: check data.image_column"
-                    if options.image_ext
-                    else "set data.image_column to the image's extension"
-                )
+                f"extensions: {found}); {fix}"
             )
-    images = [sample.image for sample in samples]
+    offsets, sizes, exts = zip(*(sample.image for sample in samples if sample.image), strict=True)
     return WebDatasetSource(
-        shards=[str(p) if remote else str(Path(p).resolve()) for p in paths],
-        names=names,
-        ids=ids,
+        files,
+        ids,
         shard=np.asarray(shard_of, dtype=np.int32),
-        offset=np.asarray([im[0] for im in images if im], dtype=np.int64),
-        size=np.asarray([im[1] for im in images if im], dtype=np.int64),
-        exts=[im[2] for im in images if im],
+        offset=np.asarray(offsets, dtype=np.int64),
+        size=np.asarray(sizes, dtype=np.int64),
+        exts=list(exts),
         labels=labels,
         class_names=class_names,
         transform=transform,
-        remote=remote,
+        decode_size=decode_size,
     )
 
 
@@ -343,8 +311,6 @@ def index_cache_dir() -> Path | None:
 
 def _cached_index(path: Path, name: str, options: _Options) -> list[_Sample]:
     """:func:`_index_shard`, from the index cache when the shard has not changed."""
-    if index_cache_dir() is None:
-        return _index_shard(path, name, options)
     try:
         stat = path.stat()
     except OSError:
@@ -367,14 +333,15 @@ def _cached_remote_index(
         with remote.open(url, size) as raw:
             return _index_tar(raw, size, name, options)
 
-    identity = [INDEX_VERSION, url, version, dataclasses.astuple(options)]
-    return _through_cache(identity, index) if index_cache_dir() is not None else index()
+    return _through_cache([INDEX_VERSION, url, version, dataclasses.astuple(options)], index)
 
 
-def _through_cache(identity: list[Any], make: Any) -> list[_Sample]:
-    """The samples cached under ``identity``, else ``make()``'s, cached."""
+def _through_cache(identity: list[Any], make: Callable[[], list[_Sample]]) -> list[_Sample]:
+    """The samples cached under ``identity``, else ``make()``'s, cached (when a cache
+    folder is set)."""
     folder = index_cache_dir()
-    assert folder is not None
+    if folder is None:
+        return make()
     file = folder / (hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:32] + ".json")
     try:
         cached = json.loads(file.read_text())
@@ -382,7 +349,7 @@ def _through_cache(identity: list[Any], make: Any) -> list[_Sample]:
             return [_Sample(**sample) for sample in cached["samples"]]
     except (OSError, ValueError, KeyError, TypeError):
         pass  # absent, unreadable or of another version: index again
-    samples: list[_Sample] = make()
+    samples = make()
     try:
         folder.mkdir(parents=True, exist_ok=True)
         partial = file.with_suffix(f".{os.getpid()}.tmp")
@@ -400,12 +367,16 @@ def _index_shard(path: Path, name: str, options: _Options) -> list[_Sample]:
         file_size = path.stat().st_size
         raw = open(path, "rb")  # noqa: SIM115  (closed below)
     except OSError as exc:
-        raise ConfigError(
-            f"webdataset shard {name} cannot be read as a tar file ({first_line(exc)}); "
-            "shards must be uncompressed .tar files"
-        ) from None
+        raise _not_a_tar(name, exc) from None
     with raw:
         return _index_tar(raw, file_size, name, options)
+
+
+def _not_a_tar(name: str, exc: Exception) -> ConfigError:
+    return ConfigError(
+        f"webdataset shard {name} cannot be read as a tar file ({first_line(exc)}); "
+        "shards must be uncompressed .tar files"
+    )
 
 
 def _index_tar(raw: BinaryIO, file_size: int, name: str, options: _Options) -> list[_Sample]:
@@ -414,10 +385,7 @@ def _index_tar(raw: BinaryIO, file_size: int, name: str, options: _Options) -> l
     try:
         tar = tarfile.open(fileobj=raw, mode="r:")  # noqa: SIM115  (closed below)
     except (tarfile.TarError, OSError) as exc:
-        raise ConfigError(
-            f"webdataset shard {name} cannot be read as a tar file ({first_line(exc)}); "
-            "shards must be uncompressed .tar files"
-        ) from None
+        raise _not_a_tar(name, exc) from None
     samples: list[_Sample] = []
     seen: set[str] = set()
     current: _Sample | None = None
