@@ -285,15 +285,19 @@ def merge(
     store: Annotated[Path, typer.Argument(help="A store, typically one made by torchrun.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="The single file to write.")],
     compression: Annotated[
-        str | None, typer.Option("--compression", help="lzf or gzip (default: none).")
+        str | None,
+        typer.Option(
+            "--compression",
+            help="gzip[:1-9], lzf, zstd[:1-22], blosc2-lz4 or blosc2-zstd (with -shuffle or "
+            "-bitshuffle, :0-9), as store.compression takes them (default: none).",
+        ),
     ] = None,
 ) -> None:
     """Copy a sharded store into one self-contained file (no shard files needed)."""
-    from featcache.config.spec import COMPRESSIONS
     from featcache.store import merge_store
+    from featcache.util.compression import check_compression
 
-    if compression not in COMPRESSIONS:
-        raise ConfigError(f"--compression {compression!r}: choose lzf or gzip")
+    check_compression(compression, "--compression")
     merged = merge_store(store, output, compression)
     say(merged.describe().summary())
 

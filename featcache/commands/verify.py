@@ -27,7 +27,7 @@ import numpy as np
 from featcache.config.recorded import RecordedSpec, recorded_spec
 from featcache.config.spec import Spec, load_config
 from featcache.errors import ConfigError, CorruptStoreError
-from featcache.store import FeatureStore, codec
+from featcache.store import FeatureStore
 from featcache.store.checks import has_checksums, scan_chunks
 from featcache.store.metadata import is_sealed
 from featcache.store.provenance import config_fingerprint as fingerprint
@@ -405,8 +405,8 @@ def _recompute(
             result.add("values", False, captured.skipped[0]["reason"])
             return
         batch_rows = [row_of[int(p)] for p in captured.index]
-        for key, value in captured.features.items():
-            expected = codec.values(value, dtype).float().cpu()
+        for key in captured.features:
+            expected = captured.values(key, dtype).cpu()
             if key in captured.ragged:
                 assert captured.lengths is not None
                 stored, offsets = store.read_tokens(key, batch_rows)

@@ -23,14 +23,16 @@ import yaml
 from featcache.config.validation import build, check, choices, option
 from featcache.config.yaml_io import RepeatedKeyError, read_yaml
 from featcache.errors import ConfigError
+from featcache.util.compression import check_compression
 from featcache.util.urls import check_storage_options, check_url, is_url
 
 Reduction = Literal[
     "none", "avg", "max", "adaptive_avg", "flatten", "cls", "mean", "cls+mean", "patches", "last"
 ]
 Capture = Literal["output", "input", "grad"]
-StoreDtype = Literal["float16", "bfloat16", "float32"]
-Compression = Literal["lzf", "gzip"] | None
+StoreDtype = Literal["float16", "bfloat16", "float32", "int8"]
+# gzip, lzf, zstd, blosc2-...: the forms featcache.util.compression parses (check_compression)
+Compression = str | None
 SourceKind = Literal[
     "imagefolder", "manifest", "torchvision", "synthetic", "text", "hf", "webdataset", "parquet"
 ]
@@ -46,7 +48,6 @@ REDUCTIONS = choices(Reduction)
 CAPTURES = choices(Capture)
 GRAD_TARGETS = ("label", "predicted")  # besides a class index k and "output:K"
 STORE_DTYPES = choices(StoreDtype)
-COMPRESSIONS = choices(Compression)
 SOURCES = choices(SourceKind)
 AMP_DTYPES = choices(AmpDtype)
 ON_ERROR = choices(OnError)
@@ -365,13 +366,26 @@ class LoaderSpec:
 
 @dataclass
 class StoreSpec:
-    dtype: StoreDtype = "float16"  # how the captured values are stored
-    # HDF5 filter of the finished store, written as a compressed copy at the end of the
-    # run; null: uncompressed
+    # How the captured values are stored: float16, bfloat16, float32, or int8 (8-bit codes
+    # with one float32 scale per row, or per token: about a quarter of float32's bytes)
+    dtype: StoreDtype = "float16"
+    # Lossless HDF5 filter of the finished store, written as a compressed copy at the end
+    # of the run: "gzip" or "gzip:<1-9>", "lzf" (built in), "zstd" or "zstd:<1-22>",
+    # "blosc2-lz4" or "blosc2-zstd", a blosc2 one optionally with "-shuffle" (the default)
+    # or "-bitshuffle" and ":<0-9>", e.g. "blosc2-zstd-bitshuffle:5" (zstd and blosc2 need
+    # pip install 'featcache[codecs]'); null: uncompressed
     compression: Compression = None
     chunk_rows: int | None = option(None, ge=1)  # rows per HDF5 chunk; null: about 1 MiB
     on_nonfinite: OnNonfinite = "fail"  # NaN/Inf in captured features
     checksum: bool = True  # an XXH3 checksum per chunk: a corrupted chunk fails to read
+
+    def validate(self, at: str) -> None:
+        if self.dtype == "int8" and self.on_nonfinite == "keep":
+            raise ConfigError(
+                f"{at}.dtype int8 cannot hold NaN or Inf, so {at}.on_nonfinite: keep has "
+                "nothing to keep them in; set on_nonfinite to fail or skip, or use a float dtype"
+            )
+        check_compression(self.compression, f"{at}.compression")
 
 
 # The refusal of a run asked both to update and to overwrite its stores.

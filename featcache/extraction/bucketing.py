@@ -73,11 +73,15 @@ def merge_in_order(batches: list[CapturedBatch]) -> CapturedBatch:
         if len(parts) == len(with_tokens):
             token_ids = np.concatenate(parts)[token_order.numpy()]
     computed = [b for b in batches if b.features]  # a batch of unreadable rows has none
-    features = {}
+    features, scales = {}, {}
     for key in computed[0].features if computed else ():
-        values = torch.cat([b.features[key] for b in computed])
         picked = token_order if key in ragged else torch.from_numpy(order)
+        values = torch.cat([b.features[key] for b in computed])
         features[key] = values[picked.to(values.device)].cpu()
+        if key in computed[0].scales:  # int8: each row's (token's) scale moves with it
+            scale = torch.cat([b.scales[key] for b in computed])
+            scales[key] = scale[picked.to(scale.device)].cpu()
     return CapturedBatch(
-        index[order], [], labels, features, None, skipped, None, ragged, lengths, token_ids
-    )
+        index[order], [], labels, features, None, skipped, None, ragged, lengths, token_ids,
+        scales,
+    )  # fmt: skip

@@ -3,7 +3,8 @@
 A row recomputed on other hardware, in another batch or under autocast rounds differently
 in its last bits; features of other data differ by tens of percent. So stored and
 recomputed rows are equal when their largest difference is at most a few units in the
-last place of the stored dtype (or of the autocast dtype, where that is coarser),
+last place of the stored dtype (two int8 steps; or of the autocast dtype, where that is
+coarser),
 relative to the row's largest stored magnitude. The resume continuity check, an
 update's proof of its reused rows and ``verify`` all compare this way.
 """
@@ -13,8 +14,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-# The largest difference allowed, relative to the row's largest magnitude, by dtype.
-TOLERANCE = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}
+# The largest difference allowed, relative to the row's largest magnitude, by dtype: for
+# int8 codes (one step is 1/127 of the row's largest), two steps.
+TOLERANCE = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2, "int8": 2 / 127}
 
 
 def tolerance_of(store_dtype: str, amp: torch.dtype | None = None) -> tuple[float, str]:

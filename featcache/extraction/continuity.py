@@ -29,7 +29,6 @@ from featcache.extraction.compare import (
 from featcache.extraction.plan import ExtractionPlan
 from featcache.extraction.run import recompute
 from featcache.store import FeatureStore
-from featcache.store.codec import values
 from featcache.store.paths import OVERWRITE
 
 
@@ -123,8 +122,8 @@ def _first_mismatch(
                 if labels[stored_rows[at]] != captured.labels[j]:
                     what = f"label {captured.labels[j]} vs {labels[stored_rows[at]]} stored"
                     return mismatch(stored_rows[at], "", 0.0, what)
-        for key, value in captured.features.items():
-            recomputed = values(value, dtype).float()
+        for key in captured.features:
+            recomputed = captured.values(key, dtype)
             notes: list[str] = []
             if key in captured.ragged:
                 assert captured.lengths is not None

@@ -31,8 +31,9 @@ class LayerSize:
 
     @property
     def item_bytes(self) -> int:
-        """Bytes of one row (one token) as stored."""
-        return math.prod(self.shape) * codec.numpy_dtype(self.dtype).itemsize
+        """Bytes of one row (one token) as stored, with its float32 scale if int8."""
+        scale = 4 if self.dtype in codec.QUANTIZED else 0
+        return math.prod(self.shape) * codec.numpy_dtype(self.dtype).itemsize + scale
 
 
 @dataclasses.dataclass

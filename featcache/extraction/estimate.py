@@ -4,6 +4,7 @@ forward, the store's bytes from them, and the check that the disk has room."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -15,8 +16,10 @@ import numpy as np
 from featcache.errors import FeatcacheError
 from featcache.extraction.dry_run import DryRun, LayerSize, dry_run
 from featcache.extraction.plan import ExtractionPlan
+from featcache.extraction.run import recompute
 from featcache.store import codec
 from featcache.store.layout import META_BLOCK_BYTES, chunk_rows_for
+from featcache.store.merge import compressed_bytes
 from featcache.store.paths import partial_path
 from featcache.util.files import require_space
 
@@ -33,12 +36,16 @@ FILE_METADATA_BYTES = 2400
 DATASET_METADATA_BYTES = 800
 BTREE_ENTRIES = 64
 CHECKSUM_BYTES = 8  # one XXH3-64 per chunk, in /checksums/<dataset>
+# Rows, spread over a run's rows, computed and compressed to predict its compressed store
+COMPRESSION_SAMPLE_ROWS = 32
 
 
 @dataclasses.dataclass(frozen=True)
 class StoreEstimate:
     """What one store will take: ``bytes`` on disk once finished (uncompressed), and
-    for each layer its shape per row (per token) and the bytes of its values."""
+    for each layer its shape per row (per token) and the bytes of its values; with
+    ``compression``, ``compressed``: the predicted bytes of the compressed store, where
+    predicted (`with_compressed_size`)."""
 
     path: Path
     rows: int
@@ -47,6 +54,10 @@ class StoreEstimate:
     layer_bytes: dict[str, int]
     bytes: int
     compression: str | None
+    compressed: int | None = None
+    # room left in the writer's whole metadata blocks, counted in ``bytes``: a file written
+    # whole (a compressed copy) has none
+    metadata_slack: int = 0
 
     def needed(self, overwrite: bool) -> int:
         """Bytes the run still has to find free: the finished store, less what its
@@ -68,7 +79,8 @@ def estimate_store(plan: ExtractionPlan, path: Path) -> StoreEstimate:
     columns = getattr(plan.dataset, "row_columns", None) or {}
     attrs = json.dumps(dict(plan.provenance), default=str) + json.dumps(plan.class_names)
     layers = tuple(seen.layers.values())
-    total = store_bytes(
+    sized = functools.partial(
+        store_bytes,
         rows,
         layers,
         ids_width=max((len(str(i).encode()) for i in plan.ids), default=1),
@@ -80,12 +92,65 @@ def estimate_store(plan: ExtractionPlan, path: Path) -> StoreEstimate:
         row_column_bytes=sum(np.asarray(column).dtype.itemsize for column in columns.values()),
         attrs_bytes=len(attrs.encode()) + OTHER_ATTRS_BYTES,
     )
+    total = sized()
     per_layer = {}
     for layer in layers:
         length = max(tokens or 0, 1) if layer.per_token else rows
         chunk = layer_chunk_rows(layer, length, store.chunk_rows)
         per_layer[layer.key] = dataset_bytes(length, chunk, layer.item_bytes, checksum=False)
-    return StoreEstimate(path, rows, tokens, layers, per_layer, total, store.compression)
+    slack = total - sized(whole_blocks=False)
+    return StoreEstimate(
+        path, rows, tokens, layers, per_layer, total, store.compression, metadata_slack=slack
+    )
+
+
+def with_compressed_size(plan: ExtractionPlan, estimate: StoreEstimate) -> StoreEstimate:
+    """``estimate`` (of ``plan``'s store) with ``compressed`` predicted, when the store is
+    compressed: each layer's bytes scaled by the ratio its rows of a sample get
+    (`compression_ratios`), HDF5's metadata as a file written whole has it; the other
+    datasets and the checksums are counted uncompressed, so the prediction errs on the
+    large side. ``estimate`` as
+    it is when the store is not compressed or no sample row could be read."""
+    if estimate.compression is None:
+        return estimate
+    ratios = compression_ratios(plan, estimate, estimate.compression)
+    if not ratios:
+        return estimate
+    saved = float(estimate.metadata_slack)
+    for layer in estimate.layers:
+        compressed = ratios.get(layer.key, 1.0) * _entries(estimate, layer) * layer.item_bytes
+        saved += estimate.layer_bytes[layer.key] - compressed
+    return dataclasses.replace(estimate, compressed=max(round(estimate.bytes - saved), 0))
+
+
+def compression_ratios(
+    plan: ExtractionPlan, estimate: StoreEstimate, compression: str
+) -> dict[str, float]:
+    """Compressed over uncompressed bytes of each layer of ``estimate``'s store with the
+    filter ``compression``: up to `COMPRESSION_SAMPLE_ROWS` rows spread over
+    ``plan``'s rows run as the run runs them, their values (as stored) compressed in
+    memory with the store's chunking (`featcache.store.merge.compressed_bytes`). Layers
+    of which no row could be read are left out."""
+    count = min(len(plan.rows), COMPRESSION_SAMPLE_ROWS)
+    positions = np.unique(np.linspace(0, len(plan.rows) - 1, count).round().astype(int))
+    size = plan.options.loader.batch_size
+    batches = [positions[i : i + size].tolist() for i in range(0, len(positions), size)]
+    plain = dataclasses.replace(plan, layout=dataclasses.replace(plan.layout, channels_last=False))
+    captured = recompute(plain, batches)
+    ratios = {}
+    for layer in estimate.layers:
+        parts = [codec.as_array(b.features[layer.key].cpu()) for b in captured]
+        values = np.concatenate(parts) if parts else None
+        if values is None or not values.size:
+            continue
+        chunk = layer_chunk_rows(layer, _entries(estimate, layer), plan.options.store.chunk_rows)
+        ratios[layer.key] = compressed_bytes(values, chunk, compression) / values.nbytes
+    return ratios
+
+
+def _entries(estimate: StoreEstimate, layer: LayerSize) -> int:
+    """Rows of a dense layer, tokens of a per-token one, in ``estimate``'s store."""
+    return max(estimate.tokens or 0, 1) if layer.per_token else estimate.rows
 
 
 def sized_rows(plan: ExtractionPlan) -> DryRun:
@@ -132,6 +197,7 @@ def store_bytes(
     checksum: bool = True,
     row_column_bytes: int = 0,
     attrs_bytes: int = 0,
+    whole_blocks: bool = True,
 ) -> int:
     """Bytes on disk of the finished, uncompressed store that
     `featcache.store.StoreWriter` writes for ``rows`` rows of ``layers``.
@@ -144,7 +210,8 @@ def store_bytes(
     ``/token_ids``. Added: ``row_column_bytes`` per row of the columns a source records
     at completion, ``/progress``, and HDF5's metadata (estimated per file and dataset,
     a B-tree node per 64 chunks, ``attrs_bytes`` of attribute text) in whole
-    `featcache.store.layout.META_BLOCK_BYTES` blocks. Not counted: skipped rows
+    `featcache.store.layout.META_BLOCK_BYTES` blocks (as they are, without
+    ``whole_blocks``: a file written whole). Not counted: skipped rows
     (the store keeps its size), the skip records, compression. Dense layers are exact
     up to the metadata estimate; per-token layers as exact as ``tokens`` is.
     """
@@ -169,6 +236,8 @@ def store_bytes(
         data += dataset_bytes(length, chunk, row_bytes, checksum)
         metadata += DATASET_METADATA_BYTES * (1 + checksum)  # its header, its checksums'
         metadata += node * (leaves + (leaves > 1))
+    if not whole_blocks:
+        return data + metadata
     return data + META_BLOCK_BYTES * math.ceil(metadata / META_BLOCK_BYTES)
 
 

@@ -32,7 +32,7 @@ from featcache.extraction.batches import Batch
 from featcache.extraction.bucketing import WindowReorder
 from featcache.extraction.nonfinite import check_finite, skip_record
 from featcache.extraction.writer_thread import MAX_PENDING_BATCHES, CapturedBatch, HostBuffers
-from featcache.store.codec import encode
+from featcache.store.codec import QUANTIZED, encode, quantize, scales_name
 
 
 class Sink(Protocol):
@@ -250,10 +250,17 @@ def forward(
             token_ids = None if token_ids is None else token_ids[token_keep]
         captured.lengths = None if lengths is None else lengths.numpy()
         captured.token_ids = None if token_ids is None else token_ids.numpy()
+        scales: dict[str, torch.Tensor] = {}
+        if store.dtype in QUANTIZED:  # rows known finite now: codes and a scale per row
+            for key, value in values.items():
+                values[key], scales[key] = quantize(value)
     if host_buffers is None:
-        captured.features = values  # already fresh CPU tensors
+        captured.features, captured.scales = values, scales  # already fresh CPU tensors
         return
-    captured.features, captured.release = host_buffers.copy(values)
+    named = {**values, **{scales_name(key): scale for key, scale in scales.items()}}
+    copied, captured.release = host_buffers.copy(named)
+    captured.features = {key: copied[key] for key in values}
+    captured.scales = {key: copied[scales_name(key)] for key in scales}
     captured.ready = torch.cuda.Event()
     captured.ready.record()
 

@@ -1,5 +1,6 @@
 """``plan``: what an extraction will take before it runs: rows, bytes per layer and in
-total, free space, an estimate of the run time, and a batch size to try."""
+total (and compressed, for a compressed store), free space, an estimate of the run time,
+and a batch size to try."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from featcache.config.spec import Spec, load_config
 from featcache.errors import ConfigError
 from featcache.extraction.dry_run import dry_run
-from featcache.extraction.estimate import StoreEstimate, estimate_store
+from featcache.extraction.estimate import StoreEstimate, estimate_store, with_compressed_size
 from featcache.extraction.from_config import (
     build_backbone_for,
     build_source_for,
@@ -72,6 +73,13 @@ class RunPlan:
         return sum(split.estimate.bytes for split in self.splits)
 
     @property
+    def compressed(self) -> int | None:
+        """Predicted bytes of every split's store once compressed; None when the stores
+        are not compressed (or no prediction was made)."""
+        sizes = [split.estimate.compressed for split in self.splits]
+        return None if None in sizes else sum(size or 0 for size in sizes)
+
+    @property
     def needed(self) -> int:
         """Bytes the run still needs free: the stores it writes, less what their partial
         stores hold already, plus room for compressed copies."""
@@ -101,17 +109,7 @@ class RunPlan:
 
     def format(self) -> str:
         """The plan as ``featcache plan`` prints it."""
-        table = [["split", "rows", "tokens", "store", "path"]]
-        for split in self.splits:
-            e = split.estimate
-            note = " (complete: nothing to write)" if split.complete else ""
-            tokens = "-" if e.tokens is None else f"{e.tokens:,}"
-            table.append(
-                [split.split, f"{e.rows:,}", tokens, format_bytes(e.bytes), f"{e.path}{note}"]
-            )
-        if all(split.estimate.tokens is None for split in self.splits):
-            table = [row[:2] + row[3:] for row in table]
-        lines = _aligned(table, right={1, 2, 3} if len(table[0]) == 5 else {1, 2})
+        lines = self._split_lines()
         layers = self.splits[0].estimate.layers
         table = [["layer", "stored as", "dtype", *(s.split for s in self.splits)]]
         for layer in layers:
@@ -119,9 +117,14 @@ class RunPlan:
             table.append([layer.key, _shape(layer.shape, layer.per_token), layer.dtype, *sizes])
         lines += _aligned(table, right=set(range(3, 3 + len(self.splits))))
         verdict = "fits" if self.fits else "DOES NOT FIT"
+        compressed = self.compressed
+        once = ""
+        if compressed is not None:
+            codec = self.splits[0].estimate.compression
+            once = f" (about {format_bytes(compressed)} once compressed with {codec})"
         lines.append(
-            f"disk        {format_bytes(self.bytes)} in all, {format_bytes(self.needed)} still to "
-            f"write; {format_bytes(self.free)} free on {self.filesystem}: {verdict}"
+            f"disk        {format_bytes(self.bytes)} in all{once}, {format_bytes(self.needed)} "
+            f"still to write; {format_bytes(self.free)} free on {self.filesystem}: {verdict}"
         )
         rate, seconds = self.rows_per_second, self.seconds
         if rate is not None and seconds is not None:
@@ -137,6 +140,26 @@ class RunPlan:
         lines.append(f"batch size  {self.suggested_batch_size} suggested ({measured})")
         return "\n".join(lines)
 
+    def _split_lines(self) -> list[str]:
+        """The table of splits: rows, tokens (with per-token layers), the store's bytes,
+        its predicted compressed bytes (for compressed stores) and its path."""
+        tokens = any(split.estimate.tokens is not None for split in self.splits)
+        compressed = any(split.estimate.compressed is not None for split in self.splits)
+        header = ["split", "rows", *(["tokens"] if tokens else []), "store"]
+        header += ["compressed"] if compressed else []
+        table = [[*header, "path"]]
+        for split in self.splits:
+            e = split.estimate
+            row = [split.split, f"{e.rows:,}"]
+            if tokens:
+                row.append("-" if e.tokens is None else f"{e.tokens:,}")
+            row.append(format_bytes(e.bytes))
+            if compressed:
+                row.append("-" if e.compressed is None else format_bytes(e.compressed))
+            note = " (complete: nothing to write)" if split.complete else ""
+            table.append([*row, f"{e.path}{note}"])
+        return _aligned(table, right=set(range(1, len(header))))
+
 
 def plan(
     config: str | os.PathLike | Mapping[str, Any] | Spec,
@@ -148,8 +171,10 @@ def plan(
 
     For each split: its rows (and tokens, for per-token layers) and the bytes of its
     store and of each layer, from one row through the hooked forward
-    ([`featcache.extraction.estimate`][featcache.extraction.api.estimate]). Then the free
-    space on the output filesystem, and the rows per second of the run's own loop (data
+    ([`featcache.extraction.estimate`][featcache.extraction.api.estimate]); for a
+    compressed store (``store.compression``), also its predicted compressed bytes: a
+    sample of its rows is run and compressed in memory with the store's filter. Then the
+    free space on the output filesystem, and the rows per second of the run's own loop (data
     loading and the hooked forward, nothing written) over ``batches`` batches of the
     first split after one that warms up, at the config's batch size, half of it and
     twice it; the time estimate is the rows still to write at the config's rate, and the
@@ -173,7 +198,9 @@ def plan(
         plans[split] = make_plan(
             backbone.model, source, spec.layers, run_options(spec), **arguments
         )
-        estimate = estimate_store(plans[split], spec.store_path(split))
+        estimate = with_compressed_size(
+            plans[split], estimate_store(plans[split], spec.store_path(split))
+        )
         complete = complete_already(spec, split)
         needed = 0 if complete else estimate.needed(spec.output.overwrite)
         splits.append(SplitPlan(split, estimate, complete, needed))

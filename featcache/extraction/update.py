@@ -54,7 +54,7 @@ from featcache.extraction.run import loaded_batches, recompute, run_rows
 from featcache.extraction.writer_thread import CapturedBatch, WriterThread
 from featcache.sources.stamps import changed_rows
 from featcache.store import FeatureStore, remove_partial
-from featcache.store.codec import encode, values
+from featcache.store.codec import QUANTIZED, encode
 from featcache.store.history import history_of, run_record
 from featcache.store.paths import OVERWRITE
 from featcache.store.provenance import config_differences, short_value, value_at
@@ -267,6 +267,11 @@ def _check_updatable(old: FeatureStore, path: Path, plan: ExtractionPlan) -> Non
             f"cannot update {path}: it holds per-token rows or length-bucketed batches, "
             f"which an update does not rewrite; {fix}"
         )
+    if plan.options.store.dtype in QUANTIZED:
+        raise ConfigError(
+            f"cannot update {path}: it holds int8 codes, which an update does not copy with "
+            f"their scales; {fix}"
+        )
     stored_config = old.config
     why = update_refusal(
         old.attrs.get("resume_key") or {},
@@ -302,8 +307,8 @@ def check_reused(old: FeatureStore, path: Path, plan: ExtractionPlan, work: Upda
     dtype = plan.options.store.dtype
     tolerance, rounding = tolerance_of(dtype, plan.layout.amp)
     rows = work.old_rows[captured.index - plan.rows.start]
-    for key, value in captured.features.items():
-        relative = relative_differences(values(value, dtype), old.read(key, rows))
+    for key in captured.features:
+        relative = relative_differences(captured.values(key, dtype), old.read(key, rows))
         at = first_over(relative, tolerance)
         if at is not None:
             difference = float(relative[at])

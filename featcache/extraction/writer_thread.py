@@ -22,7 +22,8 @@ import torch
 
 from featcache.errors import FeatcacheError
 from featcache.store import StoreWriter
-from featcache.store.codec import as_array
+from featcache.store.codec import as_array, dequantize
+from featcache.store.codec import values as codec_values
 
 MAX_PENDING_BATCHES = 4  # batches between the forward and the writer thread
 
@@ -43,6 +44,15 @@ class CapturedBatch:
     ragged: frozenset[str] = frozenset()
     lengths: np.ndarray | None = None
     token_ids: np.ndarray | None = None
+    # int8 stores: each layer's float32 scales, one per row [rows] (per token [tokens])
+    scales: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def values(self, key: str, dtype: str) -> torch.Tensor:
+        """Layer ``key``'s captured values as float32 (int8 codes dequantized)."""
+        value = self.features[key]
+        if key in self.scales:
+            return dequantize(value, self.scales[key])
+        return codec_values(value, dtype).float()
 
 
 class WriterThread:
@@ -129,6 +139,7 @@ class WriterThread:
             lengths=batch.lengths,
             token_ids=batch.token_ids,
             ragged=batch.ragged,
+            scales={key: value.numpy() for key, value in batch.scales.items()},
         )
 
     def __exit__(self, exc_type: object, *rest: object) -> None:

@@ -130,12 +130,16 @@ class FeatureDataset(Dataset):
         """Each layer's item shape, stored dtype and chunk cache, and :attr:`block_rows`."""
         self.shapes: dict[str, tuple[int, ...]] = {}
         self._storage: dict[str, torch.dtype] = {}
+        self._quantized: set[str] = set()  # layers of int8 codes, with scales beside them
         self._caches: dict[str, tuple[int, int]] = {}
         block_rows = []
         for layer in self.layers:
             features = store.file["features"][layer]
             self.shapes[layer] = tuple(features.shape[1:])
-            self._storage[layer] = codec.torch_dtype(codec.attr(features, "dtype"))
+            dtype = codec.attr(features, "dtype")
+            self._storage[layer] = codec.torch_dtype(dtype)
+            if dtype in codec.QUANTIZED:
+                self._quantized.add(layer)
             reader = rows_of(features)
             row_bytes = max(features.dtype.itemsize * int(np.prod(self.shapes[layer])), 1)
             chunk_bytes = reader.chunk_rows * row_bytes
@@ -172,8 +176,19 @@ class FeatureDataset(Dataset):
             elif self._memory is not None:
                 out[layer] = _take(self._memory[layer], rows)
             else:
-                out[layer] = self._convert(read_rows(self._reader(layer), rows))
+                out[layer] = self._convert(self._scaled(layer, read_rows, rows))
         return out
+
+    def _scaled(self, layer: str, read: Callable[..., Any], *where: Any) -> Any:
+        """``read(reads of layer, *where)``, int8 codes dequantized with their scales read
+        the same way (for per-token rows ``read`` gives ``(values, offsets)``)."""
+        values = read(self._reader(layer), *where)
+        if layer not in self._quantized:
+            return values
+        scales = read(self._handle.rows(codec.scales_name(layer)), *where)
+        if isinstance(values, tuple):
+            return codec.dequantize(values[0], scales[0]), values[1]
+        return codec.dequantize(values, scales)
 
     def _token_rows(self, layer: str, rows: np.ndarray) -> list[torch.Tensor]:
         """Rows of a per-token layer: one ``[T_i, *shape]`` tensor each."""
@@ -181,7 +196,7 @@ class FeatureDataset(Dataset):
         if self._memory is not None:
             tokens = self._memory[layer]
             return [tokens[self.offsets[r] : self.offsets[r + 1]].clone() for r in rows]
-        values, starts = read_token_rows(self._reader(layer), self.offsets, rows)
+        values, starts = self._scaled(layer, read_token_rows, self.offsets, rows)
         values = self._convert(values)
         return [values[starts[j] : starts[j + 1]] for j in range(len(rows))]
 
@@ -319,8 +334,11 @@ class FeatureDataset(Dataset):
 
     def _new_buffers(self, capacity: int) -> dict[str, torch.Tensor]:
         return {
-            layer: torch.empty((capacity, *self.shapes[layer]), dtype=self._storage[layer])
-            for layer in self.layers
+            **{
+                layer: torch.empty((capacity, *self.shapes[layer]), dtype=self._storage[layer])
+                for layer in self.layers
+            },
+            **{codec.scales_name(layer): torch.empty(capacity) for layer in self._quantized},
         }
 
     def _shuffle_blocks(
@@ -368,7 +386,7 @@ class FeatureDataset(Dataset):
                     index = rows[picked]
                     position = index if pair is None else picked
                     features = {
-                        layer: self._convert(_take(buffers[layer], position))
+                        layer: self._convert(self._gather(buffers, layer, position, pair))
                         for layer in self.layers
                     }
                     out: Features = features[self.layers[0]] if self.single else features
@@ -387,6 +405,20 @@ class FeatureDataset(Dataset):
             if pending is not None:  # an epoch left early: the reader takes no more blocks
                 pending.stop()
 
+    def _gather(
+        self,
+        buffers: dict[str, torch.Tensor],
+        layer: str,
+        position: np.ndarray,
+        pair: list[dict[str, torch.Tensor]] | None,
+    ) -> torch.Tensor:
+        """The rows at ``position`` of ``layer`` in ``buffers`` (read blocks, whose int8
+        codes are dequantized here; or the layers in memory, already dequantized)."""
+        values = _take(buffers[layer], position)
+        if pair is None or layer not in self._quantized:
+            return values
+        return codec.dequantize(values, _take(buffers[codec.scales_name(layer)], position))
+
     def _read_into(
         self,
         reader: ThreadPoolExecutor | None,
@@ -396,8 +428,10 @@ class FeatureDataset(Dataset):
     ) -> SharedRead:
         """The read of the row ranges ``spans`` of every layer into ``buffers`` from row
         ``start``: begun on ``reader`` when given, finished by its ``result()``."""
-        outs = {layer: codec.as_array(buffers[layer]) for layer in self.layers}
+        outs = {name: codec.as_array(buffer) for name, buffer in buffers.items()}
         readers = {layer: self._reader(layer) for layer in self.layers}
+        for layer in self._quantized:
+            readers[codec.scales_name(layer)] = self._handle.rows(codec.scales_name(layer))
 
         def advise() -> None:  # the disk gets every block of the buffer at once
             for rows in readers.values():

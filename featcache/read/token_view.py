@@ -10,6 +10,7 @@ import torch
 
 from featcache.errors import ConfigError
 from featcache.read.dataset import FeatureDataset, Features
+from featcache.store import codec
 from featcache.store.reader import FeatureStore
 from featcache.store.rows import read_rows, row_numbers, rows_of
 
@@ -43,7 +44,13 @@ class TokenDataset(FeatureDataset):
         self.labels = torch.empty(0, dtype=torch.int64)
 
     def _load(self, store: FeatureStore, layer: str) -> torch.Tensor:
-        return read_rows(rows_of(store.file["features"][layer]), slice(0, self.num_rows))
+        tokens = slice(0, self.num_rows)
+        values = read_rows(rows_of(store.file["features"][layer]), tokens)
+        if codec.attr(store.file["features"][layer], "dtype") not in codec.QUANTIZED:
+            return values
+        return codec.dequantize(
+            values, read_rows(rows_of(store.file[codec.scales_name(layer)]), tokens)
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -2,10 +2,12 @@
 
 HDF5 has no bfloat16: bfloat16 rows are stored as their 16 bits in a ``uint16`` dataset
 whose ``dtype`` attribute says ``"bfloat16"``; tensors go in through :func:`encode` and
-:func:`as_array` and come back through :func:`from_array`. Text attributes are
-fixed-length UTF-8 (:func:`set_attr`), kept in HDF5's checksummed headers, never in its
-global heap, which has no checksum (a damaged length there can hang HDF5,
-HDFGroup/hdf5#1707); :func:`attr` and :func:`read_attrs` give them back as ``str``.
+:func:`as_array` and come back through :func:`from_array`. ``int8`` rows are symmetric
+8-bit codes with one float32 scale per row (per token for per-token rows) in
+``/scales/<layer>``: value = code * scale (:func:`quantize`, :func:`dequantize`).
+Text attributes are fixed-length UTF-8 (:func:`set_attr`), kept in HDF5's checksummed
+headers, never in its global heap, which has no checksum (a damaged length there can
+hang HDF5, HDFGroup/hdf5#1707); :func:`attr` and :func:`read_attrs` give them back as ``str``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ DTYPES: dict[str, type[np.generic]] = {
     "float16": np.float16,
     "float32": np.float32,
     "bfloat16": np.uint16,
+    "int8": np.int8,
 }
+QUANTIZED = frozenset({"int8"})  # store dtypes kept as codes with a scale per row
+SCALES = "scales"  # the group of the scale datasets of quantized layers: /scales/<layer>
+CODE_MAX = 127  # int8 codes run from -127 to 127: symmetric, -128 unused
 
 # File attributes that hold JSON text rather than a plain HDF5 scalar.
 JSON_ATTRS = frozenset(
@@ -46,12 +52,45 @@ JSON_ATTRS = frozenset(
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype a store dtype name stands for (``"bfloat16"`` -> torch.bfloat16)."""
+    """The torch dtype a store dtype name stands for (``"bfloat16"`` -> torch.bfloat16;
+    ``"int8"`` -> torch.int8, its codes)."""
     import torch
 
     if name not in DTYPES:
         raise KeyError(name)
     return getattr(torch, name)
+
+
+def value_dtype(name: str) -> torch.dtype:
+    """The torch dtype readers give the values of store dtype ``name`` in: its own, or
+    float32 for quantized codes (dequantized)."""
+    import torch
+
+    return torch.float32 if name in QUANTIZED else torch_dtype(name)
+
+
+def scales_name(key: str) -> str:
+    """The dataset holding the scales of the quantized layer ``key``."""
+    return f"{SCALES}/{key}"
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``x`` ``[n, ...]`` (finite floats) as int8 codes of the same shape and one
+    float32 scale per row ``[n]``: the row's largest magnitude over 127, so that
+    ``code * scale`` is within half a scale of the value. On ``x``'s device."""
+    import torch
+
+    flat = x.detach().float().flatten(1)
+    scales = flat.abs().amax(dim=1) / CODE_MAX if flat.shape[1] else flat.new_zeros(len(flat))
+    step = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(flat / step[:, None]).clamp_(-CODE_MAX, CODE_MAX).to(torch.int8)
+    return codes.view(x.shape), scales
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 ``[n, ...]`` values of int8 ``codes`` ``[n, ...]`` with their ``[n]``
+    ``scales``."""
+    return codes.float() * scales.float().view(-1, *([1] * (codes.dim() - 1)))
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -71,6 +110,8 @@ def encode(x: torch.Tensor, dtype: str) -> torch.Tensor:
     """
     import torch
 
+    if dtype in QUANTIZED:  # quantized once the row is known finite (see quantize)
+        return x.to(dtype=torch.float32, memory_format=torch.contiguous_format)
     target = torch_dtype(dtype)
     if x.device.type == "cpu" and target == torch.float16 and not x.is_contiguous():
         out = x.to(target).contiguous()
@@ -80,7 +121,7 @@ def encode(x: torch.Tensor, dtype: str) -> torch.Tensor:
 
 
 def values(encoded: torch.Tensor, dtype: str) -> torch.Tensor:
-    """The float view of an :func:`encode` result (no copy)."""
+    """The float view of an :func:`encode` result (no copy; float32 before quantizing)."""
     import torch
 
     return encoded.view(torch.bfloat16) if dtype == "bfloat16" else encoded

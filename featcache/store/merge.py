@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -21,6 +22,7 @@ from featcache.store.provenance import FORMAT_VERSION
 from featcache.store.reader import FeatureStore
 from featcache.store.rows import read_head, rows_of
 from featcache.store.skipped import read_skipped, write_skipped
+from featcache.util.compression import filter_options, load_plugins
 from featcache.util.files import building_beside, replace_durably, require_space
 
 
@@ -37,12 +39,15 @@ def copy_store(
 
     Every dataset of rows is read as featcache reads it (each chunk checked; a combined
     store from its shards) and written whole, chunked as in the source (as featcache
-    chunks its own for a virtual one), with its chunk checksums; ``compression`` applies
-    HDF5's filter to each. ``attrs`` are set last; the file attributes in ``drop`` are
-    left out. A source chunk that fails raises
-    :class:`~featcache.errors.CorruptStoreError` and the half-made copy is removed.
+    chunks its own for a virtual one), with its chunk checksums; ``compression`` (a
+    ``store.compression`` value: ``"gzip"``, ``"zstd:5"``, ...) applies its filter to
+    each. ``attrs`` are set last; the file attributes in ``drop`` are left out. A source
+    chunk that fails raises :class:`~featcache.errors.CorruptStoreError` and the
+    half-made copy is removed; a malformed ``compression`` raises
+    :class:`~featcache.errors.ConfigError` before anything is written.
     """
     target = Path(target)
+    filters = filter_options(compression)
     with open_readonly(source) as src:
         objects = [(name, obj) for name, obj in walk(src) if not name.startswith("checksums")]
         total = sum(o.size * o.dtype.itemsize for _, o in objects if isinstance(o, h5py.Dataset))
@@ -56,7 +61,7 @@ def copy_store(
                 if isinstance(obj, h5py.Group):
                     codec.copy_attrs(obj, dst.create_group(name, track_order=name == "features"))
                 else:
-                    _copy_dataset(obj, dst, name, compression, bar)
+                    _copy_dataset(obj, dst, name, filters, bar)
             current: dict[str, Any] = {"featcache_format": FORMAT_VERSION}
             if isinstance(key, dict):
                 current["resume_key"] = dict(key, featcache_format=FORMAT_VERSION)
@@ -83,7 +88,7 @@ def walk(group: h5py.Group, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 
 def _copy_dataset(
-    obj: h5py.Dataset, dst: h5py.File, name: str, compression: str | None, bar: tqdm
+    obj: h5py.Dataset, dst: h5py.File, name: str, filters: Mapping[str, Any], bar: tqdm
 ) -> None:
     if obj.chunks is None and not obj.is_virtual or not len(obj):  # progress, scalars
         out = dst.create_dataset(name, data=obj[()], dtype=obj.dtype)
@@ -92,12 +97,10 @@ def _copy_dataset(
         n, shape, dtype = len(obj), obj.shape, obj.dtype
         rows = obj.chunks[0] if obj.chunks else layout.chunk_rows_for(shape[1:], dtype.itemsize, n)
         rows = min(rows, n)
-        if compression is None:  # written whole: its chunks need no index
+        if not filters:  # written whole: its chunks need no index
             out = layout.allocate(dst, name, shape, dtype, rows, resizable=False)
         else:
-            out = dst.create_dataset(
-                name, shape=shape, dtype=dtype, chunks=(rows, *shape[1:]), compression=compression
-            )
+            out = _create_filtered(dst, name, shape, dtype, rows, filters)
         chunk_bytes = rows * dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
         step = rows * max(1, 8 * layout.TARGET_CHUNK_BYTES // max(chunk_bytes, 1))  # a few chunks
         reader = rows_of(obj)
@@ -108,6 +111,39 @@ def _copy_dataset(
             bar.update(block.nbytes)
         dst.create_dataset(layout.checksums_name(name), data=layout.stored_checksums(out))
     codec.copy_attrs(obj, out)
+
+
+def _create_filtered(
+    group: h5py.Group,
+    name: str,
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    rows: int,
+    filters: Mapping[str, Any],
+) -> h5py.Dataset:
+    """A dataset of ``shape`` chunked by ``rows`` along its first axis, compressed with
+    ``filters`` (:func:`~featcache.util.compression.filter_options`)."""
+    return group.create_dataset(
+        name, shape=shape, dtype=dtype, chunks=(rows, *shape[1:]), **filters
+    )
+
+
+def compressed_bytes(values: np.ndarray, chunk_rows: int, compression: str) -> int:
+    """Bytes ``values`` (``[n, *shape]``, as stored) take in a compressed copy: written in
+    memory as :func:`copy_store` writes a dataset, chunked by ``chunk_rows`` rows, with
+    the filter of ``compression``; the size HDF5 allocates for the chunks.
+
+    Raises:
+        ConfigError: a malformed ``compression``, or hdf5plugin missing for its codec.
+    """
+    filters = filter_options(compression)
+    rows = max(1, min(chunk_rows, len(values)))
+    with h5py.File(io.BytesIO(), "w") as memory:
+        dataset = _create_filtered(memory, "values", values.shape, values.dtype, rows, filters)
+        if len(values):
+            dataset[...] = values
+        dataset.id.flush()
+        return int(dataset.id.get_storage_size())
 
 
 def combine_shards(
@@ -123,6 +159,7 @@ def combine_shards(
                 else "; is the output folder on a filesystem that every node shares?"
             )
             raise FeatcacheError(f"shard {shard} is missing{hint}")
+    load_plugins()  # a compressed shard's offsets are read through its filter
     files = [h5py.File(shard, "r") for shard in shards]
     try:
         for shard, f in zip(shards, files, strict=True):

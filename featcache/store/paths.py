@@ -10,7 +10,8 @@ from typing import Any
 
 import h5py
 
-from featcache.errors import ConfigError
+from featcache.errors import ConfigError, FeatcacheError
+from featcache.util.compression import FILTER_NAMES, PLUGIN_INSTALL, load_plugins
 from featcache.util.files import prepare_output_folder
 
 PARTIAL_SUFFIX = ".partial"
@@ -54,10 +55,50 @@ def open_readonly(path: str | os.PathLike, **options: Any) -> h5py.File:
     """Open a store file read-only, with an HDF5 chunk cache that holds several whole
     chunks (for the layers HDF5 reads). A ``.partial`` one is opened without HDF5's file
     lock, which its running writer may hold (HDF5 requires the same choice for every
-    handle a process holds on one file, so every reader opens it this way)."""
+    handle a process holds on one file, so every reader opens it this way). hdf5plugin's
+    filters are registered first, where it is installed (once per process).
+
+    Raises:
+        FeatcacheError: a dataset of the file needs an HDF5 filter that this process
+            cannot apply; one line naming it and how to install it.
+    """
+    load_plugins()
     if str(path).endswith(PARTIAL_SUFFIX):
         options["locking"] = False
-    return h5py.File(path, "r", **{"rdcc_nbytes": READ_CACHE_BYTES, **options})
+    file = h5py.File(path, "r", **{"rdcc_nbytes": READ_CACHE_BYTES, **options})
+    missing = missing_filter(file)
+    if missing:
+        file.close()
+        fix = (
+            f"install hdf5plugin with: {PLUGIN_INSTALL}"
+            if load_plugins() is None
+            else "it is not one of hdf5plugin's: install its HDF5 plugin (HDF5_PLUGIN_PATH)"
+        )
+        raise FeatcacheError(
+            f"store {path} is compressed with {missing}, which is not available here; {fix}"
+        )
+    return file
+
+
+def missing_filter(file: h5py.File) -> str:
+    """The first HDF5 filter a layer of ``file`` needs that HDF5 cannot apply here, as
+    ``"zstd (HDF5 filter 32015, in features/layer1)"``; "" when every one is available,
+    or when the layers' headers cannot be read (the readers' own checks name that damage).
+    A compressed store's datasets all share one filter: its layers name it."""
+    try:
+        features = file.get("features")
+        keys = list(features) if isinstance(features, h5py.Group) else []
+        for key in keys:
+            plist = features[key].id.get_create_plist()
+            for i in range(plist.get_nfilters()):
+                code, _, _, label = plist.get_filter(i)
+                if not h5py.h5z.filter_avail(code):
+                    text = label.decode(errors="replace") if isinstance(label, bytes) else label
+                    named = FILTER_NAMES.get(code) or text.split(";")[0].strip() or "filter"
+                    return f"{named} (HDF5 filter {code}, in features/{key})"
+    except (KeyError, OSError, RuntimeError, ValueError):
+        return ""
+    return ""
 
 
 def shard_path(path: str | os.PathLike, rank: int, world_size: int) -> Path:

@@ -179,6 +179,7 @@ class FeatureStore:
                 raise _incomplete(self.path, _rows_in(partial), where, "to resume it")
             self.path = partial
         self._handle = StoreFile(self.path)
+        self._dtypes: dict[str, str] = {}  # each layer's store dtype, once read
         try:
             file = self.file
         except OSError as exc:
@@ -220,6 +221,7 @@ class FeatureStore:
         store = cls.__new__(cls)
         store.path = Path(path)
         store._handle = StoreFile(store.path)
+        store._dtypes = {}
         _ = store.file  # opened now, as __init__ opens it: moving the file later changes nothing
         return store
 
@@ -313,7 +315,8 @@ class FeatureStore:
     ) -> tuple[torch.Tensor, np.ndarray]:
         """The tokens of ``rows`` of a per-token layer: ``(values, offsets)``.
 
-        ``values`` is ``[sum T_i, *shape]`` in the stored dtype, the rows' tokens one row
+        ``values`` is ``[sum T_i, *shape]`` in the stored dtype (int8 codes dequantized
+        to float32), the rows' tokens one row
         after the other in the order asked; ``offsets`` (``[n + 1]`` int64) says row ``j``
         of the request is ``values[offsets[j]:offsets[j + 1]]``.
         """
@@ -324,11 +327,25 @@ class FeatureStore:
         first, last = (int(picked.min()), int(picked.max()) + 1) if len(picked) else (0, 0)
         window = np.empty(last + 1 - first, dtype=np.int64)
         self._handle.rows("offsets").read(first, last + 1, window)
-        return read_token_rows(self._reader(layer), window, picked - first)
+        values, offsets = read_token_rows(self._reader(layer), window, picked - first)
+        if self._quantized(layer):
+            scales = read_token_rows(self._scales(layer), window, picked - first)[0]
+            values = codec.dequantize(values, scales)
+        return values, offsets
 
     def dtype(self, layer: str) -> torch.dtype:
-        """The torch dtype rows of ``layer`` come back as."""
-        return codec.torch_dtype(codec.attr(self._features(layer), "dtype"))
+        """The torch dtype rows of ``layer`` come back as (float32 for int8 codes)."""
+        return codec.value_dtype(codec.attr(self._features(layer), "dtype"))
+
+    def _quantized(self, layer: str) -> bool:
+        """Whether ``layer`` holds int8 codes with a scale per row (or token)."""
+        if layer not in self._dtypes:  # opening a virtual dataset costs more than a row
+            self._dtypes[layer] = codec.attr(self._features(layer), "dtype")
+        return self._dtypes[layer] in codec.QUANTIZED
+
+    def _scales(self, layer: str) -> Rows | PartRows:
+        """The reads of the scales of the quantized ``layer``."""
+        return self._handle.rows(codec.scales_name(layer))
 
     def layer_attrs(self, layer: str) -> dict[str, Any]:
         """The attributes of ``layer``'s dataset: ``dtype``, ``module``, ``capture``, ..."""
@@ -402,7 +419,8 @@ class FeatureStore:
         return self.attrs.get("class_names")
 
     def read(self, layer: str, rows: RowSelection = slice(None)) -> torch.Tensor:
-        """Rows of ``layer`` as a tensor ``[n, *shape]`` in the stored dtype.
+        """Rows of ``layer`` as a tensor ``[n, *shape]`` in the stored dtype (int8 codes
+        dequantized to float32).
 
         ``rows`` is a slice or any sequence of row numbers (any order, repeats allowed,
         negative ones counted from the end); the file is read in increasing order and the
@@ -414,7 +432,11 @@ class FeatureStore:
                 f"layer {layer!r} holds per-token rows of different lengths; read them with "
                 "read_tokens(), FeatureDataset (one [T, D] row per item) or TokenDataset"
             )
-        return read_rows(self._reader(layer), row_numbers(rows, len(self)))
+        picked = row_numbers(rows, len(self))
+        values = read_rows(self._reader(layer), picked)
+        if self._quantized(layer):
+            values = codec.dequantize(values, read_rows(self._scales(layer), picked))
+        return values
 
     def describe(self) -> StoreDescription:
         """What ``featcache info`` shows: sizes, layers, rows, provenance, the time split."""

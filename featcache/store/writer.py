@@ -39,7 +39,8 @@ class StorePlan:
     rows: int  # source rows the store is sized for (fewer are stored when some are skipped)
     ids_width: int = 1  # bytes of the longest id
     dtype: str = "float16"  # of the layers
-    compression: str | None = None  # "gzip" or "lzf": a compressed copy made at completion
+    # a store.compression value ("gzip", "zstd:5", ...): a compressed copy made at completion
+    compression: str | None = None
     chunk_rows: int | None = None  # rows (tokens) per chunk; None: layout.chunk_rows_for
     checksum: bool = True  # an XXH3 checksum per chunk
     has_labels: bool = True
@@ -133,6 +134,7 @@ class StoreWriter:
                     add(f, name, shape, dtype, meta_rows)
                 f.create_group("features", track_order=True)
                 stored = codec.numpy_dtype(plan.dtype)
+                scaled: list[str] = []
                 for key, array in features.items():
                     shape = (tokens if key in ragged else plan.rows, *array.shape[1:])
                     rows = plan.chunk_rows or layout.chunk_rows_for(
@@ -142,9 +144,13 @@ class StoreWriter:
                     per_token = {"layout": "tokens"} if key in ragged else {}
                     attrs = dict(feature_attrs.get(key, {}), dtype=plan.dtype, **per_token)
                     codec.write_attrs(dataset, attrs)
+                    if plan.dtype in codec.QUANTIZED:  # a float32 scale per row (token)
+                        scales = add(f, codec.scales_name(key), shape[:1], np.float32, rows)
+                        codec.write_attrs(scales, per_token)
+                        scaled.append(codec.scales_name(key))
                 if plan.checksum:
                     codec.set_attr(f["checksums"], "algorithm", layout.CHECKSUM)
-                names = [*shapes, *(f"features/{key}" for key in features)]
+                names = [*shapes, *(f"features/{key}" for key in features), *scaled]
                 progress = layout.allocate(f, layout.PROGRESS, (1 + len(names),), "<i8")
                 progress[...] = 0
                 codec.set_attr(progress, "datasets", json.dumps(names))
@@ -194,6 +200,7 @@ class StoreWriter:
         lengths: np.ndarray | None = None,
         token_ids: np.ndarray | None = None,
         ragged: frozenset[str] = frozenset(),
+        scales: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         """Append ``len(index)`` rows and the skip records of source positions among them.
 
@@ -202,7 +209,9 @@ class StoreWriter:
         (``codec.as_array(codec.encode(x, dtype))``: ``uint16`` bits for bfloat16). The
         layers in ``ragged`` are per-token rows instead: ``[sum(lengths), *shape]``, row
         ``i`` owning ``lengths[i]`` consecutive tokens, whose ids ``token_ids`` (int64
-        ``[sum(lengths)]``) are stored beside them when given.
+        ``[sum(lengths)]``) are stored beside them when given. An int8 store's
+        ``features[key]`` are codes and ``scales[key]`` their float32 scales, one per row
+        (token) of ``features[key]``.
         """
         for record in skipped:
             self._log_skip(dict(record))
@@ -232,6 +241,11 @@ class StoreWriter:
             self.tokens_appended = int(ends[-1])
         for key, array in features.items():
             columns[f"features/{key}"].push(array)
+        if self.plan.dtype in codec.QUANTIZED:
+            if scales is None or set(scales) != set(features):
+                raise FeatcacheError(f"{self.path} holds int8 codes; append their scales")
+            for key, scale in scales.items():
+                columns[codec.scales_name(key)].push(scale)
         columns["index"].push(index)
         columns["ids"].push(np.char.encode(np.asarray(ids, dtype=str), "utf-8"))
         if "labels" in columns:
