@@ -20,19 +20,33 @@ featcache's), the medians of the per-round ratios and their ranges. Target: at l
 checksum libraries that are installed (xxhash's XXH3-64, which featcache uses, and
 google-crc32c and crc32c if present) on 1 MiB chunks.
 
+``--profile`` times no rounds: it runs each case once to warm up, once for each thread's
+CPU seconds (the main thread: loader, hooks, cast, non-finite check, completion;
+``featcache-writer``: staging, checksums, ``pwrite``; ``featcache-sync_0``: the progress
+marks' ``fdatasync``; threads that run no Python, such as torch's intra-op pool, which
+shares the casts, read from ``/proc/self/task`` on Linux), then once under cProfile, one
+profiler per Python thread timed by that thread's CPU clock, for each thread's ``--top``
+functions by their own CPU time (cProfile adds its own cost to every call it times).
+
     python scripts/bench_write.py [--rows 8192] [--batch 64] [--repeats 5]
-                                  [--checksum-cost] [--hashes] [--dir DIR]
+                                  [--checksum-cost] [--hashes] [--profile [--top 12]]
+                                  [--dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
+import functools
 import importlib
 import os
+import pstats
 import statistics
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -117,6 +131,122 @@ def hashes(size: int = 1 << 20, repeats: int = 200) -> None:
         print(f"{name:<32} {size / best / 1e9:6.1f}")
 
 
+def native_thread_cpu() -> dict[int, float]:
+    """CPU seconds so far of each thread of this process, by native id ({} where
+    ``/proc/self/task`` is missing)."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    threads = {}
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        utime, stime = stat[stat.rindex(")") + 2 :].split()[11:13]
+        threads[int(task.name)] = (int(utime) + int(stime)) / ticks
+    return threads
+
+
+@contextlib.contextmanager
+def each_thread(
+    started: Callable[[threading.Thread], None], ended: Callable[[threading.Thread], None]
+) -> Iterator[None]:
+    """Inside the block, ``started`` and ``ended`` run in every Python thread that starts,
+    first and last (the main thread is the caller's to handle)."""
+    run = threading.Thread.run
+
+    def wrapped(thread: threading.Thread) -> None:
+        started(thread)
+        try:
+            run(thread)
+        finally:
+            ended(thread)
+
+    setattr(threading.Thread, "run", wrapped)  # noqa: B010  (a method, replaced for a while)
+    try:
+        yield
+    finally:
+        setattr(threading.Thread, "run", run)  # noqa: B010
+
+
+def thread_cpu(run: Callable[[], None]) -> tuple[float, dict[str, float], float]:
+    """Run ``run`` once; returns the process's CPU seconds, those of each Python thread
+    (the calling one as ``MainThread``), and those of the threads that ran before and run
+    no Python (torch's intra-op pool)."""
+    threads: dict[str, float] = {}
+
+    def started(thread: threading.Thread) -> None:
+        thread.__dict__["_bench_cpu"] = time.thread_time()
+
+    def ended(thread: threading.Thread) -> None:
+        threads[thread.name] = time.thread_time() - thread.__dict__["_bench_cpu"]
+
+    before, cpu, main = native_thread_cpu(), time.process_time(), time.thread_time()
+    with each_thread(started, ended):
+        run()
+    main = time.thread_time() - main
+    cpu, after = time.process_time() - cpu, native_thread_cpu()
+    main_id = threading.main_thread().native_id
+    native = sum(after[i] - before[i] for i in after if i in before and i != main_id)
+    return cpu, {"MainThread": main, **threads}, native
+
+
+def profiles(run: Callable[[], None]) -> dict[str, pstats.Stats]:
+    """Run ``run`` once with a cProfile profiler on the thread's CPU clock in the calling
+    thread and in every Python thread it starts; returns their stats by thread name."""
+    profilers: dict[str, cProfile.Profile] = {"MainThread": cProfile.Profile(time.thread_time)}
+
+    def started(thread: threading.Thread) -> None:
+        profilers[thread.name] = profiler = cProfile.Profile(time.thread_time)
+        profiler.enable()
+
+    def ended(thread: threading.Thread) -> None:
+        profilers[thread.name].disable()
+
+    with each_thread(started, ended):
+        profilers["MainThread"].enable()
+        try:
+            run()
+        finally:
+            profilers["MainThread"].disable()
+    return {name: pstats.Stats(profiler) for name, profiler in profilers.items()}
+
+
+def where(key: tuple[str, int, str]) -> str:
+    """A profile entry's function, its file named from the package or library folder."""
+    filename, line, name = key
+    if filename == "~":
+        return name
+    for root in ("site-packages/", "/featcache/", "/lib/python"):
+        if root in filename:
+            filename = filename[filename.rindex(root) + len(root) :]
+            break
+    return f"{filename}:{line} {name}"
+
+
+def print_profile(case: str, run: Callable[[Path], None], path: Path, top: int) -> None:
+    """``case`` run once (writing ``path``, removed after each run) for each thread's CPU
+    seconds, then once under :func:`profiles` for each thread's ``top`` functions by their
+    own CPU time."""
+    os.sync()
+    cpu, threads, native = thread_cpu(functools.partial(run, path))
+    path.unlink()
+    print(f"\n{case}: {cpu:.3f} s CPU in the process")
+    for name, seconds in threads.items():
+        print(f"  {name:<44} {seconds:7.3f} s")
+    print(f"  {'threads running no Python (torch intra-op)':<44} {native:7.3f} s")
+    print(f"  {'not accounted for':<44} {cpu - sum(threads.values()) - native:7.3f} s")
+    os.sync()
+    stats = profiles(functools.partial(run, path))
+    path.unlink()
+    for name, thread in stats.items():
+        total = thread.total_tt  # type: ignore[attr-defined]
+        print(f"\n  {name}, profiled ({total:.3f} s with cProfile's own cost): top {top}")
+        print(f"  {'own s':>7} {'cum s':>7} {'calls':>7}")
+        entries = thread.stats.items()  # type: ignore[attr-defined]
+        for key, (_, calls, own, cumulative, _) in sorted(entries, key=lambda e: -e[1][2])[:top]:
+            print(f"  {own:7.3f} {cumulative:7.3f} {calls:7d}  {where(key)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=8192)
@@ -124,6 +254,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--checksum-cost", action="store_true")
     parser.add_argument("--hashes", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="profile one run of each case")
+    parser.add_argument("--top", type=int, default=12, help="functions per thread (--profile)")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: tmp)")
     args = parser.parse_args()
     data = torch.randn(args.rows, *SHAPE, generator=torch.Generator().manual_seed(0))
@@ -134,6 +266,14 @@ def main() -> None:
     }
     if args.checksum_cost:
         cases["featcache.extract, checksum off"] = lambda p: extract(data, args.batch, p, False)
+    if args.profile:
+        with tempfile.TemporaryDirectory(prefix="featcache-bench-write-", dir=args.dir) as tmp:
+            for name, run in cases.items():
+                path = Path(tmp) / "profiled.h5"
+                run(path)  # warm-up
+                path.unlink()
+                print_profile(name, run, path, args.top)
+        return
     with tempfile.TemporaryDirectory(prefix="featcache-bench-write-", dir=args.dir) as tmp:
         times = timed_rounds(cases, Path(tmp), args.repeats)
     print(
