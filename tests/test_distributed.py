@@ -305,7 +305,7 @@ def test_a_one_process_run_refuses_the_shards_of_a_torchrun_run(tmp_path, monkey
         raise FeatcacheError("the run failed")
 
     with monkeypatch.context() as patched:  # a run that fails keeps what the shards hold
-        patched.setattr(from_config, "extract", failing)
+        patched.setattr(from_config, "run_plan", failing)
         with pytest.raises(FeatcacheError, match="the run failed"):
             featcache.extract_from_config(overwrite)
     assert all(shard.exists() for shard in shards)

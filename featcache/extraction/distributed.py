@@ -27,7 +27,7 @@ import torch.distributed as dist
 from featcache.errors import ConfigError
 from featcache.store.merge import combine_shards, merge_store
 from featcache.store.paths import OVERWRITE, shard_path
-from featcache.store.state import StoreState
+from featcache.store.state import store_state
 
 __all__ = [
     "Rank",
@@ -136,12 +136,12 @@ def block(
 
 
 def check_other_world_sizes(
-    state: StoreState, world_size: int, overwrite: bool, delete: bool = True
+    path: str | os.PathLike, world_size: int, overwrite: bool, delete: bool = True
 ) -> list[Path]:
-    """Refuse shards left by a run with another number of processes; with ``overwrite``,
-    delete them (or, without ``delete``, leave that to the caller) and return them."""
-    path = state.path
-    stale = state.other_world_sizes(world_size)
+    """Refuse shards left by a run with another number of processes beside the store at
+    ``path``; with ``overwrite``, delete them (or, without ``delete``, leave that to the
+    caller) and return them."""
+    stale = store_state(path).other_world_sizes(world_size)
     if stale and overwrite:
         for candidate in stale if delete else ():
             candidate.unlink(missing_ok=True)

@@ -283,7 +283,7 @@ def _check_outputs(spec: Spec, rank: Rank | None) -> dict[str, list[Path]]:
         if rank is None:  # a one-process run does not resume a torchrun run's shards
             # Under --overwrite they go once the new store has replaced the one they make
             # up: a run that fails keeps that store whole.
-            stale[split] = check_other_world_sizes(state, 1, spec.output.overwrite, delete=False)
+            stale[split] = check_other_world_sizes(path, 1, spec.output.overwrite, delete=False)
         fingerprint = config_fingerprint(spec)
         if state.key is None or state.key.get("config_fingerprint") != fingerprint:
             resumes = state.interrupted_overwrite({"config_fingerprint": fingerprint})

@@ -64,7 +64,7 @@ def extract_shard(
     state = store_state(path)
     if state.complete and not options.overwrite and done_key.matches(state.key):
         return FeatureStore(path)
-    check_other_world_sizes(state, world, options.overwrite)
+    check_other_world_sizes(path, world, options.overwrite)
     if options.overwrite and rank.is_main:
         remove_store(path)
     batch_size = options.loader.batch_size  # a sharded source goes in whole shards
