@@ -82,7 +82,6 @@ from typing import Any, TypeVar
 import h5py
 import numpy as np
 import torch
-from torch import nn
 from torch.utils.data import TensorDataset
 
 import featcache  # first: makes torchvision importable beside this torch build
@@ -92,6 +91,9 @@ from featcache.probe.results import KnnResult, ProbeResult
 from featcache.read.token_view import TokenDataset
 from featcache.store import FeatureStore, codec, copy_store
 from featcache.util.compression import check_compression
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_write import Identity  # noqa: E402  (the model of stored rows)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
@@ -409,17 +411,6 @@ def float8_round_trip(x: torch.Tensor) -> torch.Tensor:
     step = torch.where(scales > 0, scales, torch.ones_like(scales))[:, None]
     back = (flat / step).to(torch.float8_e4m3fn).float() * step
     return back.view(x.shape)
-
-
-class Identity(nn.Module):
-    """The model of stored rows: its one layer, ``layer``, hands back its input."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.Identity()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(x)
 
 
 def write_rows(path: Path, values: torch.Tensor, like: FeatureStore, key: str) -> Path:

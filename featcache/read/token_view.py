@@ -10,9 +10,8 @@ import torch
 
 from featcache.errors import ConfigError
 from featcache.read.dataset import FeatureDataset, Features
-from featcache.store import codec
 from featcache.store.reader import FeatureStore
-from featcache.store.rows import read_rows, row_numbers, rows_of
+from featcache.store.rows import row_numbers
 
 
 class TokenDataset(FeatureDataset):
@@ -44,13 +43,7 @@ class TokenDataset(FeatureDataset):
         self.labels = torch.empty(0, dtype=torch.int64)
 
     def _load(self, store: FeatureStore, layer: str) -> torch.Tensor:
-        tokens = slice(0, self.num_rows)
-        values = read_rows(rows_of(store.file["features"][layer]), tokens)
-        if codec.attr(store.file["features"][layer], "dtype") not in codec.QUANTIZED:
-            return values
-        return codec.dequantize(
-            values, read_rows(rows_of(store.file[codec.scales_name(layer)]), tokens)
-        )
+        return store.read_tokens(layer)[0]  # every token of every row, in order
 
     @property
     def num_tokens(self) -> int:

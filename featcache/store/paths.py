@@ -56,26 +56,24 @@ def open_readonly(path: str | os.PathLike, **options: Any) -> h5py.File:
     chunks (for the layers HDF5 reads). A ``.partial`` one is opened without HDF5's file
     lock, which its running writer may hold (HDF5 requires the same choice for every
     handle a process holds on one file, so every reader opens it this way). hdf5plugin's
-    filters are registered first, where it is installed (once per process).
+    filters are registered first, where it is installed (once per process); where it is
+    not, a layer compressed with one of its codecs is named at once.
 
     Raises:
         FeatcacheError: a dataset of the file needs an HDF5 filter that this process
             cannot apply; one line naming it and how to install it.
     """
-    load_plugins()
+    plugins = load_plugins()
     if str(path).endswith(PARTIAL_SUFFIX):
         options["locking"] = False
     file = h5py.File(path, "r", **{"rdcc_nbytes": READ_CACHE_BYTES, **options})
-    missing = missing_filter(file)
+    # With hdf5plugin loaded every filter a store may use is there: no layer to look at.
+    missing = missing_filter(file) if plugins is None else ""
     if missing:
         file.close()
-        fix = (
-            f"install hdf5plugin with: {PLUGIN_INSTALL}"
-            if load_plugins() is None
-            else "it is not one of hdf5plugin's: install its HDF5 plugin (HDF5_PLUGIN_PATH)"
-        )
         raise FeatcacheError(
-            f"store {path} is compressed with {missing}, which is not available here; {fix}"
+            f"store {path} is compressed with {missing}, which is not available here; "
+            f"install hdf5plugin with: {PLUGIN_INSTALL}"
         )
     return file
 
