@@ -278,7 +278,7 @@ def flips(folder: Path, target: str, count: int, rng: random.Random) -> collecti
         path = reference
         cases = [(path, path, 0, ROWS, False)]
     elif target == "shard":
-        shards = [shard_path(folder / "t.h5", rank, 2) for rank in range(2)]
+        shards = [shard_path(folder / "t.h5", first) for first in (0, 24)]
         if not (folder / "t.h5").exists():
             for shard, rows in zip(shards, (range(0, 24), range(24, ROWS)), strict=True):
                 extract(shard, rows=rows)

@@ -142,8 +142,9 @@ def test_runtime_errors_exit_1_and_debug_shows_traceback(tmp_path):
 
 
 def test_interrupted_extract_names_the_command_that_resumes(config_file, monkeypatch):
-    def interrupted(config, overrides, check_space):
+    def interrupted(config, overrides, check_space, shard):
         assert overrides == ["loader.batch_size=4", "output.overwrite=true"] and check_space
+        assert shard is None
         raise KeyboardInterrupt
 
     monkeypatch.setattr("featcache.extraction.extract_from_config", interrupted)
@@ -154,6 +155,17 @@ def test_interrupted_extract_names_the_command_that_resumes(config_file, monkeyp
         f"featcache: interrupted; what was written is kept, and `featcache extract "
         f"{config_file} --set loader.batch_size=4` resumes it"
     )
+
+
+def test_an_interrupted_shard_job_names_the_job_that_resumes(config_file, monkeypatch):
+    def interrupted(config, overrides, check_space, shard):
+        assert shard == "1/4"
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("featcache.extraction.extract_from_config", interrupted)
+    result = runner.invoke(app, ["extract", str(config_file), "--shard", "1/4"])
+    assert result.exit_code == 130
+    assert f"`featcache extract {config_file} --shard 1/4` resumes it" in result.stderr
 
 
 def test_layers_lists_names_types_and_shapes(config_file):

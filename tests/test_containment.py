@@ -95,7 +95,7 @@ def test_a_store_that_takes_values_from_another_file_is_refused(planted, kind, p
 
 
 def test_shards_must_lie_beside_the_store_and_hold_their_own_values(tmp_path):
-    shards = [written_store(shard_path(tmp_path / "t.h5", r, 2), seed=r) for r in range(2)]
+    shards = [written_store(shard_path(tmp_path / "t.h5", r), seed=r) for r in range(2)]
     combined = combine_shards(tmp_path / "t.h5", shards).path
     with FeatureStore(combined) as store:  # a torchrun store opens (and closes its shards)
         assert store.read("a").shape[0] == 40

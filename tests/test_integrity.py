@@ -203,7 +203,7 @@ def test_copies_and_merges_keep_checksums(tmp_path):
     copy_store(plain, tmp_path / "plain.h5")  # a copy is written in the current format
     assert not has_checksums(plain) and has_checksums(tmp_path / "plain.h5")
 
-    shards = [written_store(shard_path(tmp_path / "t.h5", r, 2), 10, seed=r) for r in (0, 1)]
+    shards = [written_store(shard_path(tmp_path / "t.h5", r), 10, seed=r) for r in (0, 1)]
     combined = combine_shards(tmp_path / "t.h5", shards)
     assert has_checksums(combined)  # through the virtual datasets' sources
     merged = merge_store(combined.path, tmp_path / "merged.h5", progress=False)

@@ -52,7 +52,7 @@ def test_stores_copies_and_combined_shards_are_sealed(clean, tmp_path):
     assert clean.read_bytes()[8] == 2  # superblock version 2: version-2 object headers
     copied = tmp_path / "copied.h5"
     copy_store(clean, copied, compression="gzip")
-    shards = [written_store(shard_path(tmp_path / "t.h5", rank, 2)) for rank in range(2)]
+    shards = [written_store(shard_path(tmp_path / "t.h5", rank)) for rank in range(2)]
     combined = combine_shards(tmp_path / "t.h5", shards).path
     for path in (clean, copied, combined, *shards):
         with h5py.File(path, "r") as f:
@@ -185,7 +185,7 @@ def test_no_text_is_kept_in_hdf5s_unchecked_global_heap(clean, tmp_path):
     skipping, skipped = _skipping_store(tmp_path / "skipping.h5")
     copied = tmp_path / "copied.h5"
     copy_store(skipping, copied, compression="gzip")
-    shards = [written_store(shard_path(tmp_path / "t.h5", rank, 2)) for rank in range(2)]
+    shards = [written_store(shard_path(tmp_path / "t.h5", rank)) for rank in range(2)]
     combined = combine_shards(tmp_path / "t.h5", shards).path
     for path in (clean, skipping, copied, combined, *shards):
         if path != combined:  # HDF5 keeps a virtual dataset's sources there, checksummed
@@ -210,12 +210,12 @@ def test_no_text_is_kept_in_hdf5s_unchecked_global_heap(clean, tmp_path):
 
 
 def test_a_damaged_source_map_of_a_combined_store_fails_its_opening(tmp_path):
-    shards = [written_store(shard_path(tmp_path / "t.h5", r, 2), seed=r) for r in range(2)]
+    shards = [written_store(shard_path(tmp_path / "t.h5", r), seed=r) for r in range(2)]
     combined = combine_shards(tmp_path / "t.h5", shards).path
     raw = bytearray(combined.read_bytes())
     heap = raw.find(b"GCOL")  # the virtual datasets' sources: shard file and dataset names
-    at = raw.find(b"shard-00001", heap)
-    raw[at + len("shard-0000")] = ord("0")  # rows 20-39 would come from shard 0 again
+    at = raw.find(b"shard-000000000001", heap)
+    raw[at + len("shard-00000000000")] = ord("0")  # rows 20-39 would come from shard 0 again
     combined.write_bytes(bytes(raw))
     with pytest.raises(CorruptStoreError) as caught:
         FeatureStore(combined).read("a")
@@ -368,7 +368,7 @@ def test_a_damaged_chunk_key_of_a_shard_fails_verify_of_the_combined_store(tmp_p
     featcache's own reads find each shard's chunks through the listing of its chunk
     index, as a single file's, and the scan of verify --quick, which looks each chunk up
     as HDF5 does, names the combined store's rows."""
-    shards = [written_store(shard_path(tmp_path / "t.h5", r, 2), seed=r) for r in range(2)]
+    shards = [written_store(shard_path(tmp_path / "t.h5", r), seed=r) for r in range(2)]
     store = combine_shards(tmp_path / "t.h5", shards)
     combined, before = store.path, store.read("a")
     store.close()

@@ -187,7 +187,7 @@ def _combined(tmp_path):
     """A store combined from two shards of 23 and 10 rows, and its rows as written."""
     shards, encoded = [], []
     for rank, rows in enumerate((23, 10)):
-        path, values = _store(shard_path(tmp_path / "t.h5", rank, 2), rows, seed=rank)
+        path, values = _store(shard_path(tmp_path / "t.h5", rank), rows, seed=rank)
         shards.append(path)
         encoded.append(values)
     return combine_shards(tmp_path / "t.h5", shards).path, np.concatenate(encoded)
@@ -230,7 +230,7 @@ def test_a_combined_store_is_read_from_its_shards_through_the_same_path(tmp_path
 
 def test_a_bad_chunk_of_a_shard_is_named_by_the_combined_rows(tmp_path):
     path, _ = _combined(tmp_path)
-    corrupt_row(shard_path(tmp_path / "t.h5", 1, 2), "features/a", 5)  # store rows 27
+    corrupt_row(shard_path(tmp_path / "t.h5", 1), "features/a", 5)  # store rows 27
     with pytest.raises(CorruptStoreError, match=r"layer a rows 27-30 fail their checksum"):
         FeatureStore(path).read("a", [28])
     dataset = FeatureDataset(path, "a", dtype=None)
@@ -254,7 +254,7 @@ def test_a_store_reopened_after_its_file_was_replaced_reads_the_new_file(tmp_pat
 
 def test_a_closed_combined_store_lets_go_of_its_shards(tmp_path):
     path, encoded = _combined(tmp_path)
-    shard = shard_path(tmp_path / "t.h5", 1, 2)
+    shard = shard_path(tmp_path / "t.h5", 1)
     store = FeatureStore(path)
     np.testing.assert_array_equal(codec.as_array(store.read("a", [30])), encoded[[30]])
     with pytest.raises(OSError, match="locking flag"):  # held by the store's reads of it

@@ -29,6 +29,7 @@ from tests.cifar_formats import (
 )
 from tests.test_distributed import _torchrun, assert_same_rows
 from tests.test_resume import assert_same_store
+from tests.test_shards import failing_after
 
 REPO = Path(__file__).resolve().parents[1]
 SHARDS = "shards/train-{000000..000003}.tar"
@@ -155,6 +156,20 @@ def test_torchrun_two_processes_equal_one(cifar, tmp_path):
     source = build_source(DataSpec(**wds(cifar)), "train", None)
     first_rank = FeatureStore(tmp_path / "sharded" / sharded.attrs["shards"][0])
     assert len(first_rank) in source.shard_starts
+
+
+def test_stopped_shard_jobs_are_finished_by_jobs_of_another_number(cifar, tmp_path, monkeypatch):
+    # Jobs of 2 over four tar shards, the first stopped part way, finished by jobs of 3.
+    single = featcache.extract_from_config(config(wds(cifar), tmp_path / "single"))["train"]
+    sharded = config(wds(cifar), tmp_path / "sharded")
+    with failing_after(monkeypatch, 4), pytest.raises(FeatcacheError, match="stopped part way"):
+        featcache.extract_from_config(sharded, shard="0/2")
+    for job in (2, 0, 1):
+        stores = featcache.extract_from_config(sharded, shard=f"{job}/3")
+    assert_same_rows(stores["train"].path, single.path)
+    history = stores["train"].attrs["history"]
+    assert sum(record["rows_computed"] + record["rows_resumed"] for record in history) == 200
+    assert any(record["rows_resumed"] for record in history)
 
 
 def test_a_corrupt_image_names_its_key_and_is_skipped_on_request(cifar, tmp_path):

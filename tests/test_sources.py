@@ -670,3 +670,15 @@ def test_decode_size_reaches_file_sources(tmp_path):
     source = build_source(data, "train", None, decode_size=200)
     image, _ = source[0]
     assert image.size == (200, 200)
+
+
+def test_labels_of_mixed_kinds_are_one_clear_error():
+    from featcache.sources.tabular import class_indices
+
+    assert class_indices(["b", "a", "b"], "label").__getitem__(1) == ["a", "b"]
+    with pytest.raises(
+        ConfigError, match=r"^label: labels mix integers \(3\) and strings \('cat'\)"
+    ):
+        class_indices([3, "cat"], "label")
+    with pytest.raises(ConfigError, match=r"^label: label 1.5 is a float; labels must be all"):
+        class_indices([1, 1.5], "label")

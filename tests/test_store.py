@@ -205,18 +205,18 @@ def test_incomplete_store_shows_only_its_durable_rows(tmp_path):
     assert result.exit_code == 1 and "is incomplete (40 rows written)" in result.stderr
 
 
-def test_a_missing_store_with_torchrun_shards_points_to_them(tmp_path):
+def test_a_missing_store_with_shards_points_to_them(tmp_path):
     store = tmp_path / "train.h5"
-    write_store(shard_path(store, 0, 2), 40, complete=False)  # written to its .partial
-    write_store(shard_path(store, 1, 2), 30)
-    write_store(tmp_path / "trainer.shard-00000-of-00002.h5", 5)  # another store's shard
+    write_store(shard_path(store, 0), 40, complete=False)  # written to its .partial
+    write_store(shard_path(store, 1), 30)
+    write_store(tmp_path / "trainer.shard-000000000000.h5", 5)  # another store's shard
     with pytest.raises(ConfigError) as caught:
         FeatureStore(store)
     assert str(caught.value) == (
-        f"store not found: {store}; a torchrun run with 2 processes has 70 rows durable in 2 "
-        "shards (train.shard-00000-of-00002.h5.partial, ...) and has not combined them yet: "
-        f"`featcache info {partial_path(shard_path(store, 0, 2))}` shows its writer and the "
-        "command that resumes it"
+        f"store not found: {store}; 2 shards (train.shard-000000000000.h5.partial, ...) hold "
+        f"70 rows durably and have not been combined yet: `featcache info {store}` lists "
+        "them, and rerunning the extraction, with any number of processes, computes the rest "
+        "and combines them"
     )
 
 
@@ -433,7 +433,7 @@ def test_a_finished_store_is_synced_before_its_rename_and_its_folder_after(tmp_p
     monkeypatch.setattr(
         store_merge, "replace_durably", lambda a, b: moved.append(b) or replace(a, b)
     )
-    shards = [write_store(shard_path(tmp_path / "t.h5", r, 2), 5)[0] for r in range(2)]
+    shards = [write_store(shard_path(tmp_path / "t.h5", r), 5)[0] for r in range(2)]
     combined = combine_shards(tmp_path / "t.h5", shards)
     made = [name for shard in shards for name in (partial_path(shard), shard)]
     assert moved == [partial_path(path), path, *made, tmp_path / "t.h5"] and combined.complete
@@ -504,7 +504,7 @@ def test_forked_process_opens_its_own_handle(bf16):
 def test_shards_combine_into_a_virtual_store_and_merge_into_one_file(tmp_path):
     shards, parts = [], []
     for rank in range(2):
-        shard, values = write_store(shard_path(tmp_path / "t.h5", rank, 2), 20 + rank, seed=rank)
+        shard, values = write_store(shard_path(tmp_path / "t.h5", rank), 20 + rank, seed=rank)
         shards.append(shard)
         parts.append(values)
     # Each shard's last run computed only some of its rows (a resume): 10 and 6 rows.

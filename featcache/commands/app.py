@@ -93,6 +93,16 @@ def extract(
             "class folder), into <output.dir>/limit-N/ (data.limit): a quick trial.",
         ),
     ] = None,
+    shard: Annotated[
+        str | None,
+        typer.Option(
+            "--shard",
+            metavar="I/N",
+            help="Run as job I of N independent ones (0 <= I < N; a Slurm array, an indexed "
+            "job): compute the rows of block I that no shard holds; the job that finds every "
+            "row done combines the store.",
+        ),
+    ] = None,
     ignore_free_space: Annotated[
         bool,
         typer.Option(
@@ -107,7 +117,7 @@ def extract(
     the output filesystem cannot hold is refused, unless --ignore-free-space.
     """
     from featcache.extraction import extract_from_config
-    from featcache.extraction.distributed import current_rank
+    from featcache.extraction.distributed import current_rank, parse_shard
     from featcache.extraction.from_config import resume_command
     from featcache.store.history import describe_run
 
@@ -118,10 +128,13 @@ def extract(
     main = rank is None or rank.is_main
     started = time.time_ns()
     try:
-        stores = extract_from_config(config, overrides, check_space=not ignore_free_space)
+        stores = extract_from_config(
+            config, overrides, check_space=not ignore_free_space, shard=shard
+        )
     except KeyboardInterrupt:
         if main:
-            again = resume_command(config, overrides, rank)
+            job = rank if shard is None else parse_shard(shard)
+            again = resume_command(config, overrides, job)
             message = f"featcache: interrupted; what was written is kept, and `{again}` resumes it"
             say(message, err=True)
         raise typer.Exit(130) from None
@@ -132,6 +145,16 @@ def extract(
             history = store.attrs.get("history") or []
             if update and not done_before and history:
                 say(f"{store.path}: {describe_run(history[-1])}")
+    if shard is not None:  # the stores other jobs' rows keep from completing yet
+        from featcache.config.spec import load_config
+
+        spec = load_config(config, overrides)
+        for one in spec.per_model().values() if spec.models else [spec]:
+            for split in spec.data.splits:
+                path = one.store_path(split)
+                if not path.is_file():
+                    say(f"{path}: rows of shard {shard} done; other jobs' rows remain "
+                        f"(`featcache info {path}` lists them)")  # fmt: skip
 
 
 @_command
@@ -213,11 +236,17 @@ def info(
     """Show a store's rows, layers, completeness and provenance."""
     from featcache.store import FeatureStore
     from featcache.store.paths import PARTIAL_SUFFIX, store_path_of
+    from featcache.store.shards import describe_shards
 
     if store.name.endswith(PARTIAL_SUFFIX) and not store.is_file():  # not its store instead
         done = store_path_of(store)
         fix = f"for the store, run `featcache info {done}`" if done.is_file() else "check the path"
         raise ConfigError(f"{store} does not exist: no run of {done} is stopped or running; {fix}")
+    if not store.exists() and not as_json:  # a store not combined yet: its shards' rows
+        lines = describe_shards(store)
+        if lines:
+            say("\n".join(lines))
+            return
     with FeatureStore(store, allow_incomplete=True) as fs:
         description = fs.describe()
     say(description.to_json() if as_json else description.format())

@@ -153,11 +153,25 @@ def estimate(
 
 
 def run_plan(
-    plan: ExtractionPlan, path: Path, *, check_space: bool = True, feed: Feed | None = None
+    plan: ExtractionPlan,
+    path: Path,
+    *,
+    check_space: bool = True,
+    feed: Feed | None = None,
+    seal: bool = False,
+    launch: str | None = None,
+    continuity: int = 2,
 ) -> FeatureStore:
     """Write (or resume, or find complete, or update) the store ``plan`` describes at
     ``path``, its batches from ``feed`` when given (an update reads its own). The caller
-    holds the store's writer lock."""
+    holds the store's writer lock.
+
+    With ``seal``, the partial store at ``path`` was made for rows that go on past
+    ``plan.rows`` and keeps exactly ``plan.rows`` (a shard another run stopped): it is
+    completed as it is. ``launch`` names the launch in the store's history record (the
+    processes of a run of several share one). ``continuity``: the batches of a stopped
+    run's rows recomputed and compared before they are kept (see
+    `featcache.extraction.continuity`)."""
     if plan.stamps is None:  # before any row is read: a change after that shows later
         plan.stamps = dataset_stamps(plan.dataset)
     options = plan.options
@@ -203,6 +217,7 @@ def run_plan(
             plan.rows.start,
             plan.shard_starts,
             config=plan.provenance.get("config"),
+            seal=seal,
         )
         if resume is not None and resume.row > 0:  # rows kept: they must be this run's
             stale = plan.changes_since(resume.index, resume.stamps)
@@ -213,7 +228,7 @@ def run_plan(
                     FeatcacheWarning,
                     stacklevel=2,
                 )
-            check_continues(partial_path(path), plan, resume.position)
+            check_continues(partial_path(path), plan, resume.position, batches=continuity)
     todo = range(resume.position if resume else plan.rows.start, plan.rows.stop)
     if check_space:  # before the first batch, and before the store's file is created
         check_free_space([estimate_store(plan, path)], options.overwrite)
@@ -232,8 +247,11 @@ def run_plan(
         layers = (len(plan.taps), 0)
         kept = resume.row if resume else 0  # rows a stopped run wrote: resumed, not computed
         computed = (writer.rows_appended - kept, 0)
-        record = run_record("extract", computed, layers, plan.key().to_json(), resumed=kept)
+        key = plan.key().to_json()
+        record = run_record("extract", computed, layers, key, resumed=kept, launch=launch)
         attrs = {**timing, "row_unit": ROW_UNITS[plan.unit], "history": [record]}
+        if seal:  # the rows it holds now, no longer those it was made for
+            attrs["resume_key"] = key
         columns = getattr(plan.dataset, "row_columns", None)
         writer.close(complete=True, attrs=attrs, row_columns=columns)
     if writer.skipped:

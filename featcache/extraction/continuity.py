@@ -53,12 +53,17 @@ class Mismatch:
         return f"{where}: values differ by {self.difference:.1%} of the row's largest"
 
 
-def check_continues(store_file: Path, plan: ExtractionPlan, before: int | None = None) -> None:
+def check_continues(
+    store_file: Path, plan: ExtractionPlan, before: int | None = None, *, batches: int = 2
+) -> None:
     """Refuse to continue (or return as done) the store in ``store_file`` unless the rows
     it holds come out the same when recomputed now.
 
     ``before`` (a source position) limits the check to the rows an interrupted run keeps
-    (those a resume redoes from there are not compared). Recomputes at most two batches.
+    (those a resume redoes from there are not compared). Recomputes at most ``batches``
+    batches: those holding the last and (with 2) the first of those rows. A stopped shard
+    that is sealed, to which the run adds no row, is checked with one, or none when
+    another shard of the launch that wrote it is (`featcache.extraction.sharding`).
 
     Raises:
         ConfigError: one line naming the rows that differ, by how much, and the fixes.
@@ -68,10 +73,10 @@ def check_continues(store_file: Path, plan: ExtractionPlan, before: int | None =
         index = store.index
         if before is not None:
             index = index[index < before]
-        if not len(index):
+        if not len(index) or not batches:
             return
-        batches = _batches_holding(plan, [int(index[0]), int(index[-1])])
-        mismatch = _first_mismatch(store, index, plan, batches)
+        ends = [int(index[-1]), int(index[0])][:batches]
+        mismatch = _first_mismatch(store, index, plan, _batches_holding(plan, ends))
     if mismatch is None:
         return
     dtype = tolerance_of(plan.options.store.dtype, plan.layout.amp)[1]

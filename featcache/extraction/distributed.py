@@ -1,12 +1,15 @@
-"""Sharded extraction under torchrun: which rows each rank owns, and when ranks meet.
+"""Runs of several processes: which rows each computes, and when they meet.
 
-Under ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) every rank takes a contiguous
-block of source rows, cut on the batch grid so that every batch holds the same samples as
-in a single-process run, runs on its own device (``cuda:LOCAL_RANK``, or the CPU) and
-writes ``<store>.shard-RRRRR-of-WWWWW.h5`` next to the output, resumable like any store.
-When every rank is done, rank 0 writes the store itself: HDF5 virtual datasets over the
-shards, which ``FeatureStore``, ``FeatureDataset`` and plain h5py read like one file.
-``featcache merge`` copies such a store into one self-contained file.
+Under ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) the ranks of a group split the
+rows that no shard holds yet, in whole batches, so that every batch holds the same
+samples as in a one-process run; each runs on its own device (``cuda:LOCAL_RANK``, or the
+CPU) and writes its rows as shards beside the output (see :mod:`featcache.store.shards`),
+resumable like any store. When every rank is done, rank 0 writes the store itself: HDF5
+virtual datasets over the shards, which ``FeatureStore``, ``FeatureDataset`` and plain
+h5py read like one file. A run with ``--shard I/N`` is one of N independent processes
+that never meet: it computes the rows of block I of N that no shard holds, and the one
+that finds every row held combines the store. Either way the shards of earlier runs, of
+any number of processes, are kept.
 
 Shard file names, combining and merging live in the store package
 (:mod:`featcache.store.paths`, :mod:`featcache.store.merge`); they are importable from
@@ -16,28 +19,29 @@ here too.
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from featcache.errors import ConfigError
 from featcache.store.merge import combine_shards, merge_store
-from featcache.store.paths import OVERWRITE, shard_path
-from featcache.store.state import store_state
+from featcache.store.paths import shard_path
 
 __all__ = [
     "Rank",
     "block",
-    "check_other_world_sizes",
     "combine_shards",
     "current_rank",
     "launch_words",
     "merge_store",
+    "parse_shard",
     "shard_path",
+    "share_rows",
 ]
 
 
@@ -50,12 +54,14 @@ RANKS_WAIT = datetime.timedelta(days=7)
 
 @dataclass(frozen=True)
 class Rank:
-    """This process's place in a torchrun job."""
+    """This process's place in a run of several: a torchrun rank (``group``: the ranks
+    meet), or shard ``rank`` of ``world_size`` independent processes (``--shard I/N``)."""
 
     rank: int
     world_size: int
     local_rank: int
     local_world_size: int | None = None  # processes on this machine (None: all of them)
+    group: bool = True
 
     @property
     def is_main(self) -> bool:
@@ -74,14 +80,50 @@ class Rank:
         directly, so ranks left running after their launcher died still finish and
         combine the store rather than wait for a launcher that is gone.
         """
-        if not dist.is_initialized():
+        if self.group and not dist.is_initialized():
+            store, rank, world_size = next(dist.rendezvous("env://", timeout=RANKS_WAIT))
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                # The elastic agent's store outlives a restart, with the keys the group of
+                # the attempt before left (pytorch/pytorch#135712): each attempt's group
+                # gets keys of its own.
+                attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                store = dist.PrefixStore(f"featcache/attempt-{attempt}", store)
             # gloo works whatever device the model runs on: the group only synchronises.
-            dist.init_process_group(backend="gloo", timeout=RANKS_WAIT)
+            dist.init_process_group(
+                backend="gloo", store=store, rank=rank, world_size=world_size, timeout=RANKS_WAIT
+            )
 
     def barrier(self) -> None:
-        """Wait until every rank gets here, for up to :data:`RANKS_WAIT`."""
-        self.join()
-        dist.barrier()
+        """Wait until every rank gets here, for up to :data:`RANKS_WAIT` (at once for
+        processes that do not meet)."""
+        if self.group:
+            self.join()
+            dist.barrier()
+
+    def launch_id(self) -> str:
+        """An id shared by the processes of this launch (torchrun's ranks, or this one
+        process), that the shards' history records group by: a new one for each launch,
+        and for each of torchrun's elastic restarts."""
+        ids = [uuid.uuid4().hex[:12] if self.rank == 0 or not self.group else None]
+        if self.group:
+            self.join()
+            dist.broadcast_object_list(ids, src=0)
+        return str(ids[0])
+
+
+def parse_shard(text: str) -> Rank:
+    """``"I/N"`` (``0 <= I < N``) as shard I of N independent processes.
+
+    Raises:
+        ConfigError: ``text`` is not of that form.
+    """
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        raise ConfigError(
+            f"--shard {text!r}: give I/N with 0 <= I < N, such as --shard 0/4 for the "
+            "first of four jobs (a Slurm array's $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)"
+        )
+    return Rank(int(index), int(count), 0, 1, group=False)
 
 
 def current_rank() -> Rank | None:
@@ -100,9 +142,10 @@ def current_rank() -> Rank | None:
 
 def launch_words(rank: Rank | None) -> list[str]:
     """The start of a command line that runs ``featcache`` as this process was run:
-    ``["featcache"]`` alone, or torchrun with as many processes (and machines) as ``rank``
-    says. On several machines the user adds the rendezvous options they launched with."""
-    if rank is None:
+    ``["featcache"]`` alone or as a ``--shard`` job, or torchrun with as many processes (and
+    machines) as ``rank`` says. On several machines the user adds the rendezvous options
+    they launched with."""
+    if rank is None or not rank.group:
         return ["featcache"]
     per_machine = min(rank.local_world_size or rank.world_size, rank.world_size)
     if per_machine == rank.world_size:
@@ -112,45 +155,68 @@ def launch_words(rank: Rank | None) -> list[str]:
     return ["torchrun", *nodes, "--nproc-per-node", str(per_machine), "-m", "featcache"]
 
 
+def share_rows(
+    missing: Sequence[range], world_size: int, step: int, shard_starts: Sequence[int] = ()
+) -> list[list[range]]:
+    """The rows of ``missing`` (sorted, disjoint blocks of source rows) each of
+    ``world_size`` processes computes: whole batches of ``step`` rows on the grid from row
+    0, spread as evenly as they go in contiguous runs (rank 0 first).
+
+    A sharded source (``shard_starts``: the first row of each shard after the first) is
+    split at its shards instead, each process taking a contiguous run of them with about
+    a ``world_size``-th of the rows; with fewer shards than processes, some get none.
+    """
+    units: list[range] = []
+    for part in missing:
+        if shard_starts:
+            inner = [s for s in shard_starts if part.start < s < part.stop]
+        else:
+            inner = list(range(-(-part.start // step) * step, part.stop, step))
+        cuts = sorted({part.start, *inner, part.stop})
+        units += [range(a, b) for a, b in itertools.pairwise(cuts)]
+    if shard_starts:  # the unit edge nearest r / world_size of the rows
+        ends = [0, *itertools.accumulate(map(len, units))]
+
+        def cut(r: int) -> int:
+            target = ends[-1] * r / world_size
+            return min(range(len(ends)), key=lambda i: (abs(ends[i] - target), i))
+
+    else:
+
+        def cut(r: int) -> int:
+            return len(units) * r // world_size
+
+    return [_joined(units[cut(r) : cut(r + 1)]) for r in range(world_size)]
+
+
+def _joined(units: Sequence[range]) -> list[range]:
+    """``units`` (in order) with each run of adjacent ones as one range."""
+    joined: list[range] = []
+    for unit in units:
+        if joined and joined[-1].stop == unit.start:
+            joined[-1] = range(joined[-1].start, unit.stop)
+        else:
+            joined.append(unit)
+    return joined
+
+
 def block(
     num_rows: int, batch_size: int, rank: int, world_size: int, shard_starts: Sequence[int] = ()
 ) -> range:
-    """Rank ``rank``'s contiguous rows: whole batches, spread as evenly as they go.
-
-    A sharded source (``shard_starts``: the first row of each shard after the first) is
-    split into whole shards instead, each rank taking a contiguous run of them with about
-    ``num_rows / world_size`` rows; with fewer shards than ranks, some ranks get none.
-    """
-    if shard_starts:
-        edges = [0, *sorted(s for s in shard_starts if 0 < s < num_rows), num_rows]
-
-        def cut(r: int) -> int:  # the shard edge nearest r / world_size of the rows
-            target = num_rows * r / world_size
-            return min(edges, key=lambda edge: (abs(edge - target), edge))
-
-        return range(cut(rank), cut(rank + 1))
-    batches = -(-num_rows // batch_size)
-    first = batches * rank // world_size
-    last = batches * (rank + 1) // world_size
-    return range(min(first * batch_size, num_rows), min(last * batch_size, num_rows))
+    """Rank ``rank``'s contiguous rows of all ``num_rows`` (see :func:`share_rows`)."""
+    mine = share_rows([range(num_rows)], world_size, batch_size, shard_starts)[rank]
+    return mine[0] if mine else range(0)
 
 
-def check_other_world_sizes(
-    path: str | os.PathLike, world_size: int, overwrite: bool, delete: bool = True
-) -> list[Path]:
-    """Refuse shards left by a run with another number of processes beside the store at
-    ``path``; with ``overwrite``, delete them (or, without ``delete``, leave that to the
-    caller) and return them."""
-    stale = store_state(path).other_world_sizes(world_size)
-    if stale and overwrite:
-        for candidate in stale if delete else ():
-            candidate.unlink(missing_ok=True)
-        return list(stale)
-    if stale:
-        first = next(iter(stale))
-        raise ConfigError(
-            f"{path} has shards of a run with {', '.join(map(str, sorted(set(stale.values()))))} "
-            f"processes ({first.name}, ...); rerun with that many processes to resume it "
-            f"(`featcache info {first}` prints the command), or pass {OVERWRITE} to start over"
-        )
-    return []
+def without(rows: range, held: Sequence[range]) -> list[range]:
+    """The parts of ``rows`` that none of the sorted, disjoint blocks ``held`` covers."""
+    parts, at = [], rows.start
+    for span in held:
+        if span.start > at:
+            parts.append(range(at, min(span.start, rows.stop)))
+        at = max(at, span.stop)
+        if at >= rows.stop:
+            break
+    if at < rows.stop:
+        parts.append(range(at, rows.stop))
+    return [part for part in parts if part]

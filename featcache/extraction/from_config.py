@@ -14,12 +14,7 @@ from typing import TYPE_CHECKING, Any
 from featcache.config.spec import Spec, load_config, override_list, to_dict
 from featcache.errors import ConfigError, FeatcacheWarning
 from featcache.extraction.api import run_plan
-from featcache.extraction.distributed import (
-    Rank,
-    check_other_world_sizes,
-    current_rank,
-    launch_words,
-)
+from featcache.extraction.distributed import Rank, current_rank, launch_words, parse_shard
 from featcache.extraction.estimate import check_free_space, estimate_store
 from featcache.extraction.many import Decoded, ModelRun, estimate_runs, run_models
 from featcache.extraction.plan import RunOptions, make_plan
@@ -40,8 +35,16 @@ def extract_from_config(
     *,
     check_space: bool = True,
     update: bool = False,
+    shard: str | None = None,
 ) -> dict[str, FeatureStore]:
     """Run the extraction a config describes; one complete store per split.
+
+    ``shard="I/N"`` (``--shard I/N``) runs this process as job I of N independent ones
+    (a Slurm array, a Kubernetes indexed job): it computes the rows of block I of N that
+    no shard holds yet, as shards beside the stores, and the job that finds every row
+    held combines a store (see `featcache.extraction.sharding`); the stores it
+    returns are those complete so far. Under torchrun the ranks share the rows the
+    same way, and meet to combine.
 
     ``update=True`` (the config's ``output.update``, ``--update``) brings stores that
     exist up to date: only new or changed samples and new layers are computed, the rest
@@ -66,8 +69,22 @@ def extract_from_config(
         spec = dataclasses.replace(spec, output=output)
         spec.validate("")
     rank = current_rank()
+    if shard is not None:
+        if rank is not None:
+            raise ConfigError(
+                "--shard I/N runs one of N independent processes; under torchrun the ranks "
+                "share the rows themselves, so drop --shard (or run without torchrun)"
+            )
+        if spec.output.overwrite:
+            raise ConfigError(
+                "--overwrite with --shard would let each job delete the others' rows; "
+                "delete the store and its shards first, or run one job without --shard"
+            )
+        rank = parse_shard(shard)
     with contextlib.ExitStack() as held:
-        if rank is None or rank.is_main:  # other ranks lock only their own shards
+        # Other ranks lock only their own shards, as do --shard jobs (the one that
+        # combines a store locks it then).
+        if rank is None or rank.group and rank.is_main:
             for one in spec.per_model().values() if spec.models else [spec]:
                 for split in spec.data.splits:
                     held.enter_context(writer_lock(one.store_path(split)))
@@ -113,6 +130,8 @@ def resume_command(
     for override in overrides:
         if override.replace(" ", "") != "output.overwrite=true":  # would start over
             words += ["--set", override]
+    if rank is not None and not rank.group:
+        words += ["--shard", f"{rank.rank}/{rank.world_size}"]
     return shlex.join(words)
 
 
@@ -212,7 +231,9 @@ def _extract_models(
     from featcache.sources import build_source
 
     specs = spec.per_model()
-    if rank is not None or spec.output.update:
+    sharded = any(store_state(one.store_path(split)).shards
+                  for one in specs.values() for split in spec.data.splits)  # fmt: skip
+    if rank is not None or spec.output.update or sharded and not spec.output.overwrite:
         return {
             f"{key}/{split}": store
             for key, one in specs.items()
@@ -266,7 +287,7 @@ def _extract_models(
         )
         for key, store in zip(specs, made, strict=True):
             stores[f"{key}/{split}"] = store
-            for shard in stale[key][split]:
+            for shard in stale[key].get(split, ()):
                 shard.unlink(missing_ok=True)
         report_retries(split, source)
     return stores
@@ -280,10 +301,10 @@ def _check_outputs(spec: Spec, rank: Rank | None) -> dict[str, list[Path]]:
     for split in spec.data.splits:
         path = spec.store_path(split)
         state = store_state(path)
-        if rank is None:  # a one-process run does not resume a torchrun run's shards
-            # Under --overwrite they go once the new store has replaced the one they make
-            # up: a run that fails keeps that store whole.
-            stale[split] = check_other_world_sizes(path, 1, spec.output.overwrite, delete=False)
+        if rank is None and spec.output.overwrite:
+            # The shards of a run of several processes go once the new store has replaced
+            # the one they make up: a run that fails keeps that store whole.
+            stale[split] = list(state.shards)
         fingerprint = config_fingerprint(spec)
         if state.key is None or state.key.get("config_fingerprint") != fingerprint:
             resumes = state.interrupted_overwrite({"config_fingerprint": fingerprint})
@@ -325,15 +346,20 @@ def _extract_splits(
     stores = {}
     for split, source in sources.items():
         path = spec.store_path(split)
-        if rank is None:
+        # One process over the shards of a run of several goes on from them, as one rank.
+        sharded = store_state(path).shards and not spec.output.overwrite
+        runner = Rank(0, 1, 0, 1, group=False) if rank is None and sharded else rank
+        if runner is None:
             stores[split] = run_plan(plans[split], path, check_space=False)
-            for shard in stale[split]:
+            for shard in stale.get(split, ()):
                 shard.unlink(missing_ok=True)
         else:
             arguments = split_arguments(spec, split, source, backbone, command)
-            stores[split] = extract_shard(
-                backbone.model, source, spec.layers, path, rank, options, arguments, check_space
+            store = extract_shard(
+                backbone.model, source, spec.layers, path, runner, options, arguments, check_space
             )
+            if store is not None:  # None: other --shard jobs' rows remain
+                stores[split] = store
         report_retries(split, source)
     return stores
 

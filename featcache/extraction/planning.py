@@ -26,6 +26,10 @@ from featcache.extraction.from_config import (
     split_arguments,
 )
 from featcache.extraction.plan import ExtractionPlan, make_plan
+from featcache.store.metadata import UNREADABLE_METADATA
+from featcache.store.paths import partial_path
+from featcache.store.resume import kept_until
+from featcache.store.shards import read_shards
 from featcache.util.files import free_bytes
 from featcache.util.units import format_bytes
 
@@ -42,6 +46,12 @@ class SplitPlan:
     estimate: StoreEstimate
     complete: bool
     needed: int  # bytes the run still needs free for this store (0 when complete)
+    done: int = 0  # rows a stopped run (its partial store, or shards) holds already
+
+    @property
+    def rows_to_write(self) -> int:
+        """The rows the run computes: none for a complete store, else those not done."""
+        return 0 if self.complete else max(self.estimate.rows - self.done, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +108,9 @@ class RunPlan:
 
     @property
     def rows_to_write(self) -> int:
-        """The rows of the stores the run writes (complete ones it leaves as they are)."""
-        return sum(split.estimate.rows for split in self.splits if not split.complete)
+        """The rows the run computes: complete stores, and the rows a stopped run holds
+        durably (which it keeps), aside."""
+        return sum(split.rows_to_write for split in self.splits)
 
     @property
     def seconds(self) -> float | None:
@@ -157,6 +168,8 @@ class RunPlan:
             if compressed:
                 row.append("-" if e.compressed is None else format_bytes(e.compressed))
             note = " (complete: nothing to write)" if split.complete else ""
+            if split.done and not split.complete:
+                note = f" ({split.done:,} rows done, {split.rows_to_write:,} to write)"
             table.append([*row, f"{e.path}{note}"])
         return _aligned(table, right=set(range(1, len(header))))
 
@@ -203,7 +216,8 @@ def plan(
         )
         complete = complete_already(spec, split)
         needed = 0 if complete else estimate.needed(spec.output.overwrite)
-        splits.append(SplitPlan(split, estimate, complete, needed))
+        done = 0 if spec.output.overwrite else rows_done(plans[split], spec.store_path(split))
+        splits.append(SplitPlan(split, estimate, complete, needed, done))
     free, folder = free_bytes(Path(spec.output.dir))
     first_plan = plans[next(iter(sources))]
     timings = time_batch_sizes(first_plan, _candidates(spec, len(first_plan.rows)), batches)
@@ -291,3 +305,20 @@ def _duration(seconds: float) -> str:
     if seconds < 5400:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+def rows_done(plan: ExtractionPlan, path: Path) -> int:
+    """The rows of the store at ``path`` that a rerun of ``plan`` keeps rather than
+    computes: those a stopped run's partial store, or the shards of a run of several
+    processes, hold (back to the batch grid, as a resume keeps them)."""
+    step = plan.bucket_window or plan.options.loader.batch_size
+    shards = read_shards(path, step, plan.shard_starts)
+    if shards:
+        return sum(len(shard.held) for shard in shards)
+    partial = partial_path(path)
+    if not partial.is_file():
+        return 0
+    try:
+        return kept_until(partial, plan.rows.start, step, plan.shard_starts) - plan.rows.start
+    except UNREADABLE_METADATA:  # the run itself names the damage
+        return 0

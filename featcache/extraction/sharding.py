@@ -1,9 +1,16 @@
-"""torchrun runs: each rank extracts its block of rows into a shard, rank 0 combines them."""
+"""Runs of several processes: each computes its share of the rows no shard holds yet.
+
+Every attempt, whatever its number of processes, starts from the shards on disk
+(:mod:`featcache.store.shards`): the partial ones no live process writes are sealed
+(completed with the rows a resume keeps), the rows no shard holds are shared out on the
+batch grid (:func:`~featcache.extraction.distributed.share_rows`), each share is written
+as shards, and once every row is held the store is combined over them.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,29 +18,44 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from featcache.config.spec import LayerSpec
-from featcache.errors import FeatcacheError
 from featcache.extraction.api import run_plan
 from featcache.extraction.distributed import (
     Rank,
     block,
-    check_other_world_sizes,
-    combine_shards,
     shard_path,
+    share_rows,
+    without,
 )
-from featcache.extraction.plan import RunOptions, make_plan
+from featcache.extraction.plan import ExtractionPlan, RunOptions, make_plan
 from featcache.store import FeatureStore, remove_store
-from featcache.store.history import run_record
-from featcache.store.lock import writer_lock
+from featcache.store.lock import StoreBusyError, writer_lock
+from featcache.store.merge import combine_when_done, copy_store
 from featcache.store.provenance import StoreKey
+from featcache.store.shards import Shard, check_same_run, missing_rows, read_shards
 from featcache.store.state import store_state
 
 
-def combined_key(shard_key: StoreKey, num_rows: int, world_size: int) -> StoreKey:
-    """The key of the store combined from every rank's shard: all rows, the world size,
-    and the device type rather than any one rank's device."""
-    layout = dict(shard_key.layout)
+def combined_key(shard_key: StoreKey, num_rows: int) -> StoreKey:
+    """The key of the store combined from shards: the one-process store's (all rows),
+    with the device type rather than any one rank's device."""
+    return dataclasses.replace(_device_type(shard_key), rows=(0, num_rows), world_size=None)
+
+
+def _device_type(key: StoreKey) -> StoreKey:
+    layout = dict(key.layout)
     layout["device"] = str(layout.get("device", "")).split(":")[0]
-    return dataclasses.replace(shard_key, rows=(0, num_rows), world_size=world_size, layout=layout)
+    return dataclasses.replace(key, layout=layout)
+
+
+def _shard_plan(plan: ExtractionPlan) -> ExtractionPlan:
+    """``plan`` keyed by its device type (``cuda``, not ``cuda:3``): any process, on any
+    of its devices, resumes or seals a shard another wrote."""
+    key = plan.key
+
+    def typed_key() -> StoreKey:
+        return _device_type(key())
+
+    return dataclasses.replace(plan, key=typed_key)
 
 
 def extract_shard(
@@ -45,12 +67,15 @@ def extract_shard(
     options: RunOptions,
     arguments: dict[str, Any],
     check_space: bool = True,
-) -> FeatureStore:
-    """This rank's block into its shard; then rank 0 writes the store over all shards.
-    ``arguments`` are :func:`~featcache.extraction.plan.make_plan`'s for the whole store.
-    With ``check_space`` the rank refuses a shard its filesystem cannot hold."""
+) -> FeatureStore | None:
+    """This process's share of the store at ``path`` as shards; then, once every row is
+    held, the store over all shards (written by rank 0 of a torchrun group, or by the
+    independent process that finds the last row done). Returns the store, or None while
+    other processes' rows remain. ``arguments`` are
+    :func:`~featcache.extraction.plan.make_plan`'s for the whole store. With
+    ``check_space`` a process refuses shards its filesystem cannot hold."""
     rank.join()
-    world = rank.world_size
+    launch = rank.launch_id()
     runtime = options.runtime
     options = dataclasses.replace(
         options,
@@ -58,49 +83,89 @@ def extract_shard(
             runtime, device=rank.device(runtime.device), progress=runtime.progress and rank.is_main
         ),
     )
-    plan = make_plan(model, source, layers, options, **arguments)
+
+    provenance = {**(arguments.get("provenance") or {}), "launch": launch}
+
+    def plan_of(rows: range | None = None) -> ExtractionPlan:
+        whole = {**arguments, "provenance": provenance}
+        if rows is not None:
+            whole["rows"] = rows
+        return _shard_plan(make_plan(model, source, layers, options, **whole))
+
+    plan = plan_of()
     num_rows = len(plan.rows)
-    done_key = combined_key(plan.key(), num_rows, world)
+    done_key = combined_key(plan.key(), num_rows)
     state = store_state(path)
-    if state.complete and not options.overwrite and done_key.matches(state.key):
+    stored = {k: v for k, v in (state.key or {}).items() if k != "world_size"}
+    if state.complete and not options.overwrite and done_key.matches(stored):
         return FeatureStore(path)
-    check_other_world_sizes(path, world, options.overwrite)
-    if options.overwrite and rank.is_main:
+    if options.overwrite and rank.is_main:  # torchrun only: --shard jobs refuse it
+        for file in state.shards:
+            file.unlink(missing_ok=True)
         remove_store(path)
-    batch_size = options.loader.batch_size  # a sharded source goes in whole shards
-    blocks = [block(num_rows, batch_size, r, world, plan.shard_starts) for r in range(world)]
-    if blocks[rank.rank]:
-        shard = shard_path(path, rank.rank, world)
-        with writer_lock(shard):
-            shard_plan = make_plan(
-                model, source, layers, options, rows=blocks[rank.rank], **arguments
-            )
-            run_plan(shard_plan, shard, check_space=check_space)
     rank.barrier()
-    if rank.is_main:
-        shards = [shard_path(path, r, world) for r in range(world) if blocks[r]]
-        key = done_key.to_json()
-        counts = (len(plan.taps), 0)
-        computed, resumed = _rows_of_last_runs(shards)  # every shard's rows
-        history = [run_record("extract", (computed, 0), counts, key, resumed=resumed)]
-        combine_shards(path, shards, {"resume_key": key, "history": history})
+    step = plan.bucket_window or options.loader.batch_size
+    grid = (step, plan.shard_starts)
+    stopped = [shard for shard in read_shards(path, *grid) if not shard.complete]
+    # The shards one launch wrote hold one computation: recomputing a batch of one of
+    # them proves the others too (a shard of unknown launch is checked on its own).
+    checked = {id(next(s for s in stopped if s.launch == shard.launch)) for shard in stopped}
+    checked |= {id(shard) for shard in stopped if shard.launch is None}
+    rank.barrier()  # every rank has listed the same stopped shards before any is sealed
+    for shard in stopped[rank.rank :: rank.world_size] if rank.group else stopped:
+        batches = 1 if id(shard) in checked else 0
+        _seal(shard, plan_of, launch, busy_ok=not rank.group, batches=batches)
     rank.barrier()
-    return FeatureStore(path)
+    shards = read_shards(path, *grid)
+    check_same_run(shards, plan.key().to_json())
+    held = [shard.held for shard in shards if shard.held]
+    if rank.group:
+        share = share_rows(missing_rows(shards, num_rows), rank.world_size, *grid)[rank.rank]
+    else:
+        share = without(block(num_rows, step, rank.rank, rank.world_size, plan.shard_starts), held)
+    for rows in share:
+        shard_file = shard_path(path, rows.start)
+        with writer_lock(shard_file):
+            run_plan(plan_of(rows), shard_file, check_space=check_space, launch=launch)
+    rank.barrier()
+    if rank.is_main or not rank.group:
+        combine_when_done(path, num_rows, *grid, world_size=rank.world_size)
+    rank.barrier()
+    return FeatureStore(path) if path.is_file() else None
 
 
-def _rows_of_last_runs(shards: Sequence[Path]) -> tuple[int, int]:
-    """The rows the last run of each of ``shards`` computed and those it resumed (a
-    stopped run's), summed over the shards (one missing or incomplete is left to
-    :func:`combine_shards` to name)."""
-    computed = resumed = 0
-    for shard in shards:
-        try:
-            with FeatureStore(shard) as store:
-                history = store.attrs.get("history") or [{}]
-                rows = len(store)
-        except FeatcacheError:
-            continue
-        last = history[-1]
-        computed += int(last.get("rows_computed", rows))
-        resumed += int(last.get("rows_resumed") or 0)
-    return computed, resumed
+def _seal(
+    shard: Shard,
+    plan_of: Callable[[range], ExtractionPlan],
+    launch: str,
+    busy_ok: bool,
+    batches: int,
+) -> None:
+    """Complete the stopped shard ``shard`` with the rows a resume keeps (delete it when
+    it keeps none), after ``batches`` of them are recomputed and compared. A shard a live
+    process writes is left to it with ``busy_ok`` (another --shard job's), else refused:
+    ranks of an earlier launch still run.
+
+    Raises:
+        StoreBusyError: a live process writes the shard, and not ``busy_ok``.
+    """
+    try:
+        with writer_lock(shard.path):
+            _seal_locked(shard, plan_of, launch, batches)
+    except StoreBusyError:
+        if not busy_ok:
+            raise
+
+
+def _seal_locked(
+    shard: Shard, plan_of: Callable[[range], ExtractionPlan], launch: str, batches: int
+) -> None:
+    if not shard.file.exists():  # sealed by another process meanwhile
+        return
+    if not shard.held:
+        shard.file.unlink()
+        return
+    plan = plan_of(shard.held)
+    run_plan(plan, shard.path, check_space=False, seal=True, launch=launch, continuity=batches)
+    # Its file keeps the room of the rows it was made for: copied, it holds just its own.
+    copy_store(shard.path, shard.path)

@@ -99,11 +99,15 @@ def class_indices(values: Sequence[Any], where: str) -> tuple[np.ndarray, list[s
         names = sorted(set(values))
         index = {name: i for i, name in enumerate(names)}
         return np.asarray([index[v] for v in values], dtype=np.int64), names
-    bad = next(v for v in values if not isinstance(v, (int, str)) or isinstance(v, bool))
-    raise ConfigError(
-        f"{where}: label {bad!r} is a {type(bad).__name__}; labels must be all integers "
-        "or all strings (class names)"
-    )
+    rule = "labels must be all integers or all strings (class names)"
+    bad = next((v for v in values if not isinstance(v, (int, str)) or isinstance(v, bool)), None)
+    if bad is None:  # integers beside strings
+        number = next(v for v in values if not isinstance(v, str))
+        name = next(v for v in values if isinstance(v, str))
+        raise ConfigError(
+            f"{where}: labels mix integers ({number!r}) and strings ({name!r}); {rule}"
+        )
+    raise ConfigError(f"{where}: label {bad!r} is a {type(bad).__name__}; {rule}")
 
 
 def check_columns(data: DataSpec) -> None:

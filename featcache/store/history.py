@@ -15,6 +15,10 @@ or samples whose bytes changed); ``layers_computed`` the layers computed for eve
 (new ones, or ones whose definition changed); the rest was copied. ``rows_resumed`` are
 the rows a stopped run had written, which this run resumed after and kept (0 for a run
 that started afresh); records written before it was kept lack it, and read as 0.
+
+A shard of a run of several processes records the ``launch`` it was written by; the store
+combined over shards has one record per launch, summed over its shards
+(:func:`featcache.store.merge.launch_records`).
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ def run_record(
     fingerprints: Mapping[str, Any],
     time: str | None = None,
     resumed: int = 0,
+    launch: str | None = None,
 ) -> dict[str, Any]:
     """One run's record: ``kind`` (``"extract"`` or ``"update"``), ``rows`` and ``layers``
     as ``(computed, reused)``, the ``resumed`` rows a stopped run had written and this one
     kept, the store key's ``config_fingerprint`` and ``dataset_fingerprint`` (from
-    ``fingerprints``), finished at ``time`` (default: now)."""
-    return {
+    ``fingerprints``), finished at ``time`` (default: now); ``launch``, when given, names
+    the launch of several processes that the run was part of."""
+    record = {
         "time": time or datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "kind": kind,
         "rows_computed": rows[0],
@@ -47,6 +53,7 @@ def run_record(
         "config_fingerprint": fingerprints.get("config_fingerprint"),
         "dataset_fingerprint": fingerprints.get("dataset_fingerprint"),
     }
+    return record if launch is None else {**record, "launch": launch}
 
 
 def history_of(attrs: Mapping[str, Any], rows: int, layers: int) -> list[dict[str, Any]]:

@@ -110,6 +110,13 @@ def stored_checksums(dataset: h5py.Dataset) -> np.ndarray:
     return np.array([checksum(chunk) for chunk in stored] or [0], dtype="<u8")
 
 
+def refresh_checksum(file: h5py.File, name: str, chunk: int) -> None:
+    """Record the checksum of chunk ``chunk`` of dataset ``name`` as it is stored now."""
+    dataset = file[name]
+    start = (chunk * dataset.chunks[0], *(0,) * (dataset.ndim - 1))
+    file[checksums_name(name)][chunk] = checksum(dataset.id.read_direct_chunk(start)[1])
+
+
 def chunk_addresses(dataset: h5py.Dataset) -> np.ndarray | None:
     """Where each chunk of ``dataset`` begins in the file (``int64``, in row order), as
     HDF5's chunk index lists them, when every chunk is stored once as its plain bytes of

@@ -15,12 +15,14 @@ from tqdm.auto import tqdm
 
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.store import codec, layout
-from featcache.store.lock import writer_lock
+from featcache.store.history import run_record
+from featcache.store.lock import StoreBusyError, writer_lock
 from featcache.store.metadata import DIGEST_ATTR, seal
 from featcache.store.paths import open_readonly, partial_path
 from featcache.store.provenance import FORMAT_VERSION
 from featcache.store.reader import FeatureStore
 from featcache.store.rows import read_head, rows_of
+from featcache.store.shards import missing_rows, read_shards
 from featcache.store.skipped import read_skipped, write_skipped
 from featcache.util.compression import filter_options, load_plugins
 from featcache.util.files import building_beside, replace_durably, require_space
@@ -167,7 +169,7 @@ def combine_shards(
                 raise FeatcacheError(f"shard {shard} is incomplete; rerun to resume it")
         with _written_whole(path, ".combining") as out:
             _combine(out, shards, files, path.parent)
-            codec.copy_attrs(files[0], out, skip=("resume_key", DIGEST_ATTR))
+            codec.copy_attrs(files[0], out, skip=("resume_key", "launch", DIGEST_ATTR))
             rows = sum(int(f.attrs["num_rows"]) for f in files)
             seconds = [float(f.attrs.get("seconds", 0.0)) for f in files]
             # The rows each shard's last run computed (fewer than it holds after a resume).
@@ -231,8 +233,20 @@ def merge_store(
     """Copy a (sharded) store into one self-contained file that needs no shard files.
 
     The new file is written under its lock (:func:`~featcache.store.lock.writer_lock`), so
-    a second merge or an extraction to the same path is refused while this one runs.
+    a second merge or an extraction to the same path is refused while this one runs. A
+    store whose shards are all complete but not combined yet is combined first.
+
+    Raises:
+        ConfigError: rows that no complete shard holds remain.
     """
+    shards = [] if Path(path).exists() else read_shards(path)
+    rows = int(shards[0].key.get("source_rows", 0)) if shards else 0
+    if shards and not combine_when_done(path, rows):
+        left = sum(map(len, missing_rows([s for s in shards if s.complete], rows)))
+        raise ConfigError(
+            f"{path} is not combined yet: no complete shard holds {left} of its rows; finish "
+            "the extraction (rerun it, with any number of processes), then merge"
+        )
     store = FeatureStore(path)  # refuses incomplete stores
     target = Path(target)
     if target.resolve() == store.path.resolve():
@@ -244,3 +258,54 @@ def merge_store(
             raise ConfigError(f"{target} already exists; choose another output path")
         copy_store(path, target, compression, progress, {"merged_from": shards}, drop=("shards",))
     return FeatureStore(target)
+
+
+def combine_when_done(
+    path: str | os.PathLike,
+    num_rows: int,
+    step: int = 1,
+    boundaries: Sequence[int] = (),
+    world_size: int | None = None,
+) -> bool:
+    """Combine the store at ``path`` over its shards (see
+    :func:`~featcache.store.merge.combine_shards`) once complete shards hold all
+    ``num_rows`` rows; whether the store is there now. One process combines: another
+    that finds it combining leaves it. The store's key is the shards' over all rows; its
+    history has one record per launch (:func:`launch_records`); ``world_size`` records
+    the processes of the run that combines it.
+    """
+    path = Path(path)
+    shards = read_shards(path, step, boundaries)
+    if not shards or missing_rows(shards, num_rows) or not all(s.complete for s in shards):
+        return path.is_file()
+    with contextlib.suppress(StoreBusyError), writer_lock(path):
+        if path.is_file():
+            return True
+        key = {**shards[0].key, "rows": [0, num_rows]}
+        attrs: dict[str, Any] = {"resume_key": key}
+        attrs["history"] = launch_records([s.path for s in shards], key)
+        if world_size is not None:
+            attrs["world_size"] = world_size
+        combine_shards(path, [shard.path for shard in shards], attrs)
+    return path.is_file()
+
+
+def launch_records(shards: Sequence[Path], key: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One history record per launch that computed rows of ``shards`` (their records'
+    ``launch``): the rows it computed and those of stopped shards it kept, summed over
+    the shards, oldest first."""
+    by_launch: dict[Any, dict[str, Any]] = {}
+    for shard in shards:
+        with open_readonly(shard) as f:
+            records = codec.attr(f, "history") or []
+            layers = len(f["features"])
+        for record in records:
+            launch = record.get("launch")
+            merged = by_launch.setdefault(
+                launch, run_record("extract", (0, 0), (layers, 0), key, record.get("time"))
+            )
+            merged["launch"] = launch
+            merged["time"] = max(merged["time"] or "", record.get("time") or "")
+            merged["rows_computed"] += int(record.get("rows_computed") or 0)
+            merged["rows_resumed"] += int(record.get("rows_resumed") or 0)
+    return sorted(by_launch.values(), key=lambda record: record["time"])

@@ -19,7 +19,8 @@ SKIPPED_SUFFIX = ".skipped.jsonl"
 # How to replace a store, for an error line read on the command line or in Python.
 OVERWRITE = "--overwrite (overwrite=True in Python)"
 READ_CACHE_BYTES = 16 << 20  # HDF5 chunk cache per open dataset
-SHARD_PATTERN = re.compile(r"\.shard-(\d{5})-of-(\d{5})\.h5(\.partial)?$")
+# A shard is named by the first source row it holds; older releases named it by rank.
+SHARD_PATTERN = re.compile(r"\.shard-(\d{12}|\d{5}-of-\d{5})\.h5(\.partial)?$")
 
 
 def partial_path(path: str | os.PathLike) -> Path:
@@ -99,10 +100,12 @@ def missing_filter(file: h5py.File) -> str:
     return ""
 
 
-def shard_path(path: str | os.PathLike, rank: int, world_size: int) -> Path:
-    """The shard rank ``rank`` of ``world_size`` writes for the store at ``path``."""
+def shard_path(path: str | os.PathLike, first_row: int) -> Path:
+    """The shard of the store at ``path`` whose rows start at source row ``first_row``:
+    ``<stem>.shard-000000001200.h5``. Shards of one store hold disjoint blocks of rows, so
+    a block's first row names it whichever process, or how many, wrote it."""
     path = Path(path)
-    return path.with_name(f"{path.stem}.shard-{rank:05d}-of-{world_size:05d}{path.suffix}")
+    return path.with_name(f"{path.stem}.shard-{first_row:012d}{path.suffix}")
 
 
 def check_output_path(path: Path, overwrite: bool) -> None:
@@ -114,18 +117,15 @@ def check_output_path(path: Path, overwrite: bool) -> None:
     prepare_output_folder(path.parent)
 
 
-def shards_of(path: str | os.PathLike) -> dict[Path, int]:
-    """The torchrun shard files (complete or ``.partial``) beside the store at ``path``,
-    in name order, each with the number of processes it was written for."""
+def shards_of(path: str | os.PathLike) -> list[Path]:
+    """The shard files (complete or ``.partial``) beside the store at ``path``, in name
+    order."""
     path = Path(path)
     if not path.parent.is_dir():
-        return {}
-    found = {}
-    for candidate in sorted(path.parent.glob(f"{glob.escape(path.stem)}.shard-*")):
-        match = SHARD_PATTERN.match(candidate.name, len(path.stem))  # right after the stem
-        if match:
-            found[candidate] = int(match.group(2))
-    return found
+        return []
+    candidates = sorted(path.parent.glob(f"{glob.escape(path.stem)}.shard-*"))
+    # the name must go on right after the stem: train.shard-..., not trainer.shard-...
+    return [c for c in candidates if SHARD_PATTERN.match(c.name, len(path.stem))]
 
 
 def remove_store(path: str | os.PathLike) -> None:

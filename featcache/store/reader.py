@@ -469,16 +469,14 @@ def _rows_in(file: Path) -> int:
 
 
 def _shards_note(path: Path) -> str:
-    """What a missing store's folder holds of a torchrun run that has not combined its
-    shards yet (\"\" when nothing): their durable rows, and where to look next."""
+    """What a missing store's folder holds of a run of several processes that has not
+    combined its shards yet (\"\" when nothing): their rows, and where to look next."""
     shards = shards_of(path)
     if not shards:
         return ""
     rows = sum(map(_rows_in, shards))
-    sizes = " or ".join(str(size) for size in sorted(set(shards.values())))
-    first = next(iter(shards))
     return (
-        f"; a torchrun run with {sizes} processes has {rows} rows durable in "
-        f"{len(shards)} shards ({first.name}, ...) and has not combined them yet: "
-        f"`featcache info {first}` shows its writer and the command that resumes it"
+        f"; {len(shards)} shards ({shards[0].name}, ...) hold {rows} rows durably and have "
+        f"not been combined yet: `featcache info {path}` lists them, and rerunning the "
+        "extraction, with any number of processes, computes the rest and combines them"
     )

@@ -63,6 +63,30 @@ def grid_start(position: int, first: int, step: int, boundaries: Sequence[int] =
     return segment + (position - segment) // step * step
 
 
+def restart_position(
+    index: np.ndarray, first: int, step: int, boundaries: Sequence[int] = ()
+) -> int:
+    """Where a run whose durable rows have the source positions ``index`` restarts: the
+    batch start at or before the position after its last durable row, on the grid of a
+    run from ``first`` (``first`` when no row is durable). The rows before it are kept.
+
+    Restarting on the batch grid of the first run keeps every batch holding the same
+    samples as in an uninterrupted run: batch composition can change a result's last bits.
+    """
+    next_position = int(index[-1]) + 1 if len(index) else first
+    return grid_start(next_position, first, step, boundaries)
+
+
+def kept_until(
+    partial: str | os.PathLike, first: int, step: int, boundaries: Sequence[int] = ()
+) -> int:
+    """The :func:`restart_position` of the partial store file ``partial`` (a run over
+    rows from ``first``): the rows before it are kept when it is resumed or sealed."""
+    with open_readonly(partial) as f:
+        durable_rows, _ = read_progress(f)
+        return restart_position(read_head(f["index"], durable_rows), first, step, boundaries)
+
+
 def plan_resume(
     path: str | os.PathLike,
     resume_key: Mapping[str, Any],
@@ -70,11 +94,15 @@ def plan_resume(
     first: int = 0,
     boundaries: Sequence[int] = (),
     config: Mapping[str, Any] | None = None,
+    *,
+    seal: bool = False,
 ) -> ResumePoint | None:
     """Check a partial store left by an earlier run; None when there is none.
 
-    The run restarts on its batch grid (see :func:`grid_start`; ``batch_size`` is the
-    grid's step). Every durable chunk is checked first.
+    The run restarts on its batch grid (see :func:`restart_position`; ``batch_size`` is
+    the grid's step). Every durable chunk is checked first. With ``seal``, the partial
+    store may have been made for rows that go on past those of ``resume_key`` (a shard
+    that another run stopped, whose kept rows are exactly this run's).
 
     Raises :class:`ConfigError` naming the first difference when the partial store was
     made with other settings, data or model (given this run's ``config``, as
@@ -93,6 +121,8 @@ def plan_resume(
             stored_key = codec.attr(f, "resume_key")
             for key in sorted(set(stored_key) | set(resume_key)):
                 if stored_key.get(key) != resume_key.get(key):
+                    if seal and key == "rows" and _ends_later(stored_key[key], resume_key[key]):
+                        continue
                     stored_config = codec.attr(f, "config")
                     raise refuse(key_difference(key, stored_key, resume_key, stored_config, config))
             problem = durable_problem(f)
@@ -101,11 +131,9 @@ def plan_resume(
                 raise refuse(problem or bad[0].describe(f))
             durable_rows, durable = read_progress(f)
             index = read_head(f["index"], durable_rows)
-            next_position = int(index[-1]) + 1 if durable_rows else first
-            # Restart on the batch grid of the first run (batches start at ``first``), so
-            # that every batch holds the same samples as in an uninterrupted run: batch
-            # composition can change the last bits of a result.
-            position = grid_start(next_position, first, batch_size, boundaries)
+            position = restart_position(index, first, batch_size, boundaries)
+            if seal and position != resume_key["rows"][1]:
+                raise refuse(f"it keeps rows up to {position}, not {resume_key['rows'][1]}")
             row = int(np.searchsorted(index, position))
             tokens = np.zeros(1, dtype=np.int64)
             if "offsets" in f:
@@ -115,3 +143,8 @@ def plan_resume(
         raise refuse(f"it is not readable ({first_line(exc)})") from exc
     skipped = read_log(skipped_log_path(path), before=position)
     return ResumePoint(row, position, skipped, durable, int(tokens[0]), index[:row], stamps)
+
+
+def _ends_later(stored: Any, rows: Sequence[int]) -> bool:
+    """Whether the stored rows ``[start, stop]`` start where ``rows`` do and end later."""
+    return isinstance(stored, list) and stored[0] == rows[0] and stored[1] >= rows[1]

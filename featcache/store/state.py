@@ -16,15 +16,14 @@ from featcache.store.resume import UPDATE_MARK, stored_resume_key
 class StoreState:
     """What lies at a store's ``path``: a complete store (and the key it was made under,
     None when unreadable), a ``.partial`` beside it (an interrupted run's, or a stopped
-    update's), and torchrun shard files with the number of processes each was written
-    for."""
+    update's), and the shard files of a run of several processes (complete or partial)."""
 
     path: Path
     complete: bool
     key: Mapping[str, Any] | None
     partial: bool
     partial_key: Mapping[str, Any] | None
-    shards: Mapping[Path, int]
+    shards: tuple[Path, ...]
 
     @property
     def update_partial(self) -> bool:
@@ -41,10 +40,6 @@ class StoreState:
             self.complete and stored is not None and all(stored.get(k) == v for k, v in key.items())
         )
 
-    def other_world_sizes(self, world_size: int) -> dict[Path, int]:
-        """The shards written for another number of processes than ``world_size``."""
-        return {shard: size for shard, size in self.shards.items() if size != world_size}
-
 
 def store_state(path: str | os.PathLike) -> StoreState:
     """Read what lies at the store path ``path`` now (see `StoreState`)."""
@@ -57,7 +52,7 @@ def store_state(path: str | os.PathLike) -> StoreState:
         key=stored_resume_key(path) if path.is_file() else None,
         partial=has_partial,
         partial_key=stored_resume_key(partial) if has_partial else None,
-        shards=shards_of(path),
+        shards=tuple(shards_of(path)),
     )
 
 

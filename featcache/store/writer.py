@@ -382,6 +382,10 @@ class StoreWriter:
                 size = self.tokens_appended if column.per_token else rows + column.lead
                 if len(f[name]) != size:  # samples were skipped, or fewer tokens than sized for
                     f[name].resize(size, axis=0)
+                    if self.plan.checksum and size % column.rows:
+                        # HDF5 zeroes the entries of the last chunk past the new size, such
+                        # as durable rows a sealed shard leaves out.
+                        layout.refresh_checksum(f, name, size // column.rows)
             chunk_rows = self._columns["index"].rows
             for name in [*row_columns, "skipped"]:
                 for stale in (name, f"checksums/{name}"):  # from a stopped completion
