@@ -340,7 +340,7 @@ def bench(args: argparse.Namespace, path: Path) -> None:
     shuffled_rows = np.random.default_rng(1).permutation(args.rows)[: args.per_row].tolist()
 
     combined = path.with_name("combined.h5")
-    shards = [shard_path(combined, rank, 2) for rank in range(2)]
+    shards = [shard_path(combined, first) for first in (0, args.rows // 2)]
     write_store(shards[0], args.rows // 2, args.dim, args.dtype, chunk_rows=args.chunk_rows)
     write_store(shards[1], args.rows - args.rows // 2, args.dim, args.dtype, True, args.chunk_rows)
     combine_shards(combined, shards).close()

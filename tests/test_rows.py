@@ -67,6 +67,18 @@ def test_rows_read_through_the_memory_map_equal_hdf5s(tmp_path, dtype, checksum)
             ) if name != "ids" else None
 
 
+def test_rows_whose_mapped_pages_were_let_go_read_the_same_again(tmp_path):
+    path, encoded = _store(tmp_path / "s.h5", rows=23)
+    with h5py.File(path, "r") as f:
+        rows = rows_of(f["features/a"])
+        out = np.zeros((23, 3, 5), dtype=encoded.dtype)
+        for _ in range(2):
+            rows.read(0, 23, out)
+            np.testing.assert_array_equal(out, encoded)
+            rows.release(5, 23)  # from mid-chunk to the end: whole pages go
+            rows.release(0, 0)
+
+
 def test_each_chunk_is_checked_once_while_its_file_is_open(tmp_path, monkeypatch):
     path, _ = _store(tmp_path / "s.h5")
     sums = []

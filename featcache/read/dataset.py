@@ -70,6 +70,11 @@ class FeatureDataset(Dataset):
     [`TokenDataset`][featcache.read.token_view.TokenDataset] serves their single tokens, shuffled
     by chunk."""
 
+    # Whether a shuffled epoch lets each block's mapped pages go once it is in the
+    # buffer (see `Rows.release`): off here, where an epoch over pages kept mapped runs
+    # about 12% faster; on for the token view, whose stores dwarf memory.
+    release_pages = False
+
     def __init__(
         self,
         path: str | os.PathLike,
@@ -443,7 +448,8 @@ class FeatureDataset(Dataset):
         for first, stop in spans:
             for layer, rows in readers.items():
                 into = outs[layer][at : at + stop - first]
-                tasks.append(functools.partial(rows.read, first, stop, into))
+                read = _read_block if self.release_pages else _read_kept
+                tasks.append(functools.partial(read, rows, first, stop, into))
             at += stop - first
         # Where HDF5 reads a layer, a second thread would only wait for its turn.
         shared = all(rows.direct for rows in readers.values())
@@ -469,6 +475,17 @@ def _chunk_cache(chunk_bytes: int, by_hdf5: bool, nbytes: int | None) -> tuple[i
     while any(slots % d == 0 for d in range(2, int(slots**0.5) + 1)):
         slots += 1
     return slots, nbytes
+
+
+def _read_block(rows: Rows | PartRows, start: int, stop: int, out: np.ndarray) -> None:
+    """Rows ``[start, stop)`` into ``out``; then their mapped pages go (see `Rows.release`)."""
+    rows.read(start, stop, out)
+    rows.release(start, stop)
+
+
+def _read_kept(rows: Rows | PartRows, start: int, stop: int, out: np.ndarray) -> None:
+    """Rows ``[start, stop)`` into ``out``, their mapped pages kept."""
+    rows.read(start, stop, out)
 
 
 def _take(tensor: torch.Tensor, index: np.ndarray) -> torch.Tensor:

@@ -24,7 +24,13 @@ class TokenDataset(FeatureDataset):
     ``(features [b, D], rows [b], positions [b])`` (plus the token numbers with
     ``with_index=True``), shuffled by chunk with the options of
     [`FeatureDataset.batches`][featcache.read.dataset.FeatureDataset.batches]; ``in_memory=True``
-    loads the tokens once."""
+    loads the tokens once.
+
+    A shuffled epoch lets the pages of the file it has read go as it goes, so that the
+    process's resident memory stays its buffers rather than growing to the file's size.
+    """
+
+    release_pages = True
 
     def _count_rows(self, store: FeatureStore, allow_incomplete: bool) -> None:
         for layer in self.layers:

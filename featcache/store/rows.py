@@ -158,6 +158,19 @@ class Rows:
                 page = begin - begin % mmap.PAGESIZE
                 self.chunks.map.madvise(mmap.MADV_WILLNEED, page, begin - page + size)
 
+    def release(self, start: int, stop: int) -> None:
+        """Let the process's mapped pages of rows ``[start, stop)`` go (mapped only): rows
+        copied out are not read again soon, and the kernel keeps them cached anyway, so
+        the reading process's memory stays its buffers rather than the whole file."""
+        if self.chunks.map is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        size = self.chunk_rows * self.chunks.row_bytes
+        for chunk in range(start // self.chunk_rows, -(-stop // self.chunk_rows)):
+            begin = self.chunks.offset(chunk * self.chunk_rows)
+            with contextlib.suppress(OSError, ValueError):  # advice only
+                page = begin - begin % mmap.PAGESIZE
+                self.chunks.map.madvise(mmap.MADV_DONTNEED, page, begin - page + size)
+
     def check(self, chunks: Iterable[int]) -> None:
         """Check the chunks numbered ``chunks`` not checked yet; raise for one that fails."""
         if self.sums is None:
@@ -228,6 +241,10 @@ class PartRows:
     def advise(self, start: int, stop: int) -> None:
         for part, a, b in self._spans(start, stop):
             part.advise(a, b)
+
+    def release(self, start: int, stop: int) -> None:
+        for part, a, b in self._spans(start, stop):
+            part.release(a, b)
 
 
 # What is learnt of the datasets of one open file, by dataset name: a handle's cache
