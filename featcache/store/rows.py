@@ -149,27 +149,24 @@ class Rows:
 
     def advise(self, start: int, stop: int) -> None:
         """Ask the kernel to read rows ``[start, stop)`` in the background (mapped only)."""
-        if self.chunks.map is None or not hasattr(mmap, "MADV_WILLNEED"):
-            return
-        size = self.chunk_rows * self.chunks.row_bytes
-        for chunk in range(start // self.chunk_rows, -(-stop // self.chunk_rows)):
-            begin = self.chunks.offset(chunk * self.chunk_rows)
-            with contextlib.suppress(OSError, ValueError):  # advice only
-                page = begin - begin % mmap.PAGESIZE
-                self.chunks.map.madvise(mmap.MADV_WILLNEED, page, begin - page + size)
+        self._advise_chunks(start, stop, "MADV_WILLNEED")
 
     def release(self, start: int, stop: int) -> None:
         """Let the process's mapped pages of rows ``[start, stop)`` go (mapped only): rows
         copied out are not read again soon, and the kernel keeps them cached anyway, so
         the reading process's memory stays its buffers rather than the whole file."""
-        if self.chunks.map is None or not hasattr(mmap, "MADV_DONTNEED"):
+        self._advise_chunks(start, stop, "MADV_DONTNEED")
+
+    def _advise_chunks(self, start: int, stop: int, advice: str) -> None:
+        """``madvise`` the mapped chunks that hold rows ``[start, stop)``."""
+        if self.chunks.map is None or not hasattr(mmap, advice):
             return
         size = self.chunk_rows * self.chunks.row_bytes
         for chunk in range(start // self.chunk_rows, -(-stop // self.chunk_rows)):
             begin = self.chunks.offset(chunk * self.chunk_rows)
             with contextlib.suppress(OSError, ValueError):  # advice only
                 page = begin - begin % mmap.PAGESIZE
-                self.chunks.map.madvise(mmap.MADV_DONTNEED, page, begin - page + size)
+                self.chunks.map.madvise(getattr(mmap, advice), page, begin - page + size)
 
     def check(self, chunks: Iterable[int]) -> None:
         """Check the chunks numbered ``chunks`` not checked yet; raise for one that fails."""
