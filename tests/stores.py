@@ -17,24 +17,30 @@ from featcache.store.layout import stored_checksums
 from featcache.store.paths import open_readonly
 
 
-def synthetic_store(folder: Path, dtype: str = "float16", **store: Any) -> Path:
-    """30 rows of a random resnet18's layer2 ([128, 4, 4]) and pooled layer4, 4 rows per
-    chunk, extracted from a config into ``folder / "out" / "val.h5"``; ``store`` adds
-    store options (``checksum=False`` ...)."""
-    config = {
+def synthetic_config(out: Path, rows: int = 30, **store: Any) -> dict[str, Any]:
+    """A config of ``rows`` synthetic 32 px images through a random resnet18, capturing
+    layer2 ([128, 4, 4], after a ReLU: many zeros) and pooled layer4, batches of 8, into
+    ``out / "val.h5"``; ``store`` gives the store section."""
+    return {
         "model": {"name": "resnet18"},
         "preprocess": {"mean": [0.485, 0.456, 0.406]},  # 32px as it is
         "layers": [{"name": "layer2"}, {"name": "layer4", "reduce": "avg"}],
         "data": {
             "source": "synthetic",
             "kwargs": {"image_size": 32, "num_classes": 4},
-            "splits": {"val": {"size": 30}},
+            "splits": {"val": {"size": rows}},
         },
-        "loader": {"batch_size": 8},
-        "store": {"dtype": dtype, "chunk_rows": 4, **store},
-        "output": {"dir": str(folder / "out")},
+        "loader": {"batch_size": 8, "num_workers": 0},
+        "store": store,
+        "output": {"dir": str(out)},
         "runtime": {"progress": False},
     }
+
+
+def synthetic_store(folder: Path, dtype: str = "float16", **store: Any) -> Path:
+    """30 rows of :func:`synthetic_config`, 4 rows per chunk, extracted into
+    ``folder / "out" / "val.h5"``; ``store`` adds store options (``checksum=False`` ...)."""
+    config = synthetic_config(folder / "out", dtype=dtype, chunk_rows=4, **store)
     return featcache.extract_from_config(config)["val"].path
 
 

@@ -25,6 +25,7 @@ from featcache.store import FeatureStore
 from featcache.store.checks import scan_chunks
 from featcache.store.merge import copy_store, merge_store
 from featcache.util import compression
+from tests.stores import synthetic_config
 
 pytest.importorskip("hdf5plugin")
 
@@ -38,22 +39,8 @@ runner = CliRunner()
 
 
 def config(folder: Path, compression: str | None = None) -> dict:
-    """40 rows of a random resnet18's layer2 ([128, 4, 4], after a ReLU: many zeros) and
-    pooled layer4 at 32 px, 8 rows per chunk."""
-    return {
-        "model": {"name": "resnet18"},
-        "preprocess": {"mean": [0.485, 0.456, 0.406]},  # 32px as it is
-        "layers": [{"name": "layer2"}, {"name": "layer4", "reduce": "avg"}],
-        "data": {
-            "source": "synthetic",
-            "kwargs": {"image_size": 32, "num_classes": 4},
-            "splits": {"val": {"size": 40}},
-        },
-        "loader": {"batch_size": 8, "num_workers": 0},
-        "store": {"chunk_rows": 8, "compression": compression},
-        "output": {"dir": str(folder)},
-        "runtime": {"progress": False},
-    }
+    """40 rows of :func:`tests.stores.synthetic_config`, 8 rows per chunk."""
+    return synthetic_config(folder, rows=40, chunk_rows=8, compression=compression)
 
 
 @pytest.fixture(scope="module")

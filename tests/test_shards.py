@@ -15,11 +15,11 @@ from typer.testing import CliRunner
 import featcache
 from featcache.commands.app import app
 from featcache.errors import ConfigError, FeatcacheError
-from featcache.extraction.distributed import block, parse_shard, share_rows, without
+from featcache.extraction.distributed import block, parse_shard, share_rows
 from featcache.extraction.planning import plan as plan_run
 from featcache.store import FeatureStore
 from featcache.store import writer as store_writer
-from featcache.store.shards import missing_rows, read_shards
+from featcache.store.shards import missing_rows, read_shards, uncovered
 from tests.golden import rows_of
 from tests.texts import write_text_config
 
@@ -51,9 +51,9 @@ def test_a_sharded_source_is_shared_at_its_shard_edges():
 
 def test_rows_without_the_held_blocks():
     held = [range(0, 10), range(20, 30), range(45, 60)]
-    assert without(range(5, 50), held) == [range(10, 20), range(30, 45)]
-    assert without(range(0, 10), held) == []
-    assert without(range(60, 70), held) == [range(60, 70)]
+    assert uncovered(range(5, 50), held) == [range(10, 20), range(30, 45)]
+    assert uncovered(range(0, 10), held) == []
+    assert uncovered(range(60, 70), held) == [range(60, 70)]
 
 
 def test_a_shard_is_one_of_n_with_an_index_below_n():

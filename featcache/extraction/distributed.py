@@ -206,17 +206,3 @@ def block(
     """Rank ``rank``'s contiguous rows of all ``num_rows`` (see :func:`share_rows`)."""
     mine = share_rows([range(num_rows)], world_size, batch_size, shard_starts)[rank]
     return mine[0] if mine else range(0)
-
-
-def without(rows: range, held: Sequence[range]) -> list[range]:
-    """The parts of ``rows`` that none of the sorted, disjoint blocks ``held`` covers."""
-    parts, at = [], rows.start
-    for span in held:
-        if span.start > at:
-            parts.append(range(at, min(span.start, rows.stop)))
-        at = max(at, span.stop)
-        if at >= rows.stop:
-            break
-    if at < rows.stop:
-        parts.append(range(at, rows.stop))
-    return [part for part in parts if part]

@@ -8,7 +8,6 @@ import os
 import shlex
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from featcache.config.spec import Spec, load_config, override_list, to_dict
@@ -21,8 +20,9 @@ from featcache.extraction.plan import RunOptions, make_plan
 from featcache.extraction.sharding import extract_shard
 from featcache.store import FeatureStore, check_output_path
 from featcache.store.lock import writer_lock
+from featcache.store.paths import shards_of
 from featcache.store.provenance import config_fingerprint
-from featcache.store.state import store_state
+from featcache.store.state import StoreState, store_state
 
 if TYPE_CHECKING:
     from featcache.models import Backbone
@@ -231,7 +231,7 @@ def _extract_models(
     from featcache.sources import build_source
 
     specs = spec.per_model()
-    sharded = any(store_state(one.store_path(split)).shards
+    sharded = any(shards_of(one.store_path(split))
                   for one in specs.values() for split in spec.data.splits)  # fmt: skip
     if rank is not None or spec.output.update or sharded and not spec.output.overwrite:
         return {
@@ -249,7 +249,7 @@ def _extract_models(
             "loader.decode: fast decodes JPEGs at each model's own size, but several models "
             "share one decoding; set loader.decode: exact (the default)"
         )
-    stale = {key: _check_outputs(one, rank) for key, one in specs.items()}
+    states = {key: _check_outputs(one) for key, one in specs.items()}
     backbones = {key: build_backbone_for(one) for key, one in specs.items()}
     sources = {split: build_source(spec.data, split, None) for split in spec.data.splits}
     # Decoded once: each model's checks before the pass read the same first rows.
@@ -287,29 +287,24 @@ def _extract_models(
         )
         for key, store in zip(specs, made, strict=True):
             stores[f"{key}/{split}"] = store
-            for shard in stale[key].get(split, ()):
+            for shard in states[key][split].shards:  # --overwrite: replaced now
                 shard.unlink(missing_ok=True)
         report_retries(split, source)
     return stores
 
 
-def _check_outputs(spec: Spec, rank: Rank | None) -> dict[str, list[Path]]:
+def _check_outputs(spec: Spec) -> dict[str, StoreState]:
     """Refuse, before any work, a split whose store exists and was made differently
-    (unless overwritten or updated); the shards of an earlier torchrun run that a
-    one-process run replaces, by split."""
-    stale: dict[str, list[Path]] = {}
+    (unless overwritten or updated); the state of each split's store path."""
+    states = {}
+    fingerprint = config_fingerprint(spec)
     for split in spec.data.splits:
         path = spec.store_path(split)
-        state = store_state(path)
-        if rank is None and spec.output.overwrite:
-            # The shards of a run of several processes go once the new store has replaced
-            # the one they make up: a run that fails keeps that store whole.
-            stale[split] = list(state.shards)
-        fingerprint = config_fingerprint(spec)
+        state = states[split] = store_state(path)
         if state.key is None or state.key.get("config_fingerprint") != fingerprint:
             resumes = state.interrupted_overwrite({"config_fingerprint": fingerprint})
             check_output_path(path, spec.output.overwrite or spec.output.update or resumes)
-    return stale
+    return states
 
 
 def _extract_splits(
@@ -320,7 +315,7 @@ def _extract_splits(
             "--update runs in one process; run `featcache extract CONFIG --update` without "
             "torchrun (the copied rows are I/O, the computed ones usually few)"
         )
-    stale = _check_outputs(spec, rank)  # fail before any work on a store made differently
+    states = _check_outputs(spec)  # fail before any work on a store made differently
     backbone = build_backbone_for(spec)
     sources = {split: build_source_for(spec, split, backbone) for split in spec.data.splits}
     check_same_classes({split: source.class_names for split, source in sources.items()})
@@ -346,12 +341,15 @@ def _extract_splits(
     stores = {}
     for split, source in sources.items():
         path = spec.store_path(split)
-        # One process over the shards of a run of several goes on from them, as one rank.
-        sharded = store_state(path).shards and not spec.output.overwrite
+        # One process over the shards of a run of several goes on from them, as one rank;
+        # with --overwrite it replaces them, deleted once its store has replaced the one
+        # they make up (a run that fails keeps that store whole).
+        shards = states[split].shards
+        sharded = shards and not spec.output.overwrite
         runner = Rank(0, 1, 0, 1, group=False) if rank is None and sharded else rank
         if runner is None:
             stores[split] = run_plan(plans[split], path, check_space=False)
-            for shard in stale.get(split, ()):
+            for shard in shards if spec.output.overwrite else ():
                 shard.unlink(missing_ok=True)
         else:
             arguments = split_arguments(spec, split, source, backbone, command)

@@ -24,14 +24,13 @@ from featcache.extraction.distributed import (
     block,
     shard_path,
     share_rows,
-    without,
 )
 from featcache.extraction.plan import ExtractionPlan, RunOptions, make_plan
 from featcache.store import FeatureStore, remove_store
 from featcache.store.lock import StoreBusyError, writer_lock
 from featcache.store.merge import combine_when_done, copy_store
 from featcache.store.provenance import StoreKey
-from featcache.store.shards import Shard, check_same_run, missing_rows, read_shards
+from featcache.store.shards import Shard, check_same_run, missing_rows, read_shards, uncovered
 from featcache.store.state import store_state
 
 
@@ -107,22 +106,26 @@ def extract_shard(
     step = plan.bucket_window or options.loader.batch_size
     grid = (step, plan.shard_starts)
     stopped = [shard for shard in read_shards(path, *grid) if not shard.complete]
-    # The shards one launch wrote hold one computation: recomputing a batch of one of
-    # them proves the others too (a shard of unknown launch is checked on its own).
-    checked = {id(next(s for s in stopped if s.launch == shard.launch)) for shard in stopped}
-    checked |= {id(shard) for shard in stopped if shard.launch is None}
+    # The shards one launch wrote hold one computation: recomputing a batch of the first
+    # proves the others too (a shard of unknown launch is checked on its own).
+    launches: set[str] = set()
+    checks = []
+    for shard in stopped:
+        checks.append(0 if shard.launch in launches else 1)
+        if shard.launch is not None:
+            launches.add(shard.launch)
     rank.barrier()  # every rank has listed the same stopped shards before any is sealed
-    for shard in stopped[rank.rank :: rank.world_size] if rank.group else stopped:
-        batches = 1 if id(shard) in checked else 0
-        _seal(shard, plan_of, launch, busy_ok=not rank.group, batches=batches)
+    mine = range(rank.rank, len(stopped), rank.world_size) if rank.group else range(len(stopped))
+    for i in mine:
+        _seal(stopped[i], plan_of, launch, busy_ok=not rank.group, batches=checks[i])
     rank.barrier()
     shards = read_shards(path, *grid)
     check_same_run(shards, plan.key().to_json())
-    held = [shard.held for shard in shards if shard.held]
     if rank.group:
         share = share_rows(missing_rows(shards, num_rows), rank.world_size, *grid)[rank.rank]
     else:
-        share = without(block(num_rows, step, rank.rank, rank.world_size, plan.shard_starts), held)
+        mine = block(num_rows, step, rank.rank, rank.world_size, plan.shard_starts)
+        share = uncovered(mine, [shard.held for shard in shards])
     for rows in share:
         shard_file = shard_path(path, rows.start)
         with writer_lock(shard_file):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from featcache.store.paths import (
     OVERWRITE,
     PARTIAL_SUFFIX,
     open_readonly,
+    partial_path,
     shards_of,
     store_path_of,
 )
@@ -46,7 +47,7 @@ class Shard:
     @property
     def file(self) -> Path:
         """The file on disk: the store, or its ``.partial``."""
-        return self.path if self.complete else self.path.with_name(self.path.name + PARTIAL_SUFFIX)
+        return self.path if self.complete else partial_path(self.path)
 
 
 def read_shards(
@@ -93,14 +94,21 @@ def read_shards(
 
 def missing_rows(shards: Sequence[Shard], num_rows: int) -> list[range]:
     """The blocks of ``range(num_rows)`` that none of ``shards`` holds, in order."""
-    missing, at = [], 0
-    for shard in sorted(shards, key=lambda s: s.held.start):
-        if shard.held.start > at:
-            missing.append(range(at, shard.held.start))
-        at = max(at, shard.held.stop)
-    if at < num_rows:
-        missing.append(range(at, num_rows))
-    return missing
+    return uncovered(range(num_rows), [shard.held for shard in shards])
+
+
+def uncovered(rows: range, held: Iterable[range]) -> list[range]:
+    """The blocks of ``rows`` that none of the disjoint blocks ``held`` covers, in order."""
+    parts, at = [], rows.start
+    for span in sorted((span for span in held if span), key=lambda span: span.start):
+        if span.start > at:
+            parts.append(range(at, min(span.start, rows.stop)))
+        at = max(at, span.stop)
+        if at >= rows.stop:
+            break
+    if at < rows.stop:
+        parts.append(range(at, rows.stop))
+    return [part for part in parts if part]
 
 
 def check_same_run(shards: Sequence[Shard], key: Mapping[str, Any]) -> None:
