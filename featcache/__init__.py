@@ -1,8 +1,7 @@
 """featcache: activation caches from pretrained backbones in chunked HDF5 stores.
 
-The public names below load on first use, so ``import featcache`` stays cheap (torch is
-not imported yet) and no submodule imports the package back while it is being
-initialised.
+The public names load on first use: ``import featcache`` imports no torch, and no
+submodule imports the package back while it is being initialised.
 """
 
 from __future__ import annotations

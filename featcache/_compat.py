@@ -1,22 +1,11 @@
 """Make ``import torchvision`` work when its compiled ops cannot load.
 
-torchvision ships a C++ extension (``torchvision/_C``) that defines the
-``torchvision::*`` operators. When that extension does not match the installed
-torch (a CUDA build of torchvision beside a CPU-only torch, for instance), the
-extension fails to load and ``import torchvision`` then raises
-``RuntimeError: operator torchvision::nms does not exist``, because
-``torchvision/_meta_registrations.py`` registers fake kernels for ``nms`` and
-``qnms`` without checking that the ops exist (pytorch/vision#9085).
-
-featcache needs only torchvision's models, transforms and datasets, none of
-which call those ops, so declaring the two schemas is enough for the import to
-succeed. The declared ops have no kernels: calling them raises torch's usual
-"could not run ... with arguments from the 'CPU' backend" error, which is the
-honest answer when the extension is missing.
-
-``import featcache`` does not import torch: it calls :func:`guard_torchvision_import`,
-and the check runs when torchvision is first imported, by featcache or by any other
-library (timm, open_clip). So ``featcache --help`` answers without loading torch.
+When torchvision's C++ extension does not match the installed torch (a CUDA torchvision
+beside a CPU-only torch), ``import torchvision`` raises "operator torchvision::nms does
+not exist": its ``_meta_registrations.py`` registers fake kernels for ``nms`` and ``qnms``
+without checking that the ops exist (pytorch/vision#9085). featcache calls neither, so
+declaring the two schemas (without kernels) lets the import succeed. The check runs on
+the first import of torchvision, by anyone, so ``import featcache`` loads no torch.
 """
 
 from __future__ import annotations
@@ -46,40 +35,30 @@ def _has_schema(name: str) -> bool:
     return True
 
 
-def _extension_path() -> str | None:
-    """Path of torchvision's compiled extension, or None when torchvision has none."""
-    spec = importlib.util.find_spec("torchvision")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
-        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-            candidate = os.path.join(folder, "_C" + suffix)
-            if os.path.exists(candidate):
-                return candidate
-    return None
-
-
 def torchvision_extension_loads() -> bool:
     """Try to load torchvision's compiled ops into torch; return whether they loaded."""
     import torch
 
-    path = _extension_path()
-    if path is None:
+    spec = importlib.util.find_spec("torchvision")
+    folders = (spec.submodule_search_locations or []) if spec is not None else []
+    suffixes = importlib.machinery.EXTENSION_SUFFIXES
+    paths = [os.path.join(folder, "_C" + suffix) for folder in folders for suffix in suffixes]
+    found = next((path for path in paths if os.path.exists(path)), None)
+    if found is None:  # torchvision has no compiled extension
         return False
     try:
-        torch.ops.load_library(path)
+        torch.ops.load_library(found)
     except (OSError, RuntimeError):
         return False
     return True
 
 
 def declare_torchvision_ops() -> list[str]:
-    """Declare the schemas of :data:`UNCONDITIONAL_OPS` that do not exist yet.
+    """Declare the schemas of :data:`UNCONDITIONAL_OPS` that do not exist yet; returns
+    the names declared.
 
-    Returns the names declared (empty when all were already there). The declarations
-    live as long as the process: ``torch.library.define`` without a ``lib`` keeps its
-    library alive inside torch, whereas a ``Library`` held by this module would remove
-    the ops when garbage-collected, for instance after the module is reloaded.
+    ``torch.library.define`` without a ``lib`` keeps the ops for the life of the process;
+    a ``Library`` held here would remove them when collected (after a module reload).
     """
     import torch
 
@@ -98,8 +77,8 @@ def ensure_torchvision_importable() -> None:
 
 
 class _BeforeTorchvision(importlib.abc.MetaPathFinder):
-    """An import hook that runs :func:`ensure_torchvision_importable` once, just before
-    the first import of torchvision, then leaves the import to the usual finders."""
+    """An import hook running :func:`ensure_torchvision_importable` before torchvision's
+    first import; the import itself is left to the usual finders."""
 
     def find_spec(
         self, name: str, path: Sequence[str] | None = None, target: ModuleType | None = None
@@ -112,8 +91,8 @@ class _BeforeTorchvision(importlib.abc.MetaPathFinder):
 
 
 def guard_torchvision_import() -> None:
-    """Have :func:`ensure_torchvision_importable` run before torchvision is first imported
-    in this process, whoever imports it; nothing to do when it is imported already."""
+    """Have :func:`ensure_torchvision_importable` run before torchvision is first imported,
+    whoever imports it."""
     if "torchvision" in sys.modules:
         return
     if not any(isinstance(finder, _BeforeTorchvision) for finder in sys.meta_path):

@@ -1,9 +1,5 @@
-"""Old module paths of featcache, importable still, with a ``DeprecationWarning``.
-
-The package's modules live in subpackages named by their role (``featcache.read.dataset``,
-not ``featcache.dataset``). Importing a module by its old path gives the module at its
-new path, the same object, and warns once per path.
-"""
+"""Old module paths of featcache (``featcache.dataset``), importable still as the same
+module object at the new path, with a ``DeprecationWarning`` once per path."""
 
 from __future__ import annotations
 

@@ -22,9 +22,8 @@ class ConfigError(FeatcacheError):
 
 
 class FeatcacheWarning(UserWarning):
-    """Something the user should know about a run or a store that does not stop it (the
-    CLI prints these as ``featcache: warning: ...``; other libraries' warnings stay out
-    of its output unless ``--debug``)."""
+    """Something the user should know that does not stop the run (the CLI prints these as
+    ``featcache: warning: ...``)."""
 
 
 class CorruptStoreError(FeatcacheError):
@@ -44,11 +43,8 @@ class IncompleteStoreError(FeatcacheError):
 
 
 def first_line(exc: BaseException, *, with_type: bool = False) -> str:
-    """The first line of an exception's message, whitespace collapsed.
-
-    With ``with_type`` the exception's class name leads (``"OSError: ..."``); an empty
-    message gives the class name alone.
-    """
+    """The first line of an exception's message, whitespace collapsed, led by the class
+    name with ``with_type``; an empty message gives the class name alone."""
     lines = str(exc).strip().splitlines()
     text = " ".join(lines[0].split()) if lines else ""
     if not text:

@@ -319,6 +319,15 @@ def _rank_pids(rank: int, marker: str) -> list[int]:
     return pids
 
 
+def _found_ranks(pids: dict[int, int], world_size: int, marker: str) -> bool:
+    """Whether the process of every rank is running, adding each one found to ``pids``."""
+    for rank in range(world_size):
+        found = _rank_pids(rank, marker)
+        if len(found) == 1:
+            pids[rank] = found[0]
+    return len(pids) == world_size
+
+
 def _running(pid: int) -> bool:
     """Whether process ``pid`` is alive (not gone, and not a zombie left unreaped)."""
     try:
@@ -334,12 +343,23 @@ def test_three_killed_ranks_resume_with_two_to_the_single_process_store(single, 
     store = tmp_path / "out" / "train.h5"
     partials = [partial_path(shard_path(store, block(1200, 16, r, 3).start)) for r in range(3)]
     process = _torchrun(config, processes=3)
-    _wait_until(
-        lambda: all(_progress(p) >= 24 for p in partials), process, "every rank had durable rows"
-    )
-    pids = [pid for rank in range(3) for pid in _rank_pids(rank, str(config))]
-    assert len(pids) == 3 and process.poll() is None
-    for pid in pids:  # each rank runs in a session of its own: killed one by one
+    pids = {}
+    _wait_until(lambda: _found_ranks(pids, 3, str(config)), process, "every rank started")
+    # Each rank is stopped (SIGSTOP) once it has durable rows, so that none completes its
+    # shard while a slower one starts; then all are killed, one by one (each runs in a
+    # session of its own).
+    stopped: set[int] = set()
+
+    def stop_ranks_with_rows() -> bool:
+        for rank, pid in pids.items():
+            if rank not in stopped and _progress(partials[rank]) >= 24:
+                os.kill(pid, signal.SIGSTOP)
+                stopped.add(rank)
+        return len(stopped) == 3
+
+    _wait_until(stop_ranks_with_rows, process, "every rank had durable rows")
+    assert process.poll() is None
+    for pid in pids.values():
         os.kill(pid, signal.SIGKILL)
     process.communicate(timeout=120)
     assert process.returncode != 0

@@ -1,11 +1,5 @@
-"""Which axis of a 4-d output holds the channels: ``[B, C, H, W]`` or ``[B, H, W, C]``.
-
-In order: the layer's own ``layout`` option; what the model declares
-(:func:`declared_layouts`); the input's grid, which a feature map's spatial axes follow
-(:func:`channel_layout`); else PyTorch's ``[B, C, ...]``, where neither reading has the
-grid. Where both do (``[B, 8, 8, 8]`` of a square input), it cannot be told, and a
-reduction that needs it refuses, naming the option (``docs/concepts/reductions.md``).
-"""
+"""Which axis of a 4-d output holds the channels: ``[B, C, H, W]`` or ``[B, H, W, C]``
+(the rules: ``docs/concepts/reductions.md``)."""
 
 from __future__ import annotations
 
@@ -31,9 +25,7 @@ CHANNELS_FIRST_MODULES = (
 
 
 def declared_layouts(model: nn.Module) -> dict[str, ChannelLayout]:
-    """The layouts ``model`` declares for some of its modules' 4-d outputs, by module name: 2-d
-    convolutions, norms and pools, timm's ``feature_info`` stages in its ``output_fmt``,
-    torchvision's Swin stages, transformers' CNN stages and embeddings."""
+    """The layouts ``model`` declares for its modules' 4-d outputs, by module name."""
     import torchvision
 
     declared: dict[str, ChannelLayout] = {
@@ -49,8 +41,7 @@ def declared_layouts(model: nn.Module) -> dict[str, ChannelLayout]:
             if isinstance(entry, dict) and isinstance(entry.get("module"), str):
                 declared[entry["module"]] = layout
     for name, module in model.named_modules():
-        # transformers' CNN stages and embeddings give the NCHW maps of its hidden_states
-        # (its Swin stages give tokens, which no 4-d layout concerns).
+        # transformers' CNN stages and embeddings give NCHW hidden_states (Swin's are tokens).
         if type(module).__module__.startswith("transformers.") and type(module).__name__.endswith(
             ("Stage", "Embeddings", "Embedder")
         ):
@@ -66,9 +57,8 @@ def declared_layouts(model: nn.Module) -> dict[str, ChannelLayout]:
 def channel_layout(
     shape: tuple[int, ...], declared: str | None, image_size: tuple[int, int] | None
 ) -> str:
-    """The layout of a 4-d output of per-sample ``shape`` ``(d1, d2, d3)``: ``declared``
-    when given, else read from the input grid of an ``(H, W)`` image batch;
-    :data:`AMBIGUOUS` when both readings fit it."""
+    """The layout of a 4-d output of per-sample ``shape``: ``declared``, else read from the
+    ``(H, W)`` input's grid; :data:`AMBIGUOUS` when both readings fit."""
     if declared is not None:
         return declared
     if image_size is None or len(shape) != 3:
@@ -104,9 +94,8 @@ def channels_last(
 
 
 def _is_grid(height: int, width: int, image_size: tuple[int, int]) -> bool:
-    """Whether ``height x width`` can be the spatial grid of a feature map of an input of
-    ``image_size``: equal sides for a square input, else sides in the input's proportions
-    (within 15%: padding and strides round them) and no larger than its own."""
+    """Whether ``height x width`` can be a feature map's grid for an ``image_size`` input: no
+    larger, square for a square input, else in its proportions within 15% (strides round)."""
     in_height, in_width = image_size
     if height > in_height or width > in_width:
         return False

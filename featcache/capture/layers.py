@@ -16,8 +16,7 @@ from featcache.capture.reduce import layer_prefix
 from featcache.errors import ConfigError, first_line
 
 PROBE_BATCH = 2  # samples in the probe batch
-# How a 4-d output's channel layout is shown (see featcache.capture.channels): channels first,
-# PyTorch's convention, goes without a note.
+# How a 4-d output's channel layout is shown; channels first goes without a note.
 LAYOUT_NOTES = {"nhwc": " channels last", AMBIGUOUS: " channels first or last (set layout)"}
 
 
@@ -41,22 +40,13 @@ def describe_layers(
     sequence_first: bool = False,
     example: Mapping[str, torch.Tensor] | None = None,
 ) -> list[LayerInfo]:
-    """Run one batch of float32 zeros ``[2, channels, H, W]`` on ``device``; record every output.
-
-    ``input_size`` is the side of a square probe image, or its ``(H, W)``. A text model is
-    given ``example`` instead (``{"input_ids": [2, T], "attention_mask": [2, T]}``, keyword
-    arguments), and its outputs with a token axis of length ``T`` read ``"[T, D] tokens"``.
-    Shapes are per sample, as of the module's first call; a tuple/list output reads
-    ``"([C, H, W], [D])"``, a dict ``"{key: [D]}"``, anything else its type name. With
-    ``prefix_tokens`` set, token outputs read ``"[T, D] tokens (1 prefix)"`` (sequence-first
-    ones transposed); a 4-d output that keeps its channels last reads ``"[14, 14, 384]
-    channels last"``, one whose layout cannot be told says so. Modules are listed in
-    ``named_modules()`` order, the root excluded; the model's train/eval flag is restored
-    and all hooks are removed.
+    """Run float32 zeros ``[2, channels, H, W]``, or a text model's ``example`` (int64
+    ``[2, T]`` keywords), and record each module's per-sample output at its first call
+    (``"[C, H, W]"``, ``"[T, D] tokens (1 prefix)"``, ``"[14, 14, 384] channels last"``),
+    in ``named_modules()`` order without the root; the train/eval flag is restored.
 
     Raises:
-        ConfigError: the probe batch fails in the model (an image size it does not take),
-            with the model's own reason.
+        ConfigError: the probe batch fails in the model, with the model's own reason.
     """
     shapes: dict[str, str] = {}
     tokens = None if example is None else int(example["input_ids"].shape[1])
@@ -104,8 +94,7 @@ def describe_layers(
 
 
 def text_example(tokenizer: Any, text: str = "a short text to look inside the model") -> dict:
-    """A probe batch for a text model: ``text`` twice through its featcache tokenizer, as
-    ``{"input_ids": int64 [2, T], "attention_mask": int64 [2, T]}``."""
+    """``text`` twice through a featcache tokenizer: int64 ``[2, T]`` ids and attention mask."""
     ids = torch.tensor(tokenizer([text] * PROBE_BATCH, None).ids, dtype=torch.long)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 

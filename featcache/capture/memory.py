@@ -1,11 +1,9 @@
 """Freed CPU memory kept for reuse while a run lasts: glibc's two malloc thresholds.
 
-glibc hands a freed block above its *mmap threshold* (at most 32 MiB on 64-bit systems,
-by its own rule) straight back to the kernel, and free heap top beyond its *trim
-threshold* (twice that), so a CPU forward maps and zero-fills its largest activations
-again on every batch (the measurements: ``docs/benchmarks.md``). glibc offers no call that
-hands its rule back, so a run ends with the thresholds at the rule's ceilings
-(:func:`settle_thresholds`).
+glibc returns freed blocks above its mmap threshold (at most 32 MiB) and free heap above
+its trim threshold to the kernel, so a CPU forward faults its largest activations in again
+every batch (``docs/benchmarks.md``). glibc cannot restore its own dynamic rule, so a run
+ends with the thresholds at that rule's ceilings.
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ import torch
 M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's <malloc.h>
 M_MMAP_THRESHOLD = -3
 
-# While a run lasts: blocks up to 256 MiB come from the heap, and up to 512 MiB of free
-# heap is kept. Above that, a block is mapped as it would be anyway.
+# While a run lasts: blocks up to 256 MiB come from the heap, up to 512 MiB free is kept.
 RUN_MMAP_THRESHOLD = 256 << 20
 RUN_TRIM_THRESHOLD = 512 << 20
 
@@ -39,8 +36,7 @@ _runs = 0  # runs inside freed_memory_kept now, in any thread
 
 @functools.cache
 def glibc() -> Any:
-    """The process's C library when it is glibc with ``mallopt`` and ``malloc_trim``,
-    else None."""
+    """The process's C library if it is glibc (with ``mallopt``, ``malloc_trim``), else None."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     try:
@@ -53,8 +49,7 @@ def glibc() -> Any:
 
 
 def settle_thresholds() -> None:
-    """Set the thresholds to the ceilings of glibc's rule and trim the heap: the state a run
-    leaves the process in (benchmarks start from it)."""
+    """Set the thresholds to glibc's ceilings and trim the heap, as a run ends."""
     libc = glibc()
     if libc is None:
         return

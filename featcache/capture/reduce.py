@@ -18,20 +18,17 @@ from featcache.errors import ConfigError
 
 @dataclass(frozen=True)
 class ReduceContext:
-    """What a reduction may need to know besides the captured value: the model's token and
-    channel layouts, and the batch's shape."""
+    """The model's token and channel layouts and the batch's shape, for the reductions."""
 
     attention_mask: torch.Tensor | None = None  # [B, T], 1 for real tokens; token inputs only
-    # Tokens before the patch tokens (class, distillation, register) of [B, T, D] token
-    # outputs. None: no declared layout (token 0 is the class token, every token averaged).
+    # Class, distillation and register tokens before the patch tokens of [B, T, D] outputs;
+    # None: no declared layout (token 0 is the class token, every token averaged).
     prefix_tokens: int | None = None
     sequence_first: bool = False  # the model's token outputs are [T, B, D]
     batch_size: int | None = None  # None: not checked
-    # Attention modules that run sequence-first in a model that does not declare
-    # sequence_first (see sequence_first_modules).
+    # Attention modules that run sequence-first though the model does not declare it.
     sequence_first_modules: tuple[str, ...] = ()
-    # (H, W) of an image batch, which the patch grid of its token outputs follows (None:
-    # not known, and a patch grid is square).
+    # (H, W) of an image batch, which its patch grid follows (None: a square grid).
     image_size: tuple[int, int] | None = None
     input_tokens: int | None = None  # T of a batch of token ids [B, T]; None for others
     # Module name -> the layout ("nchw", "nhwc") the model declares for its 4-d outputs.
@@ -48,9 +45,9 @@ NO_CONTEXT = ReduceContext()
 def token_layout(
     model: nn.Module, prefix_tokens: int | None, sequence_first: bool
 ) -> ReduceContext:
-    """The layout the reductions use: ``prefix_tokens`` (default: the model's
-    ``num_prefix_tokens``, if any), ``sequence_first`` (else the attention modules that run
-    sequence-first all the same) and the channel layouts the model declares."""
+    """The reductions' context for ``model``: ``prefix_tokens`` (default: its
+    ``num_prefix_tokens``), ``sequence_first`` (else its sequence-first attention modules)
+    and its declared channel layouts."""
     if prefix_tokens is None:
         declared = getattr(model, "num_prefix_tokens", None)
         prefix_tokens = declared if isinstance(declared, int) else None
@@ -67,9 +64,7 @@ def token_layout(
 
 
 def sequence_first_modules(model: nn.Module) -> tuple[str, ...]:
-    """The names of ``model``'s attention modules that take and give ``[T, B, D]``
-    (``nn.MultiheadAttention``, also inside ``nn.Transformer*`` layers, with
-    ``batch_first=False``, PyTorch's default)."""
+    """The names of ``model``'s ``nn.MultiheadAttention`` modules that run ``[T, B, D]``."""
     return tuple(
         name
         for name, module in model.named_modules()
@@ -78,17 +73,11 @@ def sequence_first_modules(model: nn.Module) -> tuple[str, ...]:
 
 
 def reduce_tensor(x: torch.Tensor, tap: Tap, context: ReduceContext = NO_CONTEXT) -> torch.Tensor:
-    """Apply ``tap.reduce`` to a batch ``x`` of shape ``[B, ...]``; returns ``[B, ...]``.
-
-    ``avg``/``max`` pool every axis after the channels (``[B, C, ...]`` -> ``[B, C]``, a
-    channels-last 4-d output alike); ``adaptive_avg`` gives ``[B, C, k, k]``, ``flatten``
-    ``[B, prod(...)]``. Token outputs ``[B, T, D]`` of a model with a token layout, and 3-D
-    outputs whose axis 1 is the ``T`` of an unpadded batch of token ids, are reduced over their
-    tokens, never the feature axis: ``cls``, ``mean`` (of the patch tokens) and ``last`` give
-    ``[B, D]``, ``cls+mean`` ``[B, 2D]``, ``patches`` the grid ``[B, D, h, w]``, which ``avg``,
-    ``max`` and ``adaptive_avg`` pool. A padded batch (``context.attention_mask``) is reduced
-    over its real tokens only; ``none`` returns it padded, for the run loop to pack into
-    per-token rows. The rules, sequence-first outputs included: ``docs/concepts/tokens.md``.
+    """Apply ``tap.reduce`` to a batch ``x`` ``[B, ...]``; returns ``[B, ...]``: ``[B, C]``
+    (``avg``, ``max``), ``[B, C, k, k]`` (``adaptive_avg``), ``[B, D]`` (``cls``, ``mean``,
+    ``last`` of tokens ``[B, T, D]``), ``[B, 2D]`` (``cls+mean``), ``[B, D, h, w]``
+    (``patches``). A padded batch is reduced over its real tokens (``none``: left padded).
+    The rules: ``docs/concepts/reductions.md``, ``docs/concepts/tokens.md``.
     """
     x = _batch_first(x, tap, context)
     how = tap.reduce
@@ -126,10 +115,9 @@ def channels_first(x: torch.Tensor, tap: Tap, context: ReduceContext, need: str)
 def layer_prefix(
     tokens: int, prefix: int | None, image_size: tuple[int, int] | None = None
 ) -> int | None:
-    """The prefix tokens in a token output of ``tokens`` tokens of a model whose token outputs
-    carry ``prefix`` of them (None: no declared layout): 0 for a layer that runs before the
-    model adds them, told by its count making a patch grid where the count less ``prefix``
-    does not (``docs/concepts/tokens.md``)."""
+    """The prefix tokens in an output of ``tokens`` tokens of a model declaring ``prefix``:
+    0 where ``tokens`` makes a patch grid and ``tokens - prefix`` does not (a layer before
+    the model adds them; ``docs/concepts/tokens.md``)."""
     if prefix and patch_grid(tokens, image_size) and not patch_grid(tokens - prefix, image_size):
         return 0
     return prefix
@@ -137,10 +125,9 @@ def layer_prefix(
 
 @functools.lru_cache(maxsize=256)
 def patch_grid(tokens: int, image_size: tuple[int, int] | None = None) -> tuple[int, int] | None:
-    """The ``(h, w)`` grid that ``tokens`` patch tokens of an ``(H, W)`` input make:
-    ``h = H // p`` and ``w = W // p`` (or rounded up, for a model that pads its input)
-    for some patch side ``p``, so a square input gives a square grid; a square grid when
-    the input size is not known. None when there is no such grid."""
+    """The ``(h, w)`` grid of ``tokens`` patch tokens of an ``(H, W)`` input: ``H // p`` by
+    ``W // p`` (or rounded up: a padded input) for some patch side ``p``; square for a square
+    or unknown input; None when there is none."""
     if tokens <= 0:
         return None
     if image_size is None or image_size[0] == image_size[1]:
@@ -185,13 +172,9 @@ def _reduce_tokens(x: torch.Tensor, tap: Tap, context: ReduceContext) -> torch.T
 
 
 def _reduce_masked(x: torch.Tensor, tap: Tap, mask: torch.Tensor) -> torch.Tensor:
-    """Reduce token outputs ``[B, T, ...]`` of a padded batch over its real tokens only.
-
-    ``mask`` is the batch's ``[B, T]`` attention mask (nonzero for real tokens). ``mean``
-    (and ``avg``) averages the real tokens, special tokens included (as sentence encoders
-    pool), ``max`` takes their maximum, ``cls`` is token 0, ``last`` the last real token
-    (for decoder models; wherever the padding is), ``cls+mean`` concatenates two.
-    """
+    """Reduce token outputs ``[B, T, ...]`` of a padded batch over the real tokens of its
+    ``[B, T]`` attention ``mask``: ``mean``/``avg`` (special tokens included, as sentence
+    encoders pool), ``max``, ``cls`` (token 0), ``last`` (the last real one), ``cls+mean``."""
     how = tap.reduce
     if x.dim() < 3 or tuple(x.shape[:2]) != tuple(mask.shape):
         raise ConfigError(
@@ -225,9 +208,7 @@ def _reduce_masked(x: torch.Tensor, tap: Tap, mask: torch.Tensor) -> torch.Tenso
 
 
 def _adaptive_avg(grid: torch.Tensor, tap: Tap) -> torch.Tensor:
-    """``[B, C, H, W]`` averaged over a ``size x size`` partition of its grid:
-    ``[B, C, size, size]``. A grid smaller than ``size`` is refused: pooling would repeat
-    its values, not average them, and store more numbers that say nothing more."""
+    """``[B, C, H, W]`` -> ``[B, C, size, size]``; a grid smaller than ``size`` is refused."""
     height, width = grid.shape[-2:]
     if tap.size is not None and tap.size > min(height, width):
         raise ConfigError(
@@ -241,8 +222,7 @@ def _adaptive_avg(grid: torch.Tensor, tap: Tap) -> torch.Tensor:
 def _patch_grid(
     patches: torch.Tensor, tap: Tap, image_size: tuple[int, int] | None
 ) -> torch.Tensor:
-    """``[B, N, D]`` patch tokens (in row-major order) -> ``[B, D, h, w]``, the grid
-    :func:`patch_grid` finds for them."""
+    """``[B, N, D]`` row-major patch tokens -> ``[B, D, h, w]`` on :func:`patch_grid`'s grid."""
     n = patches.shape[1]
     grid = patch_grid(n, image_size)
     if grid is None:
@@ -257,8 +237,7 @@ def _patch_grid(
 
 
 def _batch_first(x: torch.Tensor, tap: Tap, context: ReduceContext) -> torch.Tensor:
-    """``x`` with the batch axis first: a declared sequence-first ``[T, B, D]`` transposed, any
-    output whose batch axis cannot be told refused (``docs/concepts/tokens.md``)."""
+    """``x`` batch-first (a declared ``[T, B, D]`` transposed), or refused if that is unclear."""
     b = context.batch_size
     if b is None or x.dim() < 2:
         return x

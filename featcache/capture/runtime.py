@@ -1,11 +1,8 @@
 """Where and how the backbone runs: device, memory layout and autocast dtype.
 
-``runtime.channels_last: auto`` and ``runtime.amp: auto`` follow a fixed rule, not a
-timing run, so that the same config always runs the same way on the same hardware
-(measurements: ``docs/benchmarks.md``): channels_last for networks with 2-d convolutions on
-the CPU (oneDNN's convolutions are faster in NHWC), and on CUDA when autocast is on
-(tensor-core convolutions want NHWC); autocast never on the CPU, bf16 on CUDA devices that
-support it, else fp16.
+``auto`` is a fixed rule, not a timing run, so that a config always runs the same way on the
+same hardware (``docs/benchmarks.md``): channels_last for 2-d convolutions on the CPU and
+under CUDA autocast; autocast only on CUDA, bf16 where supported, else fp16.
 """
 
 from __future__ import annotations
@@ -58,13 +55,9 @@ def resolve_device(name: str) -> torch.device:
 def choose_layout(model: nn.Module, runtime: RuntimeSpec) -> Layout:
     """Resolve ``runtime.device``, ``channels_last`` and ``amp`` (``auto`` by the rule above)."""
     device = resolve_device(runtime.device)
-    if runtime.amp == "auto":
-        if device.type == "cuda":
-            amp = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        else:
-            amp = None
-    else:
-        amp = AMP_DTYPES.get(runtime.amp or "")
+    amp = AMP_DTYPES.get(runtime.amp or "")  # None for "auto" too
+    if runtime.amp == "auto" and device.type == "cuda":
+        amp = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if runtime.channels_last == "auto":
         conv2d = any(isinstance(module, nn.Conv2d) for module in model.modules())
         channels_last = conv2d and (device.type == "cpu" or amp is not None)
@@ -75,14 +68,9 @@ def choose_layout(model: nn.Module, runtime: RuntimeSpec) -> Layout:
 
 @contextlib.contextmanager
 def placed(model: nn.Module, layout: Layout, *, lazy: bool = True) -> Iterator[nn.Module]:
-    """Run ``model`` on ``layout.device`` in ``layout.memory_format`` inside the block.
-
-    With ``lazy``, each module's own 4-d weights are converted to channels_last just before
-    it first runs, so a forward stopped early never converts the layers after the stop, and
-    exactly those modules are handed back in the default layout afterwards. ``lazy=False``
-    converts the whole model up front (``torch.compile`` should trace a model that does not
-    change under it).
-    """
+    """Run ``model`` on ``layout.device`` in ``layout.memory_format`` inside the block;
+    ``lazy`` converts a module's 4-d weights at its first run (none after an early stop),
+    ``lazy=False`` all up front, for ``torch.compile``."""
     # Module.to takes memory_format at run time; its type stub leaves it out.
     move: Any = model.to
     if not layout.channels_last:
@@ -104,7 +92,10 @@ def placed(model: nn.Module, layout: Layout, *, lazy: bool = True) -> Iterator[n
     def convert(module: nn.Module, args: Any) -> None:
         # Outside inference mode, so that the weights stay ordinary tensors.
         with torch.inference_mode(False):
-            module._apply(_to_channels_last, recurse=False)
+            module._apply(
+                lambda t: t.to(memory_format=torch.channels_last) if t.dim() == 4 else t,
+                recurse=False,
+            )
         converted.append(module)
         hooks.pop(module).remove()  # once per module
 
@@ -117,12 +108,4 @@ def placed(model: nn.Module, layout: Layout, *, lazy: bool = True) -> Iterator[n
         for handle in hooks.values():
             handle.remove()
         for module in converted:
-            module._apply(_to_contiguous, recurse=False)
-
-
-def _to_channels_last(t: torch.Tensor) -> torch.Tensor:
-    return t.to(memory_format=torch.channels_last) if t.dim() == 4 else t
-
-
-def _to_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous() if t.dim() == 4 else t
+            module._apply(lambda t: t.contiguous() if t.dim() == 4 else t, recurse=False)

@@ -29,8 +29,8 @@ class Tap:
 
 
 def tap_record(tap: Tap) -> dict[str, Any]:
-    """``tap`` as the JSON-able record a store key holds (``layout`` only when set, so
-    that the keys of stores written before the option existed stay the same)."""
+    """``tap`` as a store key's JSON-able record; ``layout`` only when set, so that older
+    stores' records stay the same."""
     record = asdict(tap)
     if record["layout"] is None:
         del record["layout"]
@@ -38,14 +38,9 @@ def tap_record(tap: Tap) -> dict[str, Any]:
 
 
 def resolve_taps(model: nn.Module, layers: Iterable[LayerSpec | str | dict]) -> list[Tap]:
-    """Expand layer selectors into taps, in the order given.
-
-    A selector is an exact module name, a name with index or slice steps over containers
-    (``blocks[-1]``, ``blocks[-4:]``, ``encoder.layer[::2]``, ``stages[2].blocks[0]``), a
-    glob over module names (``layer*.1``: ``*`` stays within one dotted part, ``**`` spans
-    several), ``type:ClassName`` (every module of that class), or ``.``: the model itself,
-    whose output is stored under the key ``output``.
-    """
+    """Expand layer selectors into taps, in the order given: module names, index or slice
+    steps (``blocks[-4:]``), globs (``layer*.1``), ``type:ClassName`` or ``.`` (the model;
+    see ``docs/concepts/layers.md``)."""
     modules = {name: module for name, module in model.named_modules() if name}
     taps: list[Tap] = []
     for layer in parse_layers(layers):
@@ -67,7 +62,6 @@ def resolve_taps(model: nn.Module, layers: Iterable[LayerSpec | str | dict]) -> 
 
 
 def _tap(layer: LayerSpec, name: str) -> Tap:
-    """The tap of module ``name`` that ``layer`` selects."""
     suffix = {"input": "@input", "grad": "@grad"}.get(layer.capture, "")
     target = None
     if layer.capture == "grad":
@@ -123,10 +117,8 @@ def _match(selector: str, model: nn.Module, modules: dict[str, nn.Module]) -> li
 def _match_indexed(
     selector: str, model: nn.Module, modules: dict[str, nn.Module]
 ) -> list[str] | None:
-    """Names a selector with index or slice steps means, or None when it has none (or reads as
-    a glob instead: ``layer[12]`` where ``layer`` is no module). A subscript picks among a
-    container's children in their order; an index out of range is an error, naming the
-    container's length."""
+    """The names a selector with index or slice steps over containers' children means; None
+    when it has none, or reads as a glob (``layer[12]`` where ``layer`` is no module)."""
     matches = list(_STEP.finditer(selector))
     if sum(len(m.group(0)) for m in matches) != len(selector):
         return None  # characters no step reads: not this syntax
@@ -169,8 +161,7 @@ def _match_indexed(
 def _refuse_second_use(
     selector: str, name: str, model: nn.Module, modules: dict[str, nn.Module]
 ) -> None:
-    """Refuse entry ``name`` of a container that holds a module it already holds under
-    another name: a hook on it would capture that module's first call, not this use."""
+    """Refuse container entry ``name``, a module that runs first under another name."""
     module = model.get_submodule(name)
     first = next(n for n, m in modules.items() if m is module)
     raise ConfigError(
@@ -195,7 +186,7 @@ def _subscript(selector: str, parent: str, children: list[str], subscript: str) 
 
 
 def _glob_regex(glob: str) -> re.Pattern[str]:
-    """Module-name glob: ``*`` and ``?`` stay within one dotted part, ``**`` crosses dots."""
+    """``*`` and ``?`` stay within one dotted part, ``**`` crosses dots."""
     parts = _GLOB_TOKEN.split(glob)  # literal text at even indices, glob tokens at odd ones
     return re.compile(
         "".join(_GLOB_REGEX.get(p, p) if i % 2 else re.escape(p) for i, p in enumerate(parts))

@@ -1,6 +1,5 @@
-"""Layer taps: hook the selected modules, reduce what they produce on the device, and stop
-the forward as soon as every tap has fired, so layers after the last one captured are
-never computed."""
+"""Layer taps: hook the selected modules, reduce their values on the device, and stop the
+forward once every tap has fired, so that later layers are never computed."""
 
 from __future__ import annotations
 
@@ -62,15 +61,9 @@ def _pick(value: Any, tap: Tap) -> torch.Tensor:
 class TapSet:
     """Forward hooks for a list of taps, as a context manager, removed whatever the exit path.
 
-    Inside the ``with`` block, :meth:`run` feeds one batch through the model and returns
-    ``{tap.key: reduced tensor [B, ...]}`` (on the model's device), passed through
-    ``convert`` (a dtype cast, say) when given, never aliasing the model's own tensors. The
-    first call of a module in a forward is the one captured.
-
-    Taps with ``capture="grad"`` get a tensor hook on the module's output, and :meth:`run`
-    then runs the whole forward with autograd on and one backward per distinct target. Only
-    the input batch requires grad: parameters are frozen for the run only and their ``.grad``
-    is never touched, so no weight gradients are computed or kept.
+    :meth:`run` returns ``{tap.key: reduced tensor [B, ...]}`` of a module's first call,
+    never aliasing the model's tensors. Grad taps run one backward per target, with only
+    the input requiring grad (parameters frozen for the run, their ``.grad`` untouched).
     """
 
     def __init__(
@@ -88,17 +81,16 @@ class TapSet:
         # A gradient needs the forward to reach the model's output.
         self.stop_early = stop_early and not self.needs_grad
         self.convert = convert  # applied to each reduced value inside the hook
-        # What run() calls: the model, or a compiled wrapper of it. torch.compile traces the
-        # hooks registered when it first runs, so compile after entering the block.
+        # The model, or a compiled wrapper of it made after entering the block (torch.compile
+        # traces the hooks registered when it first runs).
         self.forward: Callable[..., Any] = model
         self._values: dict[str, torch.Tensor] = {}
         self._hooked: set[str] = set()  # grad taps whose tensor hook is set in this forward
         self._active_target: str | int | None = None  # the target being differentiated
         self._context = NO_CONTEXT  # the batch being run, for the reductions
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        # What the forward showed of each tap's value, by tap key, as of its first batch:
-        # "channel_layout" of a 4-d output ("nchw", "nhwc", "" when it cannot be told; see
-        # featcache.capture.channels) and "select" where a tuple's hidden states were taken.
+        # By tap key, as of the first batch: "channel_layout" of a 4-d output ("nchw", "nhwc",
+        # "" when it cannot be told) and "select" where a tuple's hidden states were taken.
         self.observed: dict[str, dict[str, str]] = {}
         self._nonzero_grads: set[str] = set()  # grad taps that captured a nonzero value
 
@@ -140,7 +132,6 @@ class TapSet:
         raw.register_hook(lambda grad: self._store_grad(tap, grad))
 
     def _record(self, tap: Tap, module: nn.Module, args: tuple, output: Any = None) -> None:
-        """The forward (pre-)hook of an input or output tap."""
         if tap.key in self._values:
             return
         value = args if tap.capture == "input" else output
@@ -149,9 +140,8 @@ class TapSet:
             raise _StopForward
 
     def _selected(self, tap: Tap, value: Any, module: nn.Module) -> Tap:
-        """``tap``, or for the tuple output of a Hugging Face transformers module and no
-        ``select``, ``tap`` with ``select=0``: the hidden states, by the library's own
-        convention (recorded in :attr:`observed`)."""
+        """``tap``, with ``select=0`` (the hidden states, recorded in :attr:`observed`) for a
+        transformers module's tuple output and no ``select``."""
         if (
             tap.select is None
             and tap.capture != "input"
@@ -172,8 +162,7 @@ class TapSet:
                 self._nonzero_grads.add(tap.key)
 
     def zero_gradients(self) -> list[Tap]:
-        """The gradient taps whose every value stored so far (after the reduction) was exactly
-        zero: their target does not depend on them."""
+        """The gradient taps whose every reduced value so far was exactly zero."""
         return [t for t in self.taps if t.capture == "grad" and t.key not in self._nonzero_grads]
 
     def _store(self, tap: Tap, raw: torch.Tensor) -> None:
@@ -202,9 +191,8 @@ class TapSet:
         context: ReduceContext = NO_CONTEXT,
         **kwargs: Any,
     ) -> dict[str, torch.Tensor]:
-        """One forward over a batch (``inputs`` and ``kwargs`` go to the model); returns each
-        tap's reduced value, in tap order. ``labels`` (``[B]`` int64, -1 for none) are needed
-        only by grad taps whose target is ``"label"``; ``context`` goes to the reductions."""
+        """One forward of ``inputs`` and ``kwargs``; each tap's reduced value, in tap order.
+        ``labels`` (``[B]`` int64, -1 for none) serve grad taps whose target is ``"label"``."""
         if not self._handles:
             raise RuntimeError("TapSet.run is only valid inside its `with` block")
         self._values = {}
@@ -228,7 +216,7 @@ class TapSet:
     def _run_with_grad(
         self, inputs: tuple[Any, ...], kwargs: dict[str, Any], labels: torch.Tensor | None
     ) -> None:
-        params = [p for p in self.model.parameters()]
+        params = list(self.model.parameters())
         flags = [p.requires_grad for p in params]
         try:
             # Inference mode may be on in the caller; a normal autograd forward needs it off.
@@ -260,8 +248,7 @@ class TapSet:
         for n, (target, group) in enumerate(targets.items()):
             score = target_scores(logits, target, labels)
             self._active_target = target
-            # Gradients reach the taps' tensor hooks on the way to the input; nothing is
-            # accumulated into any .grad.
+            # The taps' tensor hooks see the gradients; no .grad is accumulated.
             torch.autograd.grad(
                 score.sum(), leaves, retain_graph=n < len(targets) - 1, allow_unused=True
             )
@@ -271,8 +258,7 @@ class TapSet:
 
 
 def zero_gradient_note(tap: Tap, where: str) -> str:
-    """Why the gradients ``where`` names (``"its gradient at row 3"``) of a gradient tap
-    hold only zeros, for a warning."""
+    """Why the gradients ``where`` names (``"its gradient at row 3"``) are all zero."""
     return (
         f"layer {tap.key!r}: {where} is exactly zero: the target score ({tap.target}) does "
         f"not depend on the output of {tap.module_name} (a ViT's last-block patch tokens, "
@@ -284,9 +270,8 @@ def zero_gradient_note(tap: Tap, where: str) -> str:
 def target_scores(
     logits: torch.Tensor, target: str | int | None, labels: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The per-sample score ``[B]`` that a gradient target names, from ``logits`` ``[B, D]``:
-    ``"label"``: ``logits[i, labels[i]]``; ``"predicted"``: the largest logit of each row;
-    a class index ``k``: ``logits[:, k]``; ``"output:K"``: ``logits.flatten(1)[:, K]``."""
+    """The score ``[B]`` a gradient target picks from ``logits`` ``[B, D]``: ``"label"``
+    ``logits[i, labels[i]]``, ``"predicted"`` the row's max, ``k`` or ``"output:K"`` a column."""
     mode, index = parse_target(target)
     flat = logits.flatten(1)
     if mode == "label":
@@ -323,13 +308,10 @@ def _logits(output: Any) -> torch.Tensor:
             f"capture=grad needs a model that returns a tensor of scores [B, ...], got "
             f"{type(output).__name__}"
         )
-    if output.dim() == 1:
-        output = output[:, None]
-    return output
+    return output[:, None] if output.dim() == 1 else output
 
 
 def _check_ran(missing: list[Tap]) -> None:
-    """Refuse, in one line, the taps whose module never ran in the forward."""
     if missing:
         raise FeatcacheError(
             f"layer(s) {', '.join(t.module_name for t in missing)} never ran in the model's "

@@ -23,8 +23,8 @@ def demo_config_path() -> Path:
 
 
 def demo_spec(output: str | os.PathLike = "featcache_demo") -> Spec:
-    """The demo config, writing into ``output`` (taken as it is: quoted, so that YAML
-    reads no comment, number or null into a folder name such as ``out #1`` or ``123``)."""
+    """The demo config, writing into ``output`` (quoted, so that YAML reads ``out #1`` or
+    ``123`` as a folder name)."""
     folder = json.dumps(str(Path(output)))
     return load_config(demo_config_path(), [f"output.dir={folder}", "output.overwrite=true"])
 
@@ -37,10 +37,9 @@ def run_demo(output: str | os.PathLike = "featcache_demo") -> dict[str, FeatureS
 def run_demo_probe(
     stores: dict[str, FeatureStore], output: str | os.PathLike = "featcache_demo"
 ) -> tuple[list[ProbeResult], Path, Path | None]:
-    """Probe every demo layer: lambda chosen on a stratified :data:`VAL_FRACTION` of the
-    train store held out, top-1 measured on the val store, which no choice looked at. Writes
-    ``probe-layers.json`` and, when matplotlib is installed, ``probe-layers.png`` into
-    ``output``; returns the results and those two paths (``None`` for a chart not drawn)."""
+    """Probe every demo layer (lambda chosen on :data:`VAL_FRACTION` of train, top-1 on val);
+    returns the results, ``probe-layers.json`` and ``probe-layers.png`` (``None`` without
+    matplotlib) written into ``output``."""
     results = probe_layers(
         stores["train"].path,
         "all",

@@ -19,10 +19,9 @@ state = {"debug": False}  # set by the --debug option
 
 
 def terminal_safe(text: str) -> str:
-    """``text`` with control and format characters other than newline and tab written as
-    escapes (``\\x1b``, ``\\u202e``). Much of what the commands print comes from stores,
-    which are data: a name in one must not move the cursor, rewrite a line already
-    printed (a ``FAIL`` made to read ``ok``), retitle the terminal or reorder the text."""
+    """``text`` with control and format characters but newline and tab written as escapes
+    (``\\x1b``): a name in a store, which is data, must not move the cursor or rewrite a
+    line already printed (a ``FAIL`` made to read ``ok``)."""
     if text.isprintable():
         return text
     return "".join(
@@ -61,7 +60,8 @@ def friendly(command: Callable[..., Any]) -> Callable[..., Any]:
             if state["debug"]:
                 traceback.print_exc()
             code = exc.exit_code if isinstance(exc, FeatcacheError) else 1
-            message = str(exc) if isinstance(exc, FeatcacheError) else _unexpected(exc)
+            unexpected = f"{first_line(exc, with_type=True)} (rerun with --debug for the traceback)"
+            message = str(exc) if isinstance(exc, FeatcacheError) else unexpected
             if isinstance(exc, IncompleteStoreError):  # the fix a command line offers
                 message = (
                     f"store {exc.path} is incomplete ({exc.rows} rows written); rerun its "
@@ -81,7 +81,3 @@ def _show_warning(warning: warnings.WarningMessage) -> None:
     elif state["debug"]:
         where = f"{warning.filename}:{warning.lineno}"
         say(f"{warning.category.__name__} from {where}: {warning.message}", err=True)
-
-
-def _unexpected(exc: Exception) -> str:
-    return f"{first_line(exc, with_type=True)} (rerun with --debug for the traceback)"

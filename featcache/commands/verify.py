@@ -1,15 +1,5 @@
-"""Prove a store matches the model and data it claims to come from.
-
-``verify_store`` first checks what the file alone can prove: completeness, the store's
-key (:class:`~featcache.store.provenance.StoreKey`, the record resume and torchrun compare)
-against its recorded config and layers, alignment (every source sample is either a row
-or a recorded skip), unique ids, every chunk's checksum and finiteness; that is all of
-``--quick``. The full check then rebuilds the backbone and the source from the config
-recorded in the store (never running code the store names unless the user allows it),
-compares their fingerprints, weights identity and layers with the key, checks ids and
-labels against the source, and recomputes a sample of rows (always the first and the
-last) within the tolerance of the stored dtype.
-"""
+"""Prove a store matches the model and data it claims to come from: the file checks
+(``--quick``), then a rebuild of the backbone and source that recomputes sampled rows."""
 
 from __future__ import annotations
 
@@ -116,16 +106,10 @@ def verify_store(
         spec = rebuilt.spec
         recorded = store.attrs.get("resume_key") or {}
         config_fp = recorded.get("config_fingerprint")
-        result.add(
-            "config",
-            fingerprint(rebuilt.written) == config_fp,
-            f"fingerprint {(config_fp or '?')[:12]}"
-            + (
-                f"; {rebuilt.where()}"
-                if config is None
-                else f" (rebuilt from {_config_name(config)})"
-            ),
-        )
+        given = "the given config" if isinstance(config, Mapping) else config
+        origin = f"; {rebuilt.where()}" if config is None else f" (rebuilt from {given})"
+        detail = f"fingerprint {(config_fp or '?')[:12]}{origin}"
+        result.add("config", fingerprint(rebuilt.written) == config_fp, detail)
         backbone = build_backbone_for(spec)
         weights_ok = backbone.weights == recorded.get("weights")
         result.add("weights", weights_ok, _weights_text(backbone.weights))
@@ -135,43 +119,38 @@ def verify_store(
         split = store.attrs["split"]
         source = build_source_for(spec, split, backbone)
         dataset_fp = source.fingerprint(content=spec.data.content_hash)
-        same_data = dataset_fp == recorded.get("dataset_fingerprint") and len(
-            source
-        ) == recorded.get("source_rows")
-        result.add(
-            "dataset",
-            same_data,
-            f"{len(source)} samples, fingerprint {dataset_fp[:12]}"
-            + ("" if same_data else " (the data changed)"),
-        )
-        index = store.index
-        ids = store.ids
-        past = [r for r, i in enumerate(index) if i >= len(source)]  # the data shrank
-        wrong_ids = [r for r, i in enumerate(index) if i >= len(source) or ids[r] != source.ids[i]]
-        result.add("ids", not wrong_ids, _rows_text(wrong_ids, "ids match the source"))
-        labels = store.labels
+        recorded_data = recorded.get("dataset_fingerprint"), recorded.get("source_rows")
+        same_data = (dataset_fp, len(source)) == recorded_data
+        detail = f"{len(source)} samples, fingerprint {dataset_fp[:12]}"
+        result.add("dataset", same_data, detail + ("" if same_data else " (the data changed)"))
+        index, ids, labels = store.index, store.ids, store.labels
+        _check_matches(result, "ids", index, ids, source.ids)
         source_labels = getattr(source, "labels", None)
         if labels is not None and source_labels is not None:
-            wrong = [
-                r
-                for r, i in enumerate(index)
-                if i >= len(source_labels) or labels[r] != source_labels[i]
-            ]
-            result.add("labels", not wrong, _rows_text(wrong, "labels match the source"))
+            _check_matches(result, "labels", index, labels, source_labels)
         if not spec.data.content_hash:  # else the dataset check compares every file's bytes
             _check_stamps(result, store, source, index, ids)
+        past = [r for r, i in enumerate(index) if i >= len(source)]  # the data shrank
         if past:
-            result.add(
-                "values",
-                False,
-                f"not recomputed: rows {_list(past)} are samples past the {len(source)} the "
-                "source holds now",
-            )
+            why = f"rows {_list(past)} are samples past the {len(source)} the source holds now"
+            result.add("values", False, f"not recomputed: {why}")
             return result
         runtime = dataclasses.replace(spec.runtime, device=device or spec.runtime.device)
         _recompute(result, store, dataclasses.replace(spec, runtime=runtime), backbone, source,
                    samples=samples, seed=seed)  # fmt: skip
     return result
+
+
+def _check_matches(
+    result: VerifyResult,
+    name: str,
+    index: np.ndarray,
+    stored: Sequence[Any] | np.ndarray,
+    current: Sequence[Any] | np.ndarray,
+) -> None:
+    """Check ``name`` (ids, labels): every row's stored value is the source's at its index."""
+    wrong = [r for r, i in enumerate(index) if i >= len(current) or stored[r] != current[i]]
+    result.add(name, not wrong, _rows_text(wrong, f"{name} match the source"))
 
 
 def _check_stamps(
@@ -237,42 +216,29 @@ def _rebuild_spec(
 
 def _check_file(result: VerifyResult, store: FeatureStore) -> None:
     """The checks that need only the file: no model, no data."""
-    result.add(
-        "complete",
-        store.complete,
-        f"{len(store)} rows"
-        if store.complete
-        else f"only {store.rows_written} rows written; featcache info {store.path} shows the "
-        "command that resumes the run",
-    )
     if store.complete:
-        result.add(
-            "metadata",
-            True,
-            "attributes match the digest recorded at completion"
-            if is_sealed(store.file)
-            else "every attribute reads (no digest recorded: written before featcache kept one)",
-        )
+        result.add("complete", True, f"{len(store)} rows")
+        sealed = "attributes match the digest recorded at completion"
+        unsealed = "every attribute reads (no digest recorded: written before featcache kept one)"
+        result.add("metadata", True, sealed if is_sealed(store.file) else unsealed)
+    else:
+        resume = f"featcache info {store.path} shows the command that resumes the run"
+        result.add("complete", False, f"only {store.rows_written} rows written; {resume}")
     recorded = store.attrs.get("resume_key")
     if not recorded:
         result.add("key", False, "the store records no store key (not made by featcache?)")
         return
     if store.config is not None:
         config_fp = fingerprint(load_config(store.config))
-        result.add(
-            "key",
-            config_fp == recorded.get("config_fingerprint"),
-            f"the recorded config has fingerprint {config_fp[:12]}"
-            + ("" if config_fp == recorded.get("config_fingerprint") else ", not the key's"),
-        )
+        same = config_fp == recorded.get("config_fingerprint")
+        detail = f"the recorded config has fingerprint {config_fp[:12]}"
+        result.add("key", same, detail + ("" if same else ", not the key's"))
     keys = [tap["key"] for tap in recorded.get("taps", [])]
-    result.add(
-        "layers",
-        sorted(keys) == sorted(store.layers),
-        f"{len(keys)} layer{'s' if len(keys) != 1 else ''} as recorded ({', '.join(keys)})"
-        if sorted(keys) == sorted(store.layers)
-        else f"stored {', '.join(store.layers)}, recorded {', '.join(keys)}",
-    )
+    if sorted(keys) == sorted(store.layers):
+        plural = "s" if len(keys) != 1 else ""
+        result.add("layers", True, f"{len(keys)} layer{plural} as recorded ({', '.join(keys)})")
+    else:
+        result.add("layers", False, f"stored {', '.join(store.layers)}, recorded {', '.join(keys)}")
     start, stop = recorded.get("rows", (0, recorded.get("source_rows", len(store))))
     bad_chunks = scan_chunks(store)
     corrupted = {bad.key for bad in bad_chunks}  # datasets the next checks cannot read
@@ -304,11 +270,9 @@ def _check_file(result: VerifyResult, store: FeatureStore) -> None:
     result.add("checksums", True, text + ("" if checked else unchecked))
     if recorded.get("on_nonfinite") != "keep":
         bad = _nonfinite(store)
-        result.add("finite", not bad, _layers_text(bad, "no NaN or Inf"))
-
-
-def _config_name(config: str | os.PathLike | Mapping[str, Any]) -> str:
-    return "the given config" if isinstance(config, Mapping) else str(config)
+        result.add(
+            "finite", not bad, f"NaN or Inf in layer {', '.join(bad)}" if bad else "no NaN or Inf"
+        )
 
 
 def _check_alignment(
@@ -369,10 +333,9 @@ def _recompute(
     samples: int,
     seed: int,
 ) -> None:
-    """Recompute ``samples`` rows of ``store`` (all with -1; always the first and the
-    last) through the run's own loader and hooked forward, in batches of the config's
-    size, and compare them with the stored rows within the one tolerance
-    (:mod:`featcache.extraction.compare`)."""
+    """Recompute ``samples`` rows (all with -1; always the first and the last) through the
+    run's own loader and hooked forward, and compare them with the stored rows within the
+    tolerance of :mod:`featcache.extraction.compare`."""
     from featcache.extraction.compare import relative_differences, token_differences, tolerance_of
     from featcache.extraction.from_config import run_options
     from featcache.extraction.plan import make_plan
@@ -458,13 +421,8 @@ def _rows_text(wrong: Sequence[int], good: str) -> str:
     return good if not wrong else f"rows {_list(wrong)} differ from the source"
 
 
-def _layers_text(bad: Sequence[str], good: str) -> str:
-    return good if not bad else f"NaN or Inf in layer {', '.join(bad)}"
-
-
 def _of_store(spec: Spec, path: Path) -> Spec:
-    """``spec``, or of a config of several models the config of the one whose store is at
-    ``path``."""
+    """``spec``, or of a config of several models the one whose store is at ``path``."""
     if not spec.models:
         return spec
     for one in spec.per_model().values():

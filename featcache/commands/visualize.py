@@ -1,8 +1,4 @@
-"""Pictures from a store: feature-map grids and Grad-CAM overlays (Selvaraju et al., 2017).
-
-Images are written with :func:`torchvision.utils.save_image`; the CAM's colours are
-matplotlib's (the ``plot`` extra).
-"""
+"""Pictures from a store: feature-map grids and Grad-CAM overlays (Selvaraju et al., 2017)."""
 
 from __future__ import annotations
 
@@ -216,8 +212,8 @@ def normalisation(transform: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 def as_seen(pixels: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor] | None) -> Image.Image:
-    """A preprocessed image ``[3, H, W]`` as a picture: ``pixels * std + mean`` clipped to
-    [0, 1], or stretched to [0, 1] as a whole when the normalisation is not known."""
+    """A preprocessed image ``[3, H, W]`` as a picture, its normalisation undone (or, when
+    that is not known, stretched to [0, 1])."""
     pixels = pixels.detach().float().cpu()
     if norm is not None:
         mean, std = norm

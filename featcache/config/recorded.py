@@ -1,13 +1,6 @@
 """A store's recorded config, rebuilt where it was made: its relative paths resolved
-against the folder the run started in.
-
-A config's relative paths (``data.root``, ``model.checkpoint``, a local ``hf:`` folder,
-a weights file, a class-names file) are relative to the folder ``featcache extract`` ran
-in, which every store made from a config records (``working_folder``; older stores made
-from a config file record it as ``resume_folder``). ``verify`` and ``cam`` rebuild the
-model and the data from that folder, so that they work from anywhere, and say which
-folder they used.
-"""
+against the folder the run started in (``working_folder``; older stores record
+``resume_folder``), so that ``verify`` and ``cam`` work from anywhere."""
 
 from __future__ import annotations
 
@@ -49,9 +42,8 @@ class RecordedSpec:
 
 
 def recorded_spec(config: Mapping[str, Any], attrs: Mapping[str, Any]) -> RecordedSpec:
-    """The spec of a store's recorded ``config`` (as :attr:`FeatureStore.config` gives
-    it), its relative paths made absolute against the folder in ``attrs``, the store's
-    attributes, where that folder still exists and holds them."""
+    """The spec of a store's recorded ``config``, its relative paths made absolute against
+    the folder its attributes ``attrs`` record, where that folder still holds them."""
     recorded = attrs.get("working_folder") or attrs.get("resume_folder")
     folder = Path(recorded) if isinstance(recorded, str) and Path(recorded).is_dir() else None
     written = load_config(config)
@@ -62,8 +54,7 @@ def recorded_spec(config: Mapping[str, Any], attrs: Mapping[str, Any]) -> Record
 
 def resolve_paths(config: Mapping[str, Any], folder: Path) -> dict[str, Any]:
     """``config`` with each relative path of :data:`PATH_KEYS` that exists under
-    ``folder`` made absolute there; anything else (a hub name, an enum name, a path
-    found nowhere) is left as written."""
+    ``folder`` made absolute there; anything else is left as written."""
     resolved = {k: dict(v) if isinstance(v, Mapping) else v for k, v in config.items()}
     for section, key in PATH_KEYS:
         part = resolved.get(section)
@@ -74,8 +65,7 @@ def resolve_paths(config: Mapping[str, Any], folder: Path) -> dict[str, Any]:
         if prefix and not value.startswith(prefix):
             continue
         path = value[len(prefix) :]
-        if is_url(path):  # a URL is the same from any folder
-            continue
-        if path and not os.path.isabs(path) and (folder / path).exists():
+        # relative paths only: a URL is the same from any folder
+        if path and not is_url(path) and not os.path.isabs(path) and (folder / path).exists():
             part[key] = prefix + str(folder / path)
     return resolved

@@ -1,10 +1,5 @@
-"""The config reference: every key of the spec with its type, default, allowed values and
-the comment that documents it in ``featcache/config/spec.py``, as rows or as Markdown.
-
-Everything here is read from the spec's dataclasses (field types, defaults, declared
-bounds) and from the comments beside their fields, so a key added to the spec appears in
-the reference without anything else to edit.
-"""
+"""The config reference, read from the spec's dataclasses and the comments beside their
+fields (``featcache/config/spec.py``): a key added to the spec appears without more edits."""
 
 from __future__ import annotations
 
@@ -24,8 +19,6 @@ from typing import Any
 from featcache.config import spec as spec_module
 from featcache.config.spec import DataSpec, Spec
 from featcache.config.validation import allowed_values
-
-REQUIRED = "required"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +64,7 @@ def section_docs() -> dict[str, str]:
 
 
 def markdown() -> str:
-    """The reference as Markdown: one table per section (key, type, default, allowed
-    values, description)."""
+    """The reference as Markdown: one table per section."""
     out = io.StringIO()
     docs = section_docs()
     section = None
@@ -118,13 +110,9 @@ def _type_name(hint: Any) -> str:
     if origin in (list, tuple):
         args = typing.get_args(hint)
         return f"list[{_type_name(args[0])}]" if args else "list"
-    if origin is dict or hint is dict:
+    if origin is dict or hint is dict or dataclasses.is_dataclass(hint):  # a dataclass: models[]
         return "mapping"
-    if dataclasses.is_dataclass(hint):  # a section's keys under another key (models[])
-        return "mapping"
-    names = {str: "str", int: "int", float: "float", bool: "bool", type(None): "null"}
-    if hint is Any:
-        return "any"
+    names = {str: "str", int: "int", float: "float", bool: "bool", type(None): "null", Any: "any"}
     return names.get(hint, getattr(hint, "__name__", str(hint)))
 
 
@@ -134,7 +122,7 @@ def _default(f: dataclasses.Field) -> str:
     elif f.default_factory is not dataclasses.MISSING:
         value = f.default_factory()
     else:
-        return REQUIRED
+        return "required"
     if dataclasses.is_dataclass(value):
         return "{}"
     return json.dumps(value) if not isinstance(value, str) else value

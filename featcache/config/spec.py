@@ -1,12 +1,5 @@
-"""The typed configuration of an extraction run.
-
-A config is a YAML mapping with the sections below; every key is checked, and an
-unknown one is an error that names its full path (``data.spilts``). ``key=value``
-overrides (values parsed as YAML) apply before validation. The resolved spec is
-plain data: :func:`to_dict` gives the JSON written into every store, and
-:func:`featcache.store.provenance.config_fingerprint` hashes the parts that decide what
-the store contains.
-"""
+"""The typed configuration of an extraction run: a YAML mapping, ``key=value`` overrides
+applied, every key checked (an unknown one named by its full path, ``data.spilts``)."""
 
 from __future__ import annotations
 
@@ -44,15 +37,8 @@ ChannelLayout = Literal["nchw", "nhwc"]
 Decode = Literal["exact", "fast"]
 Auto = Literal["auto"]
 
-REDUCTIONS = choices(Reduction)
-CAPTURES = choices(Capture)
 GRAD_TARGETS = ("label", "predicted")  # besides a class index k and "output:K"
-STORE_DTYPES = choices(StoreDtype)
 SOURCES = choices(SourceKind)
-AMP_DTYPES = choices(AmpDtype)
-ON_ERROR = choices(OnError)
-ON_NONFINITE = choices(OnNonfinite)
-INTERPOLATIONS = choices(Interpolation)
 
 
 ONE_MODEL = "set exactly one of model.name (a torchvision name or zoo reference) and model.factory"
@@ -153,21 +139,15 @@ def _split_map(value: Any, at: str) -> Any:
 
 @dataclass(frozen=True)
 class SourceOptions:
-    """The data keys one source kind owns.
-
-    ``reads``: the keys it reads besides those every kind reads (``splits``,
-    ``content_hash``, ``class_names``, ``limit``; ``max_length`` with texts): such a key set
-    for another kind would be ignored, so it is refused. A kind that reads
-    ``storage_options`` takes fsspec URLs for its paths. ``required``: key -> the rest of
-    the error line when that key is unset.
-    """
+    """The data keys one source kind owns: ``reads``, those it reads besides the keys every
+    kind reads (set for another kind, one is refused), and ``required``, key -> the rest of
+    the error line when that key is unset."""
 
     reads: tuple[str, ...]
     required: Mapping[str, str] = field(default_factory=dict)
 
     def require(self, data: DataSpec, at: str = "data") -> None:
-        """Raise ConfigError (``data.dataset must name ...``) for the first required key
-        that ``data`` leaves unset."""
+        """Raise ConfigError for the first required key that ``data`` leaves unset."""
         for key, rest in self.required.items():
             if not getattr(data, key):
                 raise ConfigError(f"{at}.{key} {rest}")
@@ -325,25 +305,26 @@ class PreprocessSpec:
         return any(v is not None for v in (self.resize, self.crop, self.mean, self.std))
 
     def validate(self, at: str) -> None:
+        at = at or "preprocess"
         for name in ("mean", "std"):
             value = getattr(self, name)
             if value is not None and len(value) != 3:
-                raise ConfigError(f"{at or 'preprocess'}.{name} must list 3 numbers (R, G, B)")
+                raise ConfigError(f"{at}.{name} must list 3 numbers (R, G, B)")
         if self.resize is not None and self.crop is not None and self.crop > self.resize:
             raise ConfigError(
-                f"{at or 'preprocess'}.crop {self.crop} is larger than resize {self.resize}, "
+                f"{at}.crop {self.crop} is larger than resize {self.resize}, "
                 "so the centre crop would pad every image with black borders; make crop at "
                 "most resize"
             )
         if self.interpolation != "bilinear" and self.resize is None:
             raise ConfigError(
-                f"{at or 'preprocess'}.interpolation {self.interpolation} applies to the resize, "
+                f"{at}.interpolation {self.interpolation} applies to the resize, "
                 "and resize is not set (so the weights' own transforms, or no resize, apply); "
                 "set resize (and crop) too, or drop interpolation"
             )
         if self.std is not None and not all(self.std):
             raise ConfigError(
-                f"{at or 'preprocess'}.std {self.std} has a zero, and normalising divides by it; "
+                f"{at}.std {self.std} has a zero, and normalising divides by it; "
                 "give the per-channel standard deviations, e.g. [0.229, 0.224, 0.225]"
             )
 
@@ -558,10 +539,9 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     parts = key.strip().split(".")
     node: Any = raw
     for depth, part in enumerate(parts[:-1]):
-        child = node.get(part) if isinstance(node, dict) else None
+        child = node.get(part)
         if child is None:
-            child = {}
-            node[part] = child
+            child = node[part] = {}
         if not isinstance(child, dict):
             where = ".".join(parts[: depth + 1])
             raise ConfigError(f"override {item!r}: {where} is not a mapping")
@@ -570,12 +550,8 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 
 
 def parse_target(target: str | int | None, where: str = "target") -> tuple[str, int | None]:
-    """Split a gradient target into ``(mode, index)``.
-
-    ``None`` and ``"label"`` give ``("label", None)``, ``"predicted"`` gives
-    ``("predicted", None)``, a class index ``k`` gives ``("class", k)`` and ``"output:K"``
-    gives ``("output", K)``.
-    """
+    """Split a gradient target into ``(mode, index)``: ``("label", None)`` for None or
+    "label", ``("predicted", None)``, ``("class", k)`` or ``("output", K)``."""
     if target is None:
         return "label", None
     if isinstance(target, int) and not isinstance(target, bool):

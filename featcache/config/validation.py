@@ -1,21 +1,15 @@
 """One checker for every option surface: config sections, keyword options, probe and source options.
 
-Options are dataclasses. A field's type hint says what it takes (``bool``, ``int``,
-``float``, ``str``, ``None``, ``Literal[...]`` choices, ``list[X]``, ``tuple[X, ...]``,
-``dict[str, Any]``, a nested dataclass, or a union of these); :func:`option` declares a
-default with bounds (``ge``, ``gt``, ``le``, ``lt``) and an optional ``convert`` step that
-turns shorthand into the full form before the check. A dataclass may define
-``validate(self, at)`` for rules across fields; it runs after every field has passed.
-
-:func:`build` makes an instance from plain data, :func:`update` applies keyword changes to
-one, and :func:`check` checks one made in Python. Every failure is one
-:class:`~featcache.errors.ConfigError` line naming the full key path, what is allowed,
-and the value given.
+Options are dataclasses whose type hints say what each field takes; :func:`option` adds
+bounds and a ``convert`` step for shorthand, and a ``validate(self, at)`` method checks
+rules across fields once every field has passed. Every failure is one
+:class:`~featcache.errors.ConfigError` line naming the full key path.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -91,16 +85,10 @@ def build(cls: type[T], raw: Any, at: str = "", *, unknown: str = UNKNOWN_CONFIG
         raw = {}
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{at or 'config'} must be a mapping, got {_kind(raw)}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    _refuse_unknown(raw, fields, at, unknown)
-    hints = _hints(cls)
-    values = {
-        name: _field_value(hints[name], fields[name], value, _join(at, name))
-        for name, value in raw.items()
-    }
+    values = _field_values(cls, raw, at, unknown)
     missing = [
         f.name
-        for f in fields.values()
+        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
         if f.name not in values
         and f.default is dataclasses.MISSING
         and f.default_factory is dataclasses.MISSING
@@ -116,13 +104,7 @@ def update(
     obj: T, changes: Mapping[str, Any], at: str = "", *, unknown: str = UNKNOWN_CONFIG_KEY
 ) -> T:
     """A copy of dataclass ``obj`` with ``changes`` applied, checked like :func:`build`."""
-    fields = {f.name: f for f in dataclasses.fields(obj)}  # type: ignore[arg-type]
-    _refuse_unknown(changes, fields, at, unknown)
-    hints = _hints(type(obj))
-    values = {
-        name: _field_value(hints[name], fields[name], value, _join(at, name))
-        for name, value in changes.items()
-    }
+    values = _field_values(type(obj), changes, at, unknown)
     new = dataclasses.replace(obj, **values)  # type: ignore[type-var]
     check(new, at)
     return new
@@ -134,13 +116,6 @@ def check(obj: Any, at: str = "") -> None:
     for f in dataclasses.fields(obj):
         _check_value(hints[f.name], f, getattr(obj, f.name), _join(at, f.name))
     _validate(obj, at)
-
-
-def choose(at: str, value: Any, allowed: typing.Iterable[Any]) -> None:
-    """Raise the standard choice error unless ``value`` is one of ``allowed``."""
-    allowed = tuple(allowed)
-    if value not in allowed:
-        raise ConfigError(f"{at} is {value!r}; choose one of: {_names(allowed)}")
 
 
 def allowed_values(hint: Any, bounds: Bounds | None = None) -> str:
@@ -163,14 +138,19 @@ def choices(hint: Any) -> tuple[Any, ...]:
 # ----------------------------------------------------------------------------- internals
 
 
-def _refuse_unknown(
-    raw: Mapping[str, Any], fields: Mapping[str, Any], at: str, unknown: str
-) -> None:
+def _field_values(cls: type, raw: Mapping[str, Any], at: str, unknown: str) -> dict[str, Any]:
+    """The values of ``raw`` checked as the fields of ``cls``; an unknown key is refused."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     extra = sorted(str(k) for k in set(raw) - set(fields))
     if extra:
         raise ConfigError(
             unknown.format(where=_join(at, extra[0]), key=extra[0], known=", ".join(sorted(fields)))
         )
+    hints = _hints(cls)
+    return {
+        name: _field_value(hints[name], fields[name], value, _join(at, name))
+        for name, value in raw.items()
+    }
 
 
 def _field_value(hint: Any, f: dataclasses.Field, value: Any, at: str) -> Any:
@@ -257,9 +237,7 @@ def _match(kind: Any, value: Any, at: str) -> tuple[bool, Any]:
     if kind is int:
         return isinstance(value, int) and not isinstance(value, bool), value
     if kind is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return True, float(value)
-        return False, value
+        return (True, float(value)) if _is_number(value) else (False, value)
     if isinstance(kind, type):
         return isinstance(value, kind), value
     return False, value
@@ -296,13 +274,7 @@ def _validate(obj: Any, at: str) -> None:
         rule(at)
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]
+_hints: Callable[[type], dict[str, Any]] = functools.cache(typing.get_type_hints)
 
 
 def _alternatives(hint: Any) -> tuple[Any, ...]:

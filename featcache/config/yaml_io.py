@@ -1,11 +1,6 @@
-"""Reading config YAML: plain data only, and a key given twice in one mapping is an error.
-
-PyYAML's safe loader keeps the last of two equal keys without a word, so a config that
-sets ``layers`` twice (an edit pasted below an old one) would run with half of what its
-author sees. :func:`read_yaml` builds the same plain data as ``yaml.safe_load`` and
-raises :class:`RepeatedKeyError` instead. Merge keys (``<<: *base``) still override what
-they merge, as YAML defines.
-"""
+"""Reading config YAML: plain data only, and a key given twice in one mapping is an error
+(PyYAML's safe loader silently keeps the last one). Merge keys (``<<: *base``) still
+override what they merge, as YAML defines."""
 
 from __future__ import annotations
 
@@ -41,7 +36,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def read_yaml(text: str) -> Any:
-    """``text`` as plain YAML data (mappings, lists, strings, numbers, booleans, null).
+    """``text`` as plain YAML data.
 
     Raises:
         RepeatedKeyError: when a mapping gives one key twice.

@@ -63,22 +63,20 @@ def extract(
     items have none; token reductions (``mean``, ``max``, ``cls``, ``last``) then read
     the real tokens only (``avg`` and ``max`` pool the tokens of an ``input_ids`` batch's
     ``[B, T, D]`` outputs, padded or not), and ``reduce: none`` on a token output of a
-    padded batch stores per-token rows
-    (see `featcache.store.StoreWriter`), sized from the dataset's
-    ``token_lengths`` attribute when it has one (else one pass over its items).
+    padded batch stores per-token rows, sized from the dataset's ``token_lengths``
+    attribute when it has one (else one pass over its items).
 
-    ``ids`` and ``class_names`` go into the store. By default they are the dataset's own
-    (see `featcache.extraction.dataset_info`): its ``ids`` and ``class_names`` (or
-    ``classes``) attributes, or for torchvision's ``ImageFolder`` and ``DatasetFolder``,
-    also inside ``Subset`` and ``ConcatDataset``, the files' paths relative to the folder
-    and its classes; else the ids are ``"<DatasetClass>:<index>"``.
-    ``dataset_fingerprint`` defaults to a hash of the sorted ids. ``rows`` (a range of
-    source positions, default all) limits the store to a contiguous block: one shard of
-    a distributed run. ``options`` are the config keys
+    ``ids`` and ``class_names`` go into the store. By default they are the dataset's own:
+    its ``ids`` and ``class_names`` (or ``classes``) attributes, or for torchvision's
+    ``ImageFolder`` and ``DatasetFolder``, also inside ``Subset`` and ``ConcatDataset``,
+    the files' paths relative to the folder and its classes; else the ids are
+    ``"<DatasetClass>:<index>"``. ``dataset_fingerprint`` defaults to a hash of the
+    sorted ids. ``rows`` (a range of source positions, default all) limits the store to
+    a contiguous block: one shard of a distributed run. ``options`` are the config keys
     of the loader, store and runtime sections (``batch_size``, ``num_workers``,
-    ``on_error``, ``bucket_by_length``, ``dtype``, ``compression``,
-    ``chunk_rows``, ``on_nonfinite``, ``checksum``, ``device``, ``amp``,
-    ``channels_last``, ``progress`` ...) plus ``overwrite`` and ``update``.
+    ``on_error``, ``bucket_by_length``, ``dtype``, ``compression``, ``chunk_rows``,
+    ``on_nonfinite``, ``checksum``, ``device``, ``amp``, ``channels_last``,
+    ``progress`` ...) plus ``overwrite`` and ``update``.
 
     ``prefix_tokens`` and ``sequence_first`` describe the model's token outputs for the
     token reductions (see `featcache.capture.reduce.reduce_tensor`): the number of class or
@@ -96,13 +94,12 @@ def extract(
     ``update=True`` a complete store made otherwise is brought up to date instead of
     refused: only samples it lacks (by id, and by the ``content_hash`` the dataset's
     ``row_columns`` give, when it gives them) and layers it lacks are computed, the rest
-    is copied (`featcache.extraction.update`). The model is
-    put in eval mode and moved to the device (its train/eval flag is restored
-    afterwards). Returns the complete store, opened for reading.
+    is copied (`featcache.extraction.update`). The model is put in eval mode and moved
+    to the device (its train/eval flag is restored afterwards). Returns the complete
+    store, opened for reading.
 
-    One process writes a store at a time: the run holds ``<path>.lock`` (see
-    `featcache.store.lock`) from before it touches anything of the store until the
-    store is in place, and a second run, with or without ``overwrite``, raises
+    One process writes a store at a time: the run holds ``<path>.lock`` until the store
+    is in place, and a second run, with or without ``overwrite``, raises
     [`StoreBusyError`][featcache.store.lock.StoreBusyError] naming the first and changes
     nothing.
 
@@ -170,14 +167,12 @@ def run_plan(
     ``plan.rows`` and keeps exactly ``plan.rows`` (a shard another run stopped): it is
     completed as it is. ``launch`` names the launch in the store's history record (the
     processes of a run of several share one). ``continuity``: the batches of a stopped
-    run's rows recomputed and compared before they are kept (see
-    `featcache.extraction.continuity`)."""
+    run's rows recomputed and compared before they are kept."""
     if plan.stamps is None:  # before any row is read: a change after that shows later
         plan.stamps = dataset_stamps(plan.dataset)
     options = plan.options
     state = store_state(path)
-    # Made otherwise, or holding rows replaced since (the key, and the weights' hash in
-    # it, is wanted here only for an update: else the writer thread makes it).
+    # Made otherwise, or holding rows replaced since (only an update makes the key here).
     if (
         options.update
         and state.complete
@@ -194,8 +189,7 @@ def run_plan(
             f"(update=True in Python) to redo it, or pass {OVERWRITE} to extract afresh"
         )
     elif state.complete and plan.key().matches(state.key):
-        # A rerun after this store completed: nothing left to do, once a few of its rows
-        # recomputed now prove that it holds this computation's result.
+        # A rerun after this store completed: done, once a few rows recomputed prove it.
         stale = plan.stale_rows(path)
         if stale:
             raise ConfigError(

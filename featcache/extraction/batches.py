@@ -1,19 +1,14 @@
 """The batch type of the run loop and the DataLoader adapters that make it.
 
-A source item is ``input`` or ``(input, label)``: ``input`` is a tensor of any rank (an
-image ``[C, H, W]``, a video ``[C, T, H, W]``, audio ``[L]``) or a mapping of named
-tensors (passed to the model as keyword arguments). :class:`SourceRows` wraps a
-map-style dataset so that a sample that cannot be read comes back as a recorded failure
-instead of an exception in a worker, and :class:`Collate` stacks the readable ones into
-one :class:`Batch` (padding token inputs of different lengths per batch), which moves to
-the device and on to the taps as a whole. :func:`check_inputs` refuses, before a run
-starts, items the model cannot take; :func:`token_lengths` counts each row's tokens.
+:class:`SourceRows` turns an unreadable sample into a recorded failure instead of an
+exception in a worker; :class:`Collate` stacks the readable ones into one :class:`Batch`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import os
 from collections.abc import Iterator, Mapping
@@ -34,11 +29,9 @@ Inputs = torch.Tensor | dict[str, torch.Tensor]
 class Batch:
     """One batch, from the loader to the device to the taps.
 
-    ``inputs`` is ``[B, ...]`` (or a mapping of such tensors); it is None when no sample
-    of the batch could be read. ``attention_mask`` (int64 ``[B, T]``, 1 for real tokens)
-    is the mapping's ``"attention_mask"`` when it has one (token inputs). ``labels`` is
-    ``[B]`` int64 with -1 where there is none, ``rows`` the ``[B]`` int64 source positions
-    of the readable samples.
+    ``inputs`` is ``[B, ...]`` (or a mapping of such tensors), None when no sample could
+    be read. ``attention_mask`` is int64 ``[B, T]`` (1 for real tokens), ``labels`` int64
+    ``[B]`` (-1: none), ``rows`` the int64 ``[B]`` source positions of readable samples.
     """
 
     inputs: Inputs | None
@@ -55,10 +48,8 @@ class Batch:
         non_blocking: bool = False,
         memory_format: torch.memory_format = torch.preserve_format,
     ) -> Batch:
-        """The batch with its inputs and mask on ``device`` (labels and rows stay put).
-
-        ``memory_format`` applies to 4-d inputs (images); other ranks keep their layout.
-        """
+        """The batch with its inputs and mask on ``device`` (labels and rows stay put);
+        ``memory_format`` applies to 4-d inputs (images)."""
 
         def move(x: torch.Tensor) -> torch.Tensor:
             fmt = memory_format if x.dim() == 4 else torch.preserve_format
@@ -86,9 +77,8 @@ FIRST_SAMPLE_TRIES = 32  # rows read to find one whose type tells what the datas
 
 
 def first_sample(dataset: Dataset, rows: range) -> tuple[Any, Any] | None:
-    """The first item of ``rows`` that can be read (of the first
-    :data:`FIRST_SAMPLE_TRIES`), as ``(input, label)``, to check what the dataset gives;
-    None when none of them can (the run reports them, row by row)."""
+    """The first readable item of ``rows`` (of the first :data:`FIRST_SAMPLE_TRIES`) as
+    ``(input, label)``; None when none is (the run reports them, row by row)."""
     for i in rows[:FIRST_SAMPLE_TRIES]:
         try:
             return split_sample(dataset[i])
@@ -111,14 +101,13 @@ def describe_value(value: Any) -> str:
 
 
 class DatasetProblem(str):
-    """The ``error`` of a :class:`SourceRows` item that is the dataset's fault, not one
-    unreadable sample's (a label that is no class index): :class:`Collate` makes it the
-    batch's :attr:`Batch.error`, which fails the run whatever ``loader.on_error`` says."""
+    """The ``error`` of a :class:`SourceRows` item that is the dataset's fault (a label
+    that is no class index): it fails the run whatever ``loader.on_error`` says."""
 
 
 def class_index(label: Any) -> int:
-    """A source item's label as a class index: an int, a numpy or one-element torch
-    integer, or a float that is a whole number.
+    """A source item's label as a class index (an int, a numpy or one-element torch
+    integer, or a whole float).
 
     Raises:
         ValueError: anything else (a class name, a float such as 1.7, several values).
@@ -146,12 +135,10 @@ def class_index(label: Any) -> int:
 class SourceRows(Dataset):
     """The source rows in ``rows``, as ``(input or None, label, row, error)``.
 
-    A sample that cannot be read comes back with input None and the reason in ``error``
-    instead of raising in a worker process, so the policy is applied in one place (the
-    run loop) and the message stays one line; a label that is no class index (see
-    :func:`class_index`) comes back as a :class:`DatasetProblem`, as does one in a row of
-    a dataset that ``has_labels=False`` (None: not checked). ``label`` is -1 when there
-    is none.
+    An unreadable sample comes back with input None and the reason in ``error`` instead
+    of raising in a worker, so the run loop applies the policy; a label that is no class
+    index, or one in a dataset that ``has_labels=False``, as a :class:`DatasetProblem`.
+    ``label`` is -1 when there is none.
     """
 
     def __init__(self, dataset: Dataset, rows: range, has_labels: bool | None = None):
@@ -170,15 +157,13 @@ class SourceRows(Dataset):
 
     @property
     def pad_values(self) -> dict[str, int]:
-        """What :class:`Collate` pads each mapping input with: the dataset's
-        ``pad_values`` (e.g. a text source's pad token id), {} when it has none."""
+        """What :class:`Collate` pads each mapping input with (the dataset's, or {})."""
         return dict(getattr(self.dataset, "pad_values", None) or {})
 
     def __getitems__(self, js: list[int]) -> list[tuple[Any, int, int, str]] | Batch:
-        """A whole batch at once. Consecutive rows of a :class:`TensorDataset` of images
-        (and labels) are sliced out as one block, without a per-sample copy and stack;
-        anything else goes sample by sample, after the dataset's ``prefetch(rows)`` (a
-        source's hint, see :meth:`~featcache.sources.SourceDataset.prefetch`)."""
+        """A whole batch at once: consecutive rows of a :class:`TensorDataset` of images
+        sliced out as one block; anything else sample by sample, after the dataset's
+        ``prefetch(rows)`` hint."""
         tensors = self._blocks
         if tensors and js == list(range(js[0], js[0] + len(js))):
             block = slice(self.rows[js[0]], self.rows[js[-1]] + 1)
@@ -216,8 +201,7 @@ class SourceRows(Dataset):
 
 
 def _no_tokens(value: Mapping[str, Any]) -> bool:
-    """Whether a mapping of token inputs holds no token: its ``input_ids`` (else its first
-    tensor) is empty."""
+    """Whether a mapping's ``input_ids`` (else its first tensor) is empty."""
     tokens = value.get("input_ids")
     if not isinstance(tokens, torch.Tensor):
         tokens = next((v for v in value.values() if isinstance(v, torch.Tensor)), None)
@@ -240,18 +224,12 @@ def _check_label_tensor(labels: torch.Tensor) -> None:
 
 
 class Collate:
-    """Stack the readable samples of a :class:`SourceRows` batch into one :class:`Batch`
-    (a batch :meth:`SourceRows.__getitems__` made whole passes through).
+    """Stack the readable samples of a :class:`SourceRows` batch into one :class:`Batch`.
 
-    Tensor inputs (an image ``[C, H, W]``, a video ``[C, T, H, W]``, audio ``[L]``) must
-    share one shape and are stacked to ``[B, ...]``. Mapping inputs are padded per batch
-    (dynamic padding): a tensor whose first axis differs between samples is right-padded
-    to the batch's longest with ``pad_values[key]`` (0 for keys not named). When a key
-    was padded and the mapping has no ``"attention_mask"``, one is added (int64 ``[B, T]``,
-    1 at real positions of the first padded key). A mapping's ``"attention_mask"`` also
-    becomes :attr:`Batch.attention_mask`.
-
-    Holds only a plain dict, so it pickles into DataLoader workers.
+    Tensor inputs must share one shape and are stacked to ``[B, ...]``. In mapping
+    inputs a tensor whose first axis differs between samples is right-padded to the
+    batch's longest with ``pad_values[key]`` (default 0), and an int64 ``[B, T]``
+    ``"attention_mask"`` is added if there is none. Pickles into DataLoader workers.
     """
 
     def __init__(self, pad_values: Mapping[str, int] | None = None) -> None:
@@ -292,8 +270,8 @@ collate = Collate()  # no pad values: pads every mapping input with 0
 def _pad_mappings(
     values: list[Any], pad_values: Mapping[str, int]
 ) -> tuple[dict[str, torch.Tensor], str]:
-    """The mappings ``values`` as one mapping of ``[B, ...]`` tensors, padded where their
-    first axes differ, and why they cannot be ("" when they can)."""
+    """The mappings ``values`` as one mapping of ``[B, ...]`` tensors, padded where
+    needed, and why they cannot be ("" when they can)."""
     keys = list(values[0])
     for value in values[1:]:
         if not isinstance(value, Mapping) or list(value) != keys:
@@ -331,9 +309,7 @@ def _pad_mappings(
 
 def _pad(items: list[torch.Tensor], pad: int) -> torch.Tensor:
     """``items`` (shapes ``[T_i, *rest]``) right-padded with ``pad`` to ``[B, max T_i, *rest]``."""
-    dtype = items[0].dtype
-    for x in items[1:]:
-        dtype = torch.promote_types(dtype, x.dtype)
+    dtype = functools.reduce(torch.promote_types, [x.dtype for x in items])
     longest = max(len(x) for x in items)
     out = torch.full((len(items), longest, *items[0].shape[1:]), pad, dtype=dtype)
     for i, x in enumerate(items):
@@ -370,11 +346,8 @@ def pins(setting: bool | str, device: torch.device) -> bool:
 
 @contextlib.contextmanager
 def started(loader: DataLoader) -> Iterator[Iterator[Batch]]:
-    """The loader's iterator, with its workers started now and always shut down.
-
-    Workers start before the store file is opened, so forked workers never inherit its
-    descriptor (which would keep the file locked after a failure).
-    """
+    """The loader's iterator, its workers started now (before the store file is opened,
+    so they never inherit its descriptor) and always shut down."""
     batches = iter(loader)
     try:
         yield batches
@@ -421,9 +394,8 @@ def check_inputs(model: nn.Module, value: Any) -> None:
 
 
 def token_lengths(dataset: Dataset) -> np.ndarray:
-    """``[N]`` int64 tokens per source row: the dataset's ``token_lengths`` attribute
-    (text sources have one), else one pass over its items counting each mapping's real
-    tokens (the ones of its ``attention_mask``, else the length of its first sequence)."""
+    """``[N]`` int64 tokens per source row: the dataset's ``token_lengths``, else one
+    pass over its items (the ``attention_mask``'s ones, else the first sequence's length)."""
     declared = getattr(dataset, "token_lengths", None)
     if declared is not None:
         return np.asarray(declared, dtype=np.int64)

@@ -1,13 +1,8 @@
 """Length-bucketed batching: fewer padded tokens per batch, rows still stored in order.
 
-With ``loader.bucket_by_length``, the rows of a token source are read in windows of
-:data:`WINDOW_BATCHES` batches of consecutive rows. Inside a window the rows run longest
-first, so each batch holds rows of similar lengths and pads little (see
-:class:`~featcache.extraction.grid.GridBatches`). Once every row of a window has been
-through the model, :class:`WindowReorder` gives the window back as one batch in source
-order, so the writer still appends rows in order and a store is written and resumed as
-any other (a resume restarts at a window boundary). A window holds ``WINDOW_BATCHES *
-batch_size`` rows of features in memory at most.
+Rows are read in windows of :data:`WINDOW_BATCHES` batches, longest first within a
+window; :class:`WindowReorder` gives each window back in source order, so the store is
+written and resumed as any other (a resume restarts at a window boundary).
 """
 
 from __future__ import annotations
@@ -23,13 +18,9 @@ WINDOW_BATCHES = 16  # batches per window of rows sorted by length
 
 
 class WindowReorder:
-    """Collects the captured batches of one window; gives them back merged, in source order.
-
-    ``sizes`` are the rows of each window, in order (:meth:`GridBatches.window_sizes
-    <featcache.extraction.grid.GridBatches.window_sizes>`). :meth:`add` returns None until
-    every row of the current window is accounted for (stored or skipped), then the window
-    as one :class:`CapturedBatch` on the CPU.
-    """
+    """Collects the captured batches of one window (``sizes``: the rows of each window);
+    :meth:`add` returns None until the window is complete, then it as one batch in source
+    order, on the CPU."""
 
     def __init__(self, sizes: Iterable[int]) -> None:
         self.sizes = iter(sizes)
@@ -49,10 +40,8 @@ class WindowReorder:
 
 
 def merge_in_order(batches: list[CapturedBatch]) -> CapturedBatch:
-    """One batch of the rows of ``batches``, sorted by source position, on the CPU.
-
-    Per-token layers (``ragged``) move each row's block of tokens with it.
-    """
+    """One batch of the rows of ``batches``, sorted by source position, on the CPU
+    (per-token layers move each row's block of tokens with it)."""
     index = np.concatenate([b.index for b in batches])
     order = np.argsort(index, kind="stable")
     labels = np.concatenate([b.labels for b in batches])[order]

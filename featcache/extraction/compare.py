@@ -1,12 +1,10 @@
 """When a recomputed row equals a stored one: the one tolerance of featcache.
 
-A row recomputed on other hardware, in another batch or under autocast rounds differently
-in its last bits; features of other data differ by tens of percent. So stored and
-recomputed rows are equal when their largest difference is at most a few units in the
-last place of the stored dtype (two int8 steps; or of the autocast dtype, where that is
-coarser),
-relative to the row's largest stored magnitude. The resume continuity check, an
-update's proof of its reused rows and ``verify`` all compare this way.
+Rows recomputed on other hardware, in another batch or under autocast differ in their
+last bits; features of other data differ by tens of percent. So rows are equal when
+their largest difference, relative to the row's largest stored magnitude, is a few
+units in the last place of the stored (or coarser autocast) dtype. The continuity
+check, an update's proof and ``verify`` all compare this way.
 """
 
 from __future__ import annotations
@@ -50,11 +48,9 @@ def token_differences(
     stored: torch.Tensor,
     offsets: np.ndarray,
 ) -> tuple[torch.Tensor, list[str]]:
-    """Per-token rows: each row's tokens compared as one flat row. ``recomputed`` holds
-    the rows' tokens packed (``lengths`` each), ``stored`` those of the same rows
-    (``offsets``, ``[n + 1]``). Returns the relative difference of each of the ``n``
-    rows, and for each a note where its token count differs ("" where it agrees; the
-    difference is then infinite)."""
+    """Per-token rows, each row's tokens compared as one flat row: ``recomputed`` packed
+    (``lengths`` each), ``stored`` by ``offsets`` (``[n + 1]``). Returns float32 ``[n]``
+    relative differences and a note per row where its token count differs, else ""."""
     new_offsets = np.concatenate([[0], np.cumsum(lengths)])
     relative = torch.zeros(len(lengths))
     notes = []

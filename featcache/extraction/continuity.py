@@ -1,13 +1,8 @@
 """Proof that a run continues a store: a few stored rows, recomputed now, must equal it.
 
-The store key (:class:`~featcache.store.provenance.StoreKey`) compares fingerprints of the
-config, the weights and the sample ids, and some differences are invisible to all of
-them: a Python dataset's transform, or another folder whose files have the same relative
-names. So before a run resumes a partial store, or returns a finished one as already
-done, it recomputes the rows of two batches already stored (the one holding the first
-stored row and the one holding the last) with the current model, data and transform,
-exactly as the run that stored them batched them, and refuses when they differ by more
-than the store dtype's rounding (:mod:`featcache.extraction.compare`).
+Some differences are invisible to the store key's fingerprints (a Python dataset's
+transform, another folder with the same file names), so a run that resumes or returns a
+store first recomputes the batches holding its first and last stored rows.
 """
 
 from __future__ import annotations
@@ -59,11 +54,9 @@ def check_continues(
     """Refuse to continue (or return as done) the store in ``store_file`` unless the rows
     it holds come out the same when recomputed now.
 
-    ``before`` (a source position) limits the check to the rows an interrupted run keeps
-    (those a resume redoes from there are not compared). Recomputes at most ``batches``
-    batches: those holding the last and (with 2) the first of those rows. A stopped shard
-    that is sealed, to which the run adds no row, is checked with one, or none when
-    another shard of the launch that wrote it is (`featcache.extraction.sharding`).
+    ``before`` (a source position) limits the check to the rows an interrupted run keeps.
+    Recomputes at most ``batches`` batches: those holding the last and (with 2) the first
+    of those rows.
 
     Raises:
         ConfigError: one line naming the rows that differ, by how much, and the fixes.
@@ -95,7 +88,7 @@ def check_continues(
 
 def _batches_holding(plan: ExtractionPlan, positions: Sequence[int]) -> list[list[int]]:
     """The batches of the run's grid (as positions into ``plan.rows``) that hold the
-    source ``positions``: the same samples, in the same order, as when they were stored."""
+    source ``positions``, as they were when stored."""
     wanted = {p - plan.rows.start for p in positions}
     found = []
     for batch in plan.grid():

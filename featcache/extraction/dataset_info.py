@@ -1,10 +1,8 @@
 """What a Python dataset says of its rows: their ids, change stamps and class names.
 
-featcache's own sources carry ``ids`` and ``class_names`` attributes. torchvision's
-folder datasets (``ImageFolder``, ``DatasetFolder``) know their files and classes, and
-keep knowing them through ``Subset`` and ``ConcatDataset``: their rows are identified by
-file path, relative to the folder (or, for a concatenation, to the folder that holds all
-of its parts), so that two folders whose files differ give stores with other ids.
+torchvision's folder datasets (also inside ``Subset`` and ``ConcatDataset``) are
+identified by their files' paths relative to the folder, so two folders whose files
+differ give stores with other ids.
 """
 
 from __future__ import annotations
@@ -35,9 +33,8 @@ def dataset_ids(dataset: Dataset) -> list[str] | None:
 
 
 def dataset_stamps(dataset: Dataset) -> np.ndarray | None:
-    """``[rows]`` change stamps of ``dataset``'s rows, taken now (numpy ``S``; see
-    :mod:`featcache.sources.stamps`): a featcache source's own, or each file's of a
-    folder dataset; None when it can tell nothing of its rows' bytes."""
+    """``[rows]`` change stamps (numpy ``S``) of ``dataset``'s rows, taken now: a featcache
+    source's own, or each file's of a folder dataset; None when it can tell nothing."""
     method = getattr(dataset, "change_stamps", None)
     if callable(method):
         stamps = method()
@@ -47,9 +44,8 @@ def dataset_stamps(dataset: Dataset) -> np.ndarray | None:
 
 
 def dataset_classes(dataset: Dataset) -> list[str] | None:
-    """``dataset``'s class names (label ``i`` is class ``names[i]``): its ``class_names``
-    or ``classes`` attribute, through ``Subset`` and ``ConcatDataset`` (whose parts must
-    agree); None when it names none."""
+    """``dataset``'s class names: its ``class_names`` or ``classes`` attribute, through
+    ``Subset`` and ``ConcatDataset`` (whose parts must agree); None when it names none."""
     names = getattr(dataset, "class_names", None) or getattr(dataset, "classes", None)
     if names:
         return [str(name) for name in names]
@@ -70,8 +66,6 @@ def _files(dataset: Any) -> tuple[list[str], list[str]] | None:
     if isinstance(samples, Sequence) and isinstance(root, (str, os.PathLike)):
         if not all(isinstance(s, (tuple, list)) and s for s in samples):
             return None
-        # The paths are the folder's files as the dataset opens them (relative ones, from
-        # the current folder).
         return [os.path.abspath(root)], [os.path.abspath(str(s[0])) for s in samples]
     if isinstance(dataset, Subset):
         inner = _files(dataset.dataset)

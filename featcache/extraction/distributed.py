@@ -1,19 +1,10 @@
 """Runs of several processes: which rows each computes, and when they meet.
 
-Under ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) the ranks of a group split the
-rows that no shard holds yet, in whole batches, so that every batch holds the same
-samples as in a one-process run; each runs on its own device (``cuda:LOCAL_RANK``, or the
-CPU) and writes its rows as shards beside the output (see :mod:`featcache.store.shards`),
-resumable like any store. When every rank is done, rank 0 writes the store itself: HDF5
-virtual datasets over the shards, which ``FeatureStore``, ``FeatureDataset`` and plain
-h5py read like one file. A run with ``--shard I/N`` is one of N independent processes
-that never meet: it computes the rows of block I of N that no shard holds, and the one
-that finds every row held combines the store. Either way the shards of earlier runs, of
-any number of processes, are kept.
-
-Shard file names, combining and merging live in the store package
-(:mod:`featcache.store.paths`, :mod:`featcache.store.merge`); they are importable from
-here too.
+Under torchrun the ranks of a group split the rows no shard holds yet, in whole batches,
+each writing its rows as shards beside the output; rank 0 then combines the store. With
+``--shard I/N`` the processes never meet: the one that finds every row held combines
+it. See docs/guides/torchrun.md. Shard names, combining and merging live in
+:mod:`featcache.store` and are importable from here too.
 """
 
 from __future__ import annotations
@@ -45,10 +36,8 @@ __all__ = [
 ]
 
 
-# How long a rank that is done waits for the others at a barrier. Ranks can finish hours
-# apart (a rank with no rows, or one whose shard was complete before a resume), and
-# torch's default of 30 minutes, which bounds both joining the group and each barrier,
-# would fail such a run.
+# How long a rank that is done waits for the others at a barrier: ranks can finish hours
+# apart, and torch's default of 30 minutes would fail such a run.
 RANKS_WAIT = datetime.timedelta(days=7)
 
 
@@ -74,12 +63,8 @@ class Rank:
         return setting
 
     def join(self) -> None:
-        """Join the ranks' group (once per process; it waits for every rank).
-
-        Joined before any work, while the launcher is alive: from then on the ranks talk
-        directly, so ranks left running after their launcher died still finish and
-        combine the store rather than wait for a launcher that is gone.
-        """
+        """Join the ranks' group (once per process; it waits for every rank). Joined
+        before any work, while the launcher is alive: ranks that outlive it still finish."""
         if self.group and not dist.is_initialized():
             store, rank, world_size = next(dist.rendezvous("env://", timeout=RANKS_WAIT))
             if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -94,16 +79,14 @@ class Rank:
             )
 
     def barrier(self) -> None:
-        """Wait until every rank gets here, for up to :data:`RANKS_WAIT` (at once for
-        processes that do not meet)."""
+        """Wait until every rank gets here (at once for processes that do not meet)."""
         if self.group:
             self.join()
             dist.barrier()
 
     def launch_id(self) -> str:
-        """An id shared by the processes of this launch (torchrun's ranks, or this one
-        process), that the shards' history records group by: a new one for each launch,
-        and for each of torchrun's elastic restarts."""
+        """An id shared by the processes of this launch (and elastic restart), which the
+        shards' history records group by."""
         ids = [uuid.uuid4().hex[:12] if self.rank == 0 or not self.group else None]
         if self.group:
             self.join()
@@ -141,10 +124,9 @@ def current_rank() -> Rank | None:
 
 
 def launch_words(rank: Rank | None) -> list[str]:
-    """The start of a command line that runs ``featcache`` as this process was run:
-    ``["featcache"]`` alone or as a ``--shard`` job, or torchrun with as many processes (and
-    machines) as ``rank`` says. On several machines the user adds the rendezvous options
-    they launched with."""
+    """The start of a command line that runs ``featcache`` as this process was run: alone,
+    or under torchrun with as many processes and machines as ``rank`` says (the user adds
+    the rendezvous options)."""
     if rank is None or not rank.group:
         return ["featcache"]
     per_machine = min(rank.local_world_size or rank.world_size, rank.world_size)
@@ -159,12 +141,9 @@ def share_rows(
     missing: Sequence[range], world_size: int, step: int, shard_starts: Sequence[int] = ()
 ) -> list[list[range]]:
     """The rows of ``missing`` (sorted, disjoint blocks of source rows) each of
-    ``world_size`` processes computes: whole batches of ``step`` rows on the grid from row
-    0, spread as evenly as they go in contiguous runs (rank 0 first).
-
-    A sharded source (``shard_starts``: the first row of each shard after the first) is
-    split at its shards instead, each process taking a contiguous run of them with about
-    a ``world_size``-th of the rows; with fewer shards than processes, some get none.
+    ``world_size`` processes computes: contiguous runs of whole batches of ``step`` rows
+    on the grid from row 0, as even as they go (rank 0 first). A sharded source is split
+    at its ``shard_starts`` instead (with fewer shards than processes, some get none).
     """
     units: list[range] = []
     for part in missing:
@@ -174,17 +153,13 @@ def share_rows(
             inner = list(range(-(-part.start // step) * step, part.stop, step))
         cuts = sorted({part.start, *inner, part.stop})
         units += [range(a, b) for a, b in itertools.pairwise(cuts)]
-    if shard_starts:  # the unit edge nearest r / world_size of the rows
-        ends = [0, *itertools.accumulate(map(len, units))]
+    ends = [0, *itertools.accumulate(map(len, units))]
 
-        def cut(r: int) -> int:
-            target = ends[-1] * r / world_size
-            return min(range(len(ends)), key=lambda i: (abs(ends[i] - target), i))
-
-    else:
-
-        def cut(r: int) -> int:
+    def cut(r: int) -> int:
+        if not shard_starts:
             return len(units) * r // world_size
+        target = ends[-1] * r / world_size  # the unit edge nearest r / world_size of the rows
+        return min(range(len(ends)), key=lambda i: (abs(ends[i] - target), i))
 
     return [_joined(units[cut(r) : cut(r + 1)]) for r in range(world_size)]
 

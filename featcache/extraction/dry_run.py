@@ -1,5 +1,5 @@
-"""Rows through the hooked forward with nothing written: what each layer stores per row
-and how long a batch takes, to size and plan a run before it starts."""
+"""Rows through the hooked forward with nothing written: each layer's stored shape and
+each batch's time, to size and plan a run."""
 
 from __future__ import annotations
 
@@ -38,8 +38,7 @@ class LayerSize:
 
 @dataclasses.dataclass
 class DryRun:
-    """What a dry run saw: the shape of each layer's rows (of its tokens, for a
-    per-token layer) and when each batch left the forward."""
+    """What a dry run saw: each layer's row (token) shape, and each batch's end time."""
 
     layers: dict[str, LayerSize] = dataclasses.field(default_factory=dict)
     finished: list[float] = dataclasses.field(default_factory=list)  # perf_counter seconds
@@ -49,8 +48,7 @@ class DryRun:
 
 
 class _Recorder:
-    """Takes the place of the writer thread for :func:`run_loop`: notes each batch's
-    shapes and finishing time, and writes nothing."""
+    """The run loop's sink for a dry run: notes each batch's shapes and end time."""
 
     def __init__(self, dtype: str) -> None:
         self.path = Path("dry run")
@@ -75,9 +73,8 @@ class _Recorder:
 
 def dry_run(plan: ExtractionPlan, rows: range, batch_size: int, workers: bool = True) -> DryRun:
     """Run the source rows ``rows`` through the hooked forward in batches of
-    ``batch_size`` as the run does, but keep only the shapes and timings. With
-    ``workers`` the rows are loaded by as many worker processes as the full run would
-    start (to time it), else in this process. ``torch.compile`` is left off."""
+    ``batch_size``, keeping only shapes and timings; with ``workers``, loaded by as many
+    worker processes as the full run would start. ``torch.compile`` is left off."""
     options = plan.options
     options = dataclasses.replace(
         options,

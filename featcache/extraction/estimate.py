@@ -1,5 +1,4 @@
-"""Sizing a store before its run: the layers' shapes from one row through the hooked
-forward, the store's bytes from them, and the check that the disk has room."""
+"""Sizing a store before its run, and the check that the disk has room."""
 
 from __future__ import annotations
 
@@ -70,8 +69,8 @@ class StoreEstimate:
 
 
 def estimate_store(plan: ExtractionPlan, path: Path) -> StoreEstimate:
-    """The size of the store a run of ``plan`` writes at ``path``; one row of the source
-    runs through the hooked forward for the layers' shapes, and nothing is written."""
+    """The size of the store a run of ``plan`` writes at ``path``, from one row through
+    the hooked forward; nothing is written."""
     seen = sized_rows(plan)
     store = plan.options.store
     rows = len(plan.rows)
@@ -105,11 +104,9 @@ def estimate_store(plan: ExtractionPlan, path: Path) -> StoreEstimate:
 
 
 def with_compressed_size(plan: ExtractionPlan, estimate: StoreEstimate) -> StoreEstimate:
-    """``estimate`` (of ``plan``'s store) with ``compressed`` predicted, when the store is
-    compressed: each layer's bytes scaled by the ratio its rows of a sample get
-    (`compression_ratios`), HDF5's metadata as a file written whole has it; the other
-    datasets and the checksums are counted uncompressed, so the prediction errs on the
-    large side. ``estimate`` as
+    """``estimate`` (of ``plan``'s store) with ``compressed`` predicted when the store is
+    compressed: each layer's bytes scaled by the ratio a sample of its rows gets, the
+    other datasets counted uncompressed (so it errs on the large side). ``estimate`` as
     it is when the store is not compressed or no sample row could be read."""
     if estimate.compression is None:
         return estimate
@@ -127,10 +124,8 @@ def compression_ratios(
     plan: ExtractionPlan, estimate: StoreEstimate, compression: str
 ) -> dict[str, float]:
     """Compressed over uncompressed bytes of each layer of ``estimate``'s store with the
-    filter ``compression``: up to `COMPRESSION_SAMPLE_ROWS` rows spread over
-    ``plan``'s rows run as the run runs them, their values (as stored) compressed in
-    memory with the store's chunking (`featcache.store.merge.compressed_bytes`). Layers
-    of which no row could be read are left out."""
+    filter ``compression``, from up to `COMPRESSION_SAMPLE_ROWS` rows spread over
+    ``plan``'s rows, compressed in memory; layers of which no row was read left out."""
     count = min(len(plan.rows), COMPRESSION_SAMPLE_ROWS)
     positions = np.unique(np.linspace(0, len(plan.rows) - 1, count).round().astype(int))
     size = plan.options.loader.batch_size
@@ -174,8 +169,7 @@ def sized_rows(plan: ExtractionPlan) -> DryRun:
 
 
 def check_free_space(estimates: Sequence[StoreEstimate], overwrite: bool) -> None:
-    """Refuse a run whose stores need more bytes than their filesystem has free, in one
-    line naming both (the stores of one run share the output folder).
+    """Refuse a run whose stores need more bytes than their filesystem has free.
 
     Raises:
         FeatcacheError: not enough free space.
@@ -255,8 +249,7 @@ def dataset_bytes(length: int, chunk: int, row_bytes: int, checksum: bool = True
 
 
 def bytes_on_disk(path: str | os.PathLike) -> int:
-    """Bytes the file at ``path`` occupies (its allocated blocks: a store's unwritten
-    rows take none); 0 when there is no such file."""
+    """Bytes the file at ``path`` occupies (its allocated blocks), 0 when there is none."""
     try:
         stat = os.stat(path)
     except FileNotFoundError:

@@ -95,8 +95,7 @@ def extract_from_config(
 
 
 def check_same_classes(class_names: Mapping[str, Sequence[str] | None]) -> None:
-    """Refuse splits whose class names differ (those that name none aside): label ``i``
-    would stand for one class in one split's store and another in the next.
+    """Refuse splits whose class names differ (those that name none aside).
 
     Raises:
         ConfigError: naming the first two splits that differ and the classes one lacks.
@@ -122,8 +121,7 @@ def resume_command(
     rank: Rank | None = None,
 ) -> str | None:
     """The command line that resumes an interrupted run of ``config`` (None for a config
-    given as data rather than a file): under torchrun when ``rank`` says the run was, with
-    as many processes."""
+    given as data rather than a file), launched as ``rank`` says the run was."""
     if not isinstance(config, (str, os.PathLike)):
         return None
     words = [*launch_words(rank), "extract", os.path.abspath(config)]
@@ -145,8 +143,7 @@ def build_backbone_for(spec: Spec) -> Backbone:
 
 
 def build_source_for(spec: Spec, split: str, backbone: Backbone) -> SourceDataset:
-    """The source of ``split``, decoded by ``backbone``'s transform or its tokenizer
-    (JPEGs at reduced scale first only with ``loader.decode: fast``)."""
+    """The source of ``split``, decoded by ``backbone``'s transform or its tokenizer."""
     from featcache.sources import build_source
 
     decode_size = backbone.decode_size if spec.loader.decode == "fast" else None
@@ -164,8 +161,7 @@ def preprocessing_record(backbone: Backbone, max_length: int | None) -> str:
 
 
 def run_options(spec: Spec) -> RunOptions:
-    """The run options the config sets: its loader, store and runtime sections, and
-    ``output.overwrite`` and ``output.update``."""
+    """The run options the config's loader, store, runtime and output sections set."""
     return RunOptions(
         loader=spec.loader,
         store=spec.store,
@@ -184,9 +180,8 @@ def split_arguments(
     fingerprint: bool = True,
 ) -> dict[str, Any]:
     """The keyword arguments of :func:`~featcache.extraction.plan.make_plan` for one split
-    of ``spec``, besides the model, the source, the layers and the options: the
-    provenance written into its store, the dataset fingerprint (when ``fingerprint``) and
-    the model's token layout."""
+    of ``spec`` besides the model, source, layers and options: provenance, the dataset
+    fingerprint (when ``fingerprint``) and the model's token layout."""
     text = spec.data.inputs == "text"
     provenance = {
         "config": to_dict(spec),
@@ -213,8 +208,8 @@ def split_arguments(
 
 
 def complete_already(spec: Spec, split: str) -> bool:
-    """Whether ``split``'s store is in place, complete, from the same config, and not to
-    be overwritten: a run then leaves it as it is."""
+    """Whether ``split``'s store is complete, from the same config, and not to be
+    overwritten: a run then leaves it as it is."""
     state = store_state(spec.store_path(split))
     if spec.output.overwrite or not state.complete or state.key is None:
         return False
@@ -225,9 +220,8 @@ def _extract_models(
     spec: Spec, rank: Rank | None, command: str | None, check_space: bool
 ) -> dict[str, FeatureStore]:
     """The stores of every model of ``spec.models``, keyed ``<model key>/<split>``: over
-    one pass of each split's samples, decoded once for all models
-    (:mod:`featcache.extraction.many`); under torchrun or ``--update``, one model after
-    the other, each as a config of its own."""
+    one pass of each split's samples (:mod:`featcache.extraction.many`); under torchrun,
+    ``--update`` or over shards, one model after the other."""
     from featcache.sources import build_source
 
     specs = spec.per_model()
@@ -294,8 +288,8 @@ def _extract_models(
 
 
 def _check_outputs(spec: Spec) -> dict[str, StoreState]:
-    """Refuse, before any work, a split whose store exists and was made differently
-    (unless overwritten or updated); the state of each split's store path."""
+    """Refuse a split whose store exists and was made differently (unless overwritten or
+    updated); returns the state of each split's store path."""
     states = {}
     fingerprint = config_fingerprint(spec)
     for split in spec.data.splits:
@@ -342,8 +336,7 @@ def _extract_splits(
     for split, source in sources.items():
         path = spec.store_path(split)
         # One process over the shards of a run of several goes on from them, as one rank;
-        # with --overwrite it replaces them, deleted once its store has replaced the one
-        # they make up (a run that fails keeps that store whole).
+        # with --overwrite they are deleted once its store is in place.
         shards = states[split].shards
         sharded = shards and not spec.output.overwrite
         runner = Rank(0, 1, 0, 1, group=False) if rank is None and sharded else rank

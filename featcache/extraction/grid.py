@@ -1,15 +1,13 @@
 """The batch grid: which rows go into which batch, the same in every run over a source.
 
-Batches hold consecutive rows, starting at the first row of the run and again at every
-shard boundary of a sharded source (a WebDataset's shards: its ``shard_starts``), so no
-batch straddles two shards and a torchrun rank that takes whole shards runs exactly the
-batches a one-process run does. With length bucketing the grid's unit is a window of
-batches, whose rows run longest first (see :mod:`featcache.extraction.bucketing`).
-Resuming restarts on the same grid (:func:`~featcache.store.resume.grid_start`).
+Batches hold consecutive rows from the run's first row, restarting at every shard
+boundary of a sharded source, so a torchrun rank that takes whole shards runs exactly
+the batches a one-process run does. A resume restarts on the same grid.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -23,13 +21,11 @@ def shard_starts(dataset: Dataset) -> list[int]:
 
 
 class GridBatches(Sampler[list[int]]):
-    """The batches of the rows ``rows`` on the batch grid, as positions ``0 ..
-    len(rows) - 1`` into them (what a DataLoader over those rows indexes).
+    """The batches of the rows ``rows`` on the batch grid, as positions into them.
 
-    Segments run from ``rows.start`` and from each of ``boundaries`` inside ``rows``;
-    each is cut into windows of ``window`` rows (default ``batch_size``), and each window
-    into batches of ``batch_size``. With ``lengths`` (``[len(rows)]`` tokens per row) a
-    window's rows are sorted by length first, longest first, ties in order.
+    Segments run from ``rows.start`` and each of ``boundaries``; each is cut into windows
+    of ``window`` rows (default ``batch_size``), each window into batches. With
+    ``lengths`` (``[len(rows)]`` tokens per row) a window's rows run longest first.
     """
 
     def __init__(
@@ -46,26 +42,26 @@ class GridBatches(Sampler[list[int]]):
         self.lengths = None if lengths is None else np.asarray(lengths)
         inner = sorted({b for b in boundaries if rows.start < b < rows.stop})
         edges = [rows.start, *inner, rows.stop]
-        self.segments = [
-            (a - rows.start, b - rows.start) for a, b in zip(edges[:-1], edges[1:], strict=True)
-        ]
+        self.segments = [(a - rows.start, b - rows.start) for a, b in itertools.pairwise(edges)]
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def _windows(self) -> Iterator[tuple[int, int]]:
+        """The ``(start, stop)`` positions of each window, in order."""
         for first, stop in self.segments:
             for start in range(first, stop, self.window):
-                end = min(start + self.window, stop)
-                if self.lengths is None:
-                    order = np.arange(start, end)
-                else:
-                    order = start + np.argsort(-self.lengths[start:end], kind="stable")
-                for at in range(0, len(order), self.batch_size):
-                    yield order[at : at + self.batch_size].tolist()
+                yield start, min(start + self.window, stop)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for start, end in self._windows():
+            if self.lengths is None:
+                order = np.arange(start, end)
+            else:
+                order = start + np.argsort(-self.lengths[start:end], kind="stable")
+            for at in range(0, len(order), self.batch_size):
+                yield order[at : at + self.batch_size].tolist()
 
     def window_sizes(self) -> Iterator[int]:
         """The rows of each window, in order."""
-        for first, stop in self.segments:
-            for start in range(first, stop, self.window):
-                yield min(start + self.window, stop) - start
+        return (end - start for start, end in self._windows())
 
     def __len__(self) -> int:
         count = 0

@@ -1,10 +1,8 @@
 """The run loop: batches from the loader, through the hooked forward, to the writer thread.
 
-The main thread only loads batches and runs the backbone. Reductions happen on the
-device inside the hooks, and finished batches go through a bounded queue to the writer
-thread, so the forward waits on the disk only when the queue is full. Nothing
-accumulates across batches: memory stays flat, and on the CPU the memory a batch frees
-serves the next one (:mod:`featcache.capture.memory`).
+Reductions happen on the device inside the hooks and finished batches go through a
+bounded queue to the writer thread, so the forward waits on the disk only when the
+queue is full, and memory stays flat.
 """
 
 from __future__ import annotations
@@ -52,10 +50,7 @@ def feature_attrs(
     taps: Sequence[Tap], observed: Mapping[str, Mapping[str, str]] | None = None
 ) -> dict[str, dict[str, str]]:
     """The attributes of each layer's dataset: what was captured and how it was reduced,
-    and what the forward showed of it (``observed``, see :attr:`TapSet.observed`): where a
-    4-d output kept its channels (``channel_layout``: a stored ``reduce: none`` row is
-    ``[C, H, W]`` or ``[H, W, C]``), and ``select`` where the hidden states were taken
-    from a transformers module's tuple."""
+    and what the forward showed of it (``observed``, see :attr:`TapSet.observed`)."""
     attrs = {}
     for tap in taps:
         attrs[tap.key] = {"module": tap.module_name, "capture": tap.capture, "reduce": tap.reduce}
@@ -68,17 +63,9 @@ def feature_attrs(
 
 @dataclasses.dataclass(frozen=True)
 class LoopPlan:
-    """What the run loop does, decided before the first batch.
-
-    ``taps`` and ``ids`` (of every source row) are what is captured and recorded;
-    ``options`` the run's loader, store and runtime sections; ``layout`` where and how the
-    model runs; ``pin`` whether batches come in pinned memory; ``total`` the rows of the
-    store, ``done_before`` of them written by an earlier run; ``tokens`` the model's
-    token layout (prefix tokens, sequence-first), for the reductions; ``reorder`` puts
-    batches bucketed by length back in source order, a window at a time; ``unit`` is what
-    the progress bar counts; ``warn``: warn of gradient layers whose every stored value
-    was zero.
-    """
+    """What the run loop does, decided before the first batch (see
+    `featcache.extraction.run.run_rows`, which makes it). ``total`` is the rows of the
+    store, ``done_before`` of them written by an earlier run."""
 
     taps: Sequence[Tap]
     ids: Sequence[str]
@@ -96,8 +83,7 @@ class LoopPlan:
 def run_loop(
     model: nn.Module, batches: Iterator[Batch], sink: Sink, plan: LoopPlan
 ) -> dict[str, float]:
-    """Run every batch into ``sink`` as ``plan`` says. Returns where the time went, in
-    seconds."""
+    """Run every batch into ``sink`` as ``plan`` says; returns where the time went (s)."""
     loader, store, runtime = plan.options
     taps, ids, layout, pin, tokens, reorder = (
         plan.taps, plan.ids, plan.layout, plan.pin, plan.tokens, plan.reorder
@@ -182,18 +168,15 @@ def forward(
     tokens: ReduceContext = NO_CONTEXT,
 ) -> None:
     """Run one batch through the taps and fill ``captured`` with what goes to the writer.
-
-    A tensor input is the model's one positional argument; a mapping of tensors is passed
-    as keyword arguments. The reductions see the model's token layout ``tokens`` and
-    what the batch itself says (its size and mask).
-    """
+    A tensor input is the model's one positional argument, a mapping of tensors its
+    keyword arguments."""
     device, amp = layout.device, layout.amp
     on_device = batch.to(device, non_blocking=pin, memory_format=layout.memory_format)
-    images = on_device.inputs
+    inputs = on_device.inputs
     image_size = None
-    if isinstance(images, torch.Tensor) and images.dim() == 4:  # [B, C, H, W]
-        image_size = (int(images.shape[2]), int(images.shape[3]))
-    token_ids = images.get("input_ids") if isinstance(images, dict) else None
+    if isinstance(inputs, torch.Tensor) and inputs.dim() == 4:  # [B, C, H, W]
+        image_size = (int(inputs.shape[2]), int(inputs.shape[3]))
+    token_ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
     context = dataclasses.replace(
         tokens,
         attention_mask=on_device.attention_mask,
@@ -209,7 +192,6 @@ def forward(
     # Gradient taps need autograd; everything else runs in inference mode.
     mode = torch.enable_grad() if tapset.needs_grad else torch.inference_mode()
     extra: dict[str, Any] = {"labels": batch.labels} if tapset.needs_grad else {}
-    inputs = on_device.inputs
     with mode, autocast:
         try:
             if isinstance(inputs, dict):
@@ -268,14 +250,11 @@ def forward(
 def pack_tokens(
     values: Mapping[str, torch.Tensor], taps: Sequence[Tap], batch: Batch
 ) -> tuple[dict[str, torch.Tensor], frozenset[str], torch.Tensor | None, torch.Tensor | None]:
-    """Per-token rows out of a padded token batch (one with an attention mask).
-
-    Each ``reduce: none`` value whose first two axes are the mask's ``[B, T]`` becomes
-    ``[real tokens, ...]``, row by row in order, and no padded position is kept. Returns
-    the values, the keys so packed, and when there are any, each row's token count
-    (int64 ``[B]``) and the tokens' input ids (int64 ``[tokens]``, None without
-    ``input_ids``), both on the CPU.
-    """
+    """Per-token rows out of a padded token batch: each ``reduce: none`` value whose
+    first two axes are the mask's ``[B, T]`` becomes ``[real tokens, ...]``, row by row.
+    Returns the values, the keys so packed, and when there are any, each row's token
+    count (int64 ``[B]``) and the tokens' input ids (int64 ``[tokens]``, None without
+    ``input_ids``), both on the CPU."""
     packed = dict(values)
     if batch.attention_mask is None:
         return packed, frozenset(), None, None

@@ -1,12 +1,6 @@
 """Several models over one pass of a dataset: each sample read and decoded once, then
-given to every model's own preprocessing, forward and store.
-
-One loader reads the source rows through :class:`FanOut` (the decoded sample, then each
-model's transform) and a thread of the pass hands each batch to every model's
-extraction, which runs on a thread of its own as :func:`~featcache.extraction.extract`
-would: its own resume point, continuity check, writer and store. Every model takes the
-same batches as a run of its own would (the same batch size over the same rows), so each
-store equals that model's single run.
+given to every model's own preprocessing, forward and store. Each model runs on its own
+thread as ``extract`` would, on the same batches, so each store equals its single run.
 """
 
 from __future__ import annotations
@@ -70,9 +64,8 @@ class ModelRun:
 
 
 class Decoded(Dataset):
-    """``dataset`` whose last few items read in this process are kept, so that the
-    models' checks before a pass read the same first rows once. Other attributes are the
-    dataset's (ids, classes, fingerprint ...)."""
+    """``dataset`` with its last few items read in this process kept, so that the models'
+    checks before a pass read the same first rows once; other attributes are its own."""
 
     KEPT = 8
 
@@ -111,6 +104,8 @@ class Transformed(Dataset):
     """The items of ``dataset`` with ``transform`` applied to their inputs: one model's
     view of the pass (what its checks before the pass read)."""
 
+    _OWN: tuple[str, ...] = ("dataset", "transform")  # never looked up in the dataset
+
     def __init__(self, dataset: Decoded, transform: Transform | None):
         self.dataset, self.transform = dataset, transform
 
@@ -122,7 +117,7 @@ class Transformed(Dataset):
         return (value if self.transform is None else self.transform(value)), label
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("dataset", "transform"):
+        if name.startswith("__") or name in self._OWN:
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
@@ -130,6 +125,8 @@ class Transformed(Dataset):
 class FanOut(Transformed):
     """The items of ``dataset`` as ``((input of model 0, input of model 1, ...), label)``:
     each read once, then given to every transform."""
+
+    _OWN = ("dataset", "transform", "transforms")
 
     def __init__(self, dataset: Decoded, transforms: Sequence[Transform | None]):
         super().__init__(dataset, None)
@@ -139,15 +136,10 @@ class FanOut(Transformed):
         value, label = split_sample(self.dataset[i])
         return tuple(value if t is None else t(value) for t in self.transforms), label
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "transforms":
-            raise AttributeError(name)
-        return super().__getattr__(name)
-
 
 class FanOutCollate:
-    """A batch of :class:`FanOut` items as one :class:`~featcache.extraction.batches.Batch`
-    per model, each collated as a run of that model alone collates it."""
+    """A batch of :class:`FanOut` items as one :class:`Batch` per model, each collated as
+    a run of that model alone collates it."""
 
     def __init__(self, count: int, pad_values: Mapping[str, int] | None = None):
         self.count, self.collate = count, Collate(pad_values)
@@ -173,11 +165,10 @@ _END = object()
 class SharedPass:
     """One loader feeding the extractions of ``count`` models, each on its own thread.
 
-    Each extraction asks for the rows it has still to write (:meth:`feed`); once every
-    model has asked or finished, the pass reads the rows from the first asked to the
-    end, in the batches a single run would read, and gives each model the batches of
-    its own rows. A model whose extraction fails stops the pass: the others stop too,
-    their stores left partial (a rerun resumes them).
+    Once every model has asked for its rows (:meth:`feed`) or finished, the pass reads
+    from the first row asked to the end, in a single run's batches, and gives each model
+    the batches of its own rows. A model that fails stops the pass and the others (their
+    stores left partial, for a rerun to resume).
     """
 
     def __init__(self, dataset: FanOut, count: int, run: RunOptions, shard_starts: list[int]):
@@ -306,8 +297,7 @@ def plan_of_run(
     run: ModelRun, dataset: Dataset, shared: RunOptions, **arguments: Any
 ) -> ExtractionPlan:
     """The plan of one model of a pass over ``dataset`` (the model's view of it): the
-    pass's ``shared`` options with the run's own, and ``arguments`` of
-    `featcache.extraction.plan.make_plan` with the run's own."""
+    ``shared`` options and `make_plan` ``arguments``, each with the run's own."""
     own = {k: v for k, v in run.options.items() if k in PLAN_ARGUMENTS}
     changes = {k: v for k, v in run.options.items() if k not in PLAN_ARGUMENTS}
     options = shared.replaced(**changes) if changes else shared
@@ -317,9 +307,8 @@ def plan_of_run(
 def estimate_runs(
     runs: Sequence[ModelRun], dataset: Decoded, shared: RunOptions, **arguments: Any
 ) -> list[StoreEstimate]:
-    """The size of each run's store (`featcache.extraction.estimate`), each model's
-    first row made from the same decoded sample; ``shared`` and ``arguments`` as
-    `plan_of_run` takes them."""
+    """The size of each run's store, each model's first row made from the same decoded
+    sample; ``shared`` and ``arguments`` as `plan_of_run` takes them."""
     return [
         estimate_store(
             plan_of_run(run, Transformed(dataset, run.transform), shared, **arguments),

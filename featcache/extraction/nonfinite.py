@@ -25,11 +25,8 @@ def check_finite(
     lengths: torch.Tensor | None = None,
     ragged: frozenset[str] = frozenset(),
 ) -> torch.Tensor | None:
-    """Apply ``store.on_nonfinite``; returns a row mask when rows must be dropped.
-
-    The layers in ``ragged`` are per-token rows ``[sum(lengths), ...]`` (``lengths``:
-    ``[B]`` tokens per row): a row is bad when any of its tokens is.
-    """
+    """Apply ``store.on_nonfinite``; returns a ``[B]`` bool row mask when rows must be
+    dropped. The layers in ``ragged`` are per-token rows ``[sum(lengths), ...]``."""
     if store.on_nonfinite == "keep":
         return None
     bad_by_layer = {}
@@ -58,15 +55,11 @@ def check_finite(
     return ~bad_rows
 
 
-# An IEEE float is NaN or infinite exactly when its exponent bits are all ones. Its bits
-# read as an integer of the same width then are, for a positive float, a signed integer at
-# least that of +Inf, and for a negative one, an unsigned integer at least that of -Inf.
-# Two max reductions per row over the two integer views find such rows without writing a
-# temporary array, many times faster than isfinite or a float sum (which must widen
-# float16 first). On the CPU numpy runs them: a [64, 256, 14, 14] float16 batch just cast
-# (scripts/bench_write.py's rows) takes 0.2 ms, masking the sign off first 0.24-0.34 ms,
-# torch's masked amax 0.6-0.7 ms and isfinite 5.4 ms. Off the CPU one masked reduction
-# runs on the device.
+# An IEEE float is NaN or infinite exactly when its exponent bits are all ones: its bits as
+# a signed integer are then at least +Inf's (positive floats), or as an unsigned integer at
+# least -Inf's (negative ones). Two max reductions per row over the integer views find such
+# rows without a temporary array, many times faster than isfinite on the CPU
+# (scripts/bench_write.py). Off the CPU one masked reduction runs on the device.
 _INF_BITS = {  # the integer dtype of the bits, the sign-cleared mask, +Inf and -Inf
     torch.float16: (torch.int16, 0x7FFF, 0x7C00, 0xFC00),
     torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80, 0xFF80),

@@ -1,11 +1,7 @@
 """The plan of an extraction: everything decided before the first batch.
 
-`make_plan` checks a model, a dataset and the layers asked for, and returns an
-`ExtractionPlan`: the hooked layers (taps), the source rows and their ids, labels
-and change stamps, where and how the model runs, the batch grid and the store key. Every
-run of featcache executes a plan (`featcache.extraction.run.run_rows`): an
-extraction or a resume, an update, a torchrun shard, one model of a shared pass, the
-continuity check, ``verify``'s recomputation and ``plan``'s timing.
+`make_plan` checks a model, a dataset and the layers asked for and returns an
+`ExtractionPlan`, which every run of featcache executes (`featcache.extraction.run`).
 """
 
 from __future__ import annotations
@@ -96,12 +92,10 @@ class RunOptions:
 class ExtractionPlan:
     """What a run computes, decided before its first batch.
 
-    ``model`` runs over the rows ``rows`` (source positions) of ``dataset`` with
-    ``options``; ``taps`` are its hooked layers, ``ids`` the ids of every source row,
-    ``layout`` where and how the model runs, ``key`` the store key (made on first call:
-    the weights may still be being fingerprinted), ``tokens`` the model's token layout
-    for the reductions, ``provenance`` what the store records of the config, weights and
-    source.
+    ``model`` runs over the source positions ``rows`` of ``dataset``; ``ids`` are those
+    of every source row, ``key`` makes the store key on first call (the weights may
+    still be being fingerprinted), ``tokens`` is the model's token layout for the
+    reductions.
     """
 
     model: nn.Module
@@ -154,10 +148,9 @@ class ExtractionPlan:
         mark: Mapping[str, Any] | None = None,
         resume: ResumePoint | None = None,
     ) -> Callable[[], StoreWriter]:
-        """What opens the writer of the plan's store at ``path`` (on the writer thread:
-        the weights may still be being fingerprinted). ``mark`` adds entries to the store
-        key recorded while it is written (an update's); ``resume`` continues a partial
-        store."""
+        """What opens the writer of the plan's store at ``path``, on the writer thread.
+        ``mark`` adds entries to the recorded store key (an update's); ``resume``
+        continues a partial store."""
 
         def open_writer() -> StoreWriter:
             key = self.key()
@@ -188,10 +181,8 @@ class ExtractionPlan:
 
     def changes_since(self, index: np.ndarray, stamps: np.ndarray | None) -> str:
         """The rows (source positions ``index``, recorded with ``stamps``) whose change
-        stamp differs from the one the plan took, named (see
-        `featcache.sources.stamps.change_report`); "" when none does, when either side has
-        no stamps, or when content hashes decide instead (``data.content_hash``: the store
-        key then holds every file's hash)."""
+        stamp differs from the plan's, named; "" when none does, when either side has no
+        stamps, or when content hashes decide instead (``data.content_hash``)."""
         if stamps is None or self.stamps is None or self.hashes_content:
             return ""
         current = self.stamps[index]
@@ -241,8 +232,8 @@ def make_plan(
     prefix_tokens: int | None = None,
     sequence_first: bool = False,
 ) -> ExtractionPlan:
-    """Check the arguments of `featcache.extraction.api.extract` (which takes the
-    same) and decide what its run will do.
+    """Check the arguments of `featcache.extraction.api.extract` and decide what its
+    run will do.
 
     Raises:
         ConfigError: one line naming the argument that cannot be used, and the fix.
@@ -315,9 +306,8 @@ def make_plan(
     made: list[StoreKey] = []
 
     def key() -> StoreKey:
-        # Made from Python, the weights are identified by their values. Hashing them takes
-        # a while on big models, so it happens on first need: on the writer thread, while
-        # the first batches run, unless an existing store must be checked first.
+        # Made from Python, the weights are identified by their values, hashed on first need
+        # (on the writer thread, during the first batches, unless a store is checked first).
         if not made:
             identity = weights or {"source": "module", "sha256": module_fingerprint(model)}
             made.append(StoreKey(weights=identity, **key_parts))  # type: ignore[arg-type]

@@ -1,6 +1,4 @@
-"""``plan``: what an extraction will take before it runs: rows, bytes per layer and in
-total (and compressed, for a compressed store), free space, an estimate of the run time,
-and a batch size to try."""
+"""``plan``: what an extraction will take before it runs (see docs/guides/plan.md)."""
 
 from __future__ import annotations
 
@@ -309,8 +307,7 @@ def _duration(seconds: float) -> str:
 
 def rows_done(plan: ExtractionPlan, path: Path) -> int:
     """The rows of the store at ``path`` that a rerun of ``plan`` keeps rather than
-    computes: those a stopped run's partial store, or the shards of a run of several
-    processes, hold (back to the batch grid, as a resume keeps them)."""
+    computes: those its partial store or shards hold, back to the batch grid."""
     step = plan.bucket_window or plan.options.loader.batch_size
     shards = read_shards(path, step, plan.shard_starts)
     if shards:

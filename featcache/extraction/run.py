@@ -1,10 +1,8 @@
 """The one run: rows of a plan, loaded in batches, through the hooked forward, into a sink.
 
-Every computation of featcache goes through here and differs only in the rows it runs
-and where they go: a store (`featcache.extraction.writer_thread.WriterThread`),
-an update's merge of old and new rows, a comparison with stored rows (`recompute`:
-the continuity check, the update's proof, ``verify``), or a timer (``plan``'s dry run).
-`make_loader` is the one place a ``DataLoader`` of source rows is built.
+Runs differ only in their rows and their sink: a store, an update's merge, a comparison
+with stored rows (`recompute`), or a dry run's timer. `make_loader` is the one place a
+``DataLoader`` of source rows is built.
 """
 
 from __future__ import annotations
@@ -36,9 +34,8 @@ def make_loader(
     pin: bool,
     collate: Callable[[list[Any]], Any] | None = None,
 ) -> DataLoader:
-    """A loader of ``rows`` (a `SourceRows`, or a view of one) in ``batches``
-    (lists of positions into it), with ``workers`` processes, collated into one
-    `featcache.extraction.batches.Batch` each unless ``collate`` says otherwise."""
+    """A loader of ``rows`` (a `SourceRows`, or a view of one) in ``batches`` (lists of
+    positions into it), collated into one `Batch` each unless ``collate`` says otherwise."""
     return DataLoader(
         rows,
         batch_sampler=batches,
@@ -58,12 +55,11 @@ def loaded_batches(
     feed: Feed | None = None,
     options: RunOptions | None = None,
 ) -> Iterator[Iterator[Batch]]:
-    """The batches of ``plan``'s source rows ``rows`` (default the plan's): ``batches``
-    lists positions into ``rows``. ``workers_for`` is the row count the loader's worker
-    processes are sized for (``loader.num_workers: auto``); None loads in this process.
-    A ``feed`` (a pass shared with other models) gives the batches of ``rows`` instead;
-    ``options`` replace the plan's (a dry run's batch size).
-    Enter it before opening the sink: forked workers then never hold the store's file."""
+    """The batches of ``plan``'s source rows ``rows`` (default the plan's), ``batches``
+    listing positions into ``rows``. ``workers_for``: the row count the worker processes
+    are sized for (None: load in this process). A ``feed`` (a pass shared with other
+    models) gives the batches instead; ``options`` replace the plan's. Enter it before
+    opening the sink: forked workers then never hold the store's file."""
     rows = plan.rows if rows is None else rows
     if feed is not None:
         with feed(rows) as fed:
@@ -143,9 +139,9 @@ def recompute(
     on_nonfinite: Literal["fail", "skip", "keep"] | None = None,
 ) -> list[CapturedBatch]:
     """The captured values of ``batches`` (positions into ``plan.rows``), run as the run
-    loop runs them, in this process and without a progress bar. Rows that cannot be read
-    are left out (recorded as skipped), as are rows the non-finite policy drops
-    (``on_nonfinite`` replaces the plan's)."""
+    loop runs them, in this process and without a progress bar. Unreadable rows and those
+    the non-finite policy (``on_nonfinite`` replaces the plan's) drops are left out,
+    recorded as skipped."""
     options = plan.options
     options = dataclasses.replace(
         options,

@@ -1,10 +1,8 @@
 """Runs of several processes: each computes its share of the rows no shard holds yet.
 
-Every attempt, whatever its number of processes, starts from the shards on disk
-(:mod:`featcache.store.shards`): the partial ones no live process writes are sealed
-(completed with the rows a resume keeps), the rows no shard holds are shared out on the
-batch grid (:func:`~featcache.extraction.distributed.share_rows`), each share is written
-as shards, and once every row is held the store is combined over them.
+Every attempt starts from the shards on disk: stopped ones no live process writes are
+sealed, the rows no shard holds are shared out on the batch grid, and once every row is
+held the store is combined over them.
 """
 
 from __future__ import annotations
@@ -46,17 +44,6 @@ def _device_type(key: StoreKey) -> StoreKey:
     return dataclasses.replace(key, layout=layout)
 
 
-def _shard_plan(plan: ExtractionPlan) -> ExtractionPlan:
-    """``plan`` keyed by its device type (``cuda``, not ``cuda:3``): any process, on any
-    of its devices, resumes or seals a shard another wrote."""
-    key = plan.key
-
-    def typed_key() -> StoreKey:
-        return _device_type(key())
-
-    return dataclasses.replace(plan, key=typed_key)
-
-
 def extract_shard(
     model: nn.Module,
     source: Dataset,
@@ -68,11 +55,9 @@ def extract_shard(
     check_space: bool = True,
 ) -> FeatureStore | None:
     """This process's share of the store at ``path`` as shards; then, once every row is
-    held, the store over all shards (written by rank 0 of a torchrun group, or by the
-    independent process that finds the last row done). Returns the store, or None while
-    other processes' rows remain. ``arguments`` are
-    :func:`~featcache.extraction.plan.make_plan`'s for the whole store. With
-    ``check_space`` a process refuses shards its filesystem cannot hold."""
+    held, the store over all shards (combined by rank 0 of a torchrun group, or by the
+    process that finds the last row done). Returns the store, or None while other
+    processes' rows remain. ``arguments`` are `make_plan`'s for the whole store."""
     rank.join()
     launch = rank.launch_id()
     runtime = options.runtime
@@ -89,7 +74,10 @@ def extract_shard(
         whole = {**arguments, "provenance": provenance}
         if rows is not None:
             whole["rows"] = rows
-        return _shard_plan(make_plan(model, source, layers, options, **whole))
+        plan = make_plan(model, source, layers, options, **whole)
+        # Keyed by its device type (cuda, not cuda:3): any process, on any of its devices,
+        # resumes or seals a shard another wrote.
+        return dataclasses.replace(plan, key=lambda: _device_type(plan.key()))
 
     plan = plan_of()
     num_rows = len(plan.rows)
@@ -146,29 +134,24 @@ def _seal(
 ) -> None:
     """Complete the stopped shard ``shard`` with the rows a resume keeps (delete it when
     it keeps none), after ``batches`` of them are recomputed and compared. A shard a live
-    process writes is left to it with ``busy_ok`` (another --shard job's), else refused:
-    ranks of an earlier launch still run.
+    process writes is left to it with ``busy_ok`` (another --shard job's).
 
     Raises:
         StoreBusyError: a live process writes the shard, and not ``busy_ok``.
     """
     try:
         with writer_lock(shard.path):
-            _seal_locked(shard, plan_of, launch, batches)
+            if not shard.file.exists():  # sealed by another process meanwhile
+                return
+            if not shard.held:
+                shard.file.unlink()
+                return
+            plan = plan_of(shard.held)
+            run_plan(
+                plan, shard.path, check_space=False, seal=True, launch=launch, continuity=batches
+            )
+            # Copied, its file no longer keeps room for the rows it was made for.
+            copy_store(shard.path, shard.path)
     except StoreBusyError:
         if not busy_ok:
             raise
-
-
-def _seal_locked(
-    shard: Shard, plan_of: Callable[[range], ExtractionPlan], launch: str, batches: int
-) -> None:
-    if not shard.file.exists():  # sealed by another process meanwhile
-        return
-    if not shard.held:
-        shard.file.unlink()
-        return
-    plan = plan_of(shard.held)
-    run_plan(plan, shard.path, check_space=False, seal=True, launch=launch, continuity=batches)
-    # Its file keeps the room of the rows it was made for: copied, it holds just its own.
-    copy_store(shard.path, shard.path)

@@ -1,34 +1,11 @@
 """Updating a complete store: copy what it already holds, compute only the rest.
 
-An update (``featcache extract CONFIG --update``, ``update=True``) writes a new store at
-the store's ``.partial`` path, as every run does, and moves it into place when complete:
-the old store stays whole and readable until then. The new store's rows are the current
-dataset's, in its order. A row whose sample id is in the old store, and whose bytes have
-not changed since (by the row's change stamp, :mod:`featcache.sources.stamps`; or, where
-the old store recorded one, its ``content_hash`` row column, each file's sha256:
-``data.content_hash: true``), is *reused*: its values of every layer whose definition (the
-store key's tap record: module, capture, reduce, size, ...) is unchanged are copied,
-byte for byte, from the old store. Everything else is *computed*: new or changed samples
-get every layer, and a new or redefined layer is computed for every row (when no sample
-needs every layer, the forward then stops at the deepest new layer). Rows of vanished
-samples and layers no longer configured are left out. So the updated store is the store
-a fresh extraction of the current dataset and config writes: the same ids in the same
-order, the same labels, the copied values bit for bit those of the old store, and the
-computed ones equal to a fresh run's: bit for bit where the old store's rows are the
-current ones (each grid batch holding a computed row then runs whole; a new layer runs
-every row on the fresh run's grid), else within the rounding of a different batch
-composition, which the resume check's tolerance bounds
-(:mod:`featcache.extraction.compare`: 1e-4 of a row's largest magnitude in float32,
-4e-3 in float16, 3e-2 in bfloat16).
-
-What the rows are computed with must not have changed: the model, its weights, the
-preprocessing, the store dtype and the other settings that decide a stored value
-(:func:`update_refusal`); otherwise the update is refused in one line naming the
-difference, since only a fresh ``--overwrite`` run can make the store then.
-
-An update stopped by a crash leaves its ``.partial``, which the next run tells from an
-interrupted extraction by the ``update`` entry of its store key: rerunning the update
-starts it over (the old store is still in place), and a plain run refuses it.
+The new store is written at the ``.partial`` path and moved into place when complete, so
+the old one stays readable until then. A row is reused when its id is in the old store
+and its bytes are unchanged (change stamp, or ``content_hash`` column); its unchanged
+layers (same tap record) are copied byte for byte. New or changed samples get every
+layer; new or redefined layers are computed for every row. What the rows are computed
+with must not have changed (:func:`update_refusal`). See docs/guides/update.md.
 """
 
 from __future__ import annotations
@@ -87,12 +64,9 @@ CHECKED_ROWS = 8  # reused rows recomputed before an update, to prove they still
 
 @dataclasses.dataclass(frozen=True)
 class UpdateWork:
-    """What an update copies and what it computes.
-
-    ``old_rows[j]`` is the old store's row reused for the ``j``-th row of ``plan.rows``
-    (-1: the sample is new or changed, and computed with every layer); ``new_layers`` are
-    computed for every row, ``kept_layers`` copied for the reused rows.
-    """
+    """What an update copies and what it computes: ``old_rows[j]`` is the old store's row
+    reused for the ``j``-th row of ``plan.rows`` (-1: computed with every layer);
+    ``new_layers`` are computed for every row, ``kept_layers`` copied for reused rows."""
 
     old_rows: np.ndarray  # [len(plan.rows)] int64
     new_layers: list[str]
@@ -110,15 +84,10 @@ class UpdateWork:
         return int((self.old_rows >= 0).sum())
 
     def batches_run(self, grid: GridBatches) -> Iterable[list[int]]:
-        """The batches (positions into ``plan.rows``) that go through the model.
-
-        Every batch of ``grid`` (a fresh run's) when a layer is new. Otherwise, on the
-        old store's grid (:attr:`same_grid`), each grid batch holding a computed row,
-        whole: batch composition can change the last bits of a result, so its computed
-        rows then get a fresh run's bytes, as the copied ones are (its reused rows'
-        values are copied over what it computes). Where samples were added or removed
-        the copied rows come from another grid anyway, and the computed rows run in
-        batches of their own."""
+        """The batches (positions into ``plan.rows``) that go through the model: all of
+        ``grid`` when a layer is new; on the old store's grid, each grid batch holding a
+        computed row, whole (batch composition changes a result's last bits, so computed
+        rows get a fresh run's bytes); else the computed rows in batches of their own."""
         if self.new_layers:
             return grid
         if self.same_grid:
@@ -156,13 +125,9 @@ def update_refusal(
 
 
 def plan_work(old: FeatureStore, plan: ExtractionPlan, hashes: np.ndarray | None) -> UpdateWork:
-    """Match the rows and layers of ``plan`` to those of the ``old`` store.
-
-    ``hashes`` (``[source rows]``, the source's ``content_hash`` column, None without
-    one) must equal the old store's for a row to be reused; an old store that recorded
-    none then reuses no row. Without hashes, a row whose change stamp (``plan.stamps``)
-    differs from the one the old store recorded is computed again.
-    """
+    """Match the rows and layers of ``plan`` to those of the ``old`` store. A row is
+    reused only if its ``hashes`` entry (``[source rows]``, the ``content_hash`` column)
+    equals the old store's, else, without hashes, if its change stamp is unchanged."""
     old_ids = old.ids
     row_of = {sample_id: row for row, sample_id in enumerate(old_ids)}
     old_rows = np.array(
@@ -197,8 +162,7 @@ def plan_work(old: FeatureStore, plan: ExtractionPlan, hashes: np.ndarray | None
 
 def update_store(plan: ExtractionPlan, path: Path, *, check_space: bool = True) -> FeatureStore:
     """Bring the complete store at ``path`` up to ``plan``: copy what it holds, compute
-    the rest (see the module's description). Returns the new store, whose ``history``
-    attribute's last record says what was computed and what reused.
+    the rest. Returns the new store (its last ``history`` record says what was reused).
 
     Raises:
         ConfigError: the store was made with another model, weights, preprocessing or
@@ -291,10 +255,8 @@ def _check_updatable(old: FeatureStore, path: Path, plan: ExtractionPlan) -> Non
 
 
 def check_reused(old: FeatureStore, path: Path, plan: ExtractionPlan, work: UpdateWork) -> None:
-    """Recompute the first :data:`CHECKED_ROWS` reused rows' kept layers and refuse the
-    update when they differ from the store beyond the resume check's tolerance: a Python
-    dataset's transform, or files changed under the same names without
-    ``data.content_hash``, are invisible to the store key.
+    """Refuse the update when the first :data:`CHECKED_ROWS` reused rows' kept layers,
+    recomputed, differ from the store beyond the resume check's tolerance.
 
     Raises:
         ConfigError: naming the row, its id, the layer and the difference.
@@ -323,14 +285,11 @@ def check_reused(old: FeatureStore, path: Path, plan: ExtractionPlan, work: Upda
 
 
 class MergedRows:
-    """The run loop's sink for an update: it puts the old store's rows among the computed
-    ones, in source order, and hands whole rows (every layer) to the writer thread.
-
-    Rows copied whole go in blocks of :data:`COPY_ROWS` as the computed batches pass
-    them (and the rest at :meth:`finish`); in a computed batch, the reused rows' kept
-    layers are copied over what was computed (or filled in where the forward did not
-    capture them), so that they are byte for byte the old store's.
-    """
+    """The run loop's sink for an update: the old store's rows put among the computed
+    ones, in source order, whole rows handed to the writer thread. In a computed batch
+    the reused rows' kept layers are copied over what was computed, so they stay byte
+    for byte the old store's. ``positions``: the source positions that go through the
+    model, in order."""
 
     def __init__(
         self,
@@ -341,7 +300,6 @@ class MergedRows:
         dtype: str,
         positions: np.ndarray,
     ):
-        """``positions``: the source positions that go through the model, in order."""
         self.sink, self.old, self.plan, self.work, self.dtype = sink, old, plan, work, dtype
         self.path = sink.path
         self.waited = 0.0  # seconds the forward waited on the writer thread

@@ -1,10 +1,7 @@
 """The writer thread and the reused host buffers between the forward and the store.
 
-The forward hands each finished batch to :class:`WriterThread`, which appends it to the
-:class:`~featcache.store.StoreWriter` on its own thread behind a bounded queue, so the
-forward waits on the disk only when the queue is full. On CUDA, captured values are
-copied without blocking into :class:`HostBuffers`: pinned host memory reused batch
-after batch, handed back once the writer has staged the rows.
+On CUDA, captured values are copied without blocking into :class:`HostBuffers` (pinned
+memory reused batch after batch) and handed back once the writer has staged the rows.
 """
 
 from __future__ import annotations
@@ -56,16 +53,10 @@ class CapturedBatch:
 
 
 class WriterThread:
-    """A thread that opens the store and appends queued batches to it.
-
-    ``open_writer`` runs on the thread before the first batch is written, so the work it
-    does (fingerprinting the weights, creating the file) overlaps the first forwards.
-    ``put`` blocks only while :data:`MAX_PENDING_BATCHES` batches are waiting, and
-    re-raises in the caller any error the thread hit. Leaving the ``with`` block writes
-    what is queued (unless the thread itself failed) and joins the thread; on failure the
-    store is closed incomplete (its durable rows kept for a resume), on success it stays
-    open in :attr:`writer` for the caller to complete.
-    """
+    """A thread that opens the store (``open_writer``: overlapping the first forwards) and
+    appends queued batches to it; ``put`` re-raises any error the thread hit. On leaving
+    the ``with`` block a failed store is closed incomplete (kept for a resume), else it
+    stays open in :attr:`writer` for the caller to complete."""
 
     def __init__(
         self,
@@ -143,8 +134,7 @@ class WriterThread:
         )
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
-        # Batches already queued are still written when the forward side fails: they are
-        # good rows, and keeping them shortens the resume.
+        # Batches already queued are written even when the forward failed: a shorter resume.
         self.queue.put(None)
         self.thread.join()
         failed = exc_type is not None or self.error is not None
@@ -155,12 +145,8 @@ class WriterThread:
 
 
 class HostBuffers:
-    """Reused host buffers (pinned on CUDA) that captured batches are copied into.
-
-    ``copy`` returns views of a free set of buffers and a callable that gives the set
-    back; the writer thread calls it once it has staged the rows. At most ``count`` sets
-    exist, so host memory for batches in flight stays bounded.
-    """
+    """At most ``count`` sets of reused host buffers (pinned on CUDA) that captured
+    batches are copied into, so host memory for batches in flight stays bounded."""
 
     def __init__(self, count: int, pin: bool):
         self.count = count

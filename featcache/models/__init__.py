@@ -1,17 +1,8 @@
-"""Model kinds and the backbones they build: :func:`build_backbone` -> :class:`Backbone`.
-
-The built-in kinds are registered below, in one list; a new kind is a :class:`ModelKind`
-subclass in its own module and one more entry in that list.
-"""
+"""Model kinds and the backbones they build: :func:`build_backbone` -> :class:`Backbone`."""
 
 from __future__ import annotations
 
-from featcache.models.backbone import (
-    Backbone,
-    backbone_layers,
-    build_backbone,
-    build_preprocessing,
-)
+from featcache.models.backbone import Backbone, backbone_layers, build_backbone, build_preprocessing
 from featcache.models.checkpoint import load_checkpoint
 from featcache.models.factory import FactoryKind, import_factory
 from featcache.models.hf import HFKind

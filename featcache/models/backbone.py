@@ -1,8 +1,4 @@
-"""Build a :class:`Backbone` from a :class:`ModelSpec` through its model kind, a checkpoint on top.
-
-:attr:`Backbone.weights` records which weights the model holds: its kind's identity, or a
-checkpoint's over it, with ``"model"`` (``model.name`` or ``model.factory`` as written).
-"""
+"""Build a :class:`Backbone` from a :class:`ModelSpec` through its kind, a checkpoint on top."""
 
 from __future__ import annotations
 
@@ -33,15 +29,13 @@ from featcache.models.registry import (
 
 @dataclass
 class Backbone:
-    """A model ready for feature extraction, with the preprocessing its weights expect.
-
-    ``kind`` names the model kind that built it (``"torchvision"``, ``"factory"``); the
-    fields after it are as in :class:`~featcache.models.registry.BuiltModel`.
-    """
+    """A model ready for feature extraction, with the preprocessing its weights expect;
+    fields after ``kind`` as in :class:`~featcache.models.registry.BuiltModel`."""
 
     model: nn.Module  # in eval() mode, on CPU
     transform: Transform  # PIL RGB -> float32 [3, H, W]
-    weights: dict[str, Any]  # JSON-able identity of the weights (see the module docstring)
+    # JSON-able identity of the weights: its kind's, or a checkpoint's over it, with "model"
+    weights: dict[str, Any]
     decode_size: int | None = None  # shorter side ``transform`` resizes to first, if any
     _: KW_ONLY
     kind: str
@@ -53,16 +47,9 @@ class Backbone:
 def build_backbone(
     model: ModelSpec, preprocess: PreprocessSpec, seed: int = 0, inputs: Inputs = "image"
 ) -> Backbone:
-    """Build the model described by ``model`` and the transform described by ``preprocess``.
-
-    A randomly initialised model is the same for the same ``seed``. With no explicit
-    ``preprocess`` the transform is the model's own where its kind has one, else
-    :func:`~featcache.models.preprocess.build_transform`. ``model.checkpoint``, if set, is
-    loaded on top of what the kind built. ``inputs="text"`` builds the model's text side
-    (a text model, or a dual encoder's text tower) with its :attr:`Backbone.tokenizer`,
-    called with ``input_ids`` and ``attention_mask`` keyword arguments; the transform is
-    then ``preprocess``'s alone (no image is read).
-    """
+    """Build the model ``model`` describes (random weights seeded by ``seed``) and the
+    transform of ``preprocess``, else the model's own. ``inputs="text"`` builds its text side
+    and :attr:`Backbone.tokenizer` (called with ``input_ids`` and ``attention_mask``)."""
     check(model, "model")
     if inputs not in INPUTS:
         raise ConfigError(f"inputs {inputs!r} is neither 'image' nor 'text'")
@@ -102,8 +89,7 @@ def _build(kind: ModelKind, ref: str, model: ModelSpec, seed: int, inputs: Input
 
 
 def build_preprocessing(model: ModelSpec, preprocess: PreprocessSpec) -> Preprocessing:
-    """The preprocessing :func:`build_backbone` would use, without building the model or
-    downloading anything: the sizes an image is shown at as the model sees it."""
+    """The preprocessing :func:`build_backbone` would use, building and downloading nothing."""
     check(model, "model")
     kind, ref = kind_for(model)
     return kind.preprocessing(ref, model, preprocess)
@@ -160,8 +146,7 @@ def backbone_layers(
 
 
 def _data_image_size(spec: Spec, backbone: Backbone) -> tuple[int, int] | None:
-    """The ``(H, W)`` the config's own data reaches the model at: its first split's first
-    image through the backbone's preprocessing; None when the data cannot be read here."""
+    """The ``(H, W)`` of the config's first image as the model sees it; None if unreadable."""
     from featcache.sources import build_source
 
     try:

@@ -1,7 +1,5 @@
-"""Local state-dict checkpoints: loaded strictly, only with ``torch.load(weights_only=True)``,
-which never unpickles arbitrary objects. A checkpoint is not a model kind but a
-weights-loading step on top of any kind: it says nothing about the architecture, which a
-kind must build first."""
+"""Local state-dict checkpoints, loaded strictly on top of any model kind's module, only with
+``torch.load(weights_only=True)`` (which never unpickles arbitrary objects)."""
 
 from __future__ import annotations
 
@@ -28,11 +26,9 @@ def apply_checkpoint(
     strip_prefix: str | None,
     underneath: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """Load checkpoint ``path`` into ``module``; return the identity of the weights it holds:
-    ``{"source": "checkpoint", "path", "sha256"}`` of the file, then the entries of
-    ``underneath`` (the identity of the weights the module held before, a kind's) other
-    than ``"source"``, unless those were random: a strict load replaced every one of them.
-    """
+    """Load checkpoint ``path`` into ``module``; return ``{"source": "checkpoint", "path",
+    "sha256"}`` and the other entries of ``underneath``, the kind's identity, unless random
+    (a strict load replaced every random weight)."""
     sha256 = load_checkpoint(module, path, strip_prefix)
     identity: dict[str, Any] = {"source": "checkpoint", "path": str(path), "sha256": sha256}
     if underneath.get("source") != "random":
@@ -43,12 +39,9 @@ def apply_checkpoint(
 def load_checkpoint(
     module: nn.Module, path: str | os.PathLike, strip_prefix: str | None = None
 ) -> str:
-    """Load the state dict in file ``path`` into ``module`` (strictly); return its sha256.
-
-    The file holds a state dict, or a dict with one under one of :data:`STATE_DICT_KEYS`.
-    ``strip_prefix`` is removed from the start of every key that has it (``"module."`` for
-    ``DataParallel`` checkpoints). Any mismatch (missing or unexpected keys, tensors of the
-    wrong shape) is one :class:`ConfigError` line listing a few of each.
+    """Load the state dict in file ``path`` (or under one of :data:`STATE_DICT_KEYS`) into
+    ``module`` strictly, ``strip_prefix`` (``"module."``) removed from its keys; return the
+    file's sha256. Any mismatch is one :class:`ConfigError` line listing a few keys.
     """
     path = Path(path)
     if not path.is_file():
@@ -126,13 +119,11 @@ def _some_keys(keys: list[str], what: str, shown: int = 3) -> str:
 
 
 def _prefix_hint(keys: list[str], own: Mapping[str, Any], strip_prefix: str | None) -> str:
-    """Suggest strip_prefix when every checkpoint key (``keys``, as stored) starts with the same
-    ``name.``."""
+    """Suggest strip_prefix when every stored key starts with the same ``name.``."""
+    note = ""
     if strip_prefix and not any(k.startswith(strip_prefix) for k in keys):
         note = f"; model.strip_prefix {strip_prefix!r} matched no checkpoint key"
         strip_prefix = None
-    else:
-        note = ""
     keys = [k.removeprefix(strip_prefix) for k in keys] if strip_prefix else keys
     first = keys[0].split(".", 1)[0] + "." if keys and "." in keys[0] else ""
     shared = first and all(k.startswith(first) for k in keys)
@@ -143,8 +134,7 @@ def _prefix_hint(keys: list[str], own: Mapping[str, Any], strip_prefix: str | No
 
 
 def pickled_objects_error(path: str | os.PathLike, exc: pickle.UnpicklingError) -> ConfigError:
-    """The one line for a weights file that ``torch.load(weights_only=True)`` refused:
-    what it holds besides tensors, and how to re-save it."""
+    """The error of a file ``torch.load(weights_only=True)`` refused: what it holds, and the fix."""
     found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
     what = f"it contains a pickled {found.group(1)}" if found else "it is not a tensor file"
     return ConfigError(

@@ -1,9 +1,8 @@
 """The factory model kind: ``"package.module:callable"`` imported and called with ``model.kwargs``.
 
-**A config that names a factory executes code**, so only use configs whose factory you
-trust. Weights identity: ``{"source": "random", "seed": seed}``, the seed set right before
-the call, even for a factory that loads weights itself (featcache cannot see that: load
-them with ``model.checkpoint`` to have them recorded).
+**A config that names a factory executes code.** Weights identity: random's, seeded right
+before the call, even for a factory that loads weights itself (featcache cannot see that;
+``model.checkpoint`` records them).
 """
 
 from __future__ import annotations

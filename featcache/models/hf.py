@@ -1,10 +1,6 @@
-"""The hf model kind: Hugging Face transformers models, their weights and image processors.
-
-``model.name`` is ``"hf:<repo id>[@<revision>]"`` or ``"hf:<folder>"`` written by
-``save_pretrained``; ``AutoModel.from_config`` (seeded) or, with ``weights: pretrained``,
-``from_pretrained``, float32 unless ``model.kwargs`` sets ``dtype``. A dual encoder gives
-its image tower, or on text data its text side (:mod:`featcache.models.text`); the guide
-``docs/guides/model-zoos.md`` says the rest.
+"""The hf model kind: ``"hf:<repo id>[@<revision>]"`` or ``"hf:<folder>"`` through
+``AutoModel`` (float32 unless ``model.kwargs`` sets ``dtype``); a dual encoder gives its
+image tower, or on text data its text side (:mod:`featcache.models.text`).
 
 Weights identity: ``{"source": "hf", "repo", "revision": <commit of the cached snapshot,
 null for a folder>, "files": {<weight file>: <sha256>}}``, or ``{"source": "random",
@@ -81,8 +77,8 @@ class HFKind(ModelKind):
         check_weights(model)
         transformers = require("transformers", f"model.name {model.name!r}")
         kwargs = {"dtype": torch.float32, **model.kwargs}
-        # Weights the files lack (a pooler the checkpoint never had, say) start at random,
-        # seeded as a random model is, so that a rerun gives the same values.
+        # Weights the files lack (a pooler, say) start at random, seeded so that a rerun
+        # gives the same values.
         torch.manual_seed(seed)
         if model.weights is None:
             config = _load_config(transformers, source, model, local_only=False)
@@ -121,8 +117,8 @@ class HFKind(ModelKind):
 
 
 def parse_ref(ref: str) -> Source:
-    """``"owner/name@rev"`` -> a hub :class:`Source`; an existing folder -> a local one. A folder
-    without ``config.json``, or neither a folder nor a repo id, is one :class:`ConfigError`."""
+    """``"owner/name@rev"`` -> a hub :class:`Source`; an existing folder (with ``config.json``)
+    -> a local one; anything else is a :class:`ConfigError`."""
     folder = Path(ref).expanduser()
     if ref and folder.is_dir():
         if not (folder / "config.json").is_file():
@@ -164,9 +160,8 @@ def image_tower(module: nn.Module, source: Source) -> nn.Module:
 
 
 def prefix_tokens(module: nn.Module) -> int:
-    """Tokens before the patch tokens, from the class, distillation and register token
-    parameters: ``cls_token`` ``[1, 1, D]`` and ``class_embedding`` ``[D]`` count 1 each,
-    ``register_tokens`` ``[1, R, D]`` R (ViT 1, DeiT 2, Dinov2 1 + registers, CLIP 1, SigLIP 0)."""
+    """Tokens before the patch tokens: 1 per ``[D]`` or ``[1, 1, D]`` token parameter, R per
+    ``register_tokens`` ``[1, R, D]`` (ViT 1, DeiT 2, Dinov2 1 + registers, CLIP 1, SigLIP 0)."""
     count = 0
     for name, parameter in module.named_parameters():
         if name.rpartition(".")[2] in _PREFIX_PARAMETERS:
@@ -175,16 +170,13 @@ def prefix_tokens(module: nn.Module) -> int:
 
 
 def weight_files(snapshot: Path, kwargs: dict[str, Any]) -> list[Path]:
-    """The weight files ``from_pretrained`` reads from ``snapshot``, by transformers' names:
-    ``model.safetensors`` or the shards its ``.index.json`` lists, else ``pytorch_model.bin``
-    or its shards, with ``kwargs`` ``subfolder``, ``variant`` and ``use_safetensors=False``."""
+    """The weight files ``from_pretrained`` reads from ``snapshot`` with these ``kwargs``."""
     folder = snapshot / str(kwargs.get("subfolder") or "")
     variant = kwargs.get("variant")
-    stems = ["model", "pytorch_model"]
+    files = [("model", ".safetensors"), ("pytorch_model", ".bin")]
     if kwargs.get("use_safetensors") is False:
-        stems = stems[1:]
-    for stem in stems:
-        suffix = ".safetensors" if stem == "model" else ".bin"
+        files = files[1:]
+    for stem, suffix in files:
         name = f"{stem}.{variant}{suffix}" if variant else f"{stem}{suffix}"
         if (folder / name).is_file():
             return [folder / name]
@@ -198,8 +190,8 @@ def weight_files(snapshot: Path, kwargs: dict[str, Any]) -> list[Path]:
 
 
 def _call(load: Callable[..., Any], source: Source, model: ModelSpec, *args: Any, **kw: Any) -> Any:
-    """``load(*args, **kw)``, a transformers loader, without its progress bars, once the
-    hub has answered for a repository not yet cached; its failures as one line each."""
+    """The transformers loader ``load(*args, **kw)``, quietly, once the hub has answered for
+    an uncached repository; its failures as one line each."""
     if not kw.get("local_files_only"):
         check_reachable(source)
     try:

@@ -31,13 +31,9 @@ _RESAMPLE = {
 
 
 def processor_preprocessing(processor: Any) -> Preprocessing:
-    """A transformers image processor as a picklable torchvision pipeline and its sizes.
-
-    PIL RGB -> uint8 ``[3, H, W]`` -> resize (``size``; torchvision v2, antialiased: v1 rounds
-    uint8 differently) -> centre crop (``crop_size``, if ``do_center_crop``) -> float32
-    rescaled and normalised: the processor's order and rounding. A processor with steps of its
-    own, or settings the pipeline does not take, is run as it is (:class:`RunProcessor`).
-    """
+    """A processor as a picklable pipeline: PIL RGB -> uint8 ``[3, H, W]`` -> resize
+    (torchvision v2, antialiased: v1 rounds uint8 differently) -> centre crop -> float32
+    rescaled and normalised, in the processor's order and rounding."""
     if own_steps(processor):
         return Preprocessing(RunProcessor(processor))
     try:
@@ -82,10 +78,8 @@ def _pipeline(processor: Any) -> Preprocessing:
 
 @dataclass(frozen=True)
 class CenterCrop:
-    """Centre crop of a ``[C, H, W]`` tensor with transformers' offsets (rounded down).
-
-    torchvision rounds half offsets to even; a one pixel shift would break equality.
-    """
+    """Centre crop of a ``[C, H, W]`` tensor with transformers' offsets, rounded down
+    (torchvision rounds half offsets to even: a one pixel shift would break equality)."""
 
     height: int
     width: int
@@ -100,10 +94,8 @@ class CenterCrop:
 
 @dataclass(frozen=True)
 class RescaleNormalize:
-    """uint8 ``[3, H, W]`` -> float32 ``(x * scale - mean) / std``, fused as transformers does.
-
-    With both, ``(x - mean / scale) / (std / scale)``; ``None`` skips a step.
-    """
+    """uint8 ``[3, H, W]`` -> float32 ``(x * scale - mean) / std``, fused as transformers
+    does (``(x - mean / scale) / (std / scale)``); ``None`` skips a step."""
 
     scale: float | None
     mean: tuple[float, float, float] | None
@@ -120,9 +112,7 @@ class RescaleNormalize:
 
 
 class RunProcessor:
-    """A transformers image processor run as it is: PIL RGB -> its float32 ``[3, H, W]``
-    ``pixel_values``, for processors with steps of their own. Picklable (DataLoader
-    workers get a copy of the processor)."""
+    """A processor run as it is: PIL RGB -> its float32 ``[3, H, W]`` ``pixel_values``."""
 
     def __init__(self, processor: Any) -> None:
         self.processor = processor
@@ -137,8 +127,7 @@ class RunProcessor:
 
 
 def own_steps(processor: Any) -> list[str]:
-    """The steps of its own that a processor takes beyond the standard resize, crop and
-    normalisation (ConvNeXt's crop_pct, padding, tiling), in words; [] for none."""
+    """A processor's steps beyond resize, crop and normalisation (crop_pct, padding), in words."""
     from transformers.image_processing_backends import TorchvisionBackend
 
     cls = type(processor)

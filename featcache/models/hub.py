@@ -1,5 +1,4 @@
-"""Where a ``hf:`` model's files come from: a hub repository, its cached snapshot, or a
-folder written by ``save_pretrained``; for the image and text sides alike."""
+"""Where a ``hf:`` model's files come from: a hub repository's cached snapshot, or a folder."""
 
 from __future__ import annotations
 
@@ -29,16 +28,14 @@ class Source:
 
 
 def remote_kwargs(source: Source, model: ModelSpec) -> dict[str, Any]:
-    """The revision, and ``trust_remote_code`` as the config says (an explicit False: left
-    unset, transformers asks on a terminal whether to run a repository's code)."""
+    """The revision, and an explicit ``trust_remote_code`` (unset, transformers would ask)."""
     revision = {} if source.revision is None else {"revision": source.revision}
     return {**revision, "trust_remote_code": model.trust_remote_code}
 
 
 @contextlib.contextmanager
 def quiet_loading() -> Iterator[None]:
-    """transformers' progress bars off (its "Loading weights" bar on every load) inside
-    the block, as they were afterwards."""
+    """transformers' progress bars off inside the block."""
     from transformers.utils import logging
 
     was_on = logging.is_progress_bar_enabled()
@@ -51,12 +48,8 @@ def quiet_loading() -> Iterator[None]:
 
 
 def check_reachable(source: Source) -> None:
-    """Fail at once when a hub repository's ``config.json`` is neither cached nor reachable:
-    one request without retries, rather than the hub client's half a minute of backoff.
-
-    Raises:
-        FeatcacheError: :func:`not_cached`'s line.
-    """
+    """Raise :func:`not_cached`'s error at once when a hub repository's ``config.json`` is
+    neither cached nor reachable: one request, not the hub client's half minute of retries."""
     if source.folder is not None:
         return
     import huggingface_hub
@@ -94,7 +87,7 @@ def not_cached(source: Source, exc: BaseException) -> FeatcacheError:
 
 
 def snapshot(source: Source) -> Path:
-    """The folder holding the files just read: the local folder or the cached snapshot."""
+    """The local folder, or the cached snapshot holding the files just read."""
     if source.folder is not None:
         return source.folder
     from huggingface_hub import try_to_load_from_cache

@@ -1,9 +1,5 @@
-"""The open_clip model kind: CLIP architectures and pretrained tags, built as their image tower.
-
-``model.name`` is ``"open_clip:<architecture>[/<tag>]"``; ``model.weights`` is null
-(random, seeded), ``"pretrained"`` (the tag's) or a local file holding the whole CLIP
-model's state dict. The module is ``model.visual``, or on text data
-:class:`OpenClipTextTower`; the guide ``docs/guides/model-zoos.md`` says the rest.
+"""The open_clip model kind: ``"open_clip:<architecture>[/<tag>]"``, built as its image tower
+(``visual``) or, on text data, :class:`OpenClipTextTower` (``docs/guides/model-zoos.md``).
 
 Weights identity: ``{"source": "open_clip", "architecture", "tag" (null for a local
 file), "files": {<file name>: <sha256>}}``, or ``{"source": "random", "seed": seed,
@@ -37,8 +33,7 @@ PRETRAINED = "pretrained"  # the model.weights value that names the tag's weight
 
 @dataclass(frozen=True)
 class OpenClipRef:
-    """A parsed reference: ``architecture`` from ``open_clip.list_models()`` and the
-    pretrained ``tag`` (as open_clip lists it) or ``None``."""
+    """A parsed reference: an ``architecture`` and the pretrained ``tag`` as open_clip lists it."""
 
     architecture: str
     tag: str | None = None
@@ -84,8 +79,7 @@ class OpenClipKind(ModelKind):
         parsed = parse_ref(open_clip, ref)
         path = weights_file(parsed, model.weights)
         pretrained = model.weights == PRETRAINED
-        if pretrained:
-            path = cached_weights(open_clip, parsed)
+        path = cached_weights(open_clip, parsed) if pretrained else path
         torch.manual_seed(seed)
         clip = _create_model(open_clip, parsed.architecture, path, model.kwargs)
         if path is None:
@@ -109,22 +103,16 @@ class OpenClipKind(ModelKind):
 
 
 class OpenClipTextTower(nn.Module):
-    """The text tower of an open_clip model: ``tower(input_ids) == clip.encode_text(ids)``.
-
-    ``input_ids`` is int64 ``[B, T]``, ``T`` up to the context length, padded on the right;
-    ``attention_mask`` is ignored: the tower is causal, so a text's positions never see the
-    padding after its end-of-text token, and the pooled position is a real token. The
-    positional embedding and causal mask are cut to ``T``. Towers that attend both ways or
-    pool the last position need every position: their tokenizer keeps the padding.
-    """
+    """The text tower of an open_clip model: ``tower(input_ids) == clip.encode_text(ids)``
+    for int64 ``[B, T]`` ids. ``attention_mask`` is ignored: a causal tower never sees the
+    padding after the end-of-text token; other towers get the padding from their tokenizer."""
 
     positional_embedding: torch.Tensor  # [context length, width]
     text_projection: Any  # [width, E] parameter, nn.Linear or None
     attn_mask: torch.Tensor | None  # additive causal mask; None: attention both ways
 
     def __init__(self, text: Any) -> None:
-        """``text``: a ``CLIP`` model (its text modules are its own attributes) or an
-        open_clip ``TextTransformer``; the tower shares their modules, not copies."""
+        """``text``: a ``CLIP`` model or a ``TextTransformer``, whose modules it shares."""
         import open_clip
 
         super().__init__()
@@ -142,8 +130,7 @@ class OpenClipTextTower(nn.Module):
 
     @property
     def fixed_length(self) -> bool:
-        """Whether every text must fill the context (attention both ways, or last-position
-        pooling), padding included."""
+        """Whether texts keep their padding: attention both ways, or last-position pooling."""
         return self.attn_mask is None or self.pool_type == "last"
 
     def forward(
@@ -167,9 +154,8 @@ class OpenClipTextTower(nn.Module):
 def text_built(
     open_clip: ModuleType, ref: OpenClipRef, clip: nn.Module, weights: dict[str, Any]
 ) -> BuiltModel:
-    """The :class:`BuiltModel` of ``clip``'s text tower and tokenizer: a ``CLIP`` model's, or
-    a ``TextTransformer`` without a class token (CoCa) or padding mask; others are one
-    :class:`ConfigError`."""
+    """``clip``'s text tower and tokenizer: a ``CLIP`` model's, or a ``TextTransformer``'s
+    without a class token (CoCa) or padding mask; any other is a :class:`ConfigError`."""
     from featcache.models.text import open_clip_tokenizer
 
     text = clip if isinstance(clip, open_clip.CLIP) else getattr(clip, "text", None)
@@ -193,12 +179,8 @@ def text_built(
 
 
 def parse_ref(open_clip: ModuleType, ref: str) -> OpenClipRef:
-    """``"ViT-B-32/laion2b_s34b_b79k"`` -> ``OpenClipRef("ViT-B-32", "laion2b_s34b_b79k")``.
-
-    The tag is matched as open_clip matches it (case and ``-``/``_`` aside) and given as
-    open_clip lists it; an unknown architecture or tag is a :class:`ConfigError` with close
-    matches. Nothing is downloaded.
-    """
+    """``"ViT-B-32/laion2b_s34b_b79k"`` -> ``OpenClipRef("ViT-B-32", "laion2b_s34b_b79k")``,
+    the tag matched as open_clip matches it; unknown names are a :class:`ConfigError`."""
     architecture, slash, tag = ref.partition("/")
     names = open_clip.list_models()
     if architecture not in names:
@@ -222,9 +204,7 @@ def parse_ref(open_clip: ModuleType, ref: str) -> OpenClipRef:
 
 
 def weights_file(ref: OpenClipRef, weights: str | None) -> str | None:
-    """The local weights file ``model.weights`` names: None for ``None`` (random) and
-    ``"pretrained"`` (which needs a tag in the reference), or an existing file's path;
-    anything else is a :class:`ConfigError` naming what is allowed."""
+    """The local file ``model.weights`` names (None for null, ``"pretrained"``), or ConfigError."""
     if weights is None:
         return None
     if weights == PRETRAINED:
@@ -245,12 +225,8 @@ def weights_file(ref: OpenClipRef, weights: str | None) -> str | None:
 
 
 def cached_weights(open_clip: ModuleType, ref: OpenClipRef) -> str:
-    """The path of the tag's weights file, as open_clip resolves it: from its cache (the
-    Hugging Face hub cache, or ``~/.cache/clip`` for URLs), downloaded there when online.
-
-    Raises:
-        FeatcacheError: not cached and cannot be downloaded; naming the cache and the fix.
-    """
+    """The tag's weights file from open_clip's cache (the hub's, or ``~/.cache/clip`` for
+    URLs), downloaded there when online; else a :class:`FeatcacheError` naming the fix."""
     assert ref.tag is not None
     cfg = open_clip.get_pretrained_cfg(ref.architecture, ref.tag)
     try:
@@ -265,13 +241,11 @@ def cached_weights(open_clip: ModuleType, ref: OpenClipRef) -> str:
 def eval_preprocessing(
     open_clip: ModuleType, ref: OpenClipRef, kwargs: dict[str, Any]
 ) -> Preprocessing:
-    """open_clip's eval transform for ``ref`` (PIL RGB -> float32 [3, H, W]) and its sizes.
-
-    What ``open_clip.create_model_and_transforms(architecture, pretrained=tag)`` gives as its
-    eval transform, from the configs alone: the architecture's image size, the tag's
-    mean/std, interpolation and resize mode (OpenAI's defaults without a tag), then
-    ``force_image_size`` and ``force_preprocess_cfg`` from ``kwargs``. The sizes are those
-    of a square ``shortest`` resize and crop; ``squash`` has no crop, ``longest`` neither.
+    """The eval transform ``create_model_and_transforms`` gives (PIL RGB -> float32
+    [3, H, W]), from the configs alone: the architecture's image size, the tag's mean/std,
+    interpolation and resize mode (OpenAI's without a tag), then ``kwargs``'
+    ``force_image_size`` and ``force_preprocess_cfg``. Only a square ``shortest`` resize
+    has sizes to report (``squash`` has no crop, ``longest`` neither).
     """
     from open_clip.transform import PreprocessCfg, image_transform_v2, merge_preprocess_dict
 
@@ -294,12 +268,9 @@ def eval_preprocessing(
 
 
 def token_layout(visual: nn.Module) -> tuple[int, bool]:
-    """``(prefix_tokens, sequence_first)`` of an open_clip image tower's token outputs.
-
-    ``VisionTransformer`` has one class token (``class_embedding``) and runs batch-first when
-    ``transformer.batch_first`` (open_clip 3.x), else sequence-first. A timm trunk has
-    ``trunk.num_prefix_tokens`` and runs batch-first; ``ModifiedResNet`` (RN50) has no tokens.
-    """
+    """``(prefix_tokens, sequence_first)`` of an open_clip tower's token outputs: one class
+    token in a ``VisionTransformer`` (sequence-first unless ``transformer.batch_first``), a
+    timm trunk's ``num_prefix_tokens`` (batch-first), none in ``ModifiedResNet``."""
     if isinstance(getattr(visual, "class_embedding", None), torch.Tensor):
         prefix = 1
     else:
@@ -324,9 +295,8 @@ def _tag_key(tag: str) -> str:
 def _create_model(
     open_clip: ModuleType, architecture: str, path: str | None, kwargs: dict[str, Any]
 ) -> nn.Module:
-    # pretrained_hf=False: a random model must not fetch a pretrained Hugging Face text
-    # tower (featcache runs open_clip's own text towers only); a weights file sets every
-    # weight anyway.
+    # pretrained_hf=False: a random model must not fetch a Hugging Face text tower's
+    # weights; a weights file sets every weight anyway.
     options = {"pretrained_hf": False, **kwargs}
     try:
         return open_clip.create_model(architecture, pretrained=path, **options)

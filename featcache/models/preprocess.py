@@ -28,10 +28,9 @@ Transform = Callable[[Image.Image], torch.Tensor]
 
 @dataclass(frozen=True)
 class Preprocessing:
-    """A model's eval preprocessing: the transform and the geometry it applies. ``decode_size``
-    is the shorter side ``transform`` resizes to first (None: no resize, or not one number),
-    which sources decode JPEGs in draft mode no smaller than; ``crop_size`` is the side of
-    the centre crop that follows, if any."""
+    """A model's eval preprocessing: the transform, the shorter side it resizes to first
+    (None: none, or not one number; JPEG draft decoding stays above it) and the side of the
+    centre crop that follows, if any."""
 
     transform: Transform
     decode_size: int | None = None
@@ -44,9 +43,8 @@ def spec_preprocessing(preprocess: PreprocessSpec) -> Preprocessing:
 
 
 def build_transform(preprocess: PreprocessSpec) -> Transform:
-    """Resize (shorter side) -> CenterCrop -> float32 in [0, 1] -> Normalize, as configured:
-    a picklable map of a PIL RGB image to a float32 tensor [3, H, W]. Resize and crop are
-    skipped when null; mean/std default to ImageNet's."""
+    """Resize (shorter side) -> CenterCrop -> float32 in [0, 1] -> Normalize (ImageNet's by
+    default), a picklable PIL RGB -> float32 [3, H, W] map; null sizes skip their step."""
     interpolation = INTERPOLATIONS.get(preprocess.interpolation)
     if interpolation is None:
         raise ConfigError(

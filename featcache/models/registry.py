@@ -1,9 +1,5 @@
-"""The registry of model kinds: the questions every kind answers, and which kind a spec names.
-
-A *model kind* (torchvision, factory, timm, hf, open_clip) is a :class:`ModelKind` subclass,
-registered once, not a branch elsewhere. A local checkpoint is not a kind but a
-weights-loading step on top of any kind (:mod:`featcache.models.checkpoint`).
-"""
+"""The registry of model kinds (:class:`ModelKind` subclasses: torchvision, factory, timm, hf,
+open_clip) and which kind a spec names."""
 
 from __future__ import annotations
 
@@ -32,64 +28,47 @@ _KIND_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 @dataclass
 class BuiltModel:
-    """What :meth:`ModelKind.build` returns: the module and what the forward will look like.
-
-    The fields after ``weights`` are per model, not per kind (one kind serves CNNs and
-    ViTs), with the defaults of an image model.
-    """
+    """What :meth:`ModelKind.build` returns: the module, its weights and its forward's
+    layout (per model, not per kind; the defaults are an image model's)."""
 
     module: nn.Module
     # The JSON-able identity of the weights as read, {"source": <where from>, ...}. It
     # decides whether a store may be resumed, so it must change exactly when they do.
     weights: dict[str, Any]
     tokenizer: Tokenizer | None = None  # turns texts into inputs; None: the model takes images
-    # Tokens (class, register) before the patch tokens of [B, T, D] token outputs; None: the
-    # model declares no token layout.
+    # Class and register tokens before the patch tokens of [B, T, D] outputs; None: unknown.
     prefix_tokens: int | None = None
     sequence_first: bool = False  # token outputs are [T, B, D]
 
 
 class ModelKind(ABC):
-    """One way to build a backbone; subclass it and :func:`register` an instance.
-
-    ``ref`` is what the spec names within the kind (``model.name`` without its ``"<kind>:"``
-    prefix, or ``model.factory``); ``model`` is the whole checked spec.
-    """
+    """One way to build a backbone; subclass it and :func:`register` an instance. ``ref`` is
+    ``model.name`` without its ``"<kind>:"`` prefix, or ``model.factory``."""
 
     name: ClassVar[str]  # the registry key and the model.name prefix: "timm" in "timm:vit_b"
-    # model.kwargs keys the kind refuses, each with what to do instead: options of the
-    # zoo's builder that would run code or unpickle objects, which a config (and so a
-    # store's recorded config) must not be able to switch on through kwargs.
+    # model.kwargs keys the kind refuses, each with what to do instead: builder options that
+    # run code, unpickle objects or load unrecorded weights, which no config may switch on.
     refused_kwargs: ClassVar[dict[str, str]] = {}
 
     def preprocessing(
         self, ref: str, model: ModelSpec, preprocess: PreprocessSpec
     ) -> Preprocessing:
-        """The eval preprocessing of the model ``ref``, mapping PIL RGB to float32 [3, H, W].
-
-        Called before :meth:`build`, and on its own, so it must download nothing and fail on a bad
-        ``ref`` or ``model.weights`` with one :class:`~featcache.errors.ConfigError` line. An
-        explicit ``preprocess`` (``preprocess.is_set()``) wins over the model's own; this default
-        uses it alone.
-        """
+        """The eval preprocessing (PIL RGB -> float32 [3, H, W]) of the model ``ref``, a set
+        ``preprocess`` winning. Runs before :meth:`build`: downloads nothing, and fails first
+        on a bad ``ref`` or ``model.weights``."""
         return spec_preprocessing(preprocess)
 
     def code_run(self, ref: str, model: ModelSpec) -> str | None:
         """What :meth:`build` would import and run that the config names, in words (None: only
-        the kind's own library code). A store is data: ``verify`` asks this before rebuilding a
-        recorded model and refuses unless the user allows it."""
+        the kind's own library); ``verify`` refuses it from a store unless allowed."""
         return None
 
     @abstractmethod
     def build(self, ref: str, model: ModelSpec, seed: int, inputs: Inputs = "image") -> BuiltModel:
-        """Construct the module (any mode, any device) and say which weights it read.
-
-        Call ``torch.manual_seed(seed)`` right before constructing it, so that random parameters
-        are the same for the same seed. With ``inputs="text"`` the module takes ``input_ids`` and
-        ``attention_mask`` (int64 ``[B, T]``, right padded) keyword arguments and
-        :attr:`BuiltModel.tokenizer` is set; a kind whose models read images only raises
-        :func:`refuse_text`'s error. A kind written without ``inputs`` is called for images only.
-        """
+        """Construct the module (any mode, device) right after ``torch.manual_seed(seed)``, and
+        its weights' identity. With ``inputs="text"`` it takes int64 ``[B, T]`` ``input_ids``
+        and ``attention_mask`` keywords and has a tokenizer (image-only kinds raise
+        :func:`refuse_text`'s error; a kind without ``inputs`` gets images only)."""
 
 
 _KINDS: dict[str, ModelKind] = {}  # name -> kind, in registration order
@@ -118,10 +97,9 @@ def registered() -> list[str]:
 
 
 def kind_for(model: ModelSpec) -> tuple[ModelKind, str]:
-    """The kind that builds ``model``, and the reference it is given: ``factory="pkg.mod:fn"``
-    -> (factory, ``"pkg.mod:fn"``); ``name="timm:vit_b"`` -> (timm, ``"vit_b"``);
-    ``name="resnet50"`` -> (torchvision, ``"resnet50"``). An unknown prefix, or a
-    ``model.kwargs`` key the kind refuses, is one :class:`~featcache.errors.ConfigError`."""
+    """The kind that builds ``model`` and its reference (``"timm:vit_b"`` -> (timm,
+    ``"vit_b"``), ``"resnet50"`` -> (torchvision, ``"resnet50"``)); an unknown prefix or a
+    refused kwarg is a :class:`~featcache.errors.ConfigError`."""
     kind, ref = _named_kind(model)
     for key in model.kwargs:
         if key in kind.refused_kwargs:
@@ -132,8 +110,7 @@ def kind_for(model: ModelSpec) -> tuple[ModelKind, str]:
 
 
 def code_named(model: ModelSpec) -> str | None:
-    """What building ``model`` would import and run that its config names, in words (None:
-    nothing but the kinds' own libraries)."""
+    """:meth:`ModelKind.code_run` of ``model``'s kind."""
     kind, ref = kind_for(model)
     return kind.code_run(ref, model)
 
@@ -141,10 +118,9 @@ def code_named(model: ModelSpec) -> str | None:
 def refuse_recorded_code(
     model: ModelSpec, store: str | os.PathLike, command: str, trusted: bool, other_fix: str = ""
 ) -> None:
-    """Raise one :class:`~featcache.errors.ConfigError` line when ``command`` would build
-    ``model``, recorded in the store at ``store``, and that runs code the config names,
-    unless ``trusted`` (``--trust-factory``). A store is data: nothing named in one runs
-    without the user's say. ``other_fix`` offers another way out (", or ...")."""
+    """Refuse, unless ``trusted`` (``--trust-factory``), a ``command`` that would build
+    ``model`` recorded in ``store`` and run code its config names; ``other_fix`` (", or
+    ...") offers another way out."""
     code = code_named(model)
     if code is not None and not trusted:
         raise ConfigError(
@@ -179,7 +155,7 @@ def random_weights(seed: int) -> dict[str, Any]:
 
 
 def refuse_text(model: ModelSpec) -> ConfigError:
-    """The one-line error of a kind whose models read images only, given text data."""
+    """The error of an image-only kind given text data."""
     named = model.name or model.factory
     api = ""
     if model.factory is not None:

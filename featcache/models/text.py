@@ -1,15 +1,11 @@
-"""Text sides of models and their tokenizers, as :class:`~featcache.sources.tokenizer.Tokenizer`.
-
-On text data a kind returns the part of the model that reads token ids, called as
-``module(input_ids=..., attention_mask=...)`` with int64 ``[B, T]`` tensors padded on the
-right, and a tokenizer that gives unpadded ids, whose ``name`` is its identity. Text towers
-declare no prefix tokens: token reductions use the attention mask.
-"""
+"""Text sides of models, called with int64 ``[B, T]`` right-padded ``input_ids`` and
+``attention_mask``, and their tokenizers (:class:`~featcache.sources.tokenizer.Tokenizer`)."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -40,9 +36,8 @@ _NO_LIMIT = 1_000_000
 
 
 class HFTokenizer:
-    """A transformers tokenizer as a featcache :class:`~featcache.sources.tokenizer.Tokenizer`.
-    ``pad_id`` is its pad token, else its end-of-sequence token (GPT-2 has no pad token), else
-    0: padded positions are masked out, so only its range matters."""
+    """A transformers tokenizer as a featcache :class:`~featcache.sources.tokenizer.Tokenizer`;
+    ``pad_id`` is its pad, else end-of-sequence (GPT-2), else 0 token (padding is masked)."""
 
     def __init__(self, tokenizer: Any, name: str, max_length: int | None) -> None:
         self.tokenizer = tokenizer
@@ -52,9 +47,7 @@ class HFTokenizer:
         self.pad_id = int(next((pad for pad in pads if pad is not None), 0))
 
     def __call__(self, texts: Sequence[str], max_length: int | None) -> Tokenized:
-        """Ids of ``texts`` with the tokenizer's special tokens, cut to ``max_length``
-        (None, or more than the model's :attr:`max_length`: that) the tokenizer's way (its
-        end token kept)."""
+        """Ids of ``texts`` with special tokens, cut the tokenizer's way to ``max_length``."""
         texts = list(texts)
         limit = _limit(max_length, self.max_length)
         ids = self.tokenizer(texts, truncation=False, verbose=False)["input_ids"]
@@ -75,9 +68,8 @@ class HFTokenizer:
 def hf_text_model(
     transformers: Any, module: nn.Module, source: Source, model: ModelSpec
 ) -> tuple[nn.Module, HFTokenizer]:
-    """The text side of a transformers model just built from ``source``, and its tokenizer,
-    whose ``max_length`` is the smaller of its ``model_max_length`` and the text config's
-    ``max_position_embeddings`` where they state one, else None."""
+    """The text side of a transformers model and its tokenizer, whose ``max_length`` is the
+    least of its ``model_max_length`` and the ``max_position_embeddings`` stated, if any."""
     tower = text_tower(module, source)
     tokenizer = load_tokenizer(transformers, source, model)
     config = getattr(module.config, "text_config", None) or module.config
@@ -112,9 +104,8 @@ def text_tower(module: nn.Module, source: Source) -> nn.Module:
 
 
 def load_tokenizer(transformers: Any, source: Source, model: ModelSpec) -> Any:
-    """``AutoTokenizer.from_pretrained`` from local files only; one line when it is missing (a
-    folder or snapshot without any :data:`TOKENIZER_FILES`, from which transformers would
-    build a tokenizer with an empty vocabulary)."""
+    """``AutoTokenizer.from_pretrained`` from local files; one line when none of
+    :data:`TOKENIZER_FILES` is there (transformers would make an empty vocabulary)."""
     folder = snapshot(source)
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         missing = FileNotFoundError(f"none of {', '.join(TOKENIZER_FILES[:4])}...")
@@ -148,34 +139,24 @@ def tokenizer_sha256(folder: Path) -> str:
     return digest.hexdigest()
 
 
+@dataclass(repr=False, eq=False)
 class OpenClipTokenizer:
     """An open_clip tokenizer as a featcache :class:`~featcache.sources.tokenizer.Tokenizer`.
 
-    open_clip pads every text to its context length. Without ``fixed_length`` the ids end at
-    the first end-of-text token (the causal text tower never lets a later position change an
-    earlier one); with it (towers that attend both ways, or pool the last position) each
-    text keeps all its positions, padding included, as ``encode_text`` sees them.
+    Ids end at the first end-of-text token (a causal tower never lets later positions
+    change earlier ones); with ``fixed_length`` (towers that attend both ways, or pool the
+    last position) they keep open_clip's padding to the context length.
     """
 
-    def __init__(
-        self,
-        tokenize: Callable[..., torch.Tensor],
-        name: str,
-        context_length: int,
-        end_id: int | None,
-        pad_id: int = 0,
-        fixed_length: bool = False,
-    ) -> None:
-        self.tokenize = tokenize
-        self.name = name
-        self.max_length: int | None = context_length
-        self.end_id = end_id
-        self.pad_id = pad_id
-        self.fixed_length = fixed_length
+    tokenize: Callable[..., torch.Tensor]
+    name: str
+    max_length: int | None  # the context length
+    end_id: int | None
+    pad_id: int = 0
+    fixed_length: bool = False
 
     def __call__(self, texts: Sequence[str], max_length: int | None) -> Tokenized:
-        """Ids of ``texts`` cut to ``max_length`` (None, or more than the context length:
-        that) open_clip's way (the end-of-text token kept at the last place)."""
+        """Ids of ``texts`` cut open_clip's way (end token kept) to ``max_length``."""
         texts = list(texts)
         limit = _limit(max_length, self.max_length) or 1
         # one position more tells which texts needed cutting
@@ -207,18 +188,16 @@ def open_clip_tokenizer(
         raise FeatcacheError(
             f"open_clip could not load the tokenizer of {architecture}: {first_line(exc)}"
         ) from exc
-    end_id = getattr(tokenize, "eot_token_id", None)
     inner = getattr(tokenize, "tokenizer", None)  # open_clip's HF and SigLIP tokenizers
-    pad_id = 0
-    if inner is not None:
-        end_id = getattr(inner, "eos_token_id", None) if end_id is None else end_id
-        pad_id = getattr(inner, "pad_token_id", None) or 0
+    end_id = getattr(tokenize, "eot_token_id", None)
+    if end_id is None:
+        end_id = getattr(inner, "eos_token_id", None)
+    pad_id = getattr(inner, "pad_token_id", None) or 0
     return OpenClipTokenizer(
         tokenize, f"open_clip:{architecture}", context_length, end_id, pad_id, fixed_length
     )
 
 
 def _limit(asked: int | None, model_limit: int | None) -> int | None:
-    """The length texts are cut to: the one asked for, never past the model's limit (its
-    positions end there)."""
+    """The length texts are cut to: the one asked for, never past the model's limit."""
     return min((n for n in (asked, model_limit) if n is not None), default=None)

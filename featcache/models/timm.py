@@ -1,8 +1,5 @@
-"""The timm model kind: ``timm.create_model`` by name and tag, with timm's own eval transform.
-
-``model.name`` is ``"timm:<name>[.<tag>]"``; ``model.weights`` is null (random, seeded),
-``"pretrained"`` (the tag's, from the Hugging Face hub cache) or a local weights file,
-loaded by timm's own loader (which adapts classifiers and position embeddings).
+"""The timm model kind: ``"timm:<name>[.<tag>]"`` through ``timm.create_model`` and timm's
+eval transform; weights files go through timm's own loader (it adapts classifiers).
 
 Weights identity: ``{"source": "timm", "name", "tag", "files": {<file name>: <sha256>}}``
 of the file timm read, or ``{"source": "random", "seed": seed}``.
@@ -59,8 +56,7 @@ class TimmKind(ModelKind):
         name, tag = parse_ref(timm, ref)
         weights = check_weights(timm, name, tag, model.weights)
         if weights is None:
-            module = _create(timm, ref, model.kwargs, seed)
-            return _built(module, random_weights(seed))
+            return _built(_create(timm, ref, model.kwargs, seed), random_weights(seed))
         cfg = timm.models.get_pretrained_cfg(ref)
         if weights == PRETRAINED:
             path = hub_weights_file(timm, ref, cfg)
@@ -86,9 +82,8 @@ class TimmKind(ModelKind):
 
 
 def parse_ref(timm: ModuleType, ref: str) -> tuple[str, str]:
-    """``"vit_small_patch16_224.augreg_in21k"`` -> ``("vit_small_patch16_224", "augreg_in21k")``;
-    the tag is ``""`` when ``ref`` has none. An unknown name or tag, or a name timm keeps only
-    as an alias, is one :class:`ConfigError` with close matches."""
+    """``"vit_small_patch16_224.augreg_in21k"`` -> ``("vit_small_patch16_224", "augreg_in21k")``
+    (tag ``""`` if none); an unknown or deprecated name or tag is a :class:`ConfigError`."""
     name, _, tag = ref.partition(".")
     deprecated = timm.models.get_deprecated_models()
     if name in deprecated:
@@ -108,9 +103,7 @@ def parse_ref(timm: ModuleType, ref: str) -> tuple[str, str]:
 
 
 def check_weights(timm: ModuleType, name: str, tag: str, weights: str | None) -> str | None:
-    """``model.weights`` checked, reading and downloading nothing: ``None``, ``"pretrained"``
-    (which needs a tag with weights, or a name whose default tag has them) or the path of an
-    existing file."""
+    """``model.weights`` checked, downloading nothing: None, ``"pretrained"`` or a file."""
     ref = f"{name}.{tag}" if tag else name
     if weights is None:
         return None
@@ -131,12 +124,8 @@ def check_weights(timm: ModuleType, name: str, tag: str, weights: str | None) ->
 
 
 def timm_preprocessing(timm: ModuleType, ref: str, kwargs: dict[str, Any]) -> Preprocessing:
-    """timm's eval transform (PIL RGB -> float32 [3, H, W]) for ``ref`` built with ``kwargs``:
-    resize to ``size / crop_pct``, centre crop, the tag's interpolation and mean/std.
-
-    The input size is the model's as configured, read from a copy built on the meta device
-    (no memory, no download); ``img_size`` in ``kwargs`` where that cannot be built.
-    """
+    """timm's eval transform (PIL RGB -> float32 [3, H, W]) for ``ref`` with ``kwargs``, at
+    the input size of a copy built on the meta device (no memory, no download)."""
     config = _data_config(timm, ref, kwargs)
     transform = timm.data.create_transform(**config, is_training=False)
     steps = list(getattr(transform, "transforms", []))
@@ -151,13 +140,11 @@ def timm_preprocessing(timm: ModuleType, ref: str, kwargs: dict[str, Any]) -> Pr
 
 
 def hub_weights_file(timm: ModuleType, ref: str, cfg: Any) -> Path:
-    """The local file of the pretrained weights of ``ref`` in the Hugging Face hub cache, under
-    the names timm tries, in its order, downloaded unless ``HF_HUB_OFFLINE`` is set (weights
-    not on the hub: from their URL into the torch hub cache, as timm fetches them).
+    """The local file of ``ref``'s pretrained weights, under the names timm tries, from the
+    hub cache (downloaded unless ``HF_HUB_OFFLINE``) or, off the hub, their URL.
 
     Raises:
-        FeatcacheError: not cached while offline, or the download failed; naming the cache
-            folder and the command that fetches the weights.
+        FeatcacheError: not cached while offline, or the download failed.
     """
     hub_id = getattr(cfg, "hf_hub_id", None)
     try:
@@ -207,7 +194,7 @@ def hub_weights_file(timm: ModuleType, ref: str, cfg: Any) -> Path:
 
 
 def _hub_file_names(filename: str | None) -> list[str]:
-    """The hub file names timm tries for ``hf_hub_filename``: safetensors alternatives first."""
+    """The hub file names timm tries for ``hf_hub_filename``, safetensors first."""
     if not filename or filename == "pytorch_model.bin":
         return list(_HUB_FILES)
     if filename.endswith(".bin"):
@@ -287,11 +274,10 @@ def _create(
 
 
 def _not_in_file(timm: ModuleType, module: nn.Module, path: Path, cfg: Any, ref: str) -> list[str]:
-    """The weights of ``module`` that the local file ``path`` does not hold: a classifier of
-    another size, left random (seeded). timm drops a file's classifier when ``num_classes``
-    differs from its tag's, even where it fits: one that fits is loaded here. Any other
-    weight missing is a ConfigError, not a model left partly random. A file whose keys timm
-    converts on loading (none match the model's) is left as timm loaded it."""
+    """The weights of ``module`` that the local file ``path`` lacks: a classifier of another
+    size, left random (seeded). timm drops a file's classifier when ``num_classes`` differs
+    from its tag's, even where it fits, so one that fits is loaded here; any other missing
+    weight is a ConfigError. A file whose keys timm converts is left as timm loaded it."""
     try:
         stored = timm.models.load_state_dict(str(path), weights_only=True)
     except Exception:  # timm has read it already; a form it converts is not compared
@@ -326,7 +312,6 @@ def _not_in_file(timm: ModuleType, module: nn.Module, path: Path, cfg: Any, ref:
 
 
 def _some(keys: list[str]) -> str:
-    """The first three of ``keys``, and how many more."""
     return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
 
 

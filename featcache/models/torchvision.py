@@ -1,8 +1,5 @@
 """The torchvision model kind: model names, their weights enums and the weights' own transforms.
 
-``model.name`` is a name from ``torchvision.models.list_models()``; ``model.weights`` one
-of its weights enums (``"DEFAULT"``, ``"IMAGENET1K_V2"``, ``"ResNet50_Weights.IMAGENET1K_V2"``).
-
 Weights identity: ``{"source": "torchvision", "enum": "ResNet18_Weights.IMAGENET1K_V1",
 "url": ...}``, or ``{"source": "random", "seed": seed}`` without weights.
 """
@@ -58,10 +55,9 @@ class TorchvisionKind(ModelKind):
 
 
 def resolve_weights(name: str, weights: str | None) -> torchvision.models.WeightsEnum | None:
-    """The weights enum member of torchvision model ``name`` called ``weights``: a member name
-    (``"IMAGENET1K_V2"``, ``"DEFAULT"``) or the full form (``"ResNet50_Weights.IMAGENET1K_V2"``);
-    ``None`` gives ``None``. Downloads nothing; an unknown model or weights name is a
-    :class:`ConfigError` with close matches."""
+    """The weights enum member of torchvision model ``name`` called ``weights``
+    (``"DEFAULT"``, ``"ResNet50_Weights.IMAGENET1K_V2"``), downloading nothing; an unknown
+    name is a :class:`ConfigError` with close matches."""
     names = torchvision.models.list_models()
     if name not in names:
         hint = did_you_mean(name, names)
@@ -88,9 +84,8 @@ def resolve_weights(name: str, weights: str | None) -> torchvision.models.Weight
 
 
 def default_weights(name: str) -> torchvision.models.WeightsEnum | None:
-    """The ``DEFAULT`` weights of torchvision classifier ``name``, whose ``transforms()``
-    resize, crop and normalise images (None for a model without them, or whose transform
-    is for other inputs: detection, video, optical flow); downloads nothing."""
+    """The ``DEFAULT`` weights of classifier ``name``, for their image ``transforms()``
+    (None without them, or for other inputs: detection, video, optical flow)."""
     from torchvision.transforms._presets import ImageClassification
 
     try:

@@ -1,11 +1,6 @@
-"""Few-shot evaluation: k rows per class drawn from train, over several seeded draws.
-
-For each number of shots and each draw, ``shots`` rows of every class are drawn from the
-rows a probe may fit (train less the held-out validation rows); each method is fitted on
-those rows alone and scored on the test store (the validation rows without one). The
-linear probe chooses its regularisation on the validation rows and is not refitted with
-them, which would fit more than ``shots`` rows per class (the DINOv3 and CLIP_benchmark
-few-shot protocols do the same)."""
+"""Few-shot evaluation: k rows per class drawn from the fit rows, over several seeded
+draws. The linear probe chooses lambda on the validation rows but is not refitted with
+them, which would fit more than k rows per class (as in DINOv3 and CLIP_benchmark)."""
 
 from __future__ import annotations
 
@@ -32,10 +27,9 @@ def draw_shots(
 ) -> np.ndarray:
     """Sorted int64 row numbers: ``shots`` rows of each class among ``candidates``.
 
-    ``labels``: int64 ``[N]`` of every row; ``candidates``: the row numbers to draw
-    from. Draw ``draw`` shuffles each class's candidates with the seed ``[seed, draw]``
-    and takes the first ``shots``, so draws differ and a smaller ``shots`` takes a
-    subset of a larger one's rows.
+    ``labels``: int64 ``[N]`` of every row. Draw ``draw`` shuffles each class's
+    candidates with the seed ``[seed, draw]`` and takes the first ``shots``, so a
+    smaller ``shots`` takes a subset of a larger one's rows.
 
     Raises:
         ConfigError: a class has fewer than ``shots`` rows to draw from."""
@@ -62,8 +56,7 @@ def summarize(values: list[float]) -> dict[str, float]:
 
 class FewShotData:
     """The rows a few-shot run uses, in memory: the train rows that can be drawn (with
-    the sha256 of the whole train store's layer, and their sample ids), the validation
-    rows and the scored rows, each prepared by the per-row step of its method at use."""
+    their sample ids), the validation rows and the scored rows, and the stores' sha256."""
 
     def __init__(self, splits: Splits, layer: str, options: ProbeOptions):
         self.splits = splits

@@ -76,15 +76,10 @@ def fit_adamw(
     seed: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One linear probe per weight decay in ``decays``, trained side by side as
-    ``published`` trains them.
-
-    Each model starts from the same seeded ``nn.Linear`` initialisation (uniform within
-    ``1 / sqrt(D)``) and is trained with AdamW (decoupled weight decay on weight and
-    bias, as ``model.parameters()`` gets it) on the cross-entropy, for the recipe's
-    ``epochs`` over seeded shuffled batches of its ``batch_size`` rows, the learning rate
-    decayed from its ``lr`` to zero along a cosine without warm-up. The models see the
-    same batches and do not interact: their losses are summed, and each has its own
-    parameter group.
+    ``published`` trains them: AdamW (decay on weight and bias) from the same seeded
+    ``nn.Linear`` initialisation, over seeded shuffled batches, the learning rate
+    cosine-decayed to zero. The models share batches but not parameters or groups, so
+    their summed losses train each as if alone.
 
     ``x``: float32 ``[N, D]``, ``y``: int64 ``[N]``, on one device. Returns float32
     weights ``[K, C, D]`` and biases ``[K, C]``."""
@@ -187,9 +182,8 @@ def _fit(
     options: ProbeOptions,
     init: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-    """One model per strength in ``lambdas`` on prepared rows ``z``: by L-BFGS (warm
-    started from ``init``, then each from the one before), or by AdamW side by side
-    for a recipe that trains so. Returns ``(W, b, iterations or epochs)`` each."""
+    """``(W, b, iterations or epochs)`` per strength in ``lambdas`` on prepared rows ``z``:
+    by L-BFGS, each warm-started from the one before (the first from ``init``), or AdamW."""
     published = recipe(options.recipe)
     if published is not None and published.optimizer == "adamw":
         weights, biases = fit_adamw(z, y, num_classes, lambdas, published, options.seed)
@@ -214,11 +208,9 @@ def fit_sweep(
     scaling: Scaling,
     desc: str,
 ) -> tuple[float, list[dict[str, Any]], dict[str, Any], LinearProbe]:
-    """The sweep: each grid fit starts from the previous one (stronger regularisation),
-    each refinement fit from the best grid fit (L-BFGS); AdamW fits start afresh.
-
-    Returns the chosen lambda, the sweep (increasing lambda), the chosen model's
-    validation metrics and the chosen model (with the rows' standardisation)."""
+    """The sweep (L-BFGS fits warm-started along it, AdamW fits afresh): the chosen
+    lambda, the sweep entries (increasing lambda), the chosen model's validation metrics
+    and the chosen model (with the rows' standardisation)."""
     mean, std = scaling.standardizer(Moments(x_fit.shape[1]).update(x_fit), device)
     z_fit = (x_fit.to(device) - mean) / std
     z_val = (x_val.to(device) - mean) / std

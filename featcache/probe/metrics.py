@@ -27,12 +27,9 @@ def rank(logits: torch.Tensor) -> torch.Tensor:
 def topk_metrics(
     ranked: torch.Tensor, labels: torch.Tensor, class_names: Sequence[str] | None = None
 ) -> dict[str, Any]:
-    """Accuracy from ranked predictions.
-
-    ``ranked``: int64 ``[N, k]``, the k highest-scoring classes per row, best first;
-    ``labels``: int64 ``[N]``. Gives top-1, top-5 (when ``k >= 5``), the accuracy of each
-    class present (by name when ``class_names`` is given) and its mean, and the chance
-    level: the accuracy of always guessing the most frequent class(es)."""
+    """Accuracy from ranked predictions ``ranked`` int64 ``[N, k]`` (best first) of
+    ``labels`` int64 ``[N]``: top-1, top-5 (when ``k >= 5``), per class present (by name
+    with ``class_names``) and its mean, and the chance of guessing the most frequent."""
     ranked, labels = ranked.cpu(), labels.cpu()
     hit1 = ranked[:, 0] == labels
     counts = torch.bincount(labels)
@@ -88,8 +85,7 @@ class Moments:
         Raises:
             ConfigError: the rows held NaN or Inf (a store written with
                 ``store.on_nonfinite: keep``), which no probe can fit."""
-        if not (torch.isfinite(self.mean).all() and torch.isfinite(self.m2).all()):
-            raise nonfinite_features("the features")
+        require_finite(torch.stack([self.mean, self.m2]), "the features")
         n = max(self.n, 1)
         variance = self.m2 / n
         # A variance within float64 rounding of zero, for n rows of this mean, is a
@@ -101,18 +97,13 @@ class Moments:
         return self.mean.float().to(device), std.float().to(device)
 
 
-def nonfinite_features(where: str) -> ConfigError:
-    """The error for features that hold NaN or Inf; ``where`` leads it ("the features")."""
-    return ConfigError(
-        f"{where} hold NaN or Inf values (the store was written with store.on_nonfinite: "
-        "keep); re-extract with on_nonfinite: skip, or in float32 if float16 overflowed"
-    )
-
-
 def require_finite(x: torch.Tensor, where: str) -> None:
-    """Refuse rows ``x`` that hold NaN or Inf (see :func:`nonfinite_features`)."""
+    """Refuse rows ``x`` that hold NaN or Inf; ``where`` leads the error ("the features")."""
     if not bool(torch.isfinite(x).all()):
-        raise nonfinite_features(where)
+        raise ConfigError(
+            f"{where} hold NaN or Inf values (the store was written with store.on_nonfinite: "
+            "keep); re-extract with on_nonfinite: skip, or in float32 if float16 overflowed"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,9 +133,8 @@ class Scaling:
     def standardizer(
         self, moments: Moments, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Float32 ``(mean, std)`` ``[D]`` that rows are standardised with: the fitted
-        rows' (``moments``), or zeros and ones when this scaling does not standardise.
-        NaN or Inf in the rows is refused either way."""
+        """Float32 ``(mean, std)`` ``[D]`` of the fitted rows' ``moments`` (zeros and ones
+        when this scaling does not standardise); NaN or Inf is refused either way."""
         mean, std = moments.standardizer(device)
         if not self.standardize:
             return torch.zeros_like(mean), torch.ones_like(std)

@@ -133,9 +133,8 @@ class ProbeOptions:
 
 
 def resolve_options(options: ProbeOptions | None, changes: Mapping[str, Any]) -> ProbeOptions:
-    """``options`` (default: all defaults) with keyword ``changes``, every field checked.
-
-    The result has ``lambdas`` sorted and unique and ``max_memory`` in bytes.
+    """``options`` (default: all defaults) with keyword ``changes``, every field checked;
+    ``lambdas`` sorted and unique, ``max_memory`` in bytes.
 
     Raises:
         ConfigError: an unknown option, or a value of the wrong kind or out of bounds."""

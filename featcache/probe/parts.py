@@ -51,10 +51,9 @@ def unpack(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def in_order(
     parts: Sequence[Part], batch_size: int, buffer_rows: int | None = None
 ) -> Iterator[tuple[Part, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """The kept rows of each part in store order, read chunk by chunk: ``(part, x, y,
-    rows, raw)`` as :meth:`Part.kept` gives them, where ``raw`` is every row of the batch
-    as read (for hashing the store). ``buffer_rows`` bounds the read buffer
-    (:meth:`FeatureDataset.batches`)."""
+    """The kept rows of each part in store order: ``(part, x, y, rows, raw)`` as
+    :meth:`Part.kept` gives them, ``raw`` every row of the batch as read (for hashing).
+    ``buffer_rows`` bounds the read buffer (:meth:`FeatureDataset.batches`)."""
     for part in parts:
         batches = part.dataset.batches(
             batch_size, shuffle=False, with_index=True, buffer_rows=buffer_rows
@@ -67,15 +66,13 @@ def in_order(
 @contextlib.contextmanager
 def open_datasets(splits: Splits, layer: str) -> Iterator[dict[str, FeatureDataset]]:
     """Every store's ``layer`` as a float32 dataset, by role, closed on leaving."""
-    datasets = {
-        role: FeatureDataset(store.path, layer, dtype=torch.float32)
-        for role, store in splits.stores.items()
-    }
-    try:
-        yield datasets
-    finally:
-        for dataset in datasets.values():
-            dataset.close()
+    with contextlib.ExitStack() as stack:
+        yield {
+            role: stack.enter_context(
+                contextlib.closing(FeatureDataset(store.path, layer, dtype=torch.float32))
+            )
+            for role, store in splits.stores.items()
+        }
 
 
 def fit_and_val(

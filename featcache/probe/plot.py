@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -91,8 +91,8 @@ def plot_layers(
     axes.spines[["top", "right"]].set_visible(False)
     axes.set_xticks(positions, layers)
     slot = (width - left - right) / len(layers) - 4
-    measure = _text_width(canvas, axes.get_xticklabels()[0])
-    axes.set_xticks(positions, [_fit_text(layer, slot, measure) for layer in layers])
+    tick = axes.get_xticklabels()[0]
+    axes.set_xticks(positions, [_fit_text(layer, slot, canvas, tick) for layer in layers])
 
     axes.set_title(title, loc="left", fontsize="medium")
     axes.legend(
@@ -108,19 +108,14 @@ def plot_layers(
     return path
 
 
-def _text_width(canvas: FigureCanvasAgg, label: Text) -> Callable[[str], float]:
-    """Width in pixels of a text drawn on ``canvas`` in the font of ``label``."""
-    renderer = canvas.get_renderer()
-    font = label.get_fontproperties()
+def _fit_text(text: str, width: float, canvas: FigureCanvasAgg, label: Text) -> str:
+    """``text``, cut short with ``...`` to fit ``width`` pixels on ``canvas`` in the font
+    of ``label``."""
+    renderer, font = canvas.get_renderer(), label.get_fontproperties()
 
-    def measure(text: str) -> float:
-        return renderer.get_text_width_height_descent(text, font, ismath=False)[0]
+    def measure(shown: str) -> float:
+        return renderer.get_text_width_height_descent(shown, font, ismath=False)[0]
 
-    return measure
-
-
-def _fit_text(text: str, width: float, measure: Callable[[str], float]) -> str:
-    """``text``, cut short with ``...`` to fit ``width`` pixels."""
     if measure(text) <= width:
         return text
     while text and measure(text + "...") > width:
@@ -130,11 +125,11 @@ def _fit_text(text: str, width: float, measure: Callable[[str], float]) -> str:
 
 def _probe_series(results: Sequence[ProbeResult]) -> list[Series]:
     """Validation top-1, and test top-1 when every layer has a test split."""
-    series: list[Series] = [("val", [r.val["top1"] for r in results], [None] * len(results))]
-    tests = [r.test for r in results]
-    if all(test is not None for test in tests):
-        values: list[float | None] = [test["top1"] for test in tests if test is not None]
-        series.append(("test", values, [None] * len(results)))
+    spread: list[float | None] = [None] * len(results)
+    series: list[Series] = [("val", [r.val["top1"] for r in results], spread)]
+    tests = [r.test["top1"] for r in results if r.test is not None]
+    if len(tests) == len(results):
+        series.append(("test", tests, spread))
     return series
 
 

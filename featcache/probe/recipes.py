@@ -1,16 +1,6 @@
-"""The published linear-probe recipes (:data:`PUBLISHED`): what each fixes, and its source.
-
-A recipe fixes what a paper's code fixes: the grid of regularisation strengths and how it
-is searched, how much of train is held out to choose on, how rows are prepared, the
-optimiser, and whether the chosen model is refitted on train + validation (never for
-few-shot). featcache's own protocol (:mod:`featcache.probe`) is used when none is named.
-
-* ``dinov3``: DINOv3's scikit-learn L-BFGS ``LogisticRegression`` over ``C``, on the raw
-  features. featcache fits the same objective with its own L-BFGS: scikit-learn minimises
-  ``C * sum(cross-entropy) + ||W||^2 / 2``, which is featcache's
-  ``mean(cross-entropy) + lambda / 2 * ||W||^2`` with ``lambda = 1 / (C * N)``.
-* ``clip``: CLIP_benchmark's linear layer trained by mini-batch AdamW on L2-normalised
-  features, its weight decay found by :func:`bisect_search`."""
+"""The published linear-probe recipes (:data:`PUBLISHED`): what each fixes, and its source
+(compared in docs/guides/evaluation.md). ``dinov3``'s scikit-learn objective
+``C * sum(cross-entropy) + ||W||^2 / 2`` is featcache's with ``lambda = 1 / (C * N)``."""
 
 from __future__ import annotations
 
@@ -110,5 +100,4 @@ def bisect_search(
 
 def _first_best(positions: list[int], evaluate: Scores) -> int:
     scores = evaluate(positions)
-    top = max(scores)
-    return positions[scores.index(top)]
+    return positions[scores.index(max(scores))]

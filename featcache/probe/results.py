@@ -1,5 +1,4 @@
-"""What probes produce: the fitted :class:`LinearProbe`, and the results of linear probes,
-k-NN and few-shot evaluations."""
+"""What probes produce: the fitted :class:`LinearProbe` and the evaluations' results."""
 
 from __future__ import annotations
 
@@ -60,9 +59,8 @@ class ProbeResult:
     val: dict[str, Any]  # the sweep model at ``lam`` on the validation rows
     test: dict[str, Any] | None  # the refitted model on the test store, if one was given
     seconds: dict[str, float]
-    # Per role (train, val, test): path, rows, the store's config and dataset
-    # fingerprints and weights identity (null where the store lacks them) and the sha256
-    # of this layer's rows as little-endian float32, in store order.
+    # Per role: path, rows, config and dataset fingerprints, weights (null where absent)
+    # and the sha256 of this layer's rows as little-endian float32, in store order.
     stores: dict[str, dict[str, Any]]
     notes: list[str]
     model: LinearProbe | None = dataclasses.field(default=None, repr=False)
@@ -130,7 +128,7 @@ class KnnResult:
 
     @property
     def k(self) -> int:
-        """The ``k`` of the headline number: 20 (DINO's), else the smallest one run."""
+        """The headline ``k``: 20 (DINO's), else the smallest one run."""
         return 20 if 20 in self.metrics else self.ks[0]
 
     @property
@@ -187,8 +185,7 @@ class FewShotResult:
 
     @property
     def headline(self) -> str:
-        """The summary line of the headline number: "linear", or k-NN's "k=20" (else
-        the smallest k run)."""
+        """The headline summary line: "linear", or k-NN's "k=20" (else the smallest k)."""
         if self.method == "linear":
             return "linear"
         return "k=20" if "k=20" in self.summary else next(iter(self.summary))
@@ -215,8 +212,8 @@ Result = ProbeResult | KnnResult | FewShotResult
 
 
 def _fields(result: Result, skip: tuple[str, ...]) -> dict[str, Any]:
-    """A result's JSON entry: layer, shape, flat dim, method, then its other fields but
-    ``skip``, in order (``lam`` as ``"lambda"``)."""
+    """A result's JSON entry: layer, shape, dim, method, then its fields but ``skip``
+    (``lam`` as ``"lambda"``)."""
     out: dict[str, Any] = {"layer": result.layer, "shape": result.shape}
     out["dim"] = int(np.prod(result.shape))
     out["method"] = result.method
@@ -234,8 +231,7 @@ def recipe_record(name: str | None) -> dict[str, str] | None:
 
 @dataclasses.dataclass
 class Fit:
-    """What a trainer returns for one layer (the splits supply the rest of a result);
-    ``features_sha256``: the sha256 of the rows of each role whose store was read."""
+    """What a trainer returns for one layer; ``features_sha256``: of each store read."""
 
     lam: float
     sweep: list[dict[str, Any]]

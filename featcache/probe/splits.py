@@ -41,22 +41,21 @@ class Splits:
         ``val_fraction`` (default 0.2) of ``train``, seeded by ``seed``.
 
         Raises:
-            ConfigError: a val store and a val fraction both, one file in two roles, a
-                store without labels or with rows labelled -1 (none), different class
-                names, a single class, or a fraction that holds out no rows."""
+            ConfigError: a val store and a val fraction both, one file in two roles, rows
+                without labels, different class names, a single class, sparse labels, or
+                a fraction that holds out no rows."""
         if val is not None and val_fraction is not None:
             raise ConfigError("give either a val store or a val fraction, not both")
         given = {"train": train, "val": val, "test": test}
         stores = {role: open_store(source) for role, source in given.items() if source is not None}
         paths: dict[Path, str] = {}
         for role, store in stores.items():
-            where = store.path.resolve()
-            if where in paths:
+            first = paths.setdefault(store.path.resolve(), role)
+            if first != role:
                 raise ConfigError(
-                    f"the {paths[where]} and {role} stores are the same file {store.path}; "
+                    f"the {first} and {role} stores are the same file {store.path}; "
                     "each split must hold its own rows"
                 )
-            paths[where] = role
         labels = {}
         for role, store in stores.items():
             values = store.labels
@@ -131,7 +130,7 @@ class Splits:
 
     def store_info(self, digests: dict[str, str]) -> dict[str, dict[str, Any]]:
         """Path, rows, fingerprints and weights of every store (null where absent), with
-        ``digests``: the sha256 of the rows of the layer read from it."""
+        its ``digests`` entry: the sha256 of the layer's rows."""
         out = {}
         for role, store in self.stores.items():
             attrs = store.attrs
@@ -147,8 +146,8 @@ class Splits:
         return out
 
     def layers(self, layers: str | Sequence[str]) -> list[str]:
-        """The layer names ``layers`` means (``"all"``, a name, a comma-separated list or
-        a sequence), each checked to be in every store with one shape.
+        """The layer names ``layers`` means (see :func:`requested_layers`), each checked to
+        be in every store with one shape.
 
         Raises:
             ConfigError: no layer, stores with different layers (for ``"all"``), a layer
@@ -208,10 +207,8 @@ def open_store(source: Source) -> FeatureStore:
 def stratified_split(
     labels: np.ndarray, fraction: float, seed: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Seeded split of rows into (fit, held-out), keeping each class's proportion.
-
-    Every class with at least two rows keeps at least one on each side. Returns two
-    sorted int64 arrays of row numbers."""
+    """Seeded split of rows into sorted int64 (fit, held-out) row numbers, keeping each
+    class's proportion; a class of two rows or more keeps one on each side at least."""
     rng = np.random.default_rng(seed)
     fit, held = [], []
     for label in np.unique(labels):

@@ -34,11 +34,10 @@ def run_streaming(
     device: torch.device,
     scaling: Scaling,
 ) -> Fit:
-    """Probe ``layer`` without holding its rows, prepared by ``scaling`` as they are read.
-
-    One in-order pass gives the statistics of the fit and validation rows (and the stores'
-    hashes); the models of each sweep phase then train side by side (:func:`_train_many`);
-    the chosen lambda is refitted on fit + validation rows and scored once on the test store."""
+    """Probe ``layer`` without holding its rows, prepared by ``scaling`` as they are read:
+    one in-order pass for the statistics and hashes, then each sweep phase's models
+    trained side by side (:func:`_train_many`), the refit on fit + validation rows and
+    the test store scored once."""
     timings = Timings()
     l2 = scaling.l2
     dim = int(np.prod(splits.stores["train"].shape(layer)))
@@ -93,11 +92,9 @@ def run_streaming(
 def _shuffled(
     parts: Sequence[Part], epochs: int, options: ProbeOptions, device: torch.device
 ) -> Iterator[Rows]:
-    """``epochs`` passes over the kept rows in seeded random order.
-
-    Each store is read with chunk-aware shuffling (:class:`ShuffledBatches`, whole chunks
-    into a shuffled buffer, ``num_workers`` loader processes); the batches of several
-    stores are interleaved in a seeded random order."""
+    """``epochs`` passes over the kept rows in seeded random order: each store's
+    :class:`ShuffledBatches` (``num_workers`` loader processes), the stores' batches
+    interleaved in a seeded random order."""
     sources = [
         ShuffledBatches(part.dataset, options.batch_size, seed=options.seed, with_index=True)
         for part in parts
@@ -128,8 +125,7 @@ def _shuffled(
 
 
 def _nonempty(batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> Iterator[Rows]:
-    """Features and labels of a kept batch, unless it is empty (a batch of held-out
-    rows only is, once they are dropped)."""
+    """Features and labels of a kept batch, unless it held held-out rows only."""
     if len(batch[0]):
         yield batch[0], batch[1]
 
@@ -137,9 +133,8 @@ def _nonempty(batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> Iterato
 def _statistics(
     fit: Part, held_out: Part, dim: int, options: ProbeOptions
 ) -> tuple[Moments, Moments, dict[str, str]]:
-    """One in-order pass over the train store (and the val store, when the held-out rows
-    are one): the moments of the fitted and of the held-out rows, and the sha256 of each
-    store's layer as float32 rows."""
+    """One in-order pass over the train (and val) store: the moments of the fitted and
+    of the held-out rows, and the sha256 of each store's layer as float32 rows."""
     moments = {id(fit): Moments(dim), id(held_out): Moments(dim)}
     stores = {"train": fit.dataset}
     if held_out.dataset is not fit.dataset:
@@ -180,10 +175,9 @@ def _train_many(
     options: ProbeOptions,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fit one probe per lambda side by side, reading each batch once.
-
-    The losses are summed, and Adam's update is elementwise, so the models train as if
-    alone. Returns float32 weights ``[K, C, D]`` and biases ``[K, C]``."""
+    """Fit one probe per lambda side by side, reading each batch once; the summed losses
+    and Adam's elementwise update train each as if alone. Returns float32 weights
+    ``[K, C, D]`` and biases ``[K, C]``."""
     k = len(lams)
     weight = torch.zeros(k, num_classes, len(mean), device=device, requires_grad=True)
     bias = torch.zeros(k, num_classes, device=device, requires_grad=True)
@@ -219,8 +213,7 @@ def _predict(
 ) -> tuple[torch.Tensor, torch.Tensor, str]:
     """Ranked predictions of K models over the kept rows, in store order: int64
     ``[K, N, min(5, C)]``, their labels int64 ``[N]``, and the sha256 of every row read
-    (as float32; the store's hash when the parts are whole stores). With ``check`` (what
-    the rows are, for the error), rows that hold NaN or Inf are refused."""
+    as float32. With ``check`` (what the rows are), NaN or Inf is refused."""
     ranked, labels, digest = [], [], hashlib.sha256()
     for _, x, y, _, raw in in_order(parts, options.batch_size):
         if check is not None:

@@ -7,28 +7,23 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from featcache.probe.options import ProbeOptions
-from featcache.probe.recipes import Recipe, bisect_search, recipe
+from featcache.probe.recipes import bisect_search, recipe
 
 DEFAULT_LAMBDAS = tuple(10.0**k for k in range(-6, 3))  # 1e-6 ... 1e2, one per decade
 STREAMING_LAMBDAS = tuple(10.0**k for k in range(-6, 3, 2))  # 1e-6 ... 1e2, every 2 decades
 
-# fit(lambdas, near) fits one model per lambda and returns one sweep entry per lambda,
-# each at least {"lambda", "val_top1"}. ``near`` is None for the grid, which comes from
-# strong to weak regularisation so that warm starts follow the path, and the best grid
-# value for the refinement values around it.
+# fit(lambdas, near): one sweep entry ({"lambda", "val_top1", ...}) per lambda fitted.
+# ``near`` is None for the grid (strong to weak, so warm starts follow the path), else
+# the best grid value, which the refinement values lie around.
 FitMany = Callable[[list[float], float | None], list[dict[str, Any]]]
 
 
 @dataclasses.dataclass(frozen=True)
 class Grid:
-    """The sweep of one probe: the coarse ``lambdas`` (increasing) and how many values to
-    try between the best of them and each neighbour (``refine``), or CLIP_benchmark's
-    coarse-to-fine search over them (``bisect``).
-
-    ``lambdas`` are what the trainers fit: the L2 strength on the mean loss, or for a
-    recipe that sweeps AdamW, the weight decay. ``penalty`` names what the recipe sweeps;
-    for ``"C"`` (scikit-learn's inverse strength on the summed loss over ``rows`` rows),
-    ``C = 1 / (lambda * rows)``."""
+    """The sweep of one probe: the coarse ``lambdas`` (increasing; the L2 strength on the
+    mean loss, or AdamW's weight decay) and how many values to try between the best of
+    them and each neighbour (``refine``), or CLIP_benchmark's search (``bisect``).
+    ``penalty`` names what a recipe sweeps; for ``"C"``, ``C = 1 / (lambda * rows)``."""
 
     lambdas: tuple[float, ...]
     refine: int
@@ -42,19 +37,15 @@ class Grid:
         ``lambdas`` given, else the default of ``trainer`` ("full" or "streaming")."""
         published = recipe(options.recipe)
         if published is not None:
-            return cls.of_recipe(published, rows)
+            if published.penalty == "C":
+                from_c = tuple(sorted(1.0 / (c * rows) for c in published.values))
+                return cls(from_c, 0, penalty="C", rows=rows)
+            bisect = published.search == "bisect"
+            return cls(published.values, 0, bisect=bisect, penalty="weight_decay")
         full = trainer == "full"
         lambdas = options.lambdas or (DEFAULT_LAMBDAS if full else STREAMING_LAMBDAS)
         refine = (2 if full else 1) if options.refine is None else options.refine
         return cls(tuple(sorted(lambdas)), refine)
-
-    @classmethod
-    def of_recipe(cls, published: Recipe, rows: int) -> Grid:
-        """The grid ``published`` sweeps, fitted on ``rows`` rows."""
-        if published.penalty == "C":
-            lambdas = tuple(sorted(1.0 / (c * rows) for c in published.values))
-            return cls(lambdas, 0, penalty="C", rows=rows)
-        return cls(published.values, 0, bisect=published.search == "bisect", penalty="weight_decay")
 
     def value(self, lam: float) -> float:
         """The recipe's own value of the fitted ``lam`` (C, weight decay or lambda)."""
@@ -71,11 +62,9 @@ class Grid:
 
 
 def run_sweep(grid: Grid, fit: FitMany) -> tuple[float, list[dict[str, Any]]]:
-    """Fit the grid, then ``grid.refine`` values between its best and each neighbour (or,
-    with ``grid.bisect``, CLIP_benchmark's search, which fits only the values it visits).
-
-    Returns the chosen lambda (best validation top-1 of every fit, see :func:`choose`;
-    CLIP_benchmark's own rule for ``bisect``) and all sweep entries in increasing lambda."""
+    """Fit the grid, then ``grid.refine`` values between its best and each neighbour (or
+    CLIP_benchmark's search with ``grid.bisect``). Returns the chosen lambda
+    (:func:`choose`, or CLIP_benchmark's rule) and the entries in increasing lambda."""
     if grid.bisect:
         return _bisect(grid, fit)
     entries = list(fit(sorted(grid.lambdas, reverse=True), None))

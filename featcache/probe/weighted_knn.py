@@ -1,11 +1,7 @@
-"""Weighted k-NN classification on stored features, as DINO evaluates a backbone.
-
-Each query row's ``k`` most similar training rows by cosine similarity vote for their
-classes, each with weight ``exp(similarity / T)`` (Wu et al. 2018; DINO, Caron et al.
-2021: ``T = 0.07``, ``k = 20``; DINOv2 and DINOv3 report ``k`` = 10, 20, 100, 200); the
-ranking of the votes gives top-1 and top-5. The training rows are read in blocks while
-each query row keeps a running top-``k`` (:func:`nearest`), so a store larger than memory
-is searched in one pass; every ``k`` comes from the one search for the largest."""
+"""Weighted k-NN classification on stored features, as DINO evaluates a backbone (Wu et
+al. 2018; Caron et al. 2021). The training rows are read in blocks against a running
+top-``k`` (:func:`nearest`), so a store larger than memory is searched in one pass; every
+``k`` comes from the one search for the largest."""
 
 from __future__ import annotations
 
@@ -97,9 +93,8 @@ def classify(
     num_classes: int,
 ) -> dict[int, torch.Tensor]:
     """Ranked predictions (int64 ``[M, min(5, C)]``) of the query rows for each ``k`` of
-    ``options.ks`` (a ``k`` above the number of training rows becomes that number).
-    ``queries`` and ``blocks`` as for :func:`nearest`; ``labels``: int64 classes of the
-    training rows, indexed by their positions."""
+    ``options.ks`` (at most the number of training rows); ``labels``: int64 classes of
+    the training rows by position."""
     similarity, positions = nearest(queries, blocks, max(options.ks))
     similarity, positions = similarity.cpu(), positions.cpu()
     ks = sorted({min(k, similarity.shape[1]) for k in options.ks})
@@ -116,9 +111,9 @@ def knn_in_memory(
     num_classes: int,
     device: torch.device,
 ) -> dict[int, torch.Tensor]:
-    """:func:`classify` for training rows in memory: ``x_train`` float32 ``[N, D]`` and
-    its classes ``y_train`` ``[N]``, queries ``x_query`` ``[M, D]``, prepared by
-    ``scaling`` (standardised with the training rows' statistics) before the cosine."""
+    """:func:`classify` for training rows ``x_train`` float32 ``[N, D]`` (classes
+    ``y_train`` ``[N]``) and queries ``x_query`` ``[M, D]`` in memory, prepared by
+    ``scaling`` with the training rows' statistics."""
     x_train, x_query = scaling.rows(x_train), scaling.rows(x_query)
     mean, std = scaling.standardizer(Moments(x_train.shape[1]).update(x_train), device)
     train = F.normalize((x_train.to(device) - mean) / std, dim=1)
@@ -135,10 +130,9 @@ def run_knn(
     scaling: Scaling,
     streamed: bool,
 ) -> KnnFit:
-    """k-NN on ``layer`` with every training row: the neighbours are the train store's
-    rows (and the val store's) and the queries the test store's; without a test store,
-    the fit rows are the neighbours and the validation rows the queries. With
-    ``streamed`` the neighbours are read in blocks, else loaded whole."""
+    """k-NN on ``layer``: the train and val stores' rows are the neighbours of the test
+    store's (without one, the fit rows those of the validation rows), read in blocks
+    with ``streamed``, else loaded whole."""
     timings = Timings()
     with open_datasets(splits, layer) as datasets:
         neighbours = _Neighbours(_neighbour_parts(splits, datasets), splits, layer, scaling)
@@ -166,8 +160,7 @@ def run_knn(
 
 
 def _neighbour_parts(splits: Splits, datasets: dict[str, FeatureDataset]) -> list[tuple[str, Part]]:
-    """The neighbour rows of each role: every store but the test store when there is
-    one, else the fit rows."""
+    """The neighbour rows of each role: every store but the test store, else the fit rows."""
     if "test" in datasets:
         return [(role, Part(dataset)) for role, dataset in datasets.items() if role != "test"]
     return [("train", fit_and_val(splits, datasets)[0])]

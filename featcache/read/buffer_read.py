@@ -1,11 +1,8 @@
 """Reading a shuffle buffer's blocks, shared between the reader thread and the consumer.
 
-:meth:`FeatureDataset.batches` reads the next buffer on a thread while batches are
-drawn from the current one. When the batches run out first (always for the first
-buffer), the thread drawing them has nothing to do but wait, so it reads blocks too:
-both threads take the next block to read from one counter. Reads that release the GIL
-(featcache's reads through a memory map, :mod:`featcache.store.rows`) then run on two cores;
-HDF5's reads would only take turns, so a buffer that HDF5 reads is left to the reader."""
+A consumer that has run out of batches (always for the first buffer) would only wait,
+so it takes blocks from the reader's counter too. Reads through a memory map release the
+GIL and run on two cores; HDF5's would only take turns, so those are left to the reader."""
 
 from __future__ import annotations
 
@@ -16,11 +13,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 class SharedRead:
     """The reads ``tasks`` (each one block of one layer), started on ``reader`` when given.
-
-    :meth:`result` reads whatever no thread has taken yet (only the reader takes any when
-    ``shared`` is false), then waits for the reader's block in flight; the first error
-    of either thread is raised there. :meth:`stop` keeps both from taking more blocks (an
-    epoch left early, or a read that failed)."""
+    :meth:`result` also reads here unless ``shared`` is false, and raises the first error
+    of either thread; :meth:`stop` keeps both from taking more blocks."""
 
     def __init__(
         self,

@@ -448,8 +448,8 @@ class FeatureDataset(Dataset):
         for first, stop in spans:
             for layer, rows in readers.items():
                 into = outs[layer][at : at + stop - first]
-                read = _read_block if self.release_pages else _read_kept
-                tasks.append(functools.partial(read, rows, first, stop, into))
+                read = functools.partial(_read_block, rows, first, stop, into, self.release_pages)
+                tasks.append(read)
             at += stop - first
         # Where HDF5 reads a layer, a second thread would only wait for its turn.
         shared = all(rows.direct for rows in readers.values())
@@ -477,15 +477,14 @@ def _chunk_cache(chunk_bytes: int, by_hdf5: bool, nbytes: int | None) -> tuple[i
     return slots, nbytes
 
 
-def _read_block(rows: Rows | PartRows, start: int, stop: int, out: np.ndarray) -> None:
-    """Rows ``[start, stop)`` into ``out``; then their mapped pages go (see `Rows.release`)."""
+def _read_block(
+    rows: Rows | PartRows, start: int, stop: int, out: np.ndarray, release: bool
+) -> None:
+    """Rows ``[start, stop)`` into ``out``; with ``release``, their mapped pages then go
+    (see `Rows.release`)."""
     rows.read(start, stop, out)
-    rows.release(start, stop)
-
-
-def _read_kept(rows: Rows | PartRows, start: int, stop: int, out: np.ndarray) -> None:
-    """Rows ``[start, stop)`` into ``out``, their mapped pages kept."""
-    rows.read(start, stop, out)
+    if release:
+        rows.release(start, stop)
 
 
 def _take(tensor: torch.Tensor, index: np.ndarray) -> torch.Tensor:

@@ -1,10 +1,5 @@
 """The dataset of one split, built from a config's ``data`` section by its source kind
-(:mod:`featcache.sources.registry`).
-
-Every source is a :class:`SourceDataset` with a stable string id per row (``ds.ids[i]``)
-that identifies it in a store. Sources hold only plain data (paths, labels, options), so
-they pickle into DataLoader workers under both fork and spawn.
-"""
+(:mod:`featcache.sources.registry`); see docs/guides/sources.md."""
 
 from __future__ import annotations
 
@@ -14,9 +9,9 @@ from typing import Any
 
 from featcache.config.spec import DataSpec
 from featcache.errors import ConfigError
-from featcache.sources.base import IMAGE_EXTENSIONS, SourceDataset, Transform
+from featcache.sources.base import IMAGE_EXTENSIONS, SourceDataset, SourceRequest, Transform
 from featcache.sources.decode import load_rgb
-from featcache.sources.registry import SourceRequest, kind_for
+from featcache.sources.registry import kind_for
 from featcache.sources.remote import Remote
 from featcache.sources.synthetic import SyntheticOptions
 from featcache.sources.tokenizer import Tokenizer
@@ -42,12 +37,9 @@ def build_source(
     """The dataset of split ``split`` of ``data``.
 
     Image rows yield ``(transform(rgb), label)``, label -1 where the source has none; text
-    rows (``source: text``, or a ``text_column``) yield ``({"input_ids": int64 [T],
-    "attention_mask": int64 [T]}, label)``, tokenised by ``tokenizer`` (the model's).
-    ``decode_size`` is the shorter side ``transform`` resizes to first, if it does: JPEGs
-    are then decoded at a reduced scale that still covers it (:func:`load_rgb`). With
-    ``data.limit``, the split's rows are that many spread evenly over it
-    (:mod:`featcache.sources.selection`).
+    rows yield ``({"input_ids": int64 [T], "attention_mask": int64 [T]}, label)``.
+    ``decode_size`` is the shorter side ``transform`` resizes to first: JPEGs are decoded
+    at a reduced scale still covering it (:func:`load_rgb`).
 
     Raises:
         ConfigError: unknown split or source, a data key the source does not use or needs,
@@ -57,9 +49,8 @@ def build_source(
     if split not in data.splits:
         known = ", ".join(map(str, data.splits)) or "none"
         raise ConfigError(f"unknown split {split!r}; data.splits has: {known}")
-    kind = kind_for(data)
-    kind.validate(data)
-    source = kind.build(SourceRequest(data, split, transform, tokenizer, decode_size))
+    build = kind_for(data)
+    source = build(SourceRequest(data, split, transform, tokenizer, decode_size))
     if data.class_names is not None:
         source.class_names = given_class_names(data.class_names, source, data.storage_options)
     if data.limit is not None:  # a trial: rows spread over the split, every class among them
@@ -70,16 +61,13 @@ def build_source(
 
 
 def given_class_names(
-    given: list[str] | str,
-    source: SourceDataset,
-    storage_options: Mapping[str, Any] | None = None,
+    given: list[str] | str, source: SourceDataset, storage_options: Mapping[str, Any] | None = None
 ) -> list[str]:
     """``data.class_names`` (a list, or a file or URL of one name per line) for ``source``.
 
     Raises:
         ConfigError: the file cannot be read or names nothing; the source names its
-            classes otherwise (folder names, string labels); or it has labels past the
-            names given.
+            classes otherwise; or it has labels past the names given.
     """
     where = "data.class_names"
     if isinstance(given, str):

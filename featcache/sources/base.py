@@ -6,31 +6,42 @@ import io
 import json
 import operator
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from PIL import Image
 from torch.utils.data import Dataset
 
+from featcache.config.spec import DataSpec
 from featcache.errors import ConfigError
 from featcache.sources.remote import Remote
+from featcache.sources.tokenizer import Tokenizer
 from featcache.util.fingerprints import lines_sha256
 from featcache.util.urls import is_url
 
 IMAGE_EXTENSIONS: tuple[str, ...] = (
-    ".jpg",
-    ".jpeg",
-    ".png",
-    ".bmp",
-    ".gif",
-    ".tif",
-    ".tiff",
-    ".webp",
-    ".ppm",
-    ".pgm",
-)
+    ".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm",
+)  # fmt: skip
 
 Transform = Callable[[Image.Image], Any]
+
+
+@dataclass(frozen=True)
+class SourceRequest:
+    """What every kind's build is given: the arguments of
+    :func:`~featcache.sources.build_source`."""
+
+    data: DataSpec
+    split: str
+    transform: Transform | None = None
+    tokenizer: Tokenizer | None = None
+    decode_size: int | None = None
+
+    @property
+    def args(self) -> tuple[DataSpec, str, Any, Transform | None]:
+        """``(data, split, data.splits[split], transform)``."""
+        return self.data, self.split, self.data.splits[self.split], self.transform
 
 
 class SourceDataset(Dataset):
@@ -65,13 +76,10 @@ class SourceDataset(Dataset):
         Raises:
             IndexError: outside the source's rows.
         """
-        i = operator.index(index)
-        n = len(self.ids)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
+        i, n = operator.index(index), len(self.ids)
+        if not -n <= i < n:
             raise IndexError(f"index {index} is out of range for a source of {n} rows")
-        return i
+        return i % n
 
     def __getitem__(self, index: int) -> tuple[Any, int]:
         image, label = self._load(self.position(index))
@@ -88,13 +96,11 @@ class SourceDataset(Dataset):
         return -1 if self.labels is None else int(self.labels[i])
 
     def prefetch(self, rows: list[int]) -> None:
-        """A hint that ``rows`` (one batch, in order) are read next, so that a source
-        over remote files fetches them together; local sources need none."""
+        """A hint that ``rows`` (one batch, in order) are read next, for remote sources."""
 
     def change_stamps(self) -> list[str] | None:
-        """Each row's change stamp (:mod:`featcache.sources.stamps`), taken now: what
-        the source can cheaply tell about the bytes behind the row; None when it can
-        tell nothing (generated, tokenised or in-memory rows)."""
+        """Each row's change stamp (:mod:`featcache.sources.stamps`), taken now; None when
+        the source can tell nothing (generated, tokenised or in-memory rows)."""
         return None
 
     def fingerprint(self, content: bool = False) -> str:
@@ -109,7 +115,7 @@ class SourceDataset(Dataset):
 
 def open_text(file: Path | str, remote: Remote | None, newline: str | None = None) -> TextIO:
     """A text file (UTF-8, a BOM skipped) to read: a local one, or a URL read whole
-    through ``remote``; ``newline`` as for :func:`open`."""
+    through ``remote``."""
     if not is_url(file):
         return open(file, encoding="utf-8-sig", newline=newline)
     data = (remote or Remote()).read(str(file))
@@ -119,9 +125,8 @@ def open_text(file: Path | str, remote: Remote | None, newline: str | None = Non
 def jsonl_objects(
     file: Path | str, what: str, example: str, remote: Remote | None = None
 ) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(line number, object)`` for each non-blank line of a JSONL file (or URL, read
-    through ``remote``); ``what`` leads the error lines (``"manifest data/train.jsonl"``),
-    ``example`` shows a good object in them.
+    """``(line number, object)`` for each non-blank line of a JSONL file or URL; ``what``
+    leads the error lines, ``example`` shows a good object in them.
 
     Raises:
         ConfigError: a line that is not valid JSON, or not a JSON object.
@@ -149,8 +154,7 @@ def label_indices(
     labels: Sequence[tuple[str, int | str]], what: str
 ) -> tuple[list[int], list[str] | None]:
     """Class indices of ``(where, label)`` pairs, and class names when labels are names
-    (strings, indexed in sorted order); ``what`` and each ``where`` place a label in errors
-    (``"manifest data/train.csv"``, ``"line 7"``).
+    (strings, indexed in sorted order); ``what`` and ``where`` place a label in errors.
 
     Raises:
         ConfigError: integers mixed with strings, naming the first label of each kind.

@@ -17,13 +17,9 @@ _DECODE_ERRORS = (OSError, SyntaxError, ValueError, Image.DecompressionBombError
 
 
 def load_rgb(path: str | os.PathLike, min_side: int | None = None) -> Image.Image:
-    """Open and fully decode an image file as an 8-bit RGB PIL image.
-
-    Alpha is dropped (palette transparency included); 16-bit and 32-bit integer grey
-    images are scaled from the 16-bit range to 8 bits, not clipped. With ``min_side``, a
-    JPEG is decoded at the smallest of its 1/2, 1/4 or 1/8 scales (Pillow's draft mode)
-    whose shorter side is still at least ``min_side``: much faster for photos that are
-    resized down afterwards, which then resize exactly to their final size.
+    """Open and fully decode an image file as an 8-bit RGB PIL image (alpha dropped,
+    integer grey scaled from the 16-bit range). With ``min_side``, a JPEG is decoded at
+    the smallest 1/2, 1/4 or 1/8 scale (Pillow's draft mode) still covering ``min_side``.
 
     Raises:
         FeatcacheError: ``cannot decode image {path}: {reason}`` for missing, empty,
@@ -42,8 +38,7 @@ def load_rgb(path: str | os.PathLike, min_side: int | None = None) -> Image.Imag
 
 
 def decode_bytes(data: bytes, where: str, min_side: int | None = None) -> Image.Image:
-    """Encoded image bytes as an 8-bit RGB PIL image, decoded as :func:`load_rgb` decodes
-    a file.
+    """Encoded image bytes as an 8-bit RGB PIL image, as :func:`load_rgb` decodes a file.
 
     Raises:
         FeatcacheError: ``cannot decode image {where}: {reason}``.

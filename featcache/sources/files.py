@@ -1,9 +1,5 @@
-"""Sources over image files: class folders (imagefolder) and CSV/JSONL manifests.
-
-Folders, manifests and the images a manifest lists may be fsspec URLs: a remote class
-folder is listed once (every object with its size and ETag), and the images of each
-batch are fetched concurrently.
-"""
+"""Sources over image files, local or fsspec URLs: class folders (imagefolder) and CSV/JSONL
+manifests (see docs/guides/image-folders.md)."""
 
 from __future__ import annotations
 
@@ -25,6 +21,7 @@ from featcache.errors import ConfigError, FeatcacheError
 from featcache.sources.base import (
     IMAGE_EXTENSIONS,
     SourceDataset,
+    SourceRequest,
     Transform,
     jsonl_objects,
     label_indices,
@@ -40,12 +37,9 @@ from featcache.util.urls import check_url, is_url, join, parent, relative
 class FileSource(SourceDataset):
     """Image files with optional labels: the imagefolder and manifest sources.
 
-    ``listed`` when a manifest decides the row order and the labels; in a class folder
-    both follow from the file names (the ids). URLs are read through ``remote``
-    (``versions``: each one's size and ETag as listed, None for a local file), the bytes
-    of the batch fetched last kept per process. JPEGs decode at a reduced scale still
-    covering ``decode_size``; ``hash_content`` (``data.content_hash``) records each file's
-    sha256.
+    ``listed`` when a manifest decides the row order and the labels. URLs are read through
+    ``remote`` (``versions``: each one's size and ETag as listed, None for a local file);
+    ``hash_content`` (``data.content_hash``) records each file's sha256.
     """
 
     def __init__(
@@ -69,13 +63,11 @@ class FileSource(SourceDataset):
         self._hashes: np.ndarray | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_fetched"] = {}
-        return state
+        return {**self.__dict__, "_fetched": {}}
 
     def prefetch(self, rows: list[int]) -> None:
-        """Fetch the remote images of ``rows`` (a batch) concurrently; each row's bytes,
-        or the error that failed it, are kept until the next batch."""
+        """Fetch the remote images of ``rows`` (a batch) concurrently, keeping each row's
+        bytes (or error) until the next batch."""
         if self.remote is None:
             return
         remote_rows = [r for r in rows if is_url(self.paths[r])]
@@ -95,25 +87,24 @@ class FileSource(SourceDataset):
 
     @property
     def row_columns(self) -> dict[str, np.ndarray]:
-        """Per-row arrays to record beside the features: with :attr:`hash_content`,
-        ``content_hash`` (:meth:`content_hashes`), by which an update of the store tells a
-        sample whose bytes changed."""
+        """Per-row arrays to record beside the features: ``content_hash`` (with
+        :attr:`hash_content`), by which an update tells a sample whose bytes changed."""
         return {"content_hash": self.content_hashes()} if self.hash_content else {}
 
     def content_hashes(self) -> np.ndarray:
         """``[rows]`` ``S64``: the hex sha256 of each row's file (read once, then kept)."""
         if self._hashes is None:
-            remote = self.remote or Remote()
-            digests = [
-                hashlib.sha256(remote.read(path)).hexdigest() if is_url(path) else file_sha256(path)
-                for path in self.paths
-            ]
-            self._hashes = np.array(digests, dtype="S64")
+            self._hashes = np.array([self._sha256(path) for path in self.paths], dtype="S64")
         return self._hashes
 
+    def _sha256(self, path: str) -> str:
+        if not is_url(path):
+            return file_sha256(path)
+        return hashlib.sha256((self.remote or Remote()).read(path)).hexdigest()
+
     def change_stamps(self) -> list[str]:
-        """Each row's stamp: a local file's size and mtime (one ``stat`` each), a URL's
-        size and ETag as listed when the source was built."""
+        """Each row's stamp: a local file's size and mtime, a URL's size and ETag as listed
+        when the source was built."""
         versions = self.versions or [None] * len(self.paths)
         return [
             object_stamp(version) if is_url(path) else file_stamp(path)
@@ -121,16 +112,15 @@ class FileSource(SourceDataset):
         ]
 
     def fingerprint(self, content: bool = False) -> str:
-        """sha256 over each file's id and size (and bytes with ``content``), in id order
-        (a URL's line: its id, size and ETag as listed); for a manifest also its rows in
-        order with their labels and the class names, so that rows reordered or
-        relabelled between a run and its resume are seen."""
+        """sha256 over each file's id and size (a URL's: and ETag; with ``content``, the
+        bytes), in id order; for a manifest also its rows, labels and class names, so that
+        rows reordered or relabelled between a run and its resume are seen."""
         versions = self.versions or [None] * len(self.ids)
         files = sorted(zip(self.ids, self.paths, versions, strict=True))
         entries = [
             file_line(sample_id, path, content)
             if version is None
-            else self._url_line(sample_id, path, version, content)
+            else f"{sample_id}\t{path}\t{version}" + (f"\t{self._sha256(path)}" if content else "")
             for sample_id, path, version in files
         ]
         if self.listed:
@@ -139,24 +129,13 @@ class FileSource(SourceDataset):
             entries.append(f"rows\t{lines_sha256(rows)}\tclasses\t{self.class_names}")
         return lines_sha256(entries)
 
-    def _url_line(self, sample_id: str, url: str, version: str, content: bool) -> str:
-        line = f"{sample_id}\t{url}\t{version}"
-        if content:
-            line += "\t" + hashlib.sha256((self.remote or Remote()).read(url)).hexdigest()
-        return line
 
-
-def imagefolder_source(
-    data: DataSpec,
-    split: str,
-    value: Any,
-    transform: Transform | None,
-    decode_size: int | None = None,
-) -> FileSource:
-    """The images of the class folders under ``data.root/<value>`` (a folder or a URL):
-    label i is the i-th class folder by name, ids are paths relative to ``value``."""
+def imagefolder_source(request: SourceRequest) -> FileSource:
+    """The images of the class folders under ``data.root/<split value>`` (a folder or a
+    URL): label i is the i-th class folder by name, ids are paths relative to the value."""
+    data, split, value, transform = request.args
     if is_url(data.root):
-        return _remote_imagefolder(data, split, value, transform, decode_size)
+        return _remote_imagefolder(request)
     folder = _under_root(data, split, value, "a subfolder of data.root")
     if not folder.is_dir():
         raise ConfigError(_not_found(folder))
@@ -179,14 +158,15 @@ def imagefolder_source(
                 ids.append((rel_root / file).as_posix())
     if not paths:
         raise _no_images(split, folder, classes)
-    return FileSource(paths, labels, ids, classes, transform, decode_size, data.content_hash)
+    return FileSource(
+        paths, labels, ids, classes, transform, request.decode_size, data.content_hash
+    )
 
 
-def _remote_imagefolder(
-    data: DataSpec, split: str, value: Any, transform: Transform | None, decode_size: int | None
-) -> FileSource:
+def _remote_imagefolder(request: SourceRequest) -> FileSource:
     """:func:`imagefolder_source` under a URL: the folder listed once, its classes,
     files, order and ids as a local copy of it gives them."""
+    data, split, value, transform = request.args
     if not isinstance(value, str):
         raise ConfigError(f"data.splits.{split} must be a subfolder of data.root, got {value!r}")
     folder = join(str(data.root), value).rstrip("/")
@@ -218,7 +198,7 @@ def _remote_imagefolder(
         [f"{directory}/{file}" for _, directory, file, *_ in rows],
         classes,
         transform,
-        decode_size,
+        request.decode_size,
         data.content_hash,
         remote=remote,
         versions=[version for *_, version in rows],
@@ -248,8 +228,7 @@ def _utf8(path: str) -> str:
 
 def _walk(top: Path) -> list[tuple[str, list[str]]]:
     """``(folder, files)`` under ``top`` as ``sorted(os.walk(top, followlinks=True))``
-    gives them, but a link to a folder that holds it (a cycle, which would list its
-    images again at every depth) is not followed."""
+    gives them, not following a link to a folder that holds it (a cycle)."""
     walked = []
     for root, folders, files in os.walk(top, followlinks=True):
         here = os.path.realpath(root)
@@ -266,19 +245,14 @@ def _leads_up(folder: str, here: str) -> bool:
     return here == target or here.startswith(target.rstrip(os.sep) + os.sep)
 
 
-def manifest_source(
-    data: DataSpec,
-    split: str,
-    value: Any,
-    transform: Transform | None,
-    decode_size: int | None = None,
-) -> FileSource:
+def manifest_source(request: SourceRequest) -> FileSource:
     """The images a CSV or JSONL manifest lists (``path`` and optional ``label`` per row),
     in its row order; ids are the paths as written.
 
     Raises:
         ConfigError: a missing manifest or image, a bad row or label (naming its line).
     """
+    data, split, value, transform = request.args
     remote = None
     file: Path | str
     if is_url(data.root) or is_url(value):
@@ -325,7 +299,7 @@ def manifest_source(
         ids,
         class_names,
         transform,
-        decode_size,
+        request.decode_size,
         data.content_hash,
         listed=True,
         remote=remote,
@@ -346,12 +320,8 @@ def _manifest_url(data: DataSpec, split: str, value: Any) -> str:
 def _manifest_images(
     file: Path | str, rows: list[_Row], remote: Remote
 ) -> tuple[list[str], list[str | None]]:
-    """The image of each manifest row (a local path, or a URL: as written, or relative
-    to a manifest that is one) and each URL's size and ETag (None for a local file).
-
-    Raises:
-        ConfigError: an image that does not exist, naming the manifest's line.
-    """
+    """The image of each manifest row (a local path or a URL) and each URL's size and
+    ETag (None for a local file); ConfigError naming the line of a missing image."""
     paths: list[str] = []
     for line, path, _ in rows:
         if is_url(path) or (is_url(file) and not path.startswith(("/", "~"))):

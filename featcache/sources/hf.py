@@ -1,15 +1,5 @@
-"""The hf source: a split of a Hugging Face ``datasets`` dataset.
-
-``data.dataset`` is a folder written by ``save_to_disk`` (a ``DatasetDict`` or one
-``Dataset``; relative to ``data.root`` when that is set) or a hub name, loaded from the
-local cache (``HF_DATASETS_OFFLINE=1`` is respected). ``data.splits.<split>`` names the
-dataset's split (``{train: train}``; a hub split may be sliced, ``train[:1000]``).
-
-Columns: ``data.image_column`` (default: the first ``Image`` feature), ``data.label_column``
-(default: the first ``ClassLabel`` feature; class names from its names), ``data.id_column``
-(default: ids ``<dataset>/<split>/<index>``), or ``data.text_column`` for text models.
-Images are read undecoded and decoded like image files (JPEGs in draft mode).
-"""
+"""The hf source: a split of a Hugging Face ``datasets`` dataset, a ``save_to_disk``
+folder or a hub name read from the local cache (see docs/guides/sources.md)."""
 
 from __future__ import annotations
 
@@ -21,7 +11,7 @@ from PIL import Image
 
 from featcache.config.spec import DataSpec
 from featcache.errors import ConfigError, FeatcacheError, first_line
-from featcache.sources.base import SourceDataset, Transform
+from featcache.sources.base import SourceDataset, SourceRequest, Transform
 from featcache.sources.tabular import (
     EncodedImageSource,
     check_columns,
@@ -29,18 +19,13 @@ from featcache.sources.tabular import (
     require_columns,
     text_rows,
 )
-from featcache.sources.tokenizer import Tokenizer
 from featcache.util.extras import require
 from featcache.util.fingerprints import lines_sha256
 
 
 class HFSource(EncodedImageSource):
-    """Images (and labels) of one split of a ``datasets.Dataset``.
-
-    Holds the dataset narrowed to its image column, with images left encoded; a dataset
-    backed by Arrow files (``save_to_disk`` folders, the hub cache) pickles as the paths of
-    those files, so workers map the same files rather than copy them.
-    """
+    """Images (and labels) of one split of a ``datasets.Dataset``, narrowed to its image
+    column with images left encoded (an Arrow-backed dataset pickles as its file paths)."""
 
     def __init__(
         self,
@@ -55,8 +40,7 @@ class HFSource(EncodedImageSource):
         decode_size: int | None,
     ) -> None:
         super().__init__(ids, labels, class_names, transform, decode_size)
-        self.dataset, self.column = dataset, column
-        self.identity, self.root = identity, root
+        self.dataset, self.column, self.identity, self.root = dataset, column, identity, root
 
     def _load(self, i: int) -> tuple[Image.Image, int]:
         try:
@@ -66,26 +50,18 @@ class HFSource(EncodedImageSource):
         return self.decode(value, self.ids[i], self.root), self.label(i)
 
     def fingerprint(self, content: bool = False) -> str:
-        # The dataset's own fingerprint changes with its content (datasets derives it
-        # from the Arrow files' hashes or the transforms applied): content is covered.
+        # datasets derives its fingerprint from the Arrow files or transforms: content is covered.
         return lines_sha256([self.identity, f"{len(self)} rows", self.column])
 
 
-def hf_source(
-    data: DataSpec,
-    split: str,
-    value: Any,
-    transform: Transform | None,
-    tokenizer: Tokenizer | None = None,
-    decode_size: int | None = None,
-) -> SourceDataset:
-    """Split ``value`` of the dataset ``data.dataset`` (see the module docstring).
+def hf_source(request: SourceRequest) -> SourceDataset:
+    """The split ``data.splits[split]`` names of the dataset ``data.dataset``.
 
     Raises:
         ConfigError: a folder that is not a saved dataset, an unknown split, a hub dataset
-            not in the cache (the line names the command that downloads it), a missing
-            column (the line lists the columns).
+            not in the cache, a missing column.
     """
+    data, split, value, transform = request.args
     datasets = require("datasets", "data.source hf")
     check_columns(data)
     if not isinstance(value, str) or not value:
@@ -122,7 +98,7 @@ def hf_source(
     if data.text_column:
         texts = [v or "" for v in _column(dataset, data.text_column)]
         where = f"{what} ({lines_sha256([identity])[:16]})"
-        return text_rows(texts, labels, ids, class_names, tokenizer, data.max_length, where)
+        return text_rows(texts, labels, ids, class_names, request.tokenizer, data.max_length, where)
 
     column = data.image_column or next(
         (c for c in columns if isinstance(features[c], datasets.Image)), None
@@ -137,7 +113,7 @@ def hf_source(
         narrowed = narrowed.cast_column(column, datasets.Image(decode=False))
     root = str(Path(data.root).expanduser()) if data.root else None
     return HFSource(
-        narrowed, column, ids, labels, class_names, identity, root, transform, decode_size
+        narrowed, column, ids, labels, class_names, identity, root, transform, request.decode_size
     )
 
 

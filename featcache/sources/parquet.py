@@ -1,16 +1,7 @@
-"""The parquet source: rows of one or more Parquet files, read a row group at a time.
+"""The parquet source: rows of one or more Parquet files (see docs/guides/sources.md).
 
-``data.splits.<split>`` names one file, a glob or brace pattern, or a list of them
-(relative to ``data.root``; URLs such as ``s3://bucket/table/*.parquet`` or
-``hf://datasets/...`` are read through fsspec). The image column holds encoded bytes, a
-struct with a ``bytes`` field (as Hugging Face writes images), or paths (relative to
-``data.root``); by default the first column of bytes or of such structs. The label column
-(default ``label`` when there is one) holds class indices or class names; ids come from
-``data.id_column``, else ``<file>:<row>``.
-
-Only the footers, labels and ids are read up front. ``ds[i]`` reads the image column of
-the row group holding row ``i`` (one range request for a URL) and keeps it until a row of
-another group is asked for, per process: a loader's batches cost one read per group.
+Only the footers, labels and ids are read up front; ``ds[i]`` reads the image column of
+its row group and keeps it, per process, so a loader's batches cost one read per group.
 """
 
 from __future__ import annotations
@@ -25,9 +16,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from featcache.config.spec import DataSpec
 from featcache.errors import ConfigError, FeatcacheError, first_line
-from featcache.sources.base import SourceDataset, Transform
+from featcache.sources.base import SourceDataset, SourceRequest, Transform
 from featcache.sources.remote import object_version
 from featcache.sources.tabular import (
     EncodedImageSource,
@@ -38,16 +28,14 @@ from featcache.sources.tabular import (
     split_paths,
     text_rows,
 )
-from featcache.sources.tokenizer import Tokenizer
 from featcache.util.extras import require
 from featcache.util.fingerprints import file_sha256, lines_sha256
 from featcache.util.urls import is_url
 
 
 class ParquetSource(EncodedImageSource):
-    """Images (and labels) of the rows of Parquet files: the files, the first row of each
-    file and of each row group (int64 arrays), labels and ids; file handles and the cached
-    row group are per process and never pickled."""
+    """Images (and labels) of the rows of Parquet files; file handles and the cached row
+    group are per process and never pickled."""
 
     def __init__(
         self,
@@ -76,9 +64,7 @@ class ParquetSource(EncodedImageSource):
         self._group: tuple[int, int, Any] | None = None  # (file, group, arrow array)
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.update(_handles={}, _group=None)
-        return state
+        return {**self.__dict__, "_handles": {}, "_group": None}
 
     def _values(self, file: int, group: int) -> Any:
         if self._pid != os.getpid():
@@ -117,8 +103,7 @@ class ParquetSource(EncodedImageSource):
 
     def fingerprint(self, content: bool = False) -> str:
         """sha256 over the row count, the image column and each file's name, size and
-        schema (and bytes with ``content``); for URLs, each file's URL, size and ETag as
-        the store lists them now, so that a file replaced since is seen."""
+        schema (and bytes with ``content``); for URLs, each file's URL, size and ETag now."""
         _, pq = _arrow()
         lines = [f"parquet\t{len(self)} rows\t{self.column}"]
         infos = self.remote.stat(self.files.paths) if self.remote else []
@@ -140,20 +125,14 @@ def _arrow() -> tuple[ModuleType, ModuleType]:
     return pa, importlib.import_module("pyarrow.parquet")
 
 
-def parquet_source(
-    data: DataSpec,
-    split: str,
-    value: Any,
-    transform: Transform | None,
-    tokenizer: Tokenizer | None = None,
-    decode_size: int | None = None,
-) -> SourceDataset:
-    """The rows of the Parquet files ``value`` names (see the module docstring).
+def parquet_source(request: SourceRequest) -> SourceDataset:
+    """The rows of the Parquet files the split names.
 
     Raises:
-        ConfigError: no such file, a file that is not Parquet, a missing column (the
-            message lists the columns), files whose columns differ, bad labels or ids.
+        ConfigError: no such file, a file that is not Parquet, a missing column, files
+            whose columns differ, bad labels or ids.
     """
+    data, split, value, transform = request.args
     pa, pq = _arrow()
     check_columns(data)
     files = split_paths(data, split, value, "Parquet files")
@@ -205,7 +184,7 @@ def parquet_source(
     if data.text_column:
         texts = [v or "" for t in tables for v in t.column(data.text_column).to_pylist()]
         where = f"{', '.join(names)} ({files.identity()[:16]})"
-        return text_rows(texts, labels, ids, class_names, tokenizer, data.max_length, where)
+        return text_rows(texts, labels, ids, class_names, request.tokenizer, data.max_length, where)
 
     column, kind = _image_column(pa, schema, data.image_column, what)
     starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -217,7 +196,17 @@ def parquet_source(
     if data.root:
         root = data.root if is_url(data.root) else str(Path(data.root).expanduser())
     return ParquetSource(
-        files, starts, groups, column, kind, root, ids, labels, class_names, transform, decode_size
+        files,
+        starts,
+        groups,
+        column,
+        kind,
+        root,
+        ids,
+        labels,
+        class_names,
+        transform,
+        request.decode_size,
     )
 
 

@@ -1,16 +1,9 @@
-"""Files named by fsspec URLs: their filesystems, bounded retries and one-line errors.
-
-A path with a protocol (``s3://``, ``gs://``, ``az://``, ``https://``, ``hf://``, or any
-other fsspec protocol) is read through fsspec with ``data.storage_options``. Every remote
-read goes through :meth:`Remote.call`: a transient failure (a dropped or reset connection,
-a timeout, HTTP 5xx, throttling) is retried up to :data:`RETRIES` times with exponential
-backoff and counted; a permanent one (a missing object, access denied) is one line naming
-the URL and the fix. Credentials never travel in a config (:mod:`featcache.util.urls`):
-the cloud libraries read them, and error lines never name them.
-"""
+"""Files named by fsspec URLs: their filesystems, bounded retries and one-line errors
+(see docs/guides/object-stores.md). Error lines never name credentials."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import inspect
@@ -29,8 +22,8 @@ from featcache.util.urls import WHERE_CREDENTIALS_GO, is_url, parent, protocol_o
 
 T = TypeVar("T")
 
-# Transient failures are retried this many times, waiting BACKOFF * 2**k seconds (with
-# jitter, at most BACKOFF_MAX) before retry k + 1.
+# Transient failures are retried RETRIES times, retry k + 1 after BACKOFF * 2**k seconds
+# (jittered, at most BACKOFF_MAX).
 RETRIES = 5
 BACKOFF = 0.25
 BACKOFF_MAX = 8.0
@@ -66,15 +59,12 @@ _CONNECTION_ERRORS = {
 }  # fmt: skip
 _CONNECTION_ERRNOS = {errno.ECONNRESET, errno.ECONNABORTED, errno.ECONNREFUSED,
                       errno.ETIMEDOUT, errno.EPIPE, errno.EHOSTUNREACH}  # fmt: skip
-# Exception classes (by name) that mean no credentials were found where the storage
-# library looks for them: botocore's and google-auth's.
+# Exception classes (by name) that mean no credentials were found: botocore's, google-auth's.
 _NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
                    "DefaultCredentialsError"}  # fmt: skip
-# A storage option that a filesystem (or the library under it) does not take: the
-# TypeError of the call it was passed to.
+# The TypeError of a storage option that a filesystem (or the library under it) does not take.
 _UNEXPECTED_OPTION = re.compile(r"unexpected keyword argument '([^']+)'")
-# Options of the S3 client itself (botocore's create_client), which s3fs takes in its
-# client_kwargs, not as options of its own.
+# Options of the S3 client itself, which s3fs takes in its client_kwargs, not its own.
 _S3_CLIENT_OPTIONS = ("region_name", "endpoint_url", "verify", "api_version")
 
 
@@ -87,15 +77,10 @@ class RemoteError(FeatcacheError):
 
 
 class Remote:
-    """The fsspec filesystems of a source's URLs, with ``data.storage_options``.
-
-    Filesystems are made in the process that reads (fsspec's async filesystems are not
-    fork-safe; fsspec caches one per process and options), so a source holding a
-    :class:`Remote` pickles into DataLoader workers. ``retried`` counts the retries of
-    every process reading through it, by :data:`RETRY_KINDS`.
-
-    ``storage_options`` go to every protocol's filesystem, unless they are given per
-    protocol (``{"s3": {...}, "https": {...}}``: every key a protocol name).
+    """The fsspec filesystems of a source's URLs, with ``data.storage_options`` (for every
+    protocol, or per protocol: ``{"s3": {...}}``). Filesystems are made in the process
+    that reads (fsspec's async ones are not fork-safe), so a :class:`Remote` pickles into
+    DataLoader workers; ``retried`` counts every process's retries, by :data:`RETRY_KINDS`.
     """
 
     def __init__(self, storage_options: Mapping[str, Any] | None = None) -> None:
@@ -103,8 +88,8 @@ class Remote:
         self.retried = torch.zeros(len(RETRY_KINDS), dtype=torch.int64).share_memory_()
 
     def options(self, protocol: str) -> dict[str, Any]:
-        """The filesystem options for ``protocol``: the given ones, and for S3 the
-        libraries' own retry loops cut to one attempt (ours counts and bounds them)."""
+        """The filesystem options for ``protocol``; for S3 with the libraries' own retry
+        loops cut to one attempt (ours counts and bounds them)."""
         given = self.storage_options
         if given and all(k in PROTOCOL_EXTRAS or _known_protocol(k) for k in given):
             chosen = dict(given.get(protocol) or {})
@@ -117,11 +102,8 @@ class Remote:
         return chosen
 
     def fs(self, url: str) -> Any:
-        """The filesystem of ``url``'s protocol (this process's own).
-
-        Raises:
-            FeatcacheError: its fsspec implementation is not installed, naming the extra.
-        """
+        """The filesystem of ``url``'s protocol (this process's own); FeatcacheError
+        naming the extra when its fsspec implementation is not installed."""
         protocol = protocol_of(url)
         try:
             import fsspec
@@ -140,21 +122,13 @@ class Remote:
             fs.retries = 1  # s3fs's own loop (a class setting): one attempt, ours counts
         return fs
 
-    def path(self, url: str) -> str:
-        """``url`` as its filesystem names it (``bucket/key`` for ``s3://bucket/key``)."""
-        return str(self.fs(url)._strip_protocol(url))
-
     def url(self, like: str, path: str) -> str:
         """The URL of a filesystem ``path`` (as a listing gives it), of ``like``'s protocol."""
         return path if is_url(path) else f"{protocol_of(like)}://{path}"
 
     def call(self, url: str, action: Callable[[Any, str], T]) -> T:
-        """``action(fs, path)`` for ``url``, retried while it fails transiently.
-
-        Raises:
-            RemoteError: a permanent failure, or a transient one :data:`RETRIES` times
-                over; one line naming ``url``.
-        """
+        """``action(fs, path)`` for ``url``, retried while it fails transiently; RemoteError
+        (one line naming ``url``) for a permanent failure or :data:`RETRIES` transient ones."""
         fs = self.fs(url)
         path = fs._strip_protocol(url)
         for attempt in range(RETRIES + 1):
@@ -187,19 +161,16 @@ class Remote:
         return self.call(url, fetch)
 
     def read_many(self, urls: list[str]) -> list[bytes | FeatcacheError]:
-        """The bytes of each of ``urls``, fetched concurrently where the filesystem can;
-        a URL that fails is read again on its own (retried), and a failure for good
-        comes back as its error, in its place."""
+        """The bytes of each of ``urls``, fetched concurrently; a URL that fails is read
+        again on its own (retried), and a failure for good comes back in its place."""
         if not urls:
             return []
         got: list[Any] = [None] * len(urls)
         if len({protocol_of(u) for u in urls}) == 1:  # else each is read on its own
             fs = self.fs(urls[0])
             paths = [fs._strip_protocol(u) for u in urls]
-            try:
+            with contextlib.suppress(Exception):  # then each is read on its own
                 got = fs.cat_ranges(paths, None, None, on_error="return")
-            except Exception:
-                pass
         out: list[bytes | FeatcacheError] = []
         for url, data in zip(urls, got, strict=True):
             if isinstance(data, (bytes, bytearray)):
@@ -233,13 +204,8 @@ class Remote:
         return self.call(url, info)
 
     def stat(self, urls: list[str], missing_ok: bool = False) -> list[dict[str, Any]]:
-        """:meth:`info` of each of ``urls``, from one listing per folder where the
-        filesystem lists folders (every object store; HTTP answers one request each);
-        with ``missing_ok``, ``{}`` for an object that does not exist.
-
-        Raises:
-            RemoteError: an object that does not exist (unless ``missing_ok``), naming it.
-        """
+        """:meth:`info` of each of ``urls``, from one listing per folder (HTTP: one request
+        each); a missing object is ``{}`` with ``missing_ok``, else a RemoteError."""
         listed: dict[str, dict[str, dict[str, Any]]] = {}
         out = []
         for url in urls:
@@ -248,7 +214,8 @@ class Remote:
                 folder = parent(url)
                 if folder not in listed:
                     listed[folder] = self._listing(folder)
-                entry = listed[folder].get(self.path(url).rstrip("/"))
+                path = str(self.fs(url)._strip_protocol(url))  # s3://b/key -> b/key
+                entry = listed[folder].get(path.rstrip("/"))
             if entry is None or entry.get("type") == "directory":
                 entry = self.info(url, missing_ok)  # names a missing object in its error
             out.append(entry or {})
@@ -286,9 +253,8 @@ class Remote:
         return sorted((self.url(url, str(p)), dict(info)) for p, info in found.items())
 
     def open(self, url: str, size: int, buffer_size: int = BLOCK_SIZE) -> BinaryIO:
-        """``url`` as a seekable binary file of ``size`` bytes, read by range requests
-        of at least ``buffer_size`` bytes (each retried as :meth:`read` does); with
-        ``buffer_size`` 0, each read is one request of what it asks for."""
+        """``url`` as a seekable binary file of ``size`` bytes, read by retried range
+        requests of at least ``buffer_size`` bytes (0: each read one request)."""
         raw = _RangeFile(self, url, size)
         if not buffer_size:
             return cast(BinaryIO, raw)
@@ -307,13 +273,8 @@ class Remote:
         return {k: int(n) for k, n in zip(RETRY_KINDS, self.retried.tolist(), strict=True) if n}
 
     def _check_option(self, protocol: str, exc: BaseException) -> None:
-        """Refuse, in one line naming it and where it goes, a storage option that the
-        filesystem of ``protocol`` was given and does not take (``exc``: the TypeError it
-        raised, when it made the filesystem or at its first request).
-
-        Raises:
-            ConfigError: when ``exc`` is such an error, about an option of this config.
-        """
+        """Raise ConfigError, naming the option and where it goes, when ``exc`` is the
+        TypeError of a storage option the filesystem of ``protocol`` does not take."""
         match = _UNEXPECTED_OPTION.search(str(exc)) if isinstance(exc, TypeError) else None
         where = _option_path(match.group(1), self.storage_options) if match else None
         if match is None or where is None:
@@ -373,8 +334,7 @@ class _RangeFile(io.RawIOBase):
 
 
 def object_version(info: Mapping[str, Any]) -> str:
-    """What identifies an object's content in a listing: its size and its ETag (or the
-    store's own checksum field), tab-separated."""
+    """An object's size and ETag (or the store's own checksum field), tab-separated."""
     size = info.get("size")
     for field in ("ETag", "etag", "md5Hash", "crc32c", "blob_id", "Content-MD5", "Last-Modified"):
         value = info.get(field)
@@ -418,8 +378,7 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
 
 
 def _class_names(exc: BaseException) -> set[str]:
-    """The names of ``exc``'s class and its bases (no cloud library is imported to test
-    for its exceptions)."""
+    """The names of ``exc``'s class and its bases."""
     return {c.__name__ for c in type(exc).__mro__}
 
 
@@ -469,14 +428,12 @@ def _failure(url: str, exc: BaseException, attempts: int, kind: str | None) -> s
 
 
 def _no_credentials(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an exception it was raised from) says that no credentials
-    were found."""
+    """Whether ``exc`` (or one it was raised from) says that no credentials were found."""
     return any(_class_names(chain) & _NO_CREDENTIALS for chain in _chain(exc))
 
 
 def _option_path(name: str, options: Mapping[str, Any], at: str = "") -> str | None:
-    """Where the key ``name`` lies in ``options`` (``client_kwargs.region_name``), at any
-    depth; None when it is not there."""
+    """Where the key ``name`` lies in ``options`` (``client_kwargs.region_name``), or None."""
     for key, value in options.items():
         where = f"{at}{key}"
         if key == name:
@@ -489,8 +446,7 @@ def _option_path(name: str, options: Mapping[str, Any], at: str = "") -> str | N
 
 
 def _filesystem_options(protocol: str) -> list[str]:
-    """The keyword options the filesystem class of ``protocol`` names ([] when it
-    cannot be found)."""
+    """The keyword options of the filesystem class of ``protocol`` ([] when not found)."""
     try:
         from fsspec import get_filesystem_class
 

@@ -1,11 +1,7 @@
 """``data.limit``: a trial run's rows, spread evenly over the source.
 
-A limited run reads ``N`` rows at evenly spaced positions of the source, its first and
-last among them, the same ones every time. Sources list their rows in a stable order (a
-class folder class by class), so the selection holds every class in proportion to its
-size, where the first ``N`` rows would hold the first class only. The selection is itself
-a source (:class:`SpreadRows`) whose ids, labels, per-row columns and fingerprint are those
-of the chosen rows; its ``index`` column counts positions in the selection.
+Sources list rows in a stable order (a class folder class by class), so evenly spaced
+rows hold every class in proportion, where the first ``N`` would hold the first only.
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ from featcache.util.fingerprints import lines_sha256
 
 def spread_positions(total: int, count: int) -> list[int]:
     """``min(count, total)`` positions of ``range(total)``, evenly spaced from the first
-    to the last, in order and without repeats."""
+    to the last, without repeats."""
     if count >= total:
         return list(range(total))
     # spacing (total - 1) / (count - 1) >= 1, so rounding never repeats a position
@@ -28,16 +24,15 @@ def spread_positions(total: int, count: int) -> list[int]:
 
 
 def limit_source(source: SourceDataset, limit: int) -> SourceDataset:
-    """``source`` limited to ``limit`` rows spread over it (:func:`spread_positions`);
-    ``source`` itself when it holds no more than ``limit`` rows."""
+    """``source`` limited to ``limit`` rows spread over it (itself when no longer)."""
     if limit >= len(source):
         return source
     return SpreadRows(source, spread_positions(len(source), limit))
 
 
 class SpreadRows(SourceDataset):
-    """The rows of ``base`` at ``positions``, as a source of their own: row ``i`` is
-    ``base[positions[i]]``, with that row's id, label and per-row columns."""
+    """The rows of ``base`` at ``positions``: row ``i`` is ``base[positions[i]]``, with
+    that row's id, label and per-row columns."""
 
     def __init__(self, base: SourceDataset, positions: list[int]) -> None:
         super().__init__(

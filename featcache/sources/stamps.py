@@ -1,19 +1,9 @@
 """Change stamps: what a source can cheaply tell about the bytes behind each row.
 
-A stamp is a short ASCII text of tab-separated ``name=value`` fields, taken when a run
-starts, before any row is read:
-
-- a local file: ``size=138140	mtime_ns=1764320000123456789`` (one ``stat``);
-- an object in a store, or a file behind a URL: ``size=168743	version=9b2c...`` (its ETag,
-  or the store's own checksum field, as the listing gives it);
-- a member of a WebDataset shard: ``size=<member bytes>`` and the shard's own stamp
-  (``shard_size``, ``shard_mtime_ns`` or ``shard_version``).
-
-Each row of a store records the stamp it was read under (``/stamps``, a fixed-length
-ASCII dataset). A row whose stamp differs now may hold stale values: ``--update``
-recomputes it, ``verify`` and a resume name it. An empty stamp (``b""``) says nothing:
-the source knows nothing cheap about that row, and it is never reported as changed.
-``data.content_hash`` stays the exact test.
+A stamp is tab-separated ASCII ``name=value`` fields (a local file's ``size`` and
+``mtime_ns``, an object's ``size`` and ``version``, its ETag; a WebDataset member's
+``size`` and its shard's fields prefixed ``shard_``), taken when a run starts. An empty
+stamp says nothing and is never reported as changed (see docs/concepts/provenance.md).
 """
 
 from __future__ import annotations
@@ -27,7 +17,7 @@ import numpy as np
 
 def file_stamp(path: str | os.PathLike) -> str:
     """The stamp of a local file: its size and modification time in nanoseconds; "" for
-    a file that cannot be read (its row then fails or is skipped on its own)."""
+    a file that cannot be read."""
     try:
         stat = os.stat(path)
     except OSError:
@@ -36,8 +26,8 @@ def file_stamp(path: str | os.PathLike) -> str:
 
 
 def object_stamp(version: str | None) -> str:
-    """The stamp of an object from its listed version (``"<size>\\t<ETag>"``, as
-    `featcache.sources.remote.object_version` gives it); "" for None."""
+    """The stamp of an object from its listed version (as ``object_version`` gives it);
+    "" for None."""
     if not version:
         return ""
     size, _, tag = version.partition("\t")
@@ -59,8 +49,7 @@ def changed_rows(stored: np.ndarray, current: np.ndarray) -> np.ndarray:
 
 def describe_change(stored: bytes | str, current: bytes | str) -> str:
     """What differs between two stamps of one row: ``"size 138140 -> 168743"``, or
-    ``"modified 2026-11-28 09:12:01 -> 2026-11-28 09:15:33 UTC"`` where only the time
-    moved."""
+    ``"modified <time> -> <time> UTC"`` where only the time moved."""
     old, new = _fields(stored), _fields(current)
     names = [*new, *(name for name in old if name not in new)]
     differing = [name for name in names if old.get(name) != new.get(name)]
@@ -73,9 +62,8 @@ def describe_change(stored: bytes | str, current: bytes | str) -> str:
 def change_report(
     rows: Sequence[int], ids: Sequence[str], stored: np.ndarray, current: np.ndarray, shown: int = 3
 ) -> str:
-    """The changed rows, named: ``"row 9, ants/A.jpg: changed on disk since extraction
-    (size 138140 -> 168743)"``, the first ``shown`` of them and how many more. ``stored``
-    and ``current`` are the stamps of ``rows`` (with their ``ids``), in order."""
+    """The first ``shown`` changed ``rows`` named (``"row 9, ants/A.jpg: changed on disk
+    since extraction (size 138140 -> 168743)"``) and how many more."""
     named = [
         f"row {row}, {sample_id}: changed {_where(new)}since extraction "
         f"({describe_change(old, new)})"

@@ -19,12 +19,8 @@ from featcache.sources.base import SourceDataset, Transform
 
 
 class _SyntheticSource(SourceDataset):
-    """Deterministic class-dependent gratings: no files, for demos and tests.
-
-    Class k is a sinusoidal grating at orientation ``pi * k / num_classes`` (jittered by up
-    to a quarter step) with a class hue as tint, random frequency and phase, and pixel noise.
-    Row i depends only on (seed, split, i), never on access order or worker count.
-    """
+    """Class k is a sinusoidal grating at orientation ``pi * k / num_classes`` (jittered)
+    tinted by a class hue, with pixel noise; row i depends only on (seed, split, i)."""
 
     def __init__(
         self,

@@ -1,9 +1,5 @@
-"""Helpers shared by the column and shard sources (hf, parquet, webdataset).
-
-Image cells are decoded like image files (:mod:`featcache.sources.decode`). Labels given
-as class names become indices into their sorted names. Split values name files relative
-to ``data.root``, with ``{a,b}`` / ``{000..099}`` brace patterns and globs.
-"""
+"""Helpers shared by the column and shard sources (hf, parquet, webdataset): image cells,
+labels, columns, and the files a split names."""
 
 from __future__ import annotations
 
@@ -30,9 +26,8 @@ from featcache.util.urls import check_url, is_url, join, relative
 
 
 class EncodedImageSource(SourceDataset):
-    """A source whose images are encoded bytes (or paths) it decodes itself, JPEGs at a
-    reduced scale still covering ``decode_size``; ``labels`` are int64 [N] class indices
-    or None, ``remote`` reads the paths that are URLs."""
+    """A source whose images are encoded bytes (or paths) it decodes itself; ``labels``
+    are int64 [N] class indices or None, ``remote`` reads the paths that are URLs."""
 
     def __init__(
         self,
@@ -47,47 +42,33 @@ class EncodedImageSource(SourceDataset):
         self.labels, self.decode_size, self.remote = labels, decode_size, remote
 
     def decode(self, value: Any, where: str, root: str | None = None) -> Image.Image:
-        """``value`` as an RGB PIL image (:func:`decode_image`)."""
-        return decode_image(value, where, self.decode_size, root, self.remote)
+        """An image cell (encoded bytes, a mapping with ``bytes`` or ``path``, a path
+        relative to ``root``, a folder or URL, or a PIL image) as an 8-bit RGB PIL image.
 
-
-def decode_image(
-    value: Any,
-    where: str,
-    min_side: int | None = None,
-    root: str | None = None,
-    remote: Remote | None = None,
-) -> Image.Image:
-    """An image cell as an 8-bit RGB PIL image.
-
-    ``value`` is encoded bytes, a mapping with ``bytes`` (or, when that is empty,
-    ``path``), a path (relative to ``root``, a folder or a URL; a URL is read through
-    ``remote``), or a PIL image; ``where`` names the sample in errors.
-
-    Raises:
-        FeatcacheError: ``cannot decode image {where}: {reason}``.
-    """
-    if isinstance(value, Image.Image):
-        return _to_rgb(value)
-    if isinstance(value, dict):
-        value = value.get("bytes") or value.get("path")
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return decode_bytes(bytes(value), where, min_side)
-    if isinstance(value, str) and value:
-        if is_url(value) or (is_url(root) and not os.path.isabs(value)):
-            url = join(str(root), value)
-            return decode_bytes((remote or Remote()).read(url), url, min_side)
-        path = value if root is None or os.path.isabs(value) else os.path.join(root, value)
-        return load_rgb(path, min_side)
-    raise FeatcacheError(
-        f"cannot decode image {where}: the cell holds {type(value).__name__} {value!r:.40}, "
-        "not image bytes or a path"
-    )
+        Raises:
+            FeatcacheError: ``cannot decode image {where}: {reason}``.
+        """
+        if isinstance(value, Image.Image):
+            return _to_rgb(value)
+        if isinstance(value, dict):
+            value = value.get("bytes") or value.get("path")
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            return decode_bytes(bytes(value), where, self.decode_size)
+        if isinstance(value, str) and value:
+            if is_url(value) or (is_url(root) and not os.path.isabs(value)):
+                url = join(str(root), value)
+                return decode_bytes((self.remote or Remote()).read(url), url, self.decode_size)
+            path = value if root is None or os.path.isabs(value) else os.path.join(root, value)
+            return load_rgb(path, self.decode_size)
+        raise FeatcacheError(
+            f"cannot decode image {where}: the cell holds {type(value).__name__} "
+            f"{value!r:.40}, not image bytes or a path"
+        )
 
 
 def class_indices(values: Sequence[Any], where: str) -> tuple[np.ndarray, list[str] | None]:
     """Labels as int64 class indices, and class names when they were given as names
-    (strings, indexed in sorted order); ``where`` names the column in errors.
+    (strings, indexed in sorted order).
 
     Raises:
         ConfigError: labels that are not all integers or all strings.
@@ -122,8 +103,8 @@ def check_columns(data: DataSpec) -> None:
 def require_columns(
     data: DataSpec, label_column: str | None, columns: Sequence[str], what: str
 ) -> None:
-    """Raise ConfigError (``data.<option> 'x' is not a column of <what>; its columns:
-    a, b``) unless every column the config names, and ``label_column``, is in ``columns``."""
+    """Raise ConfigError unless every column the config names, and ``label_column``, is
+    in ``columns``."""
     named = {
         "label_column": label_column,
         "id_column": data.id_column,
@@ -148,8 +129,7 @@ def text_rows(
     identity: str,
 ) -> SourceDataset:
     """The rows of a ``data.text_column``, tokenised by the model's ``tokenizer``
-    (:func:`featcache.sources.text.texts_source`); ``identity`` names the data and its
-    version."""
+    (:func:`featcache.sources.text.texts_source`)."""
     from featcache.sources.text import texts_source
 
     if tokenizer is None:
@@ -165,11 +145,8 @@ _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 
 
 def brace_expand(pattern: str) -> list[str]:
-    """``a-{000..002}.tar`` -> ``a-000.tar a-001.tar a-002.tar``; ``{x,y}`` -> each.
-
-    As in bash, a range whose bounds are written with leading zeros (``{00..10}``) is
-    zero-padded to the wider bound; ``{0..10}`` is not. Patterns expand left to right.
-    """
+    """``a-{000..002}.tar`` -> ``a-000.tar a-001.tar a-002.tar``; ``{x,y}`` -> each. As in
+    bash, a range with leading zeros (``{00..10}``) is zero-padded to the wider bound."""
     match = _BRACE.search(pattern)
     if match is None:
         return [pattern]
@@ -196,30 +173,22 @@ def _zero_padded(bound: str) -> bool:
 
 @dataclass
 class SplitFiles:
-    """The files of one split of a file-backed source (Parquet files, tar shards).
-
-    ``paths`` are absolute local paths, or URLs read through ``remote``; ``names`` are as
-    the config names them (relative to ``data.root``); ``versions`` say what each file held
-    when listed: a local file's size, a URL's size and ETag
-    (:func:`~featcache.sources.remote.object_version`).
-    """
+    """The files of one split of a file-backed source (Parquet files, tar shards):
+    absolute local ``paths`` or URLs read through ``remote``, ``names`` as the config gives
+    them, ``versions`` as listed (a local file's size, a URL's :func:`object_version`)."""
 
     paths: list[str]
     names: list[str]
     versions: list[str]
     remote: Remote | None = None
 
-    @property
-    def sizes(self) -> list[int]:
-        """Each file's size in bytes, as listed."""
-        return [int(version.split("\t")[0]) for version in self.versions]
-
     def open(self, i: int) -> Any:
         """File ``i`` to read: a local path, or a URL as a seekable file whose every read
         is one range request."""
         if self.remote is None:
             return self.paths[i]
-        return self.remote.open(self.paths[i], self.sizes[i], buffer_size=0)
+        size = int(self.versions[i].split("\t")[0])
+        return self.remote.open(self.paths[i], size, buffer_size=0)
 
     def identity(self) -> str:
         """sha256 over each file's name and version, in order."""
@@ -227,11 +196,8 @@ class SplitFiles:
 
 
 def split_paths(data: DataSpec, split: str, value: Any, what: str) -> SplitFiles:
-    """The files the split value ``value`` names: a path, a glob or brace pattern, or a
-    list of them, relative to ``data.root`` (the working directory when unset), in the
-    order given (globs sorted), each once; URLs when ``data.root`` is one or ``value``
-    names one (globs listed once, every object's size and ETag from one listing per
-    folder). ``what`` says what the files are, in errors.
+    """The files the split value ``value`` names (a path, a glob or brace pattern, or a
+    list of them, relative to ``data.root``), in the order given (globs sorted), each once.
 
     Raises:
         ConfigError: a bad value, a pattern that matches nothing, a missing file, a local
@@ -306,9 +272,6 @@ def _urls(data: DataSpec, split: str, names: list[str], remote: Remote) -> list[
 
 def _name_under(file: Path, root: Path | None) -> str:
     """``file`` relative to ``root`` when it is under it, as a POSIX path."""
-    if root is not None:
-        try:
-            return file.relative_to(root).as_posix()
-        except ValueError:
-            pass
+    if root is not None and file.is_relative_to(root):
+        return file.relative_to(root).as_posix()
     return file.as_posix()

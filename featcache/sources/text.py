@@ -1,13 +1,6 @@
-"""Text sources: one text per row, tokenised once by the model's tokenizer.
-
-A text file (``.csv`` with a header, ``.jsonl``/``.ndjson`` with one object per line, or
-``.txt`` with one text per line) becomes a :class:`TextSource`, whose rows are
-``({"input_ids": int64 [T_i], "attention_mask": int64 [T_i]}, label)``. Rows have their
-own lengths ``T_i``; the loader pads each batch to its longest row (dynamic padding, with
-:attr:`TextSource.pad_values`). Every text is tokenised when the source is built and the
-token ids are kept as one flat array plus offsets, so the source pickles cheaply into
-DataLoader workers.
-"""
+"""Text sources: one text per row, tokenised once when the source is built (see
+docs/guides/text.md); the ids are kept as one flat array plus offsets, so the source
+pickles cheaply into DataLoader workers."""
 
 from __future__ import annotations
 
@@ -46,8 +39,6 @@ class TextSource(SourceDataset):
     ``tokens`` is ``{"input_ids": int64 [T_i], "attention_mask": int64 [T_i] (all ones)}``
     and ``label`` an int class index (-1 when there is none). A row whose text is empty
     raises :class:`FeatcacheError` when read, so ``loader.on_error: skip`` can skip it.
-    ``pad_values`` is what the loader pads each input with; ``tokenizer_name`` and
-    ``max_length`` are the tokenizer and length limit that made the ids.
     """
 
     def __init__(
@@ -104,9 +95,9 @@ class TextSource(SourceDataset):
         return {"input_ids": input_ids, "attention_mask": mask}, self.label(i)
 
     def fingerprint(self, content: bool = False) -> str:
-        """sha256 over the sorted ids, the source's identity (a file's name and size;
-        with ``content=True`` its bytes, or the token ids of texts held in memory), the
-        tokenizer's name and ``max_length``."""
+        """sha256 over the sorted ids, the source's identity (a file's name and size; with
+        ``content=True`` its bytes, or the token ids held in memory), the tokenizer's name
+        and ``max_length``."""
         digest = hashlib.sha256()
         for sample_id in sorted(self.ids):
             digest.update(sample_id.encode() + b"\n")
@@ -149,11 +140,9 @@ def texts_source(
 ) -> TextSource:
     """A :class:`TextSource` over texts held in memory (one per row).
 
-    ``labels`` are class indices (-1: the row has none), or None for an unlabeled source;
-    ``max_length`` caps the tokens per text (None: the tokenizer's own limit).
-    ``identity`` names where the texts came from (a file, a dataset and split) and goes
-    into the fingerprint. Empty or blank texts are not tokenised: their rows fail when
-    read.
+    ``labels`` are class indices (-1: the row has none) or None; ``max_length`` caps the
+    tokens per text (None: the tokenizer's own limit); ``identity`` names where the texts
+    came from, for the fingerprint. Empty or blank texts are not tokenised.
     """
     n = len(texts)
     if len(ids) != n or (labels is not None and len(labels) != n):
@@ -168,14 +157,13 @@ def texts_source(
     truncated = np.zeros(n, dtype=bool)
     blocks: list[np.ndarray] = []
     filled = np.flatnonzero(~empty)
-    bar = tqdm(
+    with tqdm(
         total=len(filled),
         unit="text",
         desc=f"tokenising {identity}",
         disable=len(filled) <= PROGRESS_FROM,
         dynamic_ncols=True,
-    )
-    with bar:
+    ) as bar:
         for start in range(0, len(filled), TOKENIZE_BLOCK):
             rows = filled[start : start + TOKENIZE_BLOCK]
             out = tokenizer([texts[i] for i in rows], limit)
@@ -213,13 +201,8 @@ def text_source(
     data: DataSpec, split: str, value: Any, transform: Any, tokenizer: Tokenizer | None
 ) -> TextSource:
     """The text source of one split: ``value`` is a .csv, .jsonl/.ndjson or .txt file
-    (relative to ``data.root`` when it is set). ``transform`` is unused (images only).
-
-    Columns: ``data.text_column`` (default ``text``), ``data.label_column`` (default
-    ``label`` when the file has it), ``data.id_column`` (default ``id`` when the file has
-    it; else ids are ``<file name>:<line>``, the record number for CSV). A .txt file has
-    one text per line (blank lines skipped) and no labels or ids.
-    """
+    (columns: docs/guides/text.md); ids default to ``<file name>:<line>`` (the record
+    number for CSV). ``transform`` is unused (images only)."""
     if tokenizer is None:
         raise ConfigError(
             f"data.source={data.source} needs a tokenizer, and the model has none; use a text "
@@ -339,8 +322,7 @@ def _column(
     file: Path | str,
     required: bool = False,
 ) -> str | None:
-    """The column to read: ``named``, else ``default`` when the file has it (a
-    ``required`` column must exist either way)."""
+    """The column to read: ``named``, else ``default`` when the file has it."""
     have = ", ".join(columns) or "none"
     if named is None:
         if default in columns or not required:

@@ -1,11 +1,5 @@
-"""The tokenizer a text model gives its text sources: texts in, token ids per text out.
-
-A :class:`Tokenizer` turns texts into unpadded token-id lists, special tokens included,
-truncated to a maximum length; padding to a batch happens later, per batch, in the
-loader (dynamic padding), with :attr:`Tokenizer.pad_id` and an attention mask. Model
-kinds that take text (``hf:`` text models and dual encoders on text data, ``open_clip:``
-text towers) return one in :class:`~featcache.models.registry.BuiltModel`.
-"""
+"""The tokenizer a text model gives its text sources: texts in, unpadded token ids per
+text out (the loader pads each batch with :attr:`Tokenizer.pad_id`)."""
 
 from __future__ import annotations
 
@@ -24,13 +18,9 @@ class Tokenized:
 
 
 class Tokenizer(Protocol):
-    """What a text source needs from a model's tokenizer.
-
-    ``name`` identifies the tokenizer in a store's provenance (e.g. ``"hf:bert-base"`` or
-    the sha256 of its vocabulary files); ``pad_id`` fills padded positions (masked out, so
-    its value never reaches a stored feature); ``max_length`` is the model's own limit
-    (positions it has embeddings for; None: no limit).
-    """
+    """What a text source needs from a model's tokenizer: ``name`` identifies it in a
+    store's provenance, ``pad_id`` fills padded (masked) positions, ``max_length`` is the
+    model's own limit (None: no limit)."""
 
     name: str
     pad_id: int

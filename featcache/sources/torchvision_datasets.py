@@ -45,10 +45,8 @@ class _TorchvisionSource(SourceDataset):
         return _array_to_rgb(image, where), label
 
     def fingerprint(self, content: bool = False) -> str:
-        """For a dataset over listed files (``ImageFolder`` and other ``DatasetFolder``
-        classes keep ``samples``: ``(path, class index)`` pairs), sha256 over each row's
-        file, size (and bytes with ``content``) and label in row order; otherwise over the
-        ids, which say only how many rows there are."""
+        """For a dataset over listed files (a ``DatasetFolder``'s ``samples``), sha256 over
+        each row's file, size (and bytes with ``content``) and label; otherwise over the ids."""
         samples = getattr(self.dataset, "samples", None)
         if not (isinstance(samples, list) and all(_file_sample(s) for s in samples)):
             return super().fingerprint(content)

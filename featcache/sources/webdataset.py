@@ -1,24 +1,14 @@
-"""The webdataset source: samples stored as consecutive members of uncompressed tar shards.
+"""The webdataset source: samples stored as consecutive members of uncompressed tar shards
+(see docs/guides/sources.md).
 
-A sample is a run of consecutive members sharing a key, the member's path up to the first
-dot of its file name (``train/cat/0001.jpg`` and ``train/cat/0001.cls`` are sample
-``train/cat/0001``, WebDataset's ``__key__``). Its image is the first member with an image
-extension (or the extension ``data.image_column`` names), its label the integer text of
-its ``cls`` member or the ``data.label_column`` field (default ``label``) of its ``json``
-member, its text (with ``data.text_column``) the member with that extension (``txt``).
-
-One pass over the tar headers indexes every shard (each sample's shard, byte offset and
-size, in numpy arrays); ``ds[i]`` is then one positioned read, so the source is map-style
-and resumes by position. The index of each shard is kept as JSON in
-``$FEATCACHE_CACHE_DIR/wds-index`` (default ``~/.cache/featcache/wds-index``; an empty
-``FEATCACHE_CACHE_DIR`` keeps none), keyed by the shard's path, size and modification time
-(a URL's ETag) and the options that shape the index. Shards named by URLs
-(:mod:`featcache.sources.remote`) are indexed by one read from start to end in large
-range requests; the samples of a batch are then fetched with one range request.
+One pass over the tar headers indexes each shard (kept in :func:`index_cache_dir`, keyed
+by the shard's identity and the options); ``ds[i]`` is then one positioned read, so the
+source is map-style and resumes by position.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -33,9 +23,8 @@ from typing import Any, BinaryIO
 import numpy as np
 from PIL import Image
 
-from featcache.config.spec import DataSpec
 from featcache.errors import ConfigError, FeatcacheError, first_line
-from featcache.sources.base import IMAGE_EXTENSIONS, SourceDataset, Transform
+from featcache.sources.base import IMAGE_EXTENSIONS, SourceDataset, SourceRequest, Transform
 from featcache.sources.decode import decode_bytes
 from featcache.sources.remote import Remote, object_version
 from featcache.sources.stamps import file_stamp, object_stamp
@@ -47,7 +36,6 @@ from featcache.sources.tabular import (
     split_paths,
     text_rows,
 )
-from featcache.sources.tokenizer import Tokenizer
 from featcache.util.fingerprints import file_line, lines_sha256
 
 IMAGE_EXTS = tuple(ext[1:] for ext in IMAGE_EXTENSIONS)
@@ -56,10 +44,8 @@ IMAGE_EXTS = tuple(ext[1:] for ext in IMAGE_EXTENSIONS)
 class WebDatasetSource(EncodedImageSource):
     """Images (and labels) of the samples of tar shards; ids are the samples' keys.
 
-    Holds the shards (``shards``: absolute paths, or URLs read through ``remote``;
-    ``names`` as the config names them) and per-sample int arrays (shard, offset, size);
-    file handles, and the bytes of the batch fetched from a remote shard, are per process
-    and never pickled.
+    Holds the shards and per-sample int arrays (shard, offset, size); file handles, and
+    the bytes of the batch fetched from a remote shard, are per process, never pickled.
     """
 
     def __init__(
@@ -90,17 +76,14 @@ class WebDatasetSource(EncodedImageSource):
         return (np.flatnonzero(np.diff(self.shard)) + 1).tolist()
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.update(_fds={}, _span=None)
-        return state
+        return {**self.__dict__, "_fds": {}, "_span": None}
 
     def __del__(self) -> None:
-        try:  # this process's own descriptors only; at interpreter exit, nothing to do
+        # this process's own descriptors only; at interpreter exit, nothing to do
+        with contextlib.suppress(Exception):
             if self._pid == os.getpid():
                 for fd in self._fds.values():
                     os.close(fd)
-        except Exception:
-            pass
 
     def _fd(self, shard: int) -> int:
         if self._pid != os.getpid():  # a forked worker: its own descriptors
@@ -112,8 +95,7 @@ class WebDatasetSource(EncodedImageSource):
 
     def prefetch(self, rows: list[int]) -> None:
         """Fetch the bytes of ``rows`` (a batch: rows of one shard) from a remote shard in
-        one range request, from the first row's image to the last's; a failure is kept
-        and raised by the rows it covers."""
+        one range request; a failure is kept and raised by the rows it covers."""
         if self.remote is None or not rows:
             return
         shard = int(self.shard[rows[0]])
@@ -166,8 +148,7 @@ class WebDatasetSource(EncodedImageSource):
         return decode_bytes(self.read_bytes(i), self._where(i), self.decode_size), self.label(i)
 
     def change_stamps(self) -> list[str]:
-        """Each sample's stamp: its image member's size and its shard's stamp (a local
-        shard's size and mtime, a remote one's size and ETag as the store lists it now)."""
+        """Each sample's stamp: its image member's size and its shard's stamp, taken now."""
         if self.remote is not None:
             infos = self.remote.stat(self.shards)
             shard_stamps = [object_stamp(object_version(info)) for info in infos]
@@ -181,8 +162,7 @@ class WebDatasetSource(EncodedImageSource):
 
     def fingerprint(self, content: bool = False) -> str:
         """sha256 over the sample count and each shard's name and size (and bytes with
-        ``content``); for URLs, each shard's URL, size and ETag as the store lists them
-        now, so that a shard replaced since is seen."""
+        ``content``); for URLs, each shard's URL, size and ETag as listed now."""
         lines = [f"webdataset\t{len(self)} samples"]
         if self.remote is None:
             shards = zip(self.shards, self.names, strict=True)
@@ -212,20 +192,14 @@ class _Options:
     text_ext: str | None  # data.text_column: the member holding the text
 
 
-def webdataset_source(
-    data: DataSpec,
-    split: str,
-    value: Any,
-    transform: Transform | None,
-    tokenizer: Tokenizer | None = None,
-    decode_size: int | None = None,
-) -> SourceDataset:
-    """The samples of the tar shards ``value`` names (see the module docstring).
+def webdataset_source(request: SourceRequest) -> SourceDataset:
+    """The samples of the tar shards the split names.
 
     Raises:
         ConfigError: no shards, a shard that is not a readable uncompressed tar, a key in
             two shards (or twice in one), a sample without an image, a bad label.
     """
+    data, split, value, transform = request.args
     check_columns(data)
     if data.id_column:
         raise ConfigError(
@@ -267,7 +241,7 @@ def webdataset_source(
     if options.text_ext is not None:
         where = f"webdataset split {split} ({len(names)} shards, {files.identity()[:16]})"
         texts = [sample.text or "" for sample in samples]
-        return text_rows(texts, labels, ids, class_names, tokenizer, data.max_length, where)
+        return text_rows(texts, labels, ids, class_names, request.tokenizer, data.max_length, where)
     for sample, s in zip(samples, shard_of, strict=True):
         if sample.image is None:
             found = ", ".join(sample.members) or "none"
@@ -291,7 +265,7 @@ def webdataset_source(
         labels=labels,
         class_names=class_names,
         transform=transform,
-        decode_size=decode_size,
+        decode_size=request.decode_size,
     )
 
 
@@ -299,9 +273,8 @@ INDEX_VERSION = 1  # of the cached index's layout
 
 
 def index_cache_dir() -> Path | None:
-    """Where shard indexes are kept: ``$FEATCACHE_CACHE_DIR/wds-index``, by default
-    ``$XDG_CACHE_HOME/featcache`` or ``~/.cache/featcache``; None when the variable is
-    set to an empty string."""
+    """Where shard indexes are kept: ``$FEATCACHE_CACHE_DIR/wds-index`` (by default under
+    ``$XDG_CACHE_HOME/featcache`` or ``~/.cache/featcache``); None when it is set empty."""
     base = os.environ.get("FEATCACHE_CACHE_DIR")
     if base is None:
         xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -325,8 +298,8 @@ def _cached_index(path: Path, name: str, options: _Options) -> list[_Sample]:
 def _cached_remote_index(
     url: str, version: str, name: str, options: _Options, remote: Remote
 ) -> list[_Sample]:
-    """The index of the remote shard ``url``, from the index cache while the object's
-    size and ETag (``version``) are those it was made from; else read once, start to end."""
+    """The index of the remote shard ``url``, from the index cache while its ``version``
+    is unchanged; else read once, start to end."""
 
     def index() -> list[_Sample]:
         size = int(version.split("\t")[0])
@@ -337,27 +310,23 @@ def _cached_remote_index(
 
 
 def _through_cache(identity: list[Any], make: Callable[[], list[_Sample]]) -> list[_Sample]:
-    """The samples cached under ``identity``, else ``make()``'s, cached (when a cache
-    folder is set)."""
+    """The samples cached under ``identity``, else ``make()``'s, cached."""
     folder = index_cache_dir()
     if folder is None:
         return make()
     file = folder / (hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:32] + ".json")
-    try:
+    # absent, unreadable or of another version: index again
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         cached = json.loads(file.read_text())
         if cached["identity"] == json.loads(json.dumps(identity)):
             return [_Sample(**sample) for sample in cached["samples"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # absent, unreadable or of another version: index again
     samples = make()
-    try:
+    with contextlib.suppress(OSError):  # a read-only cache: the index is made again next time
         folder.mkdir(parents=True, exist_ok=True)
         partial = file.with_suffix(f".{os.getpid()}.tmp")
         entries = [dataclasses.asdict(sample) for sample in samples]
         partial.write_text(json.dumps({"identity": identity, "samples": entries}))
         os.replace(partial, file)  # whole or not at all, whichever rank writes last
-    except OSError:
-        pass  # a read-only cache: the index is made again next time
     return samples
 
 
@@ -380,8 +349,7 @@ def _not_a_tar(name: str, exc: Exception) -> ConfigError:
 
 
 def _index_tar(raw: BinaryIO, file_size: int, name: str, options: _Options) -> list[_Sample]:
-    """The samples of one shard (the seekable file ``raw`` of ``file_size`` bytes), from
-    its tar headers (and its small label members)."""
+    """The samples of one shard (the seekable file ``raw`` of ``file_size`` bytes)."""
     try:
         tar = tarfile.open(fileobj=raw, mode="r:")  # noqa: SIM115  (closed below)
     except (tarfile.TarError, OSError) as exc:

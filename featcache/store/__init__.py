@@ -1,10 +1,6 @@
 """The HDF5 store: one file per split, readable by any HDF5 tool.
 
-A store holds ``/features/<layer>`` ``[N, *shape]``, ``/labels``, ``/index`` and ``/ids``
-(``[N]``), one XXH3-64 checksum per chunk in ``/checksums/<dataset>``, ``/progress``
-while it is written and ``/skipped`` when samples were left out; its attributes hold the
-format version, completeness and provenance as JSON. docs/store-format.md is the
-specification; each module's first line says its one job.
+docs/store-format.md is the specification; each module's first line says its one job.
 """
 
 from featcache.store import codec

@@ -36,10 +36,9 @@ class BadChunk:
 
 
 def scan_chunks(store: str | os.PathLike | FeatureStore) -> list[BadChunk]:
-    """Check every chunk of every dataset of ``store`` and list those that fail: against
-    its checksum, or, in a format-2 store, read through HDF5's Fletcher-32 filter. A
-    store combined from shards is checked shard by shard, named by its own rows; an
-    incomplete one in its durable chunks only (a resume writes the others again)."""
+    """The chunks of ``store`` that fail their checksum (or, in a format-2 store, HDF5's
+    Fletcher-32 filter); a combined store's shard by shard, an incomplete one's durable
+    chunks only."""
     return _of_file(store, scan_file)
 
 
@@ -104,9 +103,7 @@ def _has_checksums(file: h5py.File) -> bool:
 
 def durable_problem(file: h5py.File) -> str:
     """Why an incomplete store's progress mark cannot be right ("" when it can be): it
-    counts rows that its datasets do not hold in whole durable chunks, or a dataset's
-    chunks are no longer where the store was created with them (where its run writes
-    them). Rows in the durable chunks are then checked by their checksums."""
+    counts rows not held in whole durable chunks, or a dataset's chunks have moved."""
     if "datasets" not in file[PROGRESS].attrs:
         return "it is an incomplete store of store format 2, which cannot be resumed"
     rows, durable = read_progress(file)

@@ -1,13 +1,9 @@
 """How values and attributes are encoded in a store: the dtype table and attribute JSON.
 
-HDF5 has no bfloat16: bfloat16 rows are stored as their 16 bits in a ``uint16`` dataset
-whose ``dtype`` attribute says ``"bfloat16"``; tensors go in through :func:`encode` and
-:func:`as_array` and come back through :func:`from_array`. ``int8`` rows are symmetric
-8-bit codes with one float32 scale per row (per token for per-token rows) in
-``/scales/<layer>``: value = code * scale (:func:`quantize`, :func:`dequantize`).
-Text attributes are fixed-length UTF-8 (:func:`set_attr`), kept in HDF5's checksummed
-headers, never in its global heap, which has no checksum (a damaged length there can
-hang HDF5, HDFGroup/hdf5#1707); :func:`attr` and :func:`read_attrs` give them back as ``str``.
+bfloat16 rows are stored as their bits in ``uint16`` datasets, int8 rows as codes with a
+float32 scale per row (docs/store-format.md). Text attributes are fixed-length UTF-8,
+kept in HDF5's checksummed headers, never in its global heap, which has no checksum (a
+damaged length there can hang HDF5, HDFGroup/hdf5#1707).
 """
 
 from __future__ import annotations
@@ -30,7 +26,6 @@ DTYPES: dict[str, type[np.generic]] = {
     "int8": np.int8,
 }
 QUANTIZED = frozenset({"int8"})  # store dtypes kept as codes with a scale per row
-SCALES = "scales"  # the group of the scale datasets of quantized layers: /scales/<layer>
 CODE_MAX = 127  # int8 codes run from -127 to 127: symmetric, -128 unused
 
 # File attributes that hold JSON text rather than a plain HDF5 scalar.
@@ -61,23 +56,14 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def value_dtype(name: str) -> torch.dtype:
-    """The torch dtype readers give the values of store dtype ``name`` in: its own, or
-    float32 for quantized codes (dequantized)."""
-    import torch
-
-    return torch.float32 if name in QUANTIZED else torch_dtype(name)
-
-
 def scales_name(key: str) -> str:
     """The dataset holding the scales of the quantized layer ``key``."""
-    return f"{SCALES}/{key}"
+    return f"scales/{key}"
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``x`` ``[n, ...]`` (finite floats) as int8 codes of the same shape and one
-    float32 scale per row ``[n]``: the row's largest magnitude over 127, so that
-    ``code * scale`` is within half a scale of the value. On ``x``'s device."""
+    float32 scale per row ``[n]`` (its largest magnitude over 127), on ``x``'s device."""
     import torch
 
     flat = x.detach().float().flatten(1)
@@ -100,14 +86,12 @@ def numpy_dtype(name: str) -> np.dtype:
 
 
 def encode(x: torch.Tensor, dtype: str) -> torch.Tensor:
-    """Cast a batch to the store's dtype on its own device; bfloat16 as its int16 bits.
+    """Cast a batch to the store's dtype on its own device, contiguous in the default
+    layout; bfloat16 as its int16 bits.
 
-    The result is contiguous in the default layout, whatever the layout the model ran in,
-    so rows copy to the host and into HDF5 as flat blocks: one pass on an accelerator.
-    On the CPU a cast that also reorders runs a strided loop about twice as slow as a cast
-    in the input's own layout followed by a reorder of the narrower values, so float16 is
-    made that way; both give the same bits for every float32 input, NaNs included.
-    bfloat16 keeps the one pass, since the vectorized cast writes NaNs with other bits.
+    On the CPU a cast that also reorders is about twice as slow as a cast followed by a
+    reorder of the narrower values, so float16 is made that way (same bits, NaNs too);
+    bfloat16 keeps the one pass, since its vectorized cast writes NaNs with other bits.
     """
     import torch
 
@@ -129,9 +113,8 @@ def values(encoded: torch.Tensor, dtype: str) -> torch.Tensor:
 
 
 def as_array(tensor: torch.Tensor) -> np.ndarray:
-    """A CPU tensor as the numpy array HDF5 stores, over the same memory: bfloat16 (or
-    the int16 bits :func:`encode` makes of it) as ``uint16`` bits. Undone by
-    :func:`from_array`."""
+    """A CPU tensor as the numpy array HDF5 stores, over the same memory: bfloat16 (or its
+    int16 bits from :func:`encode`) as ``uint16`` bits."""
     import torch
 
     if tensor.dtype in (torch.bfloat16, torch.int16):
@@ -154,8 +137,8 @@ HDF5Object: TypeAlias = h5py.File | h5py.Group | h5py.Dataset
 
 
 def fixed_texts(texts: Sequence[str]) -> np.ndarray:
-    """``texts`` as fixed-length UTF-8 strings (an ``S<n>`` array, ``n`` the longest's
-    bytes and at least 1): what HDF5 keeps inside checksummed headers and chunks."""
+    """``texts`` as fixed-length UTF-8 strings: an ``S<n>`` array, ``n`` the longest's
+    bytes and at least 1."""
     raw = [text.encode("utf-8") for text in texts]
     width = max((len(r) for r in raw), default=1) or 1
     return np.array(raw, dtype=h5py.string_dtype("utf-8", width))
@@ -168,15 +151,14 @@ def set_attr(target: HDF5Object, key: str, value: Any) -> None:
 
 def copy_attrs(source: HDF5Object, target: HDF5Object, skip: Collection[str] = ()) -> None:
     """Copy every attribute of ``source`` but those in ``skip`` to ``target``, as
-    :func:`set_attr` writes them (text written variable-length before becomes fixed)."""
+    :func:`set_attr` writes them."""
     for key, value in source.attrs.items():
         if key not in skip:
             set_attr(target, key, value)
 
 
 def write_attrs(target: HDF5Object, attrs: Mapping[str, Any]) -> None:
-    """Write attributes as :func:`set_attr` does, JSON-encoding the file's ones listed in
-    :data:`JSON_ATTRS` (as :func:`read_attrs` decodes them)."""
+    """Write attributes as :func:`set_attr` does, the file's :data:`JSON_ATTRS` as JSON."""
     json_attrs = JSON_ATTRS if _is_file(target) else frozenset()
     for key, value in attrs.items():
         set_attr(target, key, json.dumps(value) if key in json_attrs else value)
@@ -192,9 +174,7 @@ def attr(source: HDF5Object, key: str, default: Any = None) -> Any:
 
 
 def read_attrs(source: HDF5Object) -> dict[str, Any]:
-    """All attributes as Python data: text as ``str`` (stored fixed-length or
-    variable-length), the file's JSON ones (:data:`JSON_ATTRS`) decoded, numpy scalars
-    made plain."""
+    """All attributes as Python data, as :func:`attr` gives each."""
     json_attrs = JSON_ATTRS if _is_file(source) else frozenset()
     return {key: _plain(value, key in json_attrs) for key, value in source.attrs.items()}
 
@@ -209,6 +189,4 @@ def _plain(value: Any, is_json: bool) -> Any:
         value = value.decode("utf-8")
     if is_json and isinstance(value, str):
         return json.loads(value)
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
+    return value.item() if isinstance(value, np.generic) else value

@@ -1,10 +1,8 @@
-"""A store reads only its own bytes: what it may name outside itself, and nothing else.
+"""A store reads only its own bytes, and the shard files beside it that it lists.
 
 HDF5 lets a file take values from elsewhere (external links, external storage, virtual
-datasets over other files): a store shared or downloaded could make its readers return
-any file they can open. featcache writes none of them but a torchrun store's virtual
-datasets over the shard files listed in its ``shards`` attribute, beside it; anything
-else is refused before a value is read, as are shards missing, incomplete or damaged.
+datasets over other files), so a store shared or downloaded could make its readers
+return any file they can open: anything but a combined store's shards is refused.
 """
 
 from __future__ import annotations
@@ -23,9 +21,8 @@ from featcache.store.metadata import UNREADABLE_METADATA, metadata_problem
 
 def foreign_data_problem(file: h5py.File) -> str:
     """Why ``file`` would take values from outside itself ("" when it would not): a link
-    that is not a plain one, a dataset kept in external storage, or a virtual dataset
-    over anything but the shard files the store lists, named plainly, beside it; or a
-    shard that is missing, incomplete, damaged or not self-contained itself."""
+    that is not a hard one, external storage, a virtual dataset over anything but its
+    listed shards beside it, or a shard missing, incomplete, damaged or not self-contained."""
     shards = codec.attr(file, "shards")
     if isinstance(shards, np.ndarray):  # written as an array of names rather than JSON
         shards = [s.decode() if isinstance(s, bytes) else str(s) for s in shards.ravel()]

@@ -44,19 +44,14 @@ class LayerDescription:
     @property
     def row_shape(self) -> str:
         """A row's shape as text: ``[512]``, or ``[T, 384]`` for per-token rows."""
-        return (
-            f"[T, {', '.join(map(str, self.shape))}]" if self.per_token else str(list(self.shape))
-        )
+        shape = ", ".join(map(str, self.shape))
+        return f"[T, {shape}]" if self.per_token else f"[{shape}]"
 
 
 @dataclass(frozen=True)
 class StoreDescription:
-    """A store's rows, layers, sizes on disk, completeness and provenance.
-
-    ``str()`` (or :meth:`format`) is the text ``featcache info`` prints, :meth:`summary`
-    the line printed after a store is written, :meth:`to_dict` the data of
-    ``featcache info --json``.
-    """
+    """A store's rows, layers, sizes on disk, completeness and provenance: ``str()`` is the
+    text ``featcache info`` prints, :meth:`to_dict` the data of ``--json``."""
 
     path: Path
     bytes: int  # on disk: the file and, for a sharded store, its shard files
@@ -68,8 +63,7 @@ class StoreDescription:
     class_names: list[str] | None
     skipped: list[dict[str, Any]]  # {"index", "id", "reason"} of each sample left out
     attrs: dict[str, Any]  # file attributes, JSON values decoded
-    # The process writing an incomplete store now: {"pid", "host", "started", "output"};
-    # None when none is (the run stopped, or the store is complete).
+    # The process writing an incomplete store now ({"pid", "host", "started", "output"}).
     writer: dict[str, Any] | None = None
     tokens: int | None = None  # tokens in the per-token rows (None: no per-token layers)
     # The fields of the rows' change stamps ("size, mtime_ns"); "" when none are recorded.
@@ -90,9 +84,8 @@ class StoreDescription:
 
     @property
     def resume_command(self) -> str | None:
-        """The command that resumes this store's run, when it was made from a config file
-        (None otherwise, and for a recorded command that is not one: see
-        :func:`shown_command`)."""
+        """The command that resumes this store's run (None: not made from a config file, or
+        the recorded command is not one: see :func:`shown_command`)."""
         return shown_command(self.attrs.get("resume_command"))
 
     @property
@@ -293,8 +286,8 @@ def describe(store: FeatureStore) -> StoreDescription:
 
 
 def _stamp_fields(stamps: Any) -> str:
-    """The field names of the first known stamp among the first rows of the ``/stamps``
-    dataset (None: absent): ``"size, mtime_ns"``; "" for none."""
+    """The field names of the first known stamp of the ``/stamps`` dataset (None: absent)
+    among its first rows: ``"size, mtime_ns"``; "" for none."""
     known = [] if stamps is None else [s for s in stamps[:1024] if s]
     if not known:
         return ""
@@ -311,8 +304,7 @@ def _updates(command: str) -> bool:
 
 def code_overrides(command: str | None) -> list[str]:
     """The config keys that the ``--set`` overrides of a shown resume ``command`` set to
-    run code (``model.factory``, ``model.trust_remote_code``); [] when none do. A store
-    records its command as text, so a store made elsewhere may plant one."""
+    run code (``model.factory``, ``model.trust_remote_code``): a store may plant them."""
     words = shlex.split(command) if command else []
     found: list[str] = []
     items = [b for a, b in zip(words, words[1:], strict=False) if a == "--set"]
@@ -332,10 +324,9 @@ def code_overrides(command: str | None) -> list[str]:
 
 
 def shown_command(recorded: Any) -> str | None:
-    """A resume command recorded in a store, as featcache shows it to be run:
-    ``featcache extract ...`` or ``torchrun <options> -m featcache extract ...``, every word
-    quoted, so that the line pasted into a shell runs exactly those words; None for
-    anything else. A store is data, and one made elsewhere may record any text."""
+    """A resume command recorded in a store (which may record any text), every word quoted:
+    ``featcache extract ...`` or ``torchrun <options> -m featcache extract ...``; None for
+    anything else."""
     if not isinstance(recorded, str):
         return None
     try:

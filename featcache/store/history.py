@@ -1,24 +1,9 @@
 """A store's history: one record per run that wrote it, kept in its ``history`` attribute.
 
-A fresh extraction starts the list with one record; each update
-(:mod:`featcache.extraction.update`) copies the list of the store it replaces and adds
-its own. A record says when the run finished (UTC, ISO 8601), what it computed and what
-it copied from the store before it, and the fingerprints it ran under::
-
-    {"time": "2026-11-27T02:10:00+00:00", "kind": "update",
-     "rows_computed": 25, "rows_reused": 195, "rows_resumed": 0,
-     "layers_computed": 0, "layers_reused": 2,
-     "config_fingerprint": "...", "dataset_fingerprint": "..."}
-
-``rows_computed`` are the rows that ran through the model for every layer (new samples,
-or samples whose bytes changed); ``layers_computed`` the layers computed for every row
-(new ones, or ones whose definition changed); the rest was copied. ``rows_resumed`` are
-the rows a stopped run had written, which this run resumed after and kept (0 for a run
-that started afresh); records written before it was kept lack it, and read as 0.
-
-A shard of a run of several processes records the ``launch`` it was written by; the store
-combined over shards has one record per launch, summed over its shards
-(:func:`featcache.store.merge.launch_records`).
+An update copies the list of the store it replaces and adds its own record; a store
+combined over shards has one record per launch (:func:`featcache.store.merge.launch_records`).
+Records written before ``rows_resumed`` was kept lack it, and read as 0
+(docs/guides/update.md#history).
 """
 
 from __future__ import annotations
@@ -39,9 +24,8 @@ def run_record(
 ) -> dict[str, Any]:
     """One run's record: ``kind`` (``"extract"`` or ``"update"``), ``rows`` and ``layers``
     as ``(computed, reused)``, the ``resumed`` rows a stopped run had written and this one
-    kept, the store key's ``config_fingerprint`` and ``dataset_fingerprint`` (from
-    ``fingerprints``), finished at ``time`` (default: now); ``launch``, when given, names
-    the launch of several processes that the run was part of."""
+    kept, the fingerprints of the store key, finished at ``time`` (default: now), and the
+    ``launch`` of several processes the run was part of, when given."""
     record = {
         "time": time or datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "kind": kind,

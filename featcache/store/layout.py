@@ -1,11 +1,8 @@
 """The format-3 layout: datasets allocated whole, their chunk sizes, chunk checksums, progress.
 
-Every dataset a run writes is chunked along its first axis, unfiltered and allocated in
-full when the file is created, so the run writes whole chunks straight into their places
-(:func:`chunk_addresses`) and never changes HDF5's metadata until the store completes.
-``/checksums/<name>`` holds the XXH3-64 of each chunk's bytes as stored (zero-padded past
-the last row); ``/progress`` the durable rows and each dataset's durable entries, whole
-chunks. docs/store-format.md is the specification.
+Datasets are unfiltered and allocated in full at creation, so a run writes whole chunks
+straight into their places and never changes HDF5's metadata until the store completes
+(docs/store-format.md).
 """
 
 from __future__ import annotations
@@ -27,15 +24,13 @@ PROGRESS = "progress"
 STAMPS = "stamps"  # [N] fixed-length ASCII: each row's change stamp (featcache.sources.stamps)
 STAMP_ROOM = 8  # bytes a stamp may grow by in a resumed run (a file size's digits)
 
-# HDF5 file formats. A store is written with version-2 object headers (checksummed) in a
-# version-2 superblock, which HDF5 does not mark as open for writing: a file whose writer
-# was killed while HDF5 had it open (at completion) still opens. A file written whole (a
-# compressed or merged copy, a combined torchrun store) uses HDF5 1.10's format, whose
-# chunk indexes carry checksums too.
+# HDF5 file formats: checksummed version-2 object headers in a version-2 superblock, which
+# HDF5 does not mark as open for writing (a file whose writer was killed still opens); a
+# file written whole uses HDF5 1.10's format, whose chunk indexes carry checksums too.
 LIBVER = ("v108", "v110")
 WHOLE_FILE_LIBVER = ("v110", "v110")
-# HDF5 keeps the metadata it writes while allocating a dataset (its chunk index) in blocks
-# of this size: big ones, so that a dataset's chunks are allocated back to back.
+# HDF5's block size for the metadata it writes while allocating (chunk indexes): big, so
+# that a dataset's chunks are allocated back to back.
 META_BLOCK_BYTES = 64 << 10
 
 
@@ -64,10 +59,9 @@ def allocate(
     chunk_rows: int | None = None,
     resizable: bool = True,
 ) -> h5py.Dataset:
-    """A dataset whose storage is allocated now and never filled: chunked by
-    ``chunk_rows`` along its first axis (``resizable``, so that completion can shrink it;
-    a file written whole in HDF5's 1.10 format then needs no chunk index at all), or
-    contiguous without ``chunk_rows``. Writes into it never add metadata."""
+    """A dataset whose storage is allocated now and never filled, chunked by ``chunk_rows``
+    along its first axis (``resizable``: completion may shrink it), or contiguous without
+    ``chunk_rows``. Writes into it never add metadata."""
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
     dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
     options: dict[str, Any] = {}
@@ -90,9 +84,8 @@ def allocate_checked(file: h5py.File, name: str, shape: tuple, dtype: Any, chunk
 def write_checked(
     file: h5py.File, name: str, data: np.ndarray, chunk_rows: int, checked: bool = True
 ) -> None:
-    """A whole dataset ``name`` of ``data`` (at least one row), written at once, with its
-    chunk checksums when ``checked`` (the skip records and per-row columns a store gets
-    when it completes)."""
+    """Write a whole dataset ``name`` of ``data`` (at least one row) at once, with its chunk
+    checksums when ``checked``."""
     add = allocate_checked if checked else allocate
     dataset = add(file, name, data.shape, data.dtype, chunk_rows)
     dataset[...] = data
@@ -118,10 +111,9 @@ def refresh_checksum(file: h5py.File, name: str, chunk: int) -> None:
 
 
 def chunk_addresses(dataset: h5py.Dataset) -> np.ndarray | None:
-    """Where each chunk of ``dataset`` begins in the file (``int64``, in row order), as
-    HDF5's chunk index lists them, when every chunk is stored once as its plain bytes of
-    whole rows (as :func:`allocate` lays a dataset out: featcache reads and writes them
-    there); else None (not chunked, virtual, filtered, a chunk missing or listed twice)."""
+    """Where each chunk of ``dataset`` begins in the file (``int64``, in row order), when
+    every chunk is stored once as its plain bytes of whole rows (as :func:`allocate` lays
+    it out); else None (not chunked, virtual, filtered, a chunk missing or listed twice)."""
     if dataset.chunks is None or dataset.is_virtual or not len(dataset):
         return None
     if dataset.chunks[1:] != dataset.shape[1:] or dataset.id.get_create_plist().get_nfilters():

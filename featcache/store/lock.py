@@ -1,13 +1,9 @@
 """One writer per store: an advisory lock held from before a run touches its output until the end.
 
-A run takes an exclusive POSIX record lock (``fcntl.lockf``; NFS v4 honours it) on
-``<store>.lock`` before it removes, creates or opens anything of the store, and keeps it
-until the complete store is in place. The file records the holder (pid, host, start
-time) for a second run to name. The kernel drops the lock when its process dies, even
-by kill -9, so a lock file left behind blocks nothing. Readers never look at it.
-
-The lock creates the output folder where it is missing; a run that fails or is refused
-removes the folders it created that it left empty, so that a refusal leaves nothing.
+An exclusive POSIX record lock (``fcntl.lockf``; NFS v4 honours it) on ``<store>.lock``,
+which records the holder for a second run to name; the kernel drops it when its process
+dies. The lock creates a missing output folder, and a failed or refused run removes the
+folders it created and left empty.
 """
 
 from __future__ import annotations
@@ -28,13 +24,11 @@ from pathlib import Path
 from featcache.errors import ConfigError
 from featcache.util.files import prepare_output_folder, remove_empty_folders
 
-LOCK_SUFFIX = ".lock"
 # A probe (`featcache info`) holds the lock for an instant; a writer retries that long.
 _ATTEMPTS, _PAUSE = 5, 0.05
 
-# The stores this process holds. POSIX locks belong to the process (a second lock from
-# the same process would succeed, and closing any descriptor of the file would drop it),
-# so nesting and probing are decided here.
+# The stores this process holds: POSIX locks belong to the process (its second lock would
+# succeed, closing any descriptor drops it), so nesting and probing are decided here.
 _held: dict[Path, Holder] = {}
 _guard = threading.Lock()
 
@@ -61,7 +55,7 @@ class Holder:
 def lock_path(path: str | os.PathLike) -> Path:
     """The lock file of the store at ``path``."""
     path = Path(path)
-    return path.with_name(path.name + LOCK_SUFFIX)
+    return path.with_name(path.name + ".lock")
 
 
 @contextlib.contextmanager

@@ -37,16 +37,13 @@ def copy_store(
     drop: Sequence[str] = (),
 ) -> None:
     """Copy a store into one self-contained file of the current format, then move it into
-    place.
+    place: each dataset read and checked as featcache reads it, written whole with chunk
+    checksums, filtered by ``compression`` (a ``store.compression`` value); ``attrs`` set
+    last, the file attributes in ``drop`` left out.
 
-    Every dataset of rows is read as featcache reads it (each chunk checked; a combined
-    store from its shards) and written whole, chunked as in the source (as featcache
-    chunks its own for a virtual one), with its chunk checksums; ``compression`` (a
-    ``store.compression`` value: ``"gzip"``, ``"zstd:5"``, ...) applies its filter to
-    each. ``attrs`` are set last; the file attributes in ``drop`` are left out. A source
-    chunk that fails raises :class:`~featcache.errors.CorruptStoreError` and the
-    half-made copy is removed; a malformed ``compression`` raises
-    :class:`~featcache.errors.ConfigError` before anything is written.
+    Raises:
+        CorruptStoreError: a source chunk fails (the half-made copy is removed).
+        ConfigError: a malformed ``compression``, before anything is written.
     """
     target = Path(target)
     filters = filter_options(compression)
@@ -131,9 +128,8 @@ def _create_filtered(
 
 
 def compressed_bytes(values: np.ndarray, chunk_rows: int, compression: str) -> int:
-    """Bytes ``values`` (``[n, *shape]``, as stored) take in a compressed copy: written in
-    memory as :func:`copy_store` writes a dataset, chunked by ``chunk_rows`` rows, with
-    the filter of ``compression``; the size HDF5 allocates for the chunks.
+    """Bytes ``values`` (``[n, *shape]``, as stored) take in a compressed copy, chunked by
+    ``chunk_rows``: written in memory as :func:`copy_store` writes a dataset.
 
     Raises:
         ConfigError: a malformed ``compression``, or hdf5plugin missing for its codec.
@@ -162,8 +158,8 @@ def combine_shards(
             )
             raise FeatcacheError(f"shard {shard} is missing{hint}")
     load_plugins()  # a compressed shard's offsets are read through its filter
-    files = [h5py.File(shard, "r") for shard in shards]
-    try:
+    with contextlib.ExitStack() as opened:
+        files = [opened.enter_context(h5py.File(shard, "r")) for shard in shards]
         for shard, f in zip(shards, files, strict=True):
             if not f.attrs.get("complete"):
                 raise FeatcacheError(f"shard {shard} is incomplete; rerun to resume it")
@@ -185,9 +181,6 @@ def combine_shards(
             }
             codec.write_attrs(out, {**summary, **dict(attrs or {})})
             out.attrs["complete"] = True
-    finally:
-        for f in files:
-            f.close()
     return FeatureStore(path)
 
 
@@ -199,9 +192,8 @@ def _combine(
     out.create_group("features", track_order=True)  # layers keep their capture order
     checked = "checksums" in files[0]
     for name, first in walk(files[0]):
-        if not isinstance(first, h5py.Dataset) or name == layout.PROGRESS:
-            continue
-        if name.startswith(("skipped", "checksums")):
+        row_dataset = isinstance(first, h5py.Dataset) and name != layout.PROGRESS
+        if not row_dataset or name.startswith(("skipped", "checksums")):
             continue
         if name == "offsets":  # per-token rows: each shard counts its tokens from 0
             ends = [read_head(f[name], len(f[name])) for f in files]
@@ -230,11 +222,8 @@ def merge_store(
     compression: str | None = None,
     progress: bool = True,
 ) -> FeatureStore:
-    """Copy a (sharded) store into one self-contained file that needs no shard files.
-
-    The new file is written under its lock (:func:`~featcache.store.lock.writer_lock`), so
-    a second merge or an extraction to the same path is refused while this one runs. A
-    store whose shards are all complete but not combined yet is combined first.
+    """Copy a (sharded) store into one self-contained file that needs no shard files, under
+    the target's writer lock; complete shards not combined yet are combined first.
 
     Raises:
         ConfigError: rows that no complete shard holds remain.
@@ -267,13 +256,9 @@ def combine_when_done(
     boundaries: Sequence[int] = (),
     world_size: int | None = None,
 ) -> bool:
-    """Combine the store at ``path`` over its shards (see
-    :func:`~featcache.store.merge.combine_shards`) once complete shards hold all
-    ``num_rows`` rows; whether the store is there now. One process combines: another
-    that finds it combining leaves it. The store's key is the shards' over all rows; its
-    history has one record per launch (:func:`launch_records`); ``world_size`` records
-    the processes of the run that combines it.
-    """
+    """Combine the store at ``path`` over its shards once complete shards hold all
+    ``num_rows`` rows (one process does; another finding it combining leaves it); whether
+    the store is there now. ``world_size``: the processes of the run that combines it."""
     path = Path(path)
     shards = read_shards(path, step, boundaries)
     if not shards or missing_rows(shards, num_rows) or not all(s.complete for s in shards):
@@ -291,9 +276,8 @@ def combine_when_done(
 
 
 def launch_records(shards: Sequence[Path], key: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """One history record per launch that computed rows of ``shards`` (their records'
-    ``launch``): the rows it computed and those of stopped shards it kept, summed over
-    the shards, oldest first."""
+    """One history record per ``launch`` that computed rows of ``shards``, its computed and
+    resumed rows summed over the shards, oldest first."""
     by_launch: dict[Any, dict[str, Any]] = {}
     for shard in shards:
         with open_readonly(shard) as f:

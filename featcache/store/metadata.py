@@ -1,10 +1,7 @@
 """A store's metadata checks: checksummed HDF5 headers and a digest of every attribute.
 
-Stores are written with version-2 object headers, which carry their own checksum, so a
-damaged header (shape, type, filters, attributes) fails when read. An attribute over 64
-KiB (the class names of a large label set) lies outside any checksum, so :func:`seal`
-gives a complete store :data:`DIGEST_ATTR`, a SHA-256 over every attribute of every
-object, which :func:`metadata_problem` checks whenever a complete store is opened.
+Version-2 object headers carry their own checksum, but an attribute over 64 KiB lies
+outside any, so :func:`seal` records a SHA-256 over every attribute (:data:`DIGEST_ATTR`).
 """
 
 from __future__ import annotations
@@ -23,9 +20,8 @@ from featcache.store.provenance import FORMAT_VERSION
 
 DIGEST_ATTR = "attrs_sha256"
 
-# What h5py can raise on metadata it cannot make sense of: a header failing its checksum
-# (OSError, KeyError, RuntimeError), a string that is not UTF-8 (UnicodeDecodeError, a
-# ValueError), a number out of range (OverflowError), JSON text that no longer parses.
+# What h5py raises on metadata it cannot make sense of: a header failing its checksum,
+# text that is not UTF-8, a number out of range, JSON that no longer parses.
 UNREADABLE_METADATA = (OSError, KeyError, RuntimeError, ValueError, OverflowError, TypeError)
 
 
@@ -56,10 +52,9 @@ def is_sealed(file: h5py.File) -> bool:
 
 
 def metadata_problem(file: h5py.File, sealed: bool = True) -> str:
-    """Why the metadata of ``file`` cannot be trusted ("" when it can): a header or an
-    attribute that cannot be read, recorded JSON that no longer parses, or (for a
-    ``sealed``, complete store) attributes that differ from the digest recorded when the
-    store was written."""
+    """Why the metadata of ``file`` cannot be trusted ("" when it can): a header, attribute
+    or recorded JSON that cannot be read, or (``sealed``) attributes that differ from the
+    recorded digest."""
     try:
         codec.read_attrs(file)  # the recorded JSON still parses
         recorded = codec.attr(file, DIGEST_ATTR) if sealed else None

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 import h5py
 
@@ -15,7 +15,6 @@ from featcache.util.compression import FILTER_NAMES, PLUGIN_INSTALL, load_plugin
 from featcache.util.files import prepare_output_folder
 
 PARTIAL_SUFFIX = ".partial"
-SKIPPED_SUFFIX = ".skipped.jsonl"
 # How to replace a store, for an error line read on the command line or in Python.
 OVERWRITE = "--overwrite (overwrite=True in Python)"
 READ_CACHE_BYTES = 16 << 20  # HDF5 chunk cache per open dataset
@@ -38,7 +37,7 @@ def store_path_of(partial: str | os.PathLike) -> Path:
 def skipped_log_path(path: str | os.PathLike) -> Path:
     """The append-only log of skipped samples kept beside a partial store."""
     path = Path(path)
-    return path.with_name(path.name + SKIPPED_SUFFIX)
+    return path.with_name(path.name + ".skipped.jsonl")
 
 
 def readable_path(path: str | os.PathLike) -> Path:
@@ -47,29 +46,23 @@ def readable_path(path: str | os.PathLike) -> Path:
     path = Path(path)
     if path.is_file():
         return path
-    if path.name.endswith(PARTIAL_SUFFIX):
-        return store_path_of(path)
-    return partial_path(path)
+    return store_path_of(path) if path.name.endswith(PARTIAL_SUFFIX) else partial_path(path)
 
 
-def open_readonly(path: str | os.PathLike, **options: Any) -> h5py.File:
-    """Open a store file read-only, with an HDF5 chunk cache that holds several whole
-    chunks (for the layers HDF5 reads). A ``.partial`` one is opened without HDF5's file
-    lock, which its running writer may hold (HDF5 requires the same choice for every
-    handle a process holds on one file, so every reader opens it this way). hdf5plugin's
-    filters are registered first, where it is installed (once per process); where it is
-    not, a layer compressed with one of its codecs is named at once.
+def open_readonly(path: str | os.PathLike) -> h5py.File:
+    """Open a store file read-only, with hdf5plugin's filters registered where installed.
+
+    A ``.partial`` is opened without HDF5's file lock, which its running writer may hold
+    (HDF5 needs the same choice for every handle of a process on one file).
 
     Raises:
         FeatcacheError: a dataset of the file needs an HDF5 filter that this process
             cannot apply; one line naming it and how to install it.
     """
     plugins = load_plugins()
-    if str(path).endswith(PARTIAL_SUFFIX):
-        options["locking"] = False
-    file = h5py.File(path, "r", **{"rdcc_nbytes": READ_CACHE_BYTES, **options})
-    # With hdf5plugin loaded every filter a store may use is there: no layer to look at.
-    missing = missing_filter(file) if plugins is None else ""
+    locking = False if str(path).endswith(PARTIAL_SUFFIX) else None
+    file = h5py.File(path, "r", rdcc_nbytes=READ_CACHE_BYTES, locking=locking)
+    missing = missing_filter(file) if plugins is None else ""  # else every filter is there
     if missing:
         file.close()
         raise FeatcacheError(
@@ -81,10 +74,9 @@ def open_readonly(path: str | os.PathLike, **options: Any) -> h5py.File:
 
 def missing_filter(file: h5py.File) -> str:
     """The first HDF5 filter a layer of ``file`` needs that HDF5 cannot apply here, as
-    ``"zstd (HDF5 filter 32015, in features/layer1)"``; "" when every one is available,
-    or when the layers' headers cannot be read (the readers' own checks name that damage).
-    A compressed store's datasets all share one filter: its layers name it."""
-    try:
+    ``"zstd (HDF5 filter 32015, in features/layer1)"``; "" when none, or when the layers'
+    headers cannot be read (the readers' own checks name that damage)."""
+    with contextlib.suppress(KeyError, OSError, RuntimeError, ValueError):
         features = file.get("features")
         keys = list(features) if isinstance(features, h5py.Group) else []
         for key in keys:
@@ -95,15 +87,12 @@ def missing_filter(file: h5py.File) -> str:
                     text = label.decode(errors="replace") if isinstance(label, bytes) else label
                     named = FILTER_NAMES.get(code) or text.split(";")[0].strip() or "filter"
                     return f"{named} (HDF5 filter {code}, in features/{key})"
-    except (KeyError, OSError, RuntimeError, ValueError):
-        return ""
     return ""
 
 
 def shard_path(path: str | os.PathLike, first_row: int) -> Path:
     """The shard of the store at ``path`` whose rows start at source row ``first_row``:
-    ``<stem>.shard-000000001200.h5``. Shards of one store hold disjoint blocks of rows, so
-    a block's first row names it whichever process, or how many, wrote it."""
+    ``<stem>.shard-000000001200.h5``, whichever process, or how many, wrote it."""
     path = Path(path)
     return path.with_name(f"{path.stem}.shard-{first_row:012d}{path.suffix}")
 
@@ -118,8 +107,7 @@ def check_output_path(path: Path, overwrite: bool) -> None:
 
 
 def shards_of(path: str | os.PathLike) -> list[Path]:
-    """The shard files (complete or ``.partial``) beside the store at ``path``, in name
-    order."""
+    """The shard files (complete or ``.partial``) beside the store at ``path``, by name."""
     path = Path(path)
     if not path.parent.is_dir():
         return []
@@ -135,8 +123,7 @@ def remove_store(path: str | os.PathLike) -> None:
 
 
 def remove_partial(path: str | os.PathLike) -> None:
-    """Delete the partial state of the store at ``path`` (its ``.partial`` file and skip
-    log), and leave a complete store there in place: a run with ``--overwrite`` replaces
-    it only once the new store is complete, so a run that fails keeps the old one."""
+    """Delete the ``.partial`` file and skip log of the store at ``path``; a complete store
+    stays (``--overwrite`` replaces it only once the new one is complete)."""
     for candidate in (partial_path(path), skipped_log_path(path)):
         candidate.unlink(missing_ok=True)

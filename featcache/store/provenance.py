@@ -1,10 +1,7 @@
 """What decides a store's contents: the config fingerprint, the store key, library versions.
 
-A store records how it was made. :class:`StoreKey` is the one record of the settings that
-decide its bytes: an interrupted run resumes only under an equal key, a finished store is
-left alone when a rerun's key is equal, a torchrun store is complete when its key is, and
-``verify`` compares the key's fingerprints. :data:`CONTENT_FREE_KEYS` lists the config
-keys that change nothing in a store and so stay out of the config fingerprint.
+:class:`StoreKey` is the one record of the settings that decide a store's bytes: a run
+resumes, skips, combines or verifies a store by it.
 """
 
 from __future__ import annotations
@@ -19,12 +16,9 @@ from typing import Any
 
 from featcache.config.spec import Spec, to_dict
 
-# The store layout's version, recorded as the featcache_format attribute and in the key.
-# 1: the first stores. 2: Fletcher-32 chunk checksums, text attributes as fixed-length
-# strings, digests of the attributes and chunk indexes. 3: unfiltered chunks allocated at
-# creation and written whole, an XXH3 checksum per chunk under /checksums, progress marked
-# per dataset on chunk boundaries (docs/store-format.md). featcache reads every format up
-# to this one and refuses a newer store.
+# The store layout's version (the featcache_format attribute, and in the key): 2 added
+# Fletcher-32 checksums and attribute digests, 3 unfiltered chunks allocated at creation,
+# an XXH3 checksum per chunk (docs/store-format.md). Newer stores are refused.
 FORMAT_VERSION = 3
 
 # Config keys that do not change what a store contains (None: the whole section).
@@ -44,10 +38,8 @@ CONTENT_FREE_KEYS: dict[str, tuple[str, ...] | None] = {
 }
 
 
-# Keys added after stores were first written, each with the value that reproduces what
-# the stores written before it hold, and counted only when set to something else: the
-# fingerprint of an older store's config stays what it was, so older stores still resume
-# and verify (their recorded configs read with these values: :func:`recorded_config`).
+# Keys added after stores were first written, with the value that reproduces the older
+# stores, counted only when set otherwise: an older store's fingerprint stays the same.
 LATER_KEYS: dict[str, dict[str, Any]] = {
     "data": {
         "image_column": None,
@@ -67,12 +59,13 @@ LATER_LAYER_KEYS: dict[str, Any] = {"layout": None}  # the same, for each entry 
 
 def config_fingerprint(spec: Spec) -> str:
     """sha256 of the canonical JSON of every config key that decides the stored values."""
-    return _json_sha256(content_config(to_dict(spec)))
+    text = json.dumps(content_config(to_dict(spec)), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def content_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The part of a config (as :func:`~featcache.config.spec.to_dict` gives it) that decides
-    the stored values: what :func:`config_fingerprint` hashes."""
+    """The part of a config (a :func:`~featcache.config.spec.to_dict`) that decides the
+    stored values: what :func:`config_fingerprint` hashes."""
     data = json.loads(json.dumps(config))
     for section, keys in CONTENT_FREE_KEYS.items():
         if keys is None:
@@ -157,12 +150,8 @@ def short_value(value: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class StoreKey:
-    """The settings that decide a store's bytes; equal keys make equal stores.
-
-    Written into every store as the ``resume_key`` attribute (JSON). ``rows`` is the
-    block of source positions the file holds (all of them, except in a torchrun shard);
-    ``world_size`` is set on the store torchrun combines from its shards.
-    """
+    """The settings that decide a store's bytes (its ``resume_key`` attribute); equal keys
+    make equal stores. ``rows`` is the block of source positions the file holds."""
 
     config_fingerprint: str | None
     weights: Any
@@ -200,9 +189,8 @@ class StoreKey:
         return [k for k in sorted(set(stored) | set(mine)) if stored.get(k) != mine.get(k)]
 
     def matches(self, stored: Mapping[str, Any] | None) -> bool:
-        """Whether a finished store made under ``stored`` holds what this key would write.
-        A store in an older format that featcache still reads counts: only its layout
-        differs, and a rerun leaves it alone."""
+        """Whether a finished store made under ``stored`` holds what this key would write
+        (a readable older format counts: only its layout differs)."""
         if stored is None:
             return False
         older = stored.get("featcache_format") in range(1, FORMAT_VERSION)
@@ -216,8 +204,8 @@ def store_attributes(
     device: str,
     class_names: list[str] | None = None,
 ) -> dict[str, Any]:
-    """The file attributes of a new store: the caller's provenance (config, weights,
-    source, split), the key and what it holds, library versions, device and time."""
+    """The file attributes of a new store: ``provenance``, the key and what it holds,
+    library versions, device and time."""
     attrs = {
         **provenance,
         "weights": key.weights,
@@ -253,8 +241,3 @@ def library_versions() -> dict[str, str]:
         "numpy": np.__version__,
         "python": platform.python_version(),
     }
-
-
-def _json_sha256(data: Any) -> str:
-    text = json.dumps(data, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()

@@ -49,14 +49,9 @@ RowSelection = slice | Sequence[int] | np.ndarray
 
 
 class StoreFile:
-    """A store's HDF5 file, read-only, opened on first use in each process.
-
-    A copy in another process (a forked or spawned DataLoader worker) opens its own
-    handle: pickling keeps only the path. ``path`` is the store, or its ``.partial``
-    while the store is not complete (see :func:`~featcache.store.paths.readable_path`).
-    What reads learn of its datasets (:attr:`known`), and values that cannot change while
-    it is open (:attr:`memo`), live as long as the handle.
-    """
+    """A store's HDF5 file, read-only, opened on first use in each process (pickling keeps
+    only the path, so a DataLoader worker opens its own handle). What reads learn
+    (:attr:`known`, :attr:`memo`) lives as long as the handle."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -88,8 +83,7 @@ class StoreFile:
 
     @property
     def known(self) -> Known:
-        """What reads have learnt of this file's datasets (``rows.rows_of``'s ``known``):
-        each chunk is checked once while the handle is open."""
+        """What reads have learnt of this file's datasets (``rows.rows_of``'s ``known``)."""
         _ = self.file  # opened in this process first
         return self._known
 
@@ -100,12 +94,9 @@ class StoreFile:
         return self._memo
 
     def dataset(self, name: str, chunk_cache: tuple[int, int] | None = None) -> h5py.Dataset:
-        """The dataset ``name``, opened once per handle.
-
-        ``chunk_cache`` is ``(nslots, nbytes)`` of its own HDF5 chunk cache (default: the
-        file's). HDF5 applies it only if the dataset is not already open elsewhere in this
-        process, and only the first opening of ``name`` through this handle sets it.
-        """
+        """The dataset ``name``, opened once per handle; ``chunk_cache``: ``(nslots, nbytes)``
+        of its own HDF5 chunk cache, which HDF5 applies only if nothing else in this
+        process holds the dataset open."""
         found = self._datasets.get(name)
         if found is not None:
             return found
@@ -116,18 +107,15 @@ class StoreFile:
             dapl.set_chunk_cache(*chunk_cache, 0.75)
             # A high-level Dataset lets h5py cache its fast slice reader.
             found = h5py.Dataset(h5py.h5d.open(self.file.id, name.encode(), dapl), readonly=True)
-        # A combined store's virtual dataset is opened anew each time (its rows are read
-        # from the shards): HDF5 crashes (SIGSEGV) in its exit handler closing the creation
-        # property list of one still open, as a spawned DataLoader worker's is, since its
-        # dataset outlives Python's own teardown.
+        # A virtual dataset is not kept: HDF5 crashes (SIGSEGV) in its exit handler closing
+        # the creation property list of one still open at a spawned worker's teardown.
         if not found.is_virtual:
             self._datasets[name] = found
         return found
 
     def rows(self, name: str, chunk_cache: tuple[int, int] | None = None) -> Rows | PartRows:
-        """The reads of the dataset ``name`` (:func:`~featcache.store.rows.rows_of`), what
-        they learn kept on this handle. A combined store's are its shards': its virtual
-        dataset is opened once, to find them."""
+        """The reads of the dataset ``name``, what they learn kept on this handle (a combined
+        store's virtual dataset is opened once, to find its shards)."""
         found = self.known.get(f"/{name}")
         if isinstance(found, PartRows):
             return found
@@ -196,9 +184,8 @@ class FeatureStore:
             if newer:
                 self.close()
                 raise ConfigError(f"cannot read store {self.path}: {newer}")
-            # A store still being written has no attribute digest yet, but its attributes
-            # must read (its writer sets them at the start and the end only), and its
-            # progress mark must agree with what its datasets hold.
+            # An incomplete store has no attribute digest yet, but its attributes must read
+            # and its progress mark must agree with what its datasets hold.
             problem = metadata_problem(file, sealed=complete) or foreign_data_problem(file)
             if not complete and not problem:
                 problem = durable_problem(file)
@@ -298,27 +285,22 @@ class FeatureStore:
     @property
     def offsets(self) -> np.ndarray | None:
         """``[N + 1]`` int64 token offsets of the rows (None: no per-token layers)."""
-        if "offsets" not in self.file:
-            return None
-        return read_head(self.file["offsets"], len(self) + 1, self._handle.known)
+        return self._head("offsets", len(self) + 1)
 
     @property
     def token_ids(self) -> np.ndarray | None:
         """``[total_tokens]`` int64 input token ids of the per-token rows, when recorded."""
         offsets = self.offsets
-        if offsets is None or "token_ids" not in self.file:
-            return None
-        return read_head(self.file["token_ids"], int(offsets[-1]), self._handle.known)
+        return None if offsets is None else self._head("token_ids", int(offsets[-1]))
 
     def read_tokens(
         self, layer: str, rows: RowSelection = slice(None)
     ) -> tuple[torch.Tensor, np.ndarray]:
         """The tokens of ``rows`` of a per-token layer: ``(values, offsets)``.
 
-        ``values`` is ``[sum T_i, *shape]`` in the stored dtype (int8 codes dequantized
-        to float32), the rows' tokens one row
-        after the other in the order asked; ``offsets`` (``[n + 1]`` int64) says row ``j``
-        of the request is ``values[offsets[j]:offsets[j + 1]]``.
+        ``values`` is ``[sum T_i, *shape]`` in the stored dtype (int8 codes dequantized to
+        float32), the rows' tokens one row after the other in the order asked; ``offsets``
+        (``[n + 1]`` int64) says row ``j`` of the request is ``values[offsets[j]:offsets[j + 1]]``.
         """
         if not self.is_per_token(layer):
             raise ConfigError(f"layer {layer!r} holds one row per sample; read it with read()")
@@ -335,7 +317,10 @@ class FeatureStore:
 
     def dtype(self, layer: str) -> torch.dtype:
         """The torch dtype rows of ``layer`` come back as (float32 for int8 codes)."""
-        return codec.value_dtype(codec.attr(self._features(layer), "dtype"))
+        import torch
+
+        stored = codec.attr(self._features(layer), "dtype")
+        return torch.float32 if stored in codec.QUANTIZED else codec.torch_dtype(stored)
 
     def _quantized(self, layer: str) -> bool:
         """Whether ``layer`` holds int8 codes with a scale per row (or token)."""
@@ -361,10 +346,8 @@ class FeatureStore:
         return group[layer]
 
     def _reader(self, layer: str) -> Rows | PartRows:
-        """The reads of ``layer``. A layer HDF5 reads is opened anew each time, not kept
-        open: a FeatureDataset opened meanwhile in this process gets its own chunk cache
-        only if nothing else holds the dataset open. A layer read through the memory map
-        uses no chunk cache: kept open, as are a combined store's reads of its shards."""
+        """The reads of ``layer``: opened anew when HDF5 reads it, so that a FeatureDataset
+        opened meanwhile gets its own chunk cache; kept when mapped or read from shards."""
         name = f"features/{layer}"
         found = self._handle.known.get(f"/{name}")  # what an earlier read learnt
         if isinstance(found, PartRows) or found is not None and found.rows is not None:
@@ -378,9 +361,7 @@ class FeatureStore:
     @property
     def labels(self) -> np.ndarray | None:
         """``[N]`` int64 labels, or None when the source had none."""
-        if not self.has_labels:
-            return None
-        return read_head(self.file["labels"], len(self), self._handle.known)
+        return self._head("labels", len(self))
 
     @property
     def index(self) -> np.ndarray:
@@ -397,9 +378,12 @@ class FeatureStore:
         """``[N]`` each row's change stamp as it was read (fixed-length ASCII bytes, ``b""``
         where unknown; see `featcache.sources.stamps`), or None when the store
         recorded none (its source had none, or it was written before stamps existed)."""
-        if STAMPS not in self.file:
-            return None
-        return read_head(self.file[STAMPS], len(self), self._handle.known)
+        return self._head(STAMPS, len(self))
+
+    def _head(self, name: str, rows: int) -> np.ndarray | None:
+        """The first ``rows`` entries of the dataset ``name``; None when the store has none."""
+        found = name in self.file
+        return read_head(self.file[name], rows, self._handle.known) if found else None
 
     @property
     def attrs(self) -> dict[str, Any]:
@@ -446,9 +430,8 @@ class FeatureStore:
 
 
 def _incomplete(store: Path, rows: int, where: str, rerun: str) -> IncompleteStoreError:
-    """The refusal of an incomplete ``store`` holding ``rows`` durable rows (``where``
-    says in which file), with the fixes: rerun the extraction (``rerun``: to what end),
-    or read those rows with ``allow_incomplete=True``."""
+    """The refusal of an incomplete ``store`` holding ``rows`` durable rows in ``where``,
+    with its fixes (``rerun``: to what end)."""
     return IncompleteStoreError(
         f"store {store} is incomplete ({rows} rows written{where}); rerun the extraction "
         f"{rerun}, or pass allow_incomplete=True to read those rows",
@@ -459,8 +442,7 @@ def _incomplete(store: Path, rows: int, where: str, rerun: str) -> IncompleteSto
 
 def _rows_in(file: Path) -> int:
     """The rows a store file holds: all of a complete one, the durable ones of a
-    ``.partial`` (opened without HDF5's file lock, which its running writer holds); 0
-    when it cannot be read."""
+    ``.partial``; 0 when it cannot be read."""
     try:
         with open_readonly(file) as f:
             return int(f.attrs["num_rows"] if f.attrs.get("complete") else f["progress"][0])
@@ -469,8 +451,7 @@ def _rows_in(file: Path) -> int:
 
 
 def _shards_note(path: Path) -> str:
-    """What a missing store's folder holds of a run of several processes that has not
-    combined its shards yet (\"\" when nothing): their rows, and where to look next."""
+    """What a missing store's folder holds of shards not combined yet ("" when none)."""
     shards = shards_of(path)
     if not shards:
         return ""

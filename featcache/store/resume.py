@@ -19,9 +19,7 @@ from featcache.store.provenance import key_difference
 from featcache.store.rows import read_head, rows_of
 from featcache.store.skipped import read_log
 
-# The entry of a partial store's key that marks it as an update's
-# (:mod:`featcache.extraction.update`): a plain rerun refuses it, ``--update`` redoes it.
-UPDATE_MARK = "update"
+UPDATE_MARK = "update"  # the key entry of an update's partial store: a plain rerun refuses it
 
 
 def stored_resume_key(path: str | os.PathLike) -> dict[str, Any] | None:
@@ -36,10 +34,8 @@ def stored_resume_key(path: str | os.PathLike) -> dict[str, Any] | None:
 @dataclass
 class ResumePoint:
     """Where an interrupted extraction continues: rows ``[0, row)`` are kept and the
-    source is read again from ``position`` (a multiple of the batch size); ``tokens``
-    are the tokens of those rows (per-token stores), ``durable`` each dataset's durable
-    entries (whole chunks, never written again: the entries recomputed below them are
-    dropped)."""
+    source is read again from ``position``; ``durable`` is each dataset's durable entries
+    (whole chunks, never written again), ``tokens`` the kept rows' tokens."""
 
     row: int
     position: int
@@ -47,18 +43,14 @@ class ResumePoint:
     durable: dict[str, int] = field(default_factory=dict)
     tokens: int = 0
     # The kept rows' source positions ([row] int64) and change stamps ([row] bytes; None
-    # where the partial store records none), to tell which of them changed since.
+    # where none are recorded), to tell which of them changed since.
     index: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     stamps: np.ndarray | None = None
 
 
 def grid_start(position: int, first: int, step: int, boundaries: Sequence[int] = ()) -> int:
-    """The batch start at or before ``position`` on the batch grid of a run from ``first``.
-
-    Batches (or windows of batches) of ``step`` rows start at ``first`` and restart at
-    every position in ``boundaries`` (the first rows of a sharded source's shards), so
-    the grid is the same whichever block of whole shards a run starts at.
-    """
+    """The batch start at or before ``position`` on the grid of ``step`` rows from
+    ``first``, restarting at each of ``boundaries`` (a sharded source's first rows)."""
     segment = max([first, *(b for b in boundaries if first <= b <= position)])
     return segment + (position - segment) // step * step
 
@@ -67,12 +59,9 @@ def restart_position(
     index: np.ndarray, first: int, step: int, boundaries: Sequence[int] = ()
 ) -> int:
     """Where a run whose durable rows have the source positions ``index`` restarts: the
-    batch start at or before the position after its last durable row, on the grid of a
-    run from ``first`` (``first`` when no row is durable). The rows before it are kept.
-
-    Restarting on the batch grid of the first run keeps every batch holding the same
-    samples as in an uninterrupted run: batch composition can change a result's last bits.
-    """
+    grid batch start at or before the position after its last durable row. On the first
+    run's grid, every batch holds the samples of an uninterrupted run, whose composition
+    can change a result's last bits."""
     next_position = int(index[-1]) + 1 if len(index) else first
     return grid_start(next_position, first, step, boundaries)
 
@@ -81,7 +70,7 @@ def kept_until(
     partial: str | os.PathLike, first: int, step: int, boundaries: Sequence[int] = ()
 ) -> int:
     """The :func:`restart_position` of the partial store file ``partial`` (a run over
-    rows from ``first``): the rows before it are kept when it is resumed or sealed."""
+    rows from ``first``): the rows it keeps."""
     with open_readonly(partial) as f:
         durable_rows, _ = read_progress(f)
         return restart_position(read_head(f["index"], durable_rows), first, step, boundaries)
@@ -97,17 +86,13 @@ def plan_resume(
     *,
     seal: bool = False,
 ) -> ResumePoint | None:
-    """Check a partial store left by an earlier run; None when there is none.
+    """Check a partial store left by an earlier run and where to restart (on the grid of
+    ``batch_size``); None when there is none. With ``seal``, its rows may go on past
+    those of ``resume_key`` (a stopped shard whose kept rows are exactly this run's).
 
-    The run restarts on its batch grid (see :func:`restart_position`; ``batch_size`` is
-    the grid's step). Every durable chunk is checked first. With ``seal``, the partial
-    store may have been made for rows that go on past those of ``resume_key`` (a shard
-    that another run stopped, whose kept rows are exactly this run's).
-
-    Raises :class:`ConfigError` naming the first difference when the partial store was
-    made with other settings, data or model (given this run's ``config``, as
-    :func:`~featcache.config.spec.to_dict` gives it, the config keys that differ), and when it
-    cannot be read or a durable chunk is damaged.
+    Raises:
+        ConfigError: it was made with other settings (the config keys that differ from
+            ``config``, when given), cannot be read, or a durable chunk is damaged.
     """
     partial = partial_path(path)
     if not partial.exists():

@@ -1,15 +1,9 @@
 """Reading rows: plain chunks through a memory map, others through HDF5, each chunk checked
 against its checksum the first time a handle on its file reads it.
 
-A dataset stored as plain chunks of whole rows (every dataset of an uncompressed format-3
-store) is read through a memory map of its file: any set of rows is one ``numpy.take`` of
-their byte offsets, wherever HDF5 placed each chunk, and a chunk's check is a hash of its
-mapped bytes. Any other dataset (compressed, format 2) is read by HDF5,
-which checks format-2 chunks itself (Fletcher-32); a format-3 chunk read so is checked
-against its checksum from HDF5's own bytes. A chunk that fails raises
-:class:`~featcache.errors.CorruptStoreError` naming the layer and rows before any of its
-values are returned. A store combined from torchrun shards is read from each shard so,
-its rows named as the combined store's.
+Any set of mapped rows is one ``numpy.take`` of their byte offsets, wherever HDF5 placed
+each chunk. A chunk that fails raises :class:`~featcache.errors.CorruptStoreError` before
+any of its values are returned; a combined store is read from its shards.
 """
 
 from __future__ import annotations
@@ -37,9 +31,8 @@ _BAD = (OSError, RuntimeError, KeyError, ValueError)  # what h5py raises on dama
 
 class Chunks:
     """What is known of a dataset while its file is open: its chunks' checksums, which
-    passed, and for a dataset read through the map, the map (``bytes``; ``rows``, whose
-    row ``i`` is the ``row_bytes`` bytes from byte ``i``) and where each chunk begins
-    (``addresses``). Nothing of HDF5: the file closes with its handles."""
+    passed, and for a mapped one the map and where each chunk begins (``addresses``).
+    Nothing of HDF5: the file closes with its handles."""
 
     def __init__(self, dataset: h5py.Dataset):
         self.length = len(dataset)
@@ -101,7 +94,7 @@ class Chunks:
 
 class Rows:
     """Row reads of ``dataset`` (``chunks``: what is known of it), its rows named in errors
-    as those of ``store`` from row ``first`` on (a combined store, for a shard's)."""
+    as those of ``store`` from row ``first`` on (a shard's, in a combined store)."""
 
     def __init__(
         self, dataset: h5py.Dataset, chunks: Chunks, store: str | None = None, first: int = 0
@@ -152,9 +145,8 @@ class Rows:
         self._advise_chunks(start, stop, "MADV_WILLNEED")
 
     def release(self, start: int, stop: int) -> None:
-        """Let the process's mapped pages of rows ``[start, stop)`` go (mapped only): rows
-        copied out are not read again soon, and the kernel keeps them cached anyway, so
-        the reading process's memory stays its buffers rather than the whole file."""
+        """Let the process's mapped pages of rows ``[start, stop)`` go (mapped only); the
+        kernel keeps them cached anyway."""
         self._advise_chunks(start, stop, "MADV_DONTNEED")
 
     def _advise_chunks(self, start: int, stop: int, advice: str) -> None:
@@ -182,7 +174,7 @@ class Rows:
 
     def chunk_problem(self, chunk: int, by_hdf5: bool = False) -> str:
         """Why chunk ``chunk`` cannot be read as stored ("" when it can); ``by_hdf5``: found
-        by HDF5's lookup by position, as plain HDF5 reads it."""
+        as plain HDF5 finds it."""
         start = chunk * self.chunk_rows
         try:
             if self.chunks.bytes is not None and not by_hdf5:
@@ -244,14 +236,13 @@ class PartRows:
             part.release(a, b)
 
 
-# What is learnt of the datasets of one open file, by dataset name: a handle's cache
-# (:attr:`~featcache.store.reader.StoreFile.known`), so that its chunks are checked once.
+# What is learnt of the datasets of one open file, by name, so that chunks are checked once.
 Known = MutableMapping[str, "Chunks | PartRows"]
 
 
 def rows_of(dataset: h5py.Dataset, known: Known | None = None) -> Rows | PartRows:
-    """The reads of ``dataset`` (a combined store's from its shards); with ``known``, what
-    is learnt of it (where its chunks lie, which passed their checks) is kept there."""
+    """The reads of ``dataset`` (a combined store's from its shards); what is learnt of it
+    is kept in ``known``, when given."""
     found = None if known is None else known.get(dataset.name)
     if found is None:
         found = (_shard_rows(dataset) if dataset.is_virtual else None) or Chunks(dataset)
@@ -339,10 +330,9 @@ def row_numbers(rows: slice | Sequence[int] | np.ndarray, num_rows: int) -> np.n
 
 
 def read_rows(reader: Rows | PartRows, rows: slice | np.ndarray) -> torch.Tensor:
-    """Rows of a features dataset (``reader``: its reads, from :func:`rows_of`) as a tensor
-    ``[n, *shape]`` of its store dtype (bfloat16 as ``torch.bfloat16``). ``rows``: a slice,
-    or int64 row numbers in range in any order, with repeats (each read once, in
-    increasing order, then put in the order asked)."""
+    """Rows of a features dataset as a tensor ``[n, *shape]`` of its store dtype (bfloat16
+    as ``torch.bfloat16``). ``rows``: a slice, or int64 row numbers in range, any order,
+    with repeats (each read once, in increasing order)."""
     rows = row_numbers(rows, reader.length) if isinstance(rows, slice) else rows
     unique, inverse = np.unique(rows, return_inverse=True)
     array = np.empty((len(unique), *reader.dataset.shape[1:]), dtype=reader.dataset.dtype)
@@ -358,10 +348,9 @@ def read_rows(reader: Rows | PartRows, rows: slice | np.ndarray) -> torch.Tensor
 def read_token_rows(
     reader: Rows | PartRows, offsets: np.ndarray, rows: np.ndarray
 ) -> tuple[torch.Tensor, np.ndarray]:
-    """The tokens of ``rows`` (int64 row numbers, any order) of a per-token dataset
-    (``reader``: its reads) whose row ``i`` is ``offsets[i]:offsets[i + 1]``: ``(values
-    [sum T, ...], offsets [n + 1])``, the rows in the order asked. The file is read once
-    per run of consecutive rows."""
+    """The tokens of ``rows`` (int64 row numbers, any order) of a per-token dataset whose
+    row ``i`` is ``offsets[i]:offsets[i + 1]``: ``(values [sum T, ...], offsets [n + 1])``,
+    in the order asked; one read per run of consecutive rows."""
     unique, inverse = np.unique(rows, return_inverse=True)
     counts = offsets[unique + 1] - offsets[unique]
     dataset = reader.dataset
@@ -391,8 +380,8 @@ def chunk_text(dataset: h5py.Dataset, start: int, stop: int, problem: str, first
 
 
 def span_text(dataset: h5py.Dataset, start: int, stop: int, first: int = 0) -> str:
-    """``rows a-b`` in words; ``tokens a-b (rows i-j)`` for a per-token dataset. ``first``:
-    the dataset's first row in its store (a shard's: its tokens' rows left unnamed)."""
+    """``rows a-b`` in words; ``tokens a-b (rows i-j)`` for a per-token dataset, whose rows
+    are left unnamed in a shard (``first``: the dataset's first row in its store)."""
     a, b = first + start, first + stop - 1
     if codec.attr(dataset, "layout") != "tokens" and dataset.name != "/token_ids":
         return f"row {a}" if a == b else f"rows {a}-{b}"

@@ -1,11 +1,7 @@
 """The shards of a store written by several processes: the rows each holds, and the rest.
 
-A shard is a store of its own over one contiguous block of source rows, named by the
-block's first row (:func:`~featcache.store.paths.shard_path`) and keyed by the block (the
-``rows`` of its ``resume_key``). A complete shard holds its whole block; a ``.partial``
-one holds the rows a resume keeps (its durable rows, back to the batch grid). Whatever
-number of processes wrote them, the shards of a store hold disjoint blocks, and the rows
-none holds are the ones left to compute.
+A shard is a store of its own over one block of source rows, named and keyed by the
+block; the shards of a store hold disjoint blocks (docs/guides/torchrun.md).
 """
 
 from __future__ import annotations
@@ -53,13 +49,12 @@ class Shard:
 def read_shards(
     path: str | os.PathLike, step: int = 1, boundaries: Sequence[int] = ()
 ) -> list[Shard]:
-    """The shards beside the store at ``path``, by first row. A partial shard's held rows
-    end on the batch grid of ``step`` rows (restarting at ``boundaries``, a sharded
-    source's first rows) from its first row; ``step=1`` counts every durable row.
+    """The shards beside the store at ``path``, by first row; a partial shard's held rows
+    end on its batch grid (:func:`~featcache.store.resume.grid_start`; ``step=1``: every
+    durable row).
 
     Raises:
-        FeatcacheError: a shard file cannot be read, or two shards hold the same rows;
-            one line naming it and how to start over.
+        FeatcacheError: a shard file cannot be read, or two shards hold the same rows.
     """
     shards = []
     for file in shards_of(path):
@@ -101,13 +96,9 @@ def uncovered(rows: range, held: Iterable[range]) -> list[range]:
     """The blocks of ``rows`` that none of the disjoint blocks ``held`` covers, in order."""
     parts, at = [], rows.start
     for span in sorted((span for span in held if span), key=lambda span: span.start):
-        if span.start > at:
-            parts.append(range(at, min(span.start, rows.stop)))
+        parts.append(range(at, min(span.start, rows.stop)))  # empty where ``at`` is past it
         at = max(at, span.stop)
-        if at >= rows.stop:
-            break
-    if at < rows.stop:
-        parts.append(range(at, rows.stop))
+    parts.append(range(at, rows.stop))
     return [part for part in parts if part]
 
 

@@ -1,9 +1,6 @@
-"""Samples left out of a store: the log beside a partial store, the ``/skipped`` group.
+"""Samples left out of a store: the JSON-lines log beside a partial store, the ``/skipped`` group.
 
-A skip record is ``{"index": source position, "id": sample id, "reason": text}``. While a
-store is written the records go to an append-only JSON-lines log beside it
-(:func:`~featcache.store.paths.skipped_log_path`); a complete store holds them in
-``/skipped/{index,ids,reasons}``.
+A record is ``{"index": source position, "id": sample id, "reason": text}``.
 """
 
 from __future__ import annotations
@@ -26,9 +23,8 @@ from featcache.util.files import replace_durably
 def write_skipped(
     f: h5py.File, records: Sequence[Mapping[str, Any]], chunk_rows: int, checked: bool = True
 ) -> None:
-    """The ``/skipped`` group: source position, id and reason of every sample left out,
-    each column chunked by ``chunk_rows`` with its chunk checksums (when ``checked``), the
-    texts fixed-length UTF-8, so that none of it lives in HDF5's unchecked global heap."""
+    """Write the ``/skipped`` group: each column chunked by ``chunk_rows`` (with checksums
+    when ``checked``), texts fixed-length UTF-8, out of HDF5's unchecked global heap."""
     columns = {
         "index": np.array([r["index"] for r in records], dtype=np.int64),
         "ids": codec.fixed_texts([str(r["id"]) for r in records]),
@@ -39,8 +35,8 @@ def write_skipped(
 
 
 def read_skipped(f: h5py.File) -> list[dict[str, Any]]:
-    """The records of the ``/skipped`` group, in stored order; [] when there is none. A
-    chunk that fails its checksum raises :class:`~featcache.errors.CorruptStoreError`."""
+    """The records of the ``/skipped`` group, in stored order ([] when none); a chunk that
+    fails its checksum raises :class:`~featcache.errors.CorruptStoreError`."""
     if "skipped" not in f:
         return []
     group = f["skipped"]
@@ -52,8 +48,8 @@ def read_skipped(f: h5py.File) -> list[dict[str, Any]]:
 
 
 def _column(dataset: h5py.Dataset) -> np.ndarray | list[str]:
-    """A whole dataset of the group, read and checked as the features are, text as ``str``
-    (HDF5 reads the variable-length text of stores made before text had a fixed length)."""
+    """A whole column, checked as the features are, text as ``str`` (older stores' text is
+    variable-length, read by HDF5)."""
     if dataset.dtype.kind == "O":
         return list(dataset.asstr()[:])
     if dataset.dtype.kind in "iu":

@@ -58,17 +58,10 @@ class StoreWriter:
     """Writes the store ``plan`` describes, crash-safely, to ``<path>.partial``; renamed to
     ``path`` when complete.
 
-    The file is created whole on the first batch, when the layers' shapes are known
-    (:mod:`~featcache.store.layout`). Then each dataset gathers entries into whole chunks
-    and writes each at its place with its checksum (a batch's whole chunks straight from
-    the batch). At most every ``mark_seconds`` the file is synced and ``/progress``
-    records the whole chunks written: a crash loses at most the chunk each dataset was
-    filling, and a resume never writes a durable chunk again. Skipped samples go to a log
-    beside the file. A *ragged* layer (row ``i`` owning ``lengths[i]`` tokens) is stored
-    as ``[total_tokens, ...]`` (``layout="tokens"``) with ``/offsets`` ``[N + 1]`` and,
-    when given, ``/token_ids``. ``close(complete=True)`` writes the last chunks, shrinks
-    the datasets to the rows written, adds the skip records and attributes, compresses
-    if asked and moves the store into place.
+    The file is created whole on the first batch, when the layers' shapes are known; each
+    dataset then writes whole chunks at their places. At most every ``mark_seconds`` the
+    file is synced and ``/progress`` records the whole chunks written, so a crash loses at
+    most the chunk each dataset was filling.
     """
 
     def __init__(self, plan: StorePlan, resume: ResumePoint | None = None):
@@ -98,8 +91,6 @@ class StoreWriter:
             self._open()
         elif log.exists():
             log.unlink()
-
-    # -- creation and resume -------------------------------------------------------------
 
     def _create(self, features: Mapping[str, np.ndarray], feature_attrs: Mapping,
                 ragged: frozenset[str], token_ids: bool) -> None:  # fmt: skip
@@ -159,8 +150,7 @@ class StoreWriter:
 
     def _open(self) -> None:
         """Open the ``.partial`` file for raw writes and find where each dataset lies."""
-        resume = self.resume
-        durable = resume.durable if resume else {}
+        durable = self.resume.durable if self.resume else {}
         with open_readonly(self.partial) as f:
             names = json.loads(codec.attr(f[layout.PROGRESS], "datasets"))
             self._progress_at = int(f[layout.PROGRESS].id.get_offset())
@@ -187,8 +177,6 @@ class StoreWriter:
         if "offsets" in columns:  # where the first row to come starts
             columns["offsets"].push(np.array([self.tokens_appended], dtype=np.int64))
 
-    # -- appending ---------------------------------------------------------------------------
-
     def append(
         self,
         index: np.ndarray,
@@ -204,14 +192,11 @@ class StoreWriter:
     ) -> None:
         """Append ``len(index)`` rows and the skip records of source positions among them.
 
-        ``index``: ``[rows]`` source positions; ``labels``: ``[rows]`` ints (None without
-        labels); ``features[key]``: ``[rows, *shape]`` in the HDF5 dtype of the store dtype
-        (``codec.as_array(codec.encode(x, dtype))``: ``uint16`` bits for bfloat16). The
-        layers in ``ragged`` are per-token rows instead: ``[sum(lengths), *shape]``, row
-        ``i`` owning ``lengths[i]`` consecutive tokens, whose ids ``token_ids`` (int64
-        ``[sum(lengths)]``) are stored beside them when given. An int8 store's
-        ``features[key]`` are codes and ``scales[key]`` their float32 scales, one per row
-        (token) of ``features[key]``.
+        ``index``: ``[rows]`` source positions; ``labels``: ``[rows]`` ints (or None);
+        ``features[key]``: ``[rows, *shape]`` in the HDF5 dtype of the store dtype (see
+        ``codec.as_array``). The layers in ``ragged`` are per-token: ``[sum(lengths),
+        *shape]``, with their int64 ``token_ids`` ``[sum(lengths)]`` when given. An int8
+        store's ``scales[key]`` are float32, one per row (token) of ``features[key]``.
         """
         for record in skipped:
             self._log_skip(dict(record))
@@ -296,9 +281,8 @@ class StoreWriter:
         return max(0, min(rows, self.rows_appended))  # offsets lead: -1 before a whole chunk
 
     def mark(self, wait: bool = False) -> None:
-        """Record in ``/progress`` the whole chunks written so far once the file is synced,
-        on the sync thread (a mark still syncing takes the next one's place); ``wait``:
-        until it is recorded."""
+        """Record in ``/progress`` the whole chunks written so far once the file is synced, on
+        the sync thread; ``wait``: until it is recorded."""
         self._last_mark = time.monotonic()
         if self._log is not None:  # the skip records before any mark that counts them
             self._log.flush()
@@ -330,8 +314,6 @@ class StoreWriter:
         _datasync(fd)
         _write_all(fd, record, self._progress_at)
 
-    # -- closing ---------------------------------------------------------------------------
-
     def close(
         self,
         complete: bool = False,
@@ -340,11 +322,8 @@ class StoreWriter:
     ) -> None:
         """Close. With ``complete=True``, finish the store and move it into place; otherwise
         mark the whole chunks written (best effort), so that a rerun resumes from them.
-
-        ``row_columns`` are per-source-row arrays (``[source rows]``, indexed by source
-        position, e.g. a text source's ``truncated`` flags): each is stored, for the rows
-        written, as a 1-d dataset of that name when the store completes.
-        """
+        ``row_columns`` (``[source rows]`` each) are stored, for the rows written, as 1-d
+        datasets of those names."""
         try:
             if complete:
                 self._finish(attrs or {}, row_columns or {})
@@ -412,9 +391,8 @@ class StoreWriter:
         skipped_log_path(self.path).unlink(missing_ok=True)
 
     def _check_written(self) -> None:
-        """Check every chunk this run wrote, found as plain HDF5 finds it: a resumed store
-        sat on disk, and a damaged chunk index would make HDF5 read it otherwise than it
-        was written."""
+        """Check every chunk this run wrote, found as plain HDF5 finds it: a resumed store's
+        damaged chunk index would make HDF5 read it otherwise than it was written."""
         assert self.resume is not None
         with open_readonly(self.partial) as f:
             bad = scan_file(f, after=self.resume.durable)
@@ -433,12 +411,8 @@ class StoreWriter:
 
 class _Column:
     """One dataset being written: entries gathered into whole chunks, each written at its
-    place in the file (``addresses``, one per chunk) with its checksum.
-
-    ``start`` is the entry the first pushed value is, ``durable`` the entries already
-    durable (whole chunks: a resume drops the values it recomputes below them). The
-    dataset's last chunk, partly filled, is written when the store completes; it counts
-    as durable only once the dataset is full."""
+    place in the file (``addresses``) with its checksum. ``start`` is the entry the first
+    pushed value is; values below ``durable`` (already written) are dropped."""
 
     def __init__(self, dataset: h5py.Dataset, addresses: np.ndarray, sums_at: int | None,
                  start: int, durable: int, lead: int, per_token: bool):  # fmt: skip
@@ -457,9 +431,8 @@ class _Column:
     @property
     def durable(self) -> int:
         """Entries in whole chunks written: a chunk boundary, or the dataset's length."""
-        if self.written == self.length:
-            return self.written
-        return self.written // self.rows * self.rows
+        whole = self.written // self.rows * self.rows
+        return self.written if self.written == self.length else whole
 
     def push(self, values: np.ndarray) -> None:
         """Take the next ``len(values)`` entries."""

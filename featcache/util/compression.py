@@ -1,13 +1,6 @@
-"""``store.compression``: the filters built into h5py and hdf5plugin's lossless codecs,
-parsed in one place into the keyword arguments of h5py's ``create_dataset``.
-
-The forms: ``gzip`` and ``gzip:<1-9>``, ``lzf`` (built into h5py); ``zstd`` and
-``zstd:<1-22>``, ``blosc2-lz4`` and ``blosc2-zstd`` (from hdf5plugin, the ``codecs``
-extra), a blosc2 codec optionally with ``-shuffle`` (byte shuffle, the default) or
-``-bitshuffle`` and ``:<0-9>`` (``blosc2-zstd-bitshuffle:5``). Importing hdf5plugin
-registers its filters with HDF5 for the whole process: :func:`load_plugins` does it
-once, before a store is read or written.
-"""
+"""``store.compression``: h5py's built-in filters and hdf5plugin's lossless codecs (the
+``codecs`` extra), parsed in one place into the keyword arguments of ``create_dataset``.
+Importing hdf5plugin registers its filters for the whole process (:func:`load_plugins`)."""
 
 from __future__ import annotations
 
@@ -48,9 +41,8 @@ _FORM = re.compile(
 
 @dataclasses.dataclass(frozen=True)
 class Codec:
-    """One parsed ``store.compression`` value: its ``family`` (``"gzip"``, ``"lzf"``,
-    ``"zstd"``, ``"blosc2-lz4"``, ``"blosc2-zstd"``), ``level`` (None: the codec's
-    default) and, for blosc2, whether it shuffles bits rather than bytes first."""
+    """One parsed ``store.compression`` value: ``family`` (a key of :data:`LEVELS`),
+    ``level`` (None: the codec's default), and whether blosc2 shuffles bits, not bytes."""
 
     family: str
     level: int | None = None
@@ -82,7 +74,7 @@ def parse_compression(value: Any, at: str = "store.compression") -> Codec:
 
 def check_compression(value: Any, at: str = "store.compression") -> None:
     """Refuse a ``store.compression`` value that is malformed, or that needs hdf5plugin
-    where it is not installed (``None``, no compression, passes).
+    where it is not installed (``None`` passes).
 
     Raises:
         ConfigError: one line, naming the forms or the install command.
@@ -93,8 +85,7 @@ def check_compression(value: Any, at: str = "store.compression") -> None:
 
 def filter_options(value: str | None) -> dict[str, Any]:
     """The keyword arguments of h5py's ``create_dataset`` that compress a dataset as
-    ``value`` says (``{}`` for None): ``{"compression": "gzip"}`` for ``gzip``, the
-    filter id and its options for hdf5plugin's codecs.
+    ``value`` says (``{}`` for None).
 
     Raises:
         ConfigError: a malformed value, or hdf5plugin missing for one of its codecs.
@@ -125,8 +116,7 @@ def _plugin(value: str, at: str = "store.compression") -> ModuleType:
 
 @functools.cache
 def load_plugins() -> ModuleType | None:
-    """hdf5plugin, imported once per process (which registers its filters with HDF5),
-    or None when it is not installed."""
+    """hdf5plugin, imported once (which registers its filters), or None when not installed."""
     try:
         return importlib.import_module(PLUGIN_PACKAGE)
     except ImportError:

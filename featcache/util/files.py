@@ -16,8 +16,7 @@ from featcache.util.units import format_bytes
 
 def prepare_output_folder(folder: Path) -> list[Path]:
     """Create ``folder`` if needed and make sure a file can be written in it; returns the
-    folders created (``folder`` and the parents it lacked), deepest first, for
-    :func:`remove_empty_folders` to take back when the run is refused."""
+    folders created, deepest first (for :func:`remove_empty_folders`)."""
     missing = [f for f in (folder, *folder.parents) if not f.exists()]
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -36,17 +35,15 @@ def prepare_output_folder(folder: Path) -> list[Path]:
 
 
 def remove_empty_folders(folders: Sequence[Path]) -> None:
-    """Remove each of ``folders`` (deepest first) that is empty: those a refused run
-    created. A folder that holds anything, or that cannot be removed, stays."""
+    """Remove each of ``folders`` (deepest first) that is empty and can be removed."""
     for folder in folders:
         with contextlib.suppress(OSError):
             folder.rmdir()
 
 
 def output_file(path: str | os.PathLike, suffixes: Sequence[str], what: str) -> Path:
-    """``path`` as a file to write (a results file, a picture), checked before any work:
-    not a folder, named with one of ``suffixes``, in a folder that exists (created if
-    needed) and takes a file. Raises :class:`ConfigError` naming a name that would do."""
+    """``path`` as a file to write, checked before any work: not a folder, named with one
+    of ``suffixes``, in a folder that takes a file. Raises :class:`ConfigError`."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError(
@@ -71,9 +68,8 @@ def free_bytes(path: str | os.PathLike) -> tuple[int, Path]:
 
 
 def require_space(needed: int, where: Sequence[Path], what: str, go_ahead: str = "") -> None:
-    """Refuse, in one :class:`FeatcacheError` line, to write the files ``where`` when
-    ``what`` (``"the run"``) needs ``needed`` more bytes than their filesystem has free;
-    ``go_ahead`` says how to go ahead anyway."""
+    """Raise :class:`FeatcacheError` when ``what`` (``"the run"``), writing the files
+    ``where``, needs more bytes than their filesystem has free."""
     free, folder = free_bytes(where[0].parent)
     anyway = f", or {go_ahead} to run anyway" if go_ahead else ""
     if needed > free:
@@ -98,9 +94,8 @@ def building_beside(target: str | os.PathLike, suffix: str) -> Iterator[Path]:
 
 
 def replace_durably(source: str | os.PathLike, target: str | os.PathLike) -> None:
-    """Rename the closed file ``source`` to ``target`` so that a crash or power cut
-    leaves the old name or the new one with all of the file's bytes: the file is synced
-    before the rename and its folder after it (where the system can sync a folder)."""
+    """Rename the closed file ``source`` to ``target`` so that a crash leaves the old name
+    or the new one with all the bytes: the file is synced first, its folder after."""
     with open(source, "rb") as handle:
         os.fsync(handle.fileno())
     os.replace(source, target)

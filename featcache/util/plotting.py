@@ -13,7 +13,7 @@ def has_matplotlib() -> bool:
 
 
 def require_matplotlib(purpose: str = "drawing charts") -> None:
-    """Make sure matplotlib can be imported, before a function that draws imports it.
+    """Make sure matplotlib can be imported.
 
     Raises:
         FeatcacheError: not installed; one line led by ``purpose``, naming the extra.

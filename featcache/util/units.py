@@ -23,9 +23,7 @@ def parse_bytes(text: str | int) -> int:
     if isinstance(text, int) and not isinstance(text, bool):
         return text
     match = _SIZE.fullmatch(str(text).strip().lower())
-    if not match:
+    if not match or (match[3] and not match[2]):  # "i" needs a unit: 4KiB, not 4iB
         raise ConfigError(f"memory size {text!r} is not a size like 4GiB, 512MB or 1e9")
     number, unit, binary = match.groups()
-    if binary and not unit:
-        raise ConfigError(f"memory size {text!r} is not a size like 4GiB, 512MB or 1e9")
     return int(float(number) * (1024 if binary else 1000) ** "_kmgt".index(unit or "_"))

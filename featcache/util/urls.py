@@ -1,11 +1,5 @@
-"""URLs in a config: how to tell them from paths, join them, and keep credentials out.
-
-A path with a protocol (``s3://bucket/data``, ``https://host/x.tar``) is a URL, read
-through fsspec (:mod:`featcache.sources.remote`); anything else is a local path.
-Credentials never travel in a config, which every store records: a URL that carries
-them and ``data.storage_options`` keys that hold secrets are refused, naming where they
-go instead and never echoing the value.
-"""
+"""URLs in a config (a path with a protocol, read through fsspec): how to tell them from
+paths, join them, and keep credentials out of the config, which every store records."""
 
 from __future__ import annotations
 
@@ -98,8 +92,8 @@ def check_url(url: str, where: str) -> None:
 
 
 def check_storage_options(options: Any, at: str) -> None:
-    """Refuse secret values in ``data.storage_options`` (keys, secrets, tokens,
-    passwords, at any depth), naming the key but never its value.
+    """Refuse secret values in ``data.storage_options`` at any depth, naming the key but
+    never its value.
 
     Raises:
         ConfigError: one line saying where credentials go instead.
