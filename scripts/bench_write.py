@@ -16,6 +16,11 @@ means as fast) and ``CPU/byte`` (the baseline's CPU time per byte written over
 featcache's), the medians of the per-round ratios and their ranges. Target: at least
 0.90x and 0.75x, checksums on.
 
+``--threads N`` sets torch's intra-op threads (both cases cast with them). Where the
+intra-op threads wait for work they spin for a while first (``OMP_WAIT_POLICY``): that
+spinning is CPU time, and more of it where a third busy thread (featcache's writer)
+shares two cores.
+
 ``--checksum-cost`` adds ``featcache.extract, checksum off``. ``--hashes`` times the chunk
 checksum libraries that are installed (xxhash's XXH3-64, which featcache uses, and
 google-crc32c and crc32c if present) on 1 MiB chunks.
@@ -30,7 +35,7 @@ functions by their own CPU time (cProfile adds its own cost to every call it tim
 
     python scripts/bench_write.py [--rows 8192] [--batch 64] [--repeats 5]
                                   [--checksum-cost] [--hashes] [--profile [--top 12]]
-                                  [--dir DIR]
+                                  [--threads N] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -257,7 +262,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="profile one run of each case")
     parser.add_argument("--top", type=int, default=12, help="functions per thread (--profile)")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: tmp)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     data = torch.randn(args.rows, *SHAPE, generator=torch.Generator().manual_seed(0))
     nbytes = args.rows * int(np.prod(SHAPE)) * 2
     cases: dict[str, Callable[[Path], None]] = {
@@ -278,8 +286,8 @@ def main() -> None:
         times = timed_rounds(cases, Path(tmp), args.repeats)
     print(
         f"{args.rows} rows {list(SHAPE)} float16 ({nbytes / 2**20:,.0f} MiB) in batches of "
-        f"{args.batch}; {torch.get_num_threads()} torch threads; median (range) of "
-        f"{args.repeats} rounds"
+        f"{args.batch}; {torch.get_num_threads()} torch threads; OMP_WAIT_POLICY "
+        f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}; median (range) of {args.repeats} rounds"
     )
     print(f"{'case':<34} {'wall s':>18} {'CPU s':>18} {'wall':>18} {'CPU/byte':>18}")
     base = times["cast + write + fsync"]

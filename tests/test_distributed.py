@@ -348,14 +348,14 @@ def test_three_killed_ranks_resume_with_two_to_the_single_process_store(single, 
     # Each rank is stopped (SIGSTOP) once it has durable rows, so that none completes its
     # shard while a slower one starts; then all are killed, one by one (each runs in a
     # session of its own).
-    stopped: set[int] = set()
+    paused: set[int] = set()
 
     def stop_ranks_with_rows() -> bool:
         for rank, pid in pids.items():
-            if rank not in stopped and _progress(partials[rank]) >= 24:
+            if rank not in paused and _progress(partials[rank]) >= 24:
                 os.kill(pid, signal.SIGSTOP)
-                stopped.add(rank)
-        return len(stopped) == 3
+                paused.add(rank)
+        return len(paused) == 3
 
     _wait_until(stop_ranks_with_rows, process, "every rank had durable rows")
     assert process.poll() is None

@@ -82,7 +82,7 @@ def estimate_store(plan: ExtractionPlan, path: Path) -> StoreEstimate:
         store_bytes,
         rows,
         layers,
-        ids_width=max((len(str(i).encode()) for i in plan.ids), default=1),
+        ids_width=plan.ids_width,
         has_labels=plan.has_labels,
         tokens=tokens,
         token_ids=seen.token_ids,

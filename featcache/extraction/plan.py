@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,11 @@ class ExtractionPlan:
     # [source rows] each row's change stamp, taken when the run starts (None: none known)
     stamps: np.ndarray | None = dataclasses.field(default=None, compare=False)
 
+    @functools.cached_property
+    def ids_width(self) -> int:
+        """Bytes of the longest sample id in UTF-8 (at least 1): the width of ``/ids``."""
+        return max((len(str(i).encode()) for i in self.ids), default=1)
+
     @property
     def token_capacity(self) -> int | None:
         """The tokens of the store's rows, which per-token layers are sized for."""
@@ -164,7 +170,7 @@ class ExtractionPlan:
                 StorePlan(
                     path,
                     len(self.rows),
-                    ids_width=max((len(str(i).encode()) for i in self.ids), default=1),
+                    ids_width=self.ids_width,
                     dtype=store.dtype,
                     compression=store.compression,
                     chunk_rows=store.chunk_rows,
