@@ -152,9 +152,22 @@ def test_a_codec_without_hdf5plugin_names_the_extra(monkeypatch):
     assert load_config(config(Path("out"), "gzip:9")).store.compression == "gzip:9"
 
 
-def test_a_store_whose_filter_is_not_installed_is_refused_in_one_line(plain, tmp_path):
+def _sharded_zstd_store(folder: Path) -> Path:
+    """A zstd store combined from two ``--shard`` jobs' shards: virtual layers."""
+    for job in ("0/2", "1/2"):
+        stores = featcache.extract_from_config(config(folder, "zstd"), shard=job)
+    with h5py.File(stores["val"].path, "r") as file:
+        assert file["features/layer2"].is_virtual
+    return stores["val"].path
+
+
+@pytest.mark.parametrize("combined", [False, True], ids=["one-file", "shards"])
+def test_a_store_whose_filter_is_not_installed_is_refused_in_one_line(plain, tmp_path, combined):
     path = tmp_path / "zstd.h5"
-    copy_store(plain, path, "zstd")
+    if combined:  # the filter is the shards' own
+        path = _sharded_zstd_store(tmp_path)
+    else:
+        copy_store(plain, path, "zstd")
     code = (
         "import sys; sys.modules['hdf5plugin'] = None\n"  # as if it were not installed
         "from featcache.errors import FeatcacheError\n"

@@ -75,12 +75,19 @@ def open_readonly(path: str | os.PathLike) -> h5py.File:
 def missing_filter(file: h5py.File) -> str:
     """The first HDF5 filter a layer of ``file`` needs that HDF5 cannot apply here, as
     ``"zstd (HDF5 filter 32015, in features/layer1)"``; "" when none, or when the layers'
-    headers cannot be read (the readers' own checks name that damage)."""
-    with contextlib.suppress(KeyError, OSError, RuntimeError, ValueError):
+    headers cannot be read (the readers' own checks name that damage). A combined store's
+    layers are virtual: the filters are its shards', all alike (one store key)."""
+    with contextlib.suppress(KeyError, OSError, RuntimeError, ValueError, IndexError):
         features = file.get("features")
         keys = list(features) if isinstance(features, h5py.Group) else []
         for key in keys:
-            plist = features[key].id.get_create_plist()
+            layer = features[key]
+            if layer.is_virtual:
+                source = layer.virtual_sources()[0]
+                with h5py.File(Path(file.filename).parent / source.file_name, "r") as shard:
+                    plist = shard[source.dset_name].id.get_create_plist()
+            else:
+                plist = layer.id.get_create_plist()
             for i in range(plist.get_nfilters()):
                 code, _, _, label = plist.get_filter(i)
                 if not h5py.h5z.filter_avail(code):
