@@ -161,13 +161,16 @@ def _probe_layer(splits: Splits, layer: str, options: ProbeOptions) -> ProbeResu
     run = run_full if trainer == "full" else run_streaming
     fit = run(splits, layer, grid, options, device, scaling)
     if grid.at_edge(fit.lam):
-        notes.append(
-            f"the chosen lambda {fit.lam:.0e} is at the edge of the grid; widen it (lambdas) "
-            "if accuracy matters at this end"
-            if published is None
-            else f"the chosen {grid.penalty} {grid.value(fit.lam):.0e} is at the edge of the "
-            f"{published.name} recipe's grid"
-        )
+        if published is None:
+            notes.append(
+                f"the chosen lambda {fit.lam:.0e} is at the edge of the grid; widen it "
+                "(lambdas) if accuracy matters at this end"
+            )
+        else:
+            notes.append(
+                f"the chosen {grid.penalty} {grid.value(fit.lam):.0e} is at the edge of the "
+                f"{published.name} recipe's grid"
+            )
     fit.seconds["total"] = round(time.perf_counter() - start, 4)
     return ProbeResult(
         **_common(splits, layer, fit.features_sha256, notes, options),
@@ -243,7 +246,7 @@ def _few_shot_layer(splits: Splits, layer: str, options: ProbeOptions) -> list[F
                     n_test=len(data.y_scored),
                     scored=data.scored,
                     validation=splits.validation,
-                    chance_top1=(torch.bincount(data.y_scored).max() / len(data.y_scored)).item(),
+                    chance_top1=_chance(data.y_scored),
                     draws=draws,
                     summary=summary_lines(method, draws),
                     seconds={"draws": seconds, "total": seconds},
@@ -252,6 +255,11 @@ def _few_shot_layer(splits: Splits, layer: str, options: ProbeOptions) -> list[F
                 )
             )
     return results
+
+
+def _chance(labels: torch.Tensor) -> float:
+    """Top-1 of always guessing the most frequent class of ``labels``."""
+    return (torch.bincount(labels).max() / len(labels)).item()
 
 
 def _common(
