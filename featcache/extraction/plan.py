@@ -119,6 +119,14 @@ class ExtractionPlan:
     # [source rows] each row's change stamp, taken when the run starts (None: none known)
     stamps: np.ndarray | None = dataclasses.field(default=None, compare=False)
 
+    def for_rows(self, rows: range) -> ExtractionPlan:
+        """This plan over the source positions ``rows`` instead (a shard's block), its
+        store key naming them; nothing of the source is read again."""
+        key = self.key
+        return dataclasses.replace(
+            self, rows=rows, key=lambda: dataclasses.replace(key(), rows=(rows.start, rows.stop))
+        )
+
     @functools.cached_property
     def ids_width(self) -> int:
         """Bytes of the longest sample id in UTF-8 (at least 1): the width of ``/ids``."""

@@ -8,7 +8,7 @@ held the store is combined over them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,17 +69,10 @@ def extract_shard(
     )
 
     provenance = {**(arguments.get("provenance") or {}), "launch": launch}
-
-    def plan_of(rows: range | None = None) -> ExtractionPlan:
-        whole = {**arguments, "provenance": provenance}
-        if rows is not None:
-            whole["rows"] = rows
-        plan = make_plan(model, source, layers, options, **whole)
-        # Keyed by its device type (cuda, not cuda:3): any process, on any of its devices,
-        # resumes or seals a shard another wrote.
-        return dataclasses.replace(plan, key=lambda: _device_type(plan.key()))
-
-    plan = plan_of()
+    whole = make_plan(model, source, layers, options, **{**arguments, "provenance": provenance})
+    # Keyed by its device type (cuda, not cuda:3): any process, on any of its devices,
+    # resumes or seals a shard another wrote.
+    plan = dataclasses.replace(whole, key=lambda: _device_type(whole.key()))
     num_rows = len(plan.rows)
     done_key = combined_key(plan.key(), num_rows)
     state = store_state(path)
@@ -105,7 +98,7 @@ def extract_shard(
     rank.barrier()  # every rank has listed the same stopped shards before any is sealed
     mine = range(rank.rank, len(stopped), rank.world_size) if rank.group else range(len(stopped))
     for i in mine:
-        _seal(stopped[i], plan_of, launch, busy_ok=not rank.group, batches=checks[i])
+        _seal(stopped[i], plan, launch, busy_ok=not rank.group, batches=checks[i])
     rank.barrier()
     shards = read_shards(path, *grid)
     check_same_run(shards, plan.key().to_json())
@@ -117,7 +110,7 @@ def extract_shard(
     for rows in share:
         shard_file = shard_path(path, rows.start)
         with writer_lock(shard_file):
-            run_plan(plan_of(rows), shard_file, check_space=check_space, launch=launch)
+            run_plan(plan.for_rows(rows), shard_file, check_space=check_space, launch=launch)
     rank.barrier()
     if rank.is_main or not rank.group:
         combine_when_done(path, num_rows, *grid, world_size=rank.world_size)
@@ -127,7 +120,7 @@ def extract_shard(
 
 def _seal(
     shard: Shard,
-    plan_of: Callable[[range], ExtractionPlan],
+    plan: ExtractionPlan,
     launch: str,
     busy_ok: bool,
     batches: int,
@@ -146,9 +139,13 @@ def _seal(
             if not shard.held:
                 shard.file.unlink()
                 return
-            plan = plan_of(shard.held)
             run_plan(
-                plan, shard.path, check_space=False, seal=True, launch=launch, continuity=batches
+                plan.for_rows(shard.held),
+                shard.path,
+                check_space=False,
+                seal=True,
+                launch=launch,
+                continuity=batches,
             )
             # Copied, its file no longer keeps room for the rows it was made for.
             copy_store(shard.path, shard.path)

@@ -56,6 +56,14 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+def value_dtype(name: str) -> torch.dtype:
+    """The torch dtype readers give values of store dtype ``name`` in: its own, or float32
+    for quantized codes (dequantized)."""
+    import torch
+
+    return torch.float32 if name in QUANTIZED else torch_dtype(name)
+
+
 def scales_name(key: str) -> str:
     """The dataset holding the scales of the quantized layer ``key``."""
     return f"scales/{key}"

@@ -317,16 +317,17 @@ class FeatureStore:
 
     def dtype(self, layer: str) -> torch.dtype:
         """The torch dtype rows of ``layer`` come back as (float32 for int8 codes)."""
-        import torch
+        return codec.value_dtype(self._stored_dtype(layer))
 
-        stored = codec.attr(self._features(layer), "dtype")
-        return torch.float32 if stored in codec.QUANTIZED else codec.torch_dtype(stored)
+    def _stored_dtype(self, layer: str) -> str:
+        """The store dtype of ``layer``, read once."""
+        if layer not in self._dtypes:  # opening a virtual dataset costs more than a row
+            self._dtypes[layer] = codec.attr(self._features(layer), "dtype")
+        return self._dtypes[layer]
 
     def _quantized(self, layer: str) -> bool:
         """Whether ``layer`` holds int8 codes with a scale per row (or token)."""
-        if layer not in self._dtypes:  # opening a virtual dataset costs more than a row
-            self._dtypes[layer] = codec.attr(self._features(layer), "dtype")
-        return self._dtypes[layer] in codec.QUANTIZED
+        return self._stored_dtype(layer) in codec.QUANTIZED
 
     def _scales(self, layer: str) -> Rows | PartRows:
         """The reads of the scales of the quantized ``layer``."""
