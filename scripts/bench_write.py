@@ -21,7 +21,9 @@ intra-op threads wait for work they spin for a while first (``OMP_WAIT_POLICY``)
 spinning is CPU time, and more of it where a third busy thread (featcache's writer)
 shares two cores.
 
-``--checksum-cost`` adds ``featcache.extract, checksum off``. ``--hashes`` times the chunk
+``--checksum-cost`` adds ``featcache.extract, checksum off`` and ``featcache.extract, no
+checks`` (checksums off and ``on_nonfinite: keep``: no pass over the bytes but the cast
+and the write). ``--hashes`` times the chunk
 checksum libraries that are installed (xxhash's XXH3-64, which featcache uses, and
 google-crc32c and crc32c if present) on 1 MiB chunks.
 
@@ -83,10 +85,13 @@ def cast_write_fsync(data: torch.Tensor, batch: int, path: Path) -> None:
         os.fsync(out.fileno())
 
 
-def extract(data: torch.Tensor, batch: int, path: Path, checksum: bool = True) -> None:
+def extract(
+    data: torch.Tensor, batch: int, path: Path, checksum: bool = True, nonfinite: str = "fail"
+) -> None:
     featcache.extract(
         Identity(), TensorDataset(data), [{"name": "layer", "reduce": "none"}], path,
         batch_size=batch, num_workers=0, progress=False, overwrite=True, checksum=checksum,
+        on_nonfinite=nonfinite,
     )  # fmt: skip
 
 
@@ -274,6 +279,8 @@ def main() -> None:
     }
     if args.checksum_cost:
         cases["featcache.extract, checksum off"] = lambda p: extract(data, args.batch, p, False)
+        no_checks = functools.partial(extract, data, args.batch, checksum=False, nonfinite="keep")
+        cases["featcache.extract, no checks"] = no_checks
     if args.profile:
         with tempfile.TemporaryDirectory(prefix="featcache-bench-write-", dir=args.dir) as tmp:
             for name, run in cases.items():
