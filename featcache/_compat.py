@@ -70,9 +70,7 @@ def declare_torchvision_ops() -> list[str]:
 
 def ensure_torchvision_importable() -> None:
     """Call before the first ``import torchvision``; a no-op when its extension loads."""
-    if importlib.util.find_spec("torchvision") is None:
-        return
-    if not torchvision_extension_loads():
+    if importlib.util.find_spec("torchvision") is not None and not torchvision_extension_loads():
         declare_torchvision_ops()
 
 

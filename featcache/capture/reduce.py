@@ -77,8 +77,7 @@ def reduce_tensor(x: torch.Tensor, tap: Tap, context: ReduceContext = NO_CONTEXT
     (``avg``, ``max``), ``[B, C, k, k]`` (``adaptive_avg``), ``[B, D]`` (``cls``, ``mean``,
     ``last`` of tokens ``[B, T, D]``), ``[B, 2D]`` (``cls+mean``), ``[B, D, h, w]``
     (``patches``). A padded batch is reduced over its real tokens (``none``: left padded).
-    The rules: ``docs/concepts/reductions.md``, ``docs/concepts/tokens.md``.
-    """
+    The rules: ``docs/concepts/reductions.md``, ``docs/concepts/tokens.md``."""
     x = _batch_first(x, tap, context)
     how = tap.reduce
     if how == "none":

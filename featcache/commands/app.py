@@ -153,8 +153,10 @@ def extract(
             for split in spec.data.splits:
                 path = one.store_path(split)
                 if not path.is_file():
-                    say(f"{path}: rows of shard {shard} done; other jobs' rows remain "
-                        f"(`featcache info {path}` lists them)")  # fmt: skip
+                    say(
+                        f"{path}: rows of shard {shard} done; other jobs' rows remain "
+                        f"(`featcache info {path}` lists them)"
+                    )
 
 
 @_command

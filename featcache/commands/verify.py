@@ -136,8 +136,15 @@ def verify_store(
             result.add("values", False, f"not recomputed: {why}")
             return result
         runtime = dataclasses.replace(spec.runtime, device=device or spec.runtime.device)
-        _recompute(result, store, dataclasses.replace(spec, runtime=runtime), backbone, source,
-                   samples=samples, seed=seed)  # fmt: skip
+        _recompute(
+            result,
+            store,
+            dataclasses.replace(spec, runtime=runtime),
+            backbone,
+            source,
+            samples=samples,
+            seed=seed,
+        )
     return result
 
 
@@ -352,9 +359,13 @@ def _recompute(
     result.rows = rows
     index, labels, dtype = store.index, store.labels, spec.store.dtype
     plan = make_plan(
-        backbone.model, source, spec.layers, run_options(spec),
-        prefix_tokens=backbone.prefix_tokens, sequence_first=backbone.sequence_first,
-    )  # fmt: skip
+        backbone.model,
+        source,
+        spec.layers,
+        run_options(spec),
+        prefix_tokens=backbone.prefix_tokens,
+        sequence_first=backbone.sequence_first,
+    )
     tolerance = tolerance_of(dtype, plan.layout.amp)[0]
     row_of = {int(index[r]): r for r in rows}
     positions = sorted(row_of)
@@ -391,16 +402,13 @@ def _recompute(
             ]
     if labels is not None and getattr(source, "labels", None) is None:
         result.add("labels", not wrong_labels, _rows_text(wrong_labels, "labels match"))
+    largest = max(worst.values(), default=0.0)
     if mismatches:
-        parts = [f"{key}: rows {_list(found)}" for key, found in mismatches.items()]
-        detail = "; ".join(parts) + f" differ (largest relative error {max(worst.values()):.3g}"
-        detail += f", tolerance {tolerance:g})"
+        parts = "; ".join(f"{key}: rows {_list(found)}" for key, found in mismatches.items())
+        detail = f"{parts} differ (largest relative error {largest:.3g}, tolerance {tolerance:g})"
     else:
-        largest = max(worst.values()) if worst else 0.0
-        detail = (
-            f"{len(rows)} rows recomputed, largest relative error {largest:.2g} "
-            f"(tolerance {tolerance:g})"
-        )
+        detail = f"{len(rows)} rows recomputed, largest relative error {largest:.2g} "
+        detail += f"(tolerance {tolerance:g})"
     result.add("values", not mismatches, detail)
 
 

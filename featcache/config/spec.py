@@ -24,8 +24,6 @@ Reduction = Literal[
 ]
 Capture = Literal["output", "input", "grad"]
 StoreDtype = Literal["float16", "bfloat16", "float32", "int8"]
-# gzip, lzf, zstd, blosc2-...: the forms featcache.util.compression parses (check_compression)
-Compression = str | None
 SourceKind = Literal[
     "imagefolder", "manifest", "torchvision", "synthetic", "text", "hf", "webdataset", "parquet"
 ]
@@ -37,9 +35,7 @@ ChannelLayout = Literal["nchw", "nhwc"]
 Decode = Literal["exact", "fast"]
 Auto = Literal["auto"]
 
-GRAD_TARGETS = ("label", "predicted")  # besides a class index k and "output:K"
 SOURCES = choices(SourceKind)
-
 
 ONE_MODEL = "set exactly one of model.name (a torchvision name or zoo reference) and model.factory"
 
@@ -355,7 +351,7 @@ class StoreSpec:
     # "blosc2-lz4" or "blosc2-zstd", a blosc2 one optionally with "-shuffle" (the default)
     # or "-bitshuffle" and ":<0-9>", e.g. "blosc2-zstd-bitshuffle:5" (zstd and blosc2 need
     # pip install 'featcache[codecs]'); null: uncompressed
-    compression: Compression = None
+    compression: str | None = None
     chunk_rows: int | None = option(None, ge=1)  # rows per HDF5 chunk; null: about 1 MiB
     on_nonfinite: OnNonfinite = "fail"  # NaN/Inf in captured features
     checksum: bool = True  # an XXH3 checksum per chunk: a corrupted chunk fails to read
@@ -559,7 +555,7 @@ def parse_target(target: str | int | None, where: str = "target") -> tuple[str, 
             raise ConfigError(f"{where} is {target}; a class index must be >= 0")
         return "class", target
     if isinstance(target, str):
-        if target in GRAD_TARGETS:
+        if target in ("label", "predicted"):
             return target, None
         head, sep, tail = target.partition(":")
         if head == "output" and sep and tail.strip().isdigit():
@@ -583,11 +579,8 @@ def parse_layers(
     layers: Iterable[LayerSpec | str | Mapping[str, Any]] | LayerSpec | str | Mapping[str, Any],
 ) -> list[LayerSpec]:
     """Normalise layer selectors given as names, mappings or :class:`LayerSpec`."""
-    items = _layer_list(layers, "layers")
-    if not isinstance(items, list):
-        items = list(items)
     parsed = []
-    for i, layer in enumerate(items):
+    for i, layer in enumerate(_layer_list(layers, "layers")):
         at = f"layers[{i}]"
         if isinstance(layer, LayerSpec):
             check(layer, at)

@@ -147,17 +147,13 @@ def _field_values(cls: type, raw: Mapping[str, Any], at: str, unknown: str) -> d
             unknown.format(where=_join(at, extra[0]), key=extra[0], known=", ".join(sorted(fields)))
         )
     hints = _hints(cls)
-    return {
-        name: _field_value(hints[name], fields[name], value, _join(at, name))
-        for name, value in raw.items()
-    }
-
-
-def _field_value(hint: Any, f: dataclasses.Field, value: Any, at: str) -> Any:
-    convert = f.metadata.get("convert")
-    if convert is not None:
-        value = convert(value, at)
-    return _convert(hint, f.metadata.get("bounds"), value, at)
+    values = {}
+    for name, value in raw.items():
+        metadata = fields[name].metadata
+        if "convert" in metadata:
+            value = metadata["convert"](value, _join(at, name))
+        values[name] = _convert(hints[name], metadata.get("bounds"), value, _join(at, name))
+    return values
 
 
 def _check_value(hint: Any, f: dataclasses.Field, value: Any, at: str) -> None:

@@ -112,10 +112,18 @@ def extract(
     path = Path(path)
     with writer_lock(path):  # before anything of the store is touched, until it is in place
         plan = make_plan(
-            model, dataset, layers, options_, ids=ids, class_names=class_names,
-            provenance=provenance, dataset_fingerprint=dataset_fingerprint, rows=rows,
-            prefix_tokens=prefix_tokens, sequence_first=sequence_first,
-        )  # fmt: skip
+            model,
+            dataset,
+            layers,
+            options_,
+            ids=ids,
+            class_names=class_names,
+            provenance=provenance,
+            dataset_fingerprint=dataset_fingerprint,
+            rows=rows,
+            prefix_tokens=prefix_tokens,
+            sequence_first=sequence_first,
+        )
         return run_plan(plan, path, check_space=check_space)
 
 
@@ -142,10 +150,16 @@ def estimate(
     layer's shape and bytes.
     """
     plan = make_plan(
-        model, dataset, layers, RunOptions.from_kwargs(**options), provenance=provenance,
-        dataset_fingerprint=dataset_fingerprint, rows=rows, prefix_tokens=prefix_tokens,
+        model,
+        dataset,
+        layers,
+        RunOptions.from_kwargs(**options),
+        provenance=provenance,
+        dataset_fingerprint=dataset_fingerprint,
+        rows=rows,
+        prefix_tokens=prefix_tokens,
         sequence_first=sequence_first,
-    )  # fmt: skip
+    )
     return estimate_store(plan, Path(path))
 
 

@@ -71,6 +71,15 @@ def merge_in_order(batches: list[CapturedBatch]) -> CapturedBatch:
             scale = torch.cat([b.scales[key] for b in computed])
             scales[key] = scale[picked.to(scale.device)].cpu()
     return CapturedBatch(
-        index[order], [], labels, features, None, skipped, None, ragged, lengths, token_ids,
+        index[order],
+        [],
+        labels,
+        features,
+        None,
+        skipped,
+        None,
+        ragged,
+        lengths,
+        token_ids,
         scales,
-    )  # fmt: skip
+    )

@@ -20,11 +20,8 @@ TOLERANCE = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2, "int8": 2 / 127
 def tolerance_of(store_dtype: str, amp: torch.dtype | None = None) -> tuple[float, str]:
     """The tolerance of a recomputation, and the dtype that sets it: the store dtype's,
     or the autocast dtype's where that is coarser."""
-    dtype = store_dtype
-    if amp is not None:
-        amp_name = str(amp).removeprefix("torch.")
-        if TOLERANCE[amp_name] > TOLERANCE[dtype]:
-            dtype = amp_name
+    names = [store_dtype] if amp is None else [store_dtype, str(amp).removeprefix("torch.")]
+    dtype = max(names, key=TOLERANCE.__getitem__)  # the store dtype's on a tie
     return TOLERANCE[dtype], dtype
 
 

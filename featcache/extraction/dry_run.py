@@ -38,33 +38,27 @@ class LayerSize:
 
 @dataclasses.dataclass
 class DryRun:
-    """What a dry run saw: each layer's row (token) shape, and each batch's end time."""
+    """What a dry run saw, noted as the run loop's sink: each layer's row (token) shape,
+    and each batch's end time."""
 
+    dtype: str  # the store dtype, which the layers are kept in
     layers: dict[str, LayerSize] = dataclasses.field(default_factory=dict)
     finished: list[float] = dataclasses.field(default_factory=list)  # perf_counter seconds
     rows: list[int] = dataclasses.field(default_factory=list)  # rows of each batch
     token_ids: bool = False  # per-token layers come with their input token ids
     peak_memory: int | None = None  # CUDA: the most bytes allocated during the run
-
-
-class _Recorder:
-    """The run loop's sink for a dry run: notes each batch's shapes and end time."""
-
-    def __init__(self, dtype: str) -> None:
-        self.path = Path("dry run")
-        self.waited = 0.0
-        self.skipped = 0
-        self.dtype = dtype
-        self.seen = DryRun()
+    path: Path = Path("dry run")
+    waited: float = 0.0
+    skipped: int = 0
 
     def put(self, batch: CapturedBatch, feature_attrs: Mapping[str, Any]) -> None:
-        self.seen.finished.append(time.perf_counter())
-        self.seen.rows.append(len(batch.index))
-        self.seen.token_ids |= batch.token_ids is not None
+        self.finished.append(time.perf_counter())
+        self.rows.append(len(batch.index))
+        self.token_ids |= batch.token_ids is not None
         for key, value in batch.features.items():
             per_token = key in batch.ragged
             shape = tuple(int(n) for n in value.shape[1:])
-            self.seen.layers.setdefault(key, LayerSize(key, shape, self.dtype, per_token))
+            self.layers.setdefault(key, LayerSize(key, shape, self.dtype, per_token))
         if batch.release is not None:
             if batch.ready is not None:
                 batch.ready.synchronize()
@@ -81,14 +75,14 @@ def dry_run(plan: ExtractionPlan, rows: range, batch_size: int, workers: bool = 
         loader=dataclasses.replace(options.loader, batch_size=batch_size),
         runtime=dataclasses.replace(options.runtime, progress=False, compile=False),
     )
-    recorder = _Recorder(options.store.dtype)
+    seen = DryRun(options.store.dtype)
     cuda = plan.layout.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(plan.layout.device)
     grid = GridBatches(rows, batch_size, plan.shard_starts)
     workers_for = len(plan.rows) if workers else None
     with loaded_batches(plan, grid, rows=rows, workers_for=workers_for, options=options) as batches:
-        run_rows(plan, batches, recorder, total=len(rows), options=options, warn=False)
+        run_rows(plan, batches, seen, total=len(rows), options=options, warn=False)
     if cuda:
-        recorder.seen.peak_memory = int(torch.cuda.max_memory_allocated(plan.layout.device))
-    return recorder.seen
+        seen.peak_memory = int(torch.cuda.max_memory_allocated(plan.layout.device))
+    return seen

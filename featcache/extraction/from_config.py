@@ -65,8 +65,7 @@ def extract_from_config(
         )
     spec = config if isinstance(config, Spec) else load_config(config, overrides)
     if update and not spec.output.update:
-        output = dataclasses.replace(spec.output, update=True)
-        spec = dataclasses.replace(spec, output=output)
+        spec = dataclasses.replace(spec, output=dataclasses.replace(spec.output, update=True))
         spec.validate("")
     rank = current_rank()
     if shard is not None:
@@ -225,8 +224,9 @@ def _extract_models(
     from featcache.sources import build_source
 
     specs = spec.per_model()
-    sharded = any(shards_of(one.store_path(split))
-                  for one in specs.values() for split in spec.data.splits)  # fmt: skip
+    sharded = any(
+        shards_of(one.store_path(split)) for one in specs.values() for split in spec.data.splits
+    )
     if rank is not None or spec.output.update or sharded and not spec.output.overwrite:
         return {
             f"{key}/{split}": store
@@ -264,8 +264,11 @@ def _extract_models(
     if check_space:  # every model's and split's store, before any work
         estimates = []
         for split in sources:
-            todo = [r for key, r in zip(specs, runs[split], strict=True)
-                    if not complete_already(specs[key], split)]  # fmt: skip
+            todo = [
+                r
+                for key, r in zip(specs, runs[split], strict=True)
+                if not complete_already(specs[key], split)
+            ]
             estimates += estimate_runs(
                 todo, decoded[split], options, dataset_fingerprint=fingerprints[split]
             )
@@ -314,17 +317,11 @@ def _extract_splits(
     sources = {split: build_source_for(spec, split, backbone) for split in spec.data.splits}
     check_same_classes({split: source.class_names for split, source in sources.items()})
     options = run_options(spec)
-    plans = {
-        split: make_plan(
-            backbone.model,
-            source,
-            spec.layers,
-            options,
-            **split_arguments(spec, split, source, backbone, command),
-        )
-        for split, source in sources.items()
-        if rank is None
-    }
+    plans = {}
+    if rank is None:
+        for split, source in sources.items():
+            arguments = split_arguments(spec, split, source, backbone, command)
+            plans[split] = make_plan(backbone.model, source, spec.layers, options, **arguments)
     if check_space and rank is None:  # every split's store, before any work
         estimates = [
             estimate_store(plan, spec.store_path(split))

@@ -64,8 +64,4 @@ class GridBatches(Sampler[list[int]]):
         return (end - start for start, end in self._windows())
 
     def __len__(self) -> int:
-        count = 0
-        for first, stop in self.segments:
-            full, rest = divmod(stop - first, self.window)
-            count += full * -(-self.window // self.batch_size) + -(-rest // self.batch_size)
-        return count
+        return sum(-(-(end - start) // self.batch_size) for start, end in self._windows())

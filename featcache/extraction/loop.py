@@ -17,18 +17,17 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from torch import nn
 from tqdm.auto import tqdm
 
 from featcache.capture.memory import freed_memory_kept
-from featcache.capture.reduce import NO_CONTEXT, ReduceContext
-from featcache.capture.runtime import Layout, placed
+from featcache.capture.runtime import placed
 from featcache.capture.taps import Tap, TapSet, zero_gradient_note
-from featcache.config.spec import LoaderSpec, RuntimeSpec, StoreSpec
+from featcache.config.spec import StoreSpec
 from featcache.errors import ConfigError, FeatcacheError, FeatcacheWarning, first_line
-from featcache.extraction.batches import Batch
+from featcache.extraction.batches import Batch, pins
 from featcache.extraction.bucketing import WindowReorder
 from featcache.extraction.nonfinite import check_finite, skip_record
+from featcache.extraction.plan import ExtractionPlan, RunOptions
 from featcache.extraction.writer_thread import MAX_PENDING_BATCHES, CapturedBatch, HostBuffers
 from featcache.store.codec import QUANTIZED, encode, quantize, scales_name
 
@@ -61,40 +60,36 @@ def feature_attrs(
     return attrs
 
 
-@dataclasses.dataclass(frozen=True)
-class LoopPlan:
-    """What the run loop does, decided before the first batch (see
-    `featcache.extraction.run.run_rows`, which makes it). ``total`` is the rows of the
-    store, ``done_before`` of them written by an earlier run."""
-
-    taps: Sequence[Tap]
-    ids: Sequence[str]
-    options: tuple[LoaderSpec, StoreSpec, RuntimeSpec]
-    layout: Layout
-    pin: bool
-    total: int
-    done_before: int = 0
-    tokens: ReduceContext = NO_CONTEXT
-    reorder: WindowReorder | None = None
-    unit: str = "img"
-    warn: bool = True
-
-
-def run_loop(
-    model: nn.Module, batches: Iterator[Batch], sink: Sink, plan: LoopPlan
+def run_rows(
+    plan: ExtractionPlan,
+    batches: Iterator[Batch],
+    sink: Sink,
+    *,
+    taps: Sequence[Tap] | None = None,
+    total: int | None = None,
+    done_before: int = 0,
+    reorder: WindowReorder | None = None,
+    options: RunOptions | None = None,
+    warn: bool = True,
 ) -> dict[str, float]:
-    """Run every batch into ``sink`` as ``plan`` says; returns where the time went (s)."""
-    loader, store, runtime = plan.options
-    taps, ids, layout, pin, tokens, reorder = (
-        plan.taps, plan.ids, plan.layout, plan.pin, plan.tokens, plan.reorder
-    )  # fmt: skip
+    """Run ``batches`` (from `loaded_batches`) through ``plan``'s model, capturing
+    ``taps`` (default the plan's), into ``sink``; ``options`` replace the plan's for this
+    run (a dry run's batch size). The progress bar counts ``total`` rows (default the
+    plan's), ``done_before`` of them already done. ``reorder`` puts length-bucketed
+    batches back in source order; ``warn`` warns of gradient layers that stored only
+    zeros. Returns where the time went, in seconds."""
+    options = options or plan.options
+    loader, store, runtime = options.loader, options.store, options.runtime
+    taps = plan.taps if taps is None else taps
+    model, ids, layout = plan.model, plan.ids, plan.layout
     device = layout.device
+    pin = pins(loader.pin_memory, device)
     was_training = model.training
     model.eval()
     attrs: dict[str, dict[str, str]] | None = None  # known once the first batch has run
     bar = tqdm(
-        total=plan.total,
-        initial=plan.done_before,
+        total=len(plan.rows) if total is None else total,
+        initial=done_before,
         unit=plan.unit,
         desc=sink.path.name,
         disable=not runtime.progress,
@@ -131,10 +126,7 @@ def run_loop(
                     batch.rows.numpy(), [], batch.labels.numpy(), {}, None, skipped
                 )
                 if batch.inputs is not None:
-                    forward(
-                        tapset, batch, captured, layout, pin, store, ids, host_buffers,
-                        tokens=tokens,
-                    )  # fmt: skip
+                    forward(tapset, batch, captured, plan, store, pin, host_buffers)
                 rows_done = len(captured.index) + len(captured.skipped)
                 timing["seconds_in_model"] += time.perf_counter() - computing_since
                 window = captured if reorder is None else reorder.add(captured)
@@ -146,7 +138,7 @@ def run_loop(
                 bar.update(rows_done)
                 bar.set_postfix_str(_bar_note(timing, sink.waited, sink.skipped), False)
                 waiting_since = time.perf_counter()
-            if plan.warn and attrs is not None:  # a batch ran
+            if warn and attrs is not None:  # a batch ran
                 for tap in tapset.zero_gradients():
                     note = zero_gradient_note(tap, "every gradient this run stored")
                     warnings.warn(note, FeatcacheWarning, stacklevel=2)
@@ -160,33 +152,31 @@ def forward(
     tapset: TapSet,
     batch: Batch,
     captured: CapturedBatch,
-    layout: Layout,
-    pin: bool,
+    plan: ExtractionPlan,
     store: StoreSpec,
-    ids: Sequence[str],
+    pin: bool,
     host_buffers: HostBuffers | None,
-    tokens: ReduceContext = NO_CONTEXT,
 ) -> None:
     """Run one batch through the taps and fill ``captured`` with what goes to the writer.
     A tensor input is the model's one positional argument, a mapping of tensors its
     keyword arguments."""
+    layout = plan.layout
     device, amp = layout.device, layout.amp
     on_device = batch.to(device, non_blocking=pin, memory_format=layout.memory_format)
     inputs = on_device.inputs
-    image_size = None
+    image_size: tuple[int, int] | None = None
     if isinstance(inputs, torch.Tensor) and inputs.dim() == 4:  # [B, C, H, W]
         image_size = (int(inputs.shape[2]), int(inputs.shape[3]))
+    input_tokens: int | None = None
     token_ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+    if isinstance(token_ids, torch.Tensor) and token_ids.dim() == 2:
+        input_tokens = int(token_ids.shape[1])
     context = dataclasses.replace(
-        tokens,
+        plan.tokens,
         attention_mask=on_device.attention_mask,
         batch_size=len(batch.rows),
         image_size=image_size,
-        input_tokens=(
-            int(token_ids.shape[1])
-            if isinstance(token_ids, torch.Tensor) and token_ids.dim() == 2
-            else None
-        ),
+        input_tokens=input_tokens,
     )
     autocast = torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()
     # Gradient taps need autograd; everything else runs in inference mode.
@@ -201,24 +191,21 @@ def forward(
         except (FeatcacheError, torch.OutOfMemoryError):
             raise
         except Exception as exc:  # the model's own complaint about its input
-            shapes = (
-                {key: list(value.shape) for key, value in inputs.items()}
-                if isinstance(inputs, dict)
-                else list(getattr(inputs, "shape", []))
-            )
+            shapes: object
+            if isinstance(inputs, dict):
+                shapes = {key: list(value.shape) for key, value in inputs.items()}
+                check = "the tokenizer (data.max_length) or the dataset's token inputs"
+            else:
+                shapes = list(getattr(inputs, "shape", []))
+                check = "the preprocessing (preprocess.resize, crop) or the dataset"
             why = first_line(exc, with_type=True)
-            check = (
-                "the tokenizer (data.max_length) or the dataset's token inputs"
-                if isinstance(inputs, dict)
-                else "the preprocessing (preprocess.resize, crop) or the dataset"
-            )
             raise FeatcacheError(
                 f"the model fails on a batch of inputs {shapes} ({why}); check that {check} "
                 "gives inputs the model takes"
             ) from exc
         values, captured.ragged, lengths, token_ids = pack_tokens(values, tapset.taps, on_device)
         keep = check_finite(
-            values, batch.rows, ids, store, captured.skipped, lengths, captured.ragged
+            values, batch.rows, plan.ids, store, captured.skipped, lengths, captured.ragged
         )
         if keep is not None:  # rows with non-finite values are left out, tokens and all
             token_keep = keep if lengths is None else keep.repeat_interleave(lengths)

@@ -27,8 +27,6 @@ from featcache.extraction.batches import (
     Collate,
     SourceRows,
     first_sample,
-    num_workers,
-    pins,
     source_length,
     split_sample,
     started,
@@ -146,10 +144,14 @@ class FanOutCollate:
 
     def __call__(self, samples: list[tuple[Any, int, int, str]]) -> list[Batch]:
         return [
-            self.collate([(None if v is None else v[m], label, row, error)
-                          for v, label, row, error in samples])
+            self.collate(
+                [
+                    (None if v is None else v[m], label, row, error)
+                    for v, label, row, error in samples
+                ]
+            )
             for m in range(self.count)
-        ]  # fmt: skip
+        ]
 
 
 class _Stopped(FeatcacheError):
@@ -258,18 +260,12 @@ class SharedPass:
 
     def _read_rows(self, wanted: dict[int, range]) -> None:
         span = range(min(r.start for r in wanted.values()), max(r.stop for r in wanted.values()))
-        loader_options = self.run.loader
-        batch_size = loader_options.batch_size
+        options = self.run.loader
         rows = SourceRows(self.dataset, span, has_labels=self.has_labels)
-        grid = GridBatches(span, batch_size, self.shard_starts, None, batch_size)
+        grid = GridBatches(span, options.batch_size, self.shard_starts)
         device = resolve_device(self.run.runtime.device)
-        loader = make_loader(
-            rows,
-            grid,
-            workers=num_workers(loader_options.num_workers, len(span), batch_size),
-            pin=pins(loader_options.pin_memory, device),
-            collate=FanOutCollate(self.count, rows.pad_values),
-        )
+        collate = FanOutCollate(self.count, rows.pad_values)
+        loader = make_loader(rows, grid, options, device, workers_for=len(span), collate=collate)
         bar = tqdm(
             total=span.stop,
             initial=span.start,
@@ -358,9 +354,15 @@ def extract_models(
                 "to extract_models for all models"
             )
     return run_models(
-        runs, dataset, RunOptions.from_kwargs(**options), ids=ids, class_names=class_names,
-        rows=rows, dataset_fingerprint=dataset_fingerprint, check_space=check_space,
-    )  # fmt: skip
+        runs,
+        dataset,
+        RunOptions.from_kwargs(**options),
+        ids=ids,
+        class_names=class_names,
+        rows=rows,
+        dataset_fingerprint=dataset_fingerprint,
+        check_space=check_space,
+    )
 
 
 def run_models(

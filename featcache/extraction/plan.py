@@ -154,7 +154,7 @@ class ExtractionPlan:
             assert self.row_tokens is not None  # counted whenever bucketing is on
             lengths = self.row_tokens[rows.start : rows.stop]
         size = self.options.loader.batch_size
-        return GridBatches(rows, size, self.shard_starts, lengths, self.bucket_window or size)
+        return GridBatches(rows, size, self.shard_starts, lengths, self.bucket_window)
 
     def writer(
         self,

@@ -203,21 +203,19 @@ def plan(
     sources = {split: build_source_for(spec, split, backbone) for split in spec.data.splits}
     check_same_classes({split: source.class_names for split, source in sources.items()})
     splits: list[SplitPlan] = []
-    plans: dict[str, ExtractionPlan] = {}
+    plans: list[ExtractionPlan] = []
     for split, source in sources.items():
+        path = spec.store_path(split)
         arguments = split_arguments(spec, split, source, backbone, None, fingerprint=False)
-        plans[split] = make_plan(
-            backbone.model, source, spec.layers, run_options(spec), **arguments
-        )
-        estimate = with_compressed_size(
-            plans[split], estimate_store(plans[split], spec.store_path(split))
-        )
+        split_plan = make_plan(backbone.model, source, spec.layers, run_options(spec), **arguments)
+        plans.append(split_plan)
+        estimate = with_compressed_size(split_plan, estimate_store(split_plan, path))
         complete = complete_already(spec, split)
         needed = 0 if complete else estimate.needed(spec.output.overwrite)
-        done = 0 if spec.output.overwrite else rows_done(plans[split], spec.store_path(split))
+        done = 0 if spec.output.overwrite else rows_done(split_plan, path)
         splits.append(SplitPlan(split, estimate, complete, needed, done))
     free, folder = free_bytes(Path(spec.output.dir))
-    first_plan = plans[next(iter(sources))]
+    first_plan = plans[0]
     timings = time_batch_sizes(first_plan, _candidates(spec, len(first_plan.rows)), batches)
     return RunPlan(
         splits=splits,

@@ -13,12 +13,12 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from torch.utils.data import DataLoader, Dataset
 
-from featcache.capture.taps import Tap
+from featcache.config.spec import LoaderSpec
 from featcache.extraction.batches import Batch, Collate, SourceRows, num_workers, pins, started
-from featcache.extraction.bucketing import WindowReorder
-from featcache.extraction.loop import LoopPlan, Sink, run_loop
+from featcache.extraction.loop import run_rows
 from featcache.extraction.plan import ExtractionPlan, RunOptions
 from featcache.extraction.writer_thread import CapturedBatch
 
@@ -29,18 +29,23 @@ Feed = Callable[[range], contextlib.AbstractContextManager[Iterator[Batch]]]
 def make_loader(
     rows: Dataset,
     batches: Iterable[list[int]],
+    loader: LoaderSpec,
+    device: torch.device,
     *,
-    workers: int,
-    pin: bool,
+    workers_for: int | None,
     collate: Callable[[list[Any]], Any] | None = None,
 ) -> DataLoader:
     """A loader of ``rows`` (a `SourceRows`, or a view of one) in ``batches`` (lists of
-    positions into it), collated into one `Batch` each unless ``collate`` says otherwise."""
+    positions into it), collated into one `Batch` each unless ``collate`` says otherwise;
+    its worker processes are sized for ``workers_for`` rows (None: load in this process)."""
+    workers = 0
+    if workers_for is not None:
+        workers = num_workers(loader.num_workers, workers_for, loader.batch_size)
     return DataLoader(
         rows,
         batch_sampler=batches,
         num_workers=workers,
-        pin_memory=pin,
+        pin_memory=pins(loader.pin_memory, device),
         collate_fn=collate or Collate(getattr(rows, "pad_values", None)),
     )
 
@@ -67,56 +72,18 @@ def loaded_batches(
         return
     loader = (options or plan.options).loader
     source_rows = SourceRows(plan.dataset, rows, has_labels=plan.has_labels)
-    workers = 0
-    if workers_for is not None:
-        workers = num_workers(loader.num_workers, workers_for, loader.batch_size)
-    pin = pins(loader.pin_memory, plan.layout.device)
-    with started(make_loader(source_rows, batches, workers=workers, pin=pin)) as loaded:
+    made = make_loader(source_rows, batches, loader, plan.layout.device, workers_for=workers_for)
+    with started(made) as loaded:
         yield loaded
 
 
-def run_rows(
-    plan: ExtractionPlan,
-    batches: Iterator[Batch],
-    sink: Sink,
-    *,
-    taps: Sequence[Tap] | None = None,
-    total: int | None = None,
-    done_before: int = 0,
-    reorder: WindowReorder | None = None,
-    options: RunOptions | None = None,
-    warn: bool = True,
-) -> dict[str, float]:
-    """Run ``batches`` (from `loaded_batches`) through ``plan``'s model, capturing
-    ``taps`` (default the plan's), into ``sink``; ``options`` replace the plan's for this
-    run (a dry run's batch size). The progress bar counts ``total`` rows (default the
-    plan's), ``done_before`` of them already done. ``reorder`` puts length-bucketed
-    batches back in source order; ``warn`` warns of gradient layers that stored only
-    zeros. Returns where the time went, in seconds."""
-    options = options or plan.options
-    loop = LoopPlan(
-        taps=plan.taps if taps is None else taps,
-        ids=plan.ids,
-        options=(options.loader, options.store, options.runtime),
-        layout=plan.layout,
-        pin=pins(options.loader.pin_memory, plan.layout.device),
-        total=len(plan.rows) if total is None else total,
-        done_before=done_before,
-        tokens=plan.tokens,
-        reorder=reorder,
-        unit=plan.unit,
-        warn=warn,
-    )
-    return run_loop(plan.model, batches, sink, loop)
-
-
+@dataclasses.dataclass
 class Collected:
     """A sink that keeps every batch, on the CPU: what a comparison recomputes."""
 
-    def __init__(self) -> None:
-        self.path = Path("recomputed")
-        self.waited = 0.0
-        self.batches: list[CapturedBatch] = []
+    batches: list[CapturedBatch] = dataclasses.field(default_factory=list)
+    path: Path = Path("recomputed")
+    waited: float = 0.0
 
     @property
     def skipped(self) -> int:

@@ -39,9 +39,8 @@ def combined_key(shard_key: StoreKey, num_rows: int) -> StoreKey:
 
 
 def _device_type(key: StoreKey) -> StoreKey:
-    layout = dict(key.layout)
-    layout["device"] = str(layout.get("device", "")).split(":")[0]
-    return dataclasses.replace(key, layout=layout)
+    device = str(key.layout.get("device", "")).split(":")[0]
+    return dataclasses.replace(key, layout={**key.layout, "device": device})
 
 
 def extract_shard(

@@ -130,9 +130,7 @@ def plan_work(old: FeatureStore, plan: ExtractionPlan, hashes: np.ndarray | None
     equals the old store's, else, without hashes, if its change stamp is unchanged."""
     old_ids = old.ids
     row_of = {sample_id: row for row, sample_id in enumerate(old_ids)}
-    old_rows = np.array(
-        [row_of.get(str(plan.ids[p]), -1) for p in plan.rows], dtype=np.int64
-    ).reshape(-1)
+    old_rows = np.array([row_of.get(str(plan.ids[p]), -1) for p in plan.rows], dtype=np.int64)
     reused = np.flatnonzero(old_rows >= 0)
     if hashes is not None:
         held = old.file.get(HASH_COLUMN)
@@ -200,11 +198,10 @@ def update_store(plan: ExtractionPlan, path: Path, *, check_space: bool = True) 
         else:
             positions = plan.rows.start + np.array([o for b in batches for o in b], dtype=np.int64)
         mark = {UPDATE_MARK: old.attrs.get("created") or str(path)}
-        dtype = plan.options.store.dtype
         start = time.perf_counter()
         with loaded_batches(plan, batches, workers_for=len(positions)) as loaded:
             with WriterThread(plan.writer(path, mark), path) as thread:
-                merged = MergedRows(thread, old, plan, work, dtype, positions)
+                merged = MergedRows(thread, old, plan, work, positions)
                 done_before = len(plan.rows) - len(positions)
                 timing = run_rows(plan, loaded, merged, taps=run_taps, done_before=done_before)
                 merged.finish()
@@ -297,10 +294,10 @@ class MergedRows:
         old: FeatureStore,
         plan: ExtractionPlan,
         work: UpdateWork,
-        dtype: str,
         positions: np.ndarray,
     ):
-        self.sink, self.old, self.plan, self.work, self.dtype = sink, old, plan, work, dtype
+        self.sink, self.old, self.plan, self.work = sink, old, plan, work
+        self.dtype = plan.options.store.dtype
         self.path = sink.path
         self.waited = 0.0  # seconds the forward waited on the writer thread
         run = set(positions.tolist())

@@ -101,10 +101,7 @@ class WriterThread:
             self.writer = self.open_writer()
         except BaseException as exc:  # handed to the main thread
             self.error = writer_error(exc, self.path)
-        while True:
-            item = self.queue.get()
-            if item is None:
-                return
+        while (item := self.queue.get()) is not None:
             batch, feature_attrs = item
             try:
                 if self.error is None:  # after a failure, only drain
@@ -158,11 +155,10 @@ class HostBuffers:
         self, captured: Mapping[str, torch.Tensor]
     ) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
         buffers = self._take(captured)
-        views = {}
-        for key, value in captured.items():
-            view = buffers[key][: len(value)]
-            view.copy_(value, non_blocking=self.pin)
-            views[key] = view
+        views = {
+            key: buffers[key][: len(value)].copy_(value, non_blocking=self.pin)
+            for key, value in captured.items()
+        }
         return views, lambda: self.free.put(buffers)
 
     def _take(self, captured: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -16,15 +16,7 @@ from featcache.config.validation import check
 from featcache.errors import ConfigError
 from featcache.models.checkpoint import apply_checkpoint
 from featcache.models.preprocess import Preprocessing, Transform, spec_preprocessing
-from featcache.models.registry import (
-    INPUTS,
-    BuiltModel,
-    Inputs,
-    ModelKind,
-    Tokenizer,
-    kind_for,
-    refuse_text,
-)
+from featcache.models.registry import INPUTS, Inputs, Tokenizer, kind_for, refuse_text
 
 
 @dataclass
@@ -56,9 +48,17 @@ def build_backbone(
     kind, ref = kind_for(model)
     if inputs == "text":
         preprocessing = spec_preprocessing(preprocess)
-    else:  # before the model, so that a bad option fails before any download
+        if "inputs" not in inspect.signature(kind.build).parameters:
+            raise refuse_text(model)
+        built = kind.build(ref, model, seed, inputs=inputs)
+        if built.tokenizer is None:
+            raise ConfigError(
+                f"model kind {kind.name!r} built {model.name or model.factory} for text "
+                "without a tokenizer; its build must return BuiltModel(tokenizer=...)"
+            )
+    else:  # preprocessing before the model, so that a bad option fails before any download
         preprocessing = kind.preprocessing(ref, model, preprocess)
-    built = _build(kind, ref, model, seed, inputs)
+        built = kind.build(ref, model, seed)  # no inputs=, which older kinds lack
     weights = built.weights
     if model.checkpoint is not None:
         weights = apply_checkpoint(built.module, model.checkpoint, model.strip_prefix, weights)
@@ -72,20 +72,6 @@ def build_backbone(
         prefix_tokens=built.prefix_tokens,
         sequence_first=built.sequence_first,
     )
-
-
-def _build(kind: ModelKind, ref: str, model: ModelSpec, seed: int, inputs: Inputs) -> BuiltModel:
-    if inputs == "image":  # also kinds written before ``inputs`` existed
-        return kind.build(ref, model, seed)
-    if "inputs" not in inspect.signature(kind.build).parameters:
-        raise refuse_text(model)
-    built = kind.build(ref, model, seed, inputs=inputs)
-    if built.tokenizer is None:
-        raise ConfigError(
-            f"model kind {kind.name!r} built {model.name or model.factory} for text "
-            "without a tokenizer; its build must return BuiltModel(tokenizer=...)"
-        )
-    return built
 
 
 def build_preprocessing(model: ModelSpec, preprocess: PreprocessSpec) -> Preprocessing:

@@ -41,8 +41,7 @@ def load_checkpoint(
 ) -> str:
     """Load the state dict in file ``path`` (or under one of :data:`STATE_DICT_KEYS`) into
     ``module`` strictly, ``strip_prefix`` (``"module."``) removed from its keys; return the
-    file's sha256. Any mismatch is one :class:`ConfigError` line listing a few keys.
-    """
+    file's sha256. Any mismatch is one :class:`ConfigError` line listing a few keys."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"checkpoint not found: {path}; set model.checkpoint to a local file")

@@ -32,7 +32,20 @@ class FactoryKind(ModelKind):
     def build(self, ref: str, model: ModelSpec, seed: int, inputs: Inputs = "image") -> BuiltModel:
         if inputs != "image":
             raise refuse_text(model)
-        module = call_factory(ref, import_factory(ref), model.kwargs, seed)
+        factory = import_factory(ref)
+        torch.manual_seed(seed)
+        try:
+            module = factory(**model.kwargs)
+        except TypeError as exc:
+            raise ConfigError(
+                f"model.factory {ref!r} failed with model.kwargs {model.kwargs}: "
+                f"{first_line(exc)}; make model.kwargs match its parameters"
+            ) from exc
+        if not isinstance(module, nn.Module):
+            raise ConfigError(
+                f"model.factory {ref!r} returned a {type(module).__name__}, not a "
+                "torch.nn.Module; name a callable that builds the model"
+            )
         return BuiltModel(module, random_weights(seed))
 
 
@@ -61,23 +74,3 @@ def import_factory(target: str) -> Callable[..., nn.Module]:
             "name a function or class that returns an nn.Module"
         )
     return obj
-
-
-def call_factory(
-    target: str, factory: Callable[..., Any], kwargs: dict[str, Any], seed: int
-) -> nn.Module:
-    """``factory(**kwargs)`` right after ``torch.manual_seed(seed)``; checks it is a module."""
-    torch.manual_seed(seed)
-    try:
-        net = factory(**kwargs)
-    except TypeError as exc:
-        raise ConfigError(
-            f"model.factory {target!r} failed with model.kwargs {kwargs}: {first_line(exc)}; "
-            "make model.kwargs match its parameters"
-        ) from exc
-    if not isinstance(net, nn.Module):
-        raise ConfigError(
-            f"model.factory {target!r} returned a {type(net).__name__}, not a torch.nn.Module; "
-            "name a callable that builds the model"
-        )
-    return net

@@ -219,14 +219,13 @@ def _call(load: Callable[..., Any], source: Source, model: ModelSpec, *args: Any
 
 
 def _load_config(transformers: Any, source: Source, model: ModelSpec, *, local_only: bool) -> Any:
-    extra = {"local_files_only": True} if local_only else {}
     return _call(
         transformers.AutoConfig.from_pretrained,
         source,
         model,
         source.location,
         **remote_kwargs(source, model),
-        **extra,
+        local_files_only=local_only,
     )
 
 

@@ -1,10 +1,10 @@
 """A Hugging Face image processor as featcache preprocessing: a torchvision pipeline whose
 output equals the processor's ``pixel_values`` (measured exactly equal on transformers
-5.23), or, for a processor with steps of its own, the processor itself (:class:`RunProcessor`).
-"""
+5.23), or, for a processor with steps of its own, the processor itself (:class:`RunProcessor`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Callable
@@ -34,12 +34,10 @@ def processor_preprocessing(processor: Any) -> Preprocessing:
     """A processor as a picklable pipeline: PIL RGB -> uint8 ``[3, H, W]`` -> resize
     (torchvision v2, antialiased: v1 rounds uint8 differently) -> centre crop -> float32
     rescaled and normalised, in the processor's order and rounding."""
-    if own_steps(processor):
-        return Preprocessing(RunProcessor(processor))
-    try:
-        return _pipeline(processor)
-    except _Untranslatable:
-        return Preprocessing(RunProcessor(processor))
+    if not own_steps(processor):
+        with contextlib.suppress(_Untranslatable):
+            return _pipeline(processor)
+    return Preprocessing(RunProcessor(processor))
 
 
 class _Untranslatable(Exception):

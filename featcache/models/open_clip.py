@@ -205,15 +205,13 @@ def parse_ref(open_clip: ModuleType, ref: str) -> OpenClipRef:
 
 def weights_file(ref: OpenClipRef, weights: str | None) -> str | None:
     """The local file ``model.weights`` names (None for null, ``"pretrained"``), or ConfigError."""
-    if weights is None:
-        return None
-    if weights == PRETRAINED:
-        if ref.tag is None:
-            raise ConfigError(
-                f"model.weights 'pretrained' needs a pretrained tag in model.name: "
-                f"'open_clip:{ref.architecture}/<tag>' (open_clip."
-                f"list_pretrained_tags_by_model({ref.architecture!r}) lists them)"
-            )
+    if weights == PRETRAINED and ref.tag is None:
+        raise ConfigError(
+            f"model.weights 'pretrained' needs a pretrained tag in model.name: "
+            f"'open_clip:{ref.architecture}/<tag>' (open_clip."
+            f"list_pretrained_tags_by_model({ref.architecture!r}) lists them)"
+        )
+    if weights is None or weights == PRETRAINED:
         return None
     if os.path.isfile(weights):
         return weights
@@ -245,8 +243,7 @@ def eval_preprocessing(
     [3, H, W]), from the configs alone: the architecture's image size, the tag's mean/std,
     interpolation and resize mode (OpenAI's without a tag), then ``kwargs``'
     ``force_image_size`` and ``force_preprocess_cfg``. Only a square ``shortest`` resize
-    has sizes to report (``squash`` has no crop, ``longest`` neither).
-    """
+    has sizes to report (``squash`` has no crop, ``longest`` neither)."""
     from open_clip.transform import PreprocessCfg, image_transform_v2, merge_preprocess_dict
 
     # model.kwargs replace top-level config keys whole, as create_model applies them

@@ -150,7 +150,6 @@ def _named_kind(model: ModelSpec) -> tuple[ModelKind, str]:
 
 
 def random_weights(seed: int) -> dict[str, Any]:
-    """The identity of randomly initialised weights: ``{"source": "random", "seed": seed}``."""
     return {"source": "random", "seed": seed}
 
 

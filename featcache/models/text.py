@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -35,15 +35,18 @@ TOKENIZER_FILES = (
 _NO_LIMIT = 1_000_000
 
 
+@dataclass(eq=False)
 class HFTokenizer:
     """A transformers tokenizer as a featcache :class:`~featcache.sources.tokenizer.Tokenizer`;
     ``pad_id`` is its pad, else end-of-sequence (GPT-2), else 0 token (padding is masked)."""
 
-    def __init__(self, tokenizer: Any, name: str, max_length: int | None) -> None:
-        self.tokenizer = tokenizer
-        self.name = name
-        self.max_length = max_length
-        pads = (tokenizer.pad_token_id, tokenizer.eos_token_id)
+    tokenizer: Any = field(repr=False)
+    name: str
+    max_length: int | None
+    pad_id: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        pads = (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id)
         self.pad_id = int(next((pad for pad in pads if pad is not None), 0))
 
     def __call__(self, texts: Sequence[str], max_length: int | None) -> Tokenized:
@@ -61,9 +64,6 @@ class HFTokenizer:
                 ids[i] = row
         return Tokenized([[int(t) for t in row] for row in ids], truncated)
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r}, max_length={self.max_length})"
-
 
 def hf_text_model(
     transformers: Any, module: nn.Module, source: Source, model: ModelSpec
@@ -78,7 +78,7 @@ def hf_text_model(
     if isinstance(positions, int) and positions > 0:
         limits.append(positions)
     name = f"hf:{source.repo} sha256:{tokenizer_sha256(snapshot(source))}"
-    return tower, HFTokenizer(tokenizer, name, min(limits) if limits else None)
+    return tower, HFTokenizer(tokenizer, name, min(limits, default=None))
 
 
 def text_tower(module: nn.Module, source: Source) -> nn.Module:
@@ -139,7 +139,7 @@ def tokenizer_sha256(folder: Path) -> str:
     return digest.hexdigest()
 
 
-@dataclass(repr=False, eq=False)
+@dataclass(eq=False)
 class OpenClipTokenizer:
     """An open_clip tokenizer as a featcache :class:`~featcache.sources.tokenizer.Tokenizer`.
 
@@ -148,12 +148,12 @@ class OpenClipTokenizer:
     last position) they keep open_clip's padding to the context length.
     """
 
-    tokenize: Callable[..., torch.Tensor]
+    tokenize: Callable[..., torch.Tensor] = field(repr=False)
     name: str
     max_length: int | None  # the context length
-    end_id: int | None
-    pad_id: int = 0
-    fixed_length: bool = False
+    end_id: int | None = field(repr=False)
+    pad_id: int = field(default=0, repr=False)
+    fixed_length: bool = field(default=False, repr=False)
 
     def __call__(self, texts: Sequence[str], max_length: int | None) -> Tokenized:
         """Ids of ``texts`` cut open_clip's way (end token kept) to ``max_length``."""
@@ -173,9 +173,6 @@ class OpenClipTokenizer:
         while row and row[-1] == self.pad_id:  # no end token: trailing padding
             row = row[:-1]
         return row
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r}, max_length={self.max_length})"
 
 
 def open_clip_tokenizer(

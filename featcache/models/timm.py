@@ -105,8 +105,6 @@ def parse_ref(timm: ModuleType, ref: str) -> tuple[str, str]:
 def check_weights(timm: ModuleType, name: str, tag: str, weights: str | None) -> str | None:
     """``model.weights`` checked, downloading nothing: None, ``"pretrained"`` or a file."""
     ref = f"{name}.{tag}" if tag else name
-    if weights is None:
-        return None
     if weights == PRETRAINED:
         cfg = timm.models.get_pretrained_cfg(ref)
         if cfg is None or not cfg.has_weights:
@@ -114,7 +112,7 @@ def check_weights(timm: ModuleType, name: str, tag: str, weights: str | None) ->
             listed = f"; tags with weights: {', '.join(tagged[:8])}" if tagged else ""
             raise ConfigError(f"timm has no pretrained weights for {ref}{listed}")
         return PRETRAINED
-    if os.path.isfile(weights):
+    if weights is None or os.path.isfile(weights):
         return weights
     missing = "no such file; " if Path(weights).suffix or os.sep in weights else ""
     raise ConfigError(

@@ -96,7 +96,6 @@ def default_weights(name: str) -> torchvision.models.WeightsEnum | None:
 
 
 def enum_id(enum: Any) -> str:
-    """``"ResNet18_Weights.IMAGENET1K_V1"``: the enum class and member names."""
     return f"{type(enum).__name__}.{enum.name}"
 
 

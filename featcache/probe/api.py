@@ -265,8 +265,7 @@ def _chance(labels: torch.Tensor) -> float:
 def _common(
     splits: Splits, layer: str, digests: dict[str, str], notes: list[str], options: ProbeOptions
 ) -> dict[str, Any]:
-    """The fields every result has: the layer and its shape, the classes, every store's
-    record (with the sha256 ``digests`` of the layer's rows), notes and options."""
+    """The fields every result has; ``digests``: the sha256 of each store's rows of ``layer``."""
     return {
         "layer": layer,
         "shape": list(splits.stores["train"].shape(layer)),

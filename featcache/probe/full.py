@@ -40,12 +40,8 @@ def fit_lbfgs(
     ``init``: a starting ``(W [C, D], b [C])``, zeros by default. Returns ``(W, b,
     iterations)``."""
     if init is None:
-        weight = x.new_zeros(num_classes, x.shape[1])
-        bias = x.new_zeros(num_classes)
-    else:
-        weight, bias = (t.detach().clone() for t in init)
-    weight.requires_grad_(True)
-    bias.requires_grad_(True)
+        init = (x.new_zeros(num_classes, x.shape[1]), x.new_zeros(num_classes))
+    weight, bias = (t.detach().clone().requires_grad_() for t in init)
     optimizer = torch.optim.LBFGS(
         [weight, bias],
         lr=1.0,

@@ -35,9 +35,8 @@ def topk_metrics(
     counts = torch.bincount(labels)
     per_class = {}
     for label in torch.nonzero(counts).flatten().tolist():
-        mask = labels == label
         name = class_names[label] if class_names and label < len(class_names) else str(label)
-        per_class[name] = hit1[mask].double().mean().item()
+        per_class[name] = hit1[labels == label].double().mean().item()
     frequencies = counts.double().sort(descending=True).values / len(labels)
     out: dict[str, Any] = {"n": len(labels), "top1": hit1.double().mean().item()}
     out["chance_top1"] = frequencies[0].item()

@@ -88,6 +88,5 @@ def fit_and_val(
 
 
 def progress(options: ProbeOptions, iterable: Iterable[Any] | None = None, **bar: Any) -> tqdm:
-    """A progress bar over ``iterable`` (``bar``: tqdm's options), shown with
-    ``options.progress``."""
+    """A tqdm bar over ``iterable`` (``bar``: its options), shown with ``options.progress``."""
     return tqdm(iterable, disable=not options.progress, dynamic_ncols=True, **bar)

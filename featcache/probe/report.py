@@ -211,8 +211,9 @@ def format_methods(results: Sequence[Result]) -> str:
         )
     scored = {_scored(r) for r in results}
     where = "the test store" if scored == {"test"} else "validation rows where no test store"
-    out.append(f"top-1 and top-5 on {where}; chance (most frequent class): "
-               f"{_pct(lines[0][1].chance_top1)}")  # fmt: skip
+    out.append(
+        f"top-1 and top-5 on {where}; chance (most frequent class): {_pct(lines[0][1].chance_top1)}"
+    )
     return "\n".join(out)
 
 

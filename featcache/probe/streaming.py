@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -115,19 +116,15 @@ def _shuffled(
             source.set_epoch(epoch)
         iterators = [iter(loader) for loader in loaders]
         turns = np.repeat(np.arange(len(parts)), counts)
-        for i in np.random.default_rng([options.seed, epoch]).permutation(turns):
-            batch = next(iterators[i], None)
+        order = np.random.default_rng([options.seed, epoch]).permutation(turns)
+        in_turn = ((i, next(iterators[i], None)) for i in order)
+        # then what a source has left (a worker's last small batch)
+        left = ((i, batch) for i, iterator in enumerate(iterators) for batch in iterator)
+        for i, batch in itertools.chain(in_turn, left):
             if batch is not None:
-                yield from _nonempty(parts[i].kept(batch))
-        for part, iterator in zip(parts, iterators, strict=True):
-            for batch in iterator:  # what a source has left (a worker's last small batch)
-                yield from _nonempty(part.kept(batch))
-
-
-def _nonempty(batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> Iterator[Rows]:
-    """Features and labels of a kept batch, unless it held held-out rows only."""
-    if len(batch[0]):
-        yield batch[0], batch[1]
+                x, y, _ = parts[i].kept(batch)
+                if len(x):  # not held-out rows only
+                    yield x, y
 
 
 def _statistics(

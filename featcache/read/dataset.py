@@ -259,9 +259,17 @@ class FeatureDataset(Dataset):
         second buffer, and a buffer the batches wait for is read on both threads
         (`featcache.read.buffer_read`)."""
         return self._batches(
-            batch_size, shuffle, seed, epoch, buffer_rows, drop_last, with_index, 0, 1,
+            batch_size,
+            shuffle,
+            seed,
+            epoch,
+            buffer_rows,
+            drop_last,
+            with_index,
+            0,
+            1,
             read_ahead=read_ahead,
-        )  # fmt: skip
+        )
 
     def shuffled(self, batch_size: int, **options: Any) -> ShuffledBatches:
         """[`ShuffledBatches`][featcache.read.shuffled_batches.ShuffledBatches] over this dataset

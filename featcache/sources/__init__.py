@@ -13,6 +13,7 @@ from featcache.sources.base import IMAGE_EXTENSIONS, SourceDataset, SourceReques
 from featcache.sources.decode import load_rgb
 from featcache.sources.registry import kind_for
 from featcache.sources.remote import Remote
+from featcache.sources.selection import limit_source
 from featcache.sources.synthetic import SyntheticOptions
 from featcache.sources.tokenizer import Tokenizer
 from featcache.util.urls import is_url
@@ -54,8 +55,6 @@ def build_source(
     if data.class_names is not None:
         source.class_names = given_class_names(data.class_names, source, data.storage_options)
     if data.limit is not None:  # a trial: rows spread over the split, every class among them
-        from featcache.sources.selection import limit_source
-
         source = limit_source(source, data.limit)
     return source
 

@@ -58,7 +58,7 @@ class FileSource(SourceDataset):
         super().__init__(ids, class_names, labels is not None, transform)
         self.paths, self.labels, self.listed = paths, labels, listed
         self.decode_size, self.hash_content = decode_size, hash_content
-        self.remote, self.versions = remote, versions
+        self.remote, self.versions = remote, versions or [None] * len(paths)
         self._fetched: dict[int, bytes | Exception] = {}
         self._hashes: np.ndarray | None = None
 
@@ -105,18 +105,16 @@ class FileSource(SourceDataset):
     def change_stamps(self) -> list[str]:
         """Each row's stamp: a local file's size and mtime, a URL's size and ETag as listed
         when the source was built."""
-        versions = self.versions or [None] * len(self.paths)
         return [
             object_stamp(version) if is_url(path) else file_stamp(path)
-            for path, version in zip(self.paths, versions, strict=True)
+            for path, version in zip(self.paths, self.versions, strict=True)
         ]
 
     def fingerprint(self, content: bool = False) -> str:
         """sha256 over each file's id and size (a URL's: and ETag; with ``content``, the
         bytes), in id order; for a manifest also its rows, labels and class names, so that
         rows reordered or relabelled between a run and its resume are seen."""
-        versions = self.versions or [None] * len(self.ids)
-        files = sorted(zip(self.ids, self.paths, versions, strict=True))
+        files = sorted(zip(self.ids, self.paths, self.versions, strict=True))
         entries = [
             file_line(sample_id, path, content)
             if version is None

@@ -171,18 +171,15 @@ def _labels(
 ) -> tuple[np.ndarray | None, list[str] | None]:
     feature = dataset.features[column]
     values = _column(dataset, column)
+    where = f"data.label_column {column!r} of {what}"
     if any(v is None for v in values):
-        row = values.index(None)
         raise ConfigError(
-            f"data.label_column {column!r} of {what}: row {row} has no label; label every "
-            "row or none"
+            f"{where}: row {values.index(None)} has no label; label every row or none"
         )
-    labels, class_names = class_indices(values, f"data.label_column {column!r} of {what}")
+    labels, class_names = class_indices(values, where)
     if isinstance(feature, datasets.ClassLabel):
         # -1 is ClassLabel's "no label": the store's own marker for it
         return (labels, list(feature.names)) if (labels >= 0).any() else (None, None)
     if class_names is None and len(labels) and labels.min() < 0:
-        raise ConfigError(
-            f"data.label_column {column!r} of {what}: label {labels.min()} must be >= 0"
-        )
+        raise ConfigError(f"{where}: label {labels.min()} must be >= 0")
     return labels, class_names

@@ -167,19 +167,17 @@ def parquet_source(request: SourceRequest) -> SourceDataset:
     labels, class_names = None, None
     if label_column:
         cells = [v for t in tables for v in t.column(label_column).to_pylist()]
+        where = f"data.label_column {label_column!r}"
         if any(v is None for v in cells):
-            row = cells.index(None)
             raise ConfigError(
-                f"data.label_column {label_column!r}: row {row} of split {split!r} has no "
-                "label; label every row or none"
+                f"{where}: row {cells.index(None)} of split {split!r} has no label; label "
+                "every row or none"
             )
         labels, class_names = class_indices(cells, f"label column {label_column!r}")
         if class_names is None:
             class_names = _hf_class_names(schema, label_column)
         if len(labels) and labels.min() < 0:
-            raise ConfigError(
-                f"data.label_column {label_column!r}: label {labels.min()} must be >= 0"
-            )
+            raise ConfigError(f"{where}: label {labels.min()} must be >= 0")
 
     if data.text_column:
         texts = [v or "" for t in tables for v in t.column(data.text_column).to_pylist()]

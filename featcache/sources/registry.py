@@ -18,7 +18,6 @@ from featcache.sources.webdataset import webdataset_source
 
 Build = Callable[[SourceRequest], SourceDataset]
 
-# data.source -> the build of its kind
 KINDS: dict[str, Build] = {
     "imagefolder": imagefolder_source,
     "manifest": manifest_source,

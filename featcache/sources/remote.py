@@ -163,8 +163,6 @@ class Remote:
     def read_many(self, urls: list[str]) -> list[bytes | FeatcacheError]:
         """The bytes of each of ``urls``, fetched concurrently; a URL that fails is read
         again on its own (retried), and a failure for good comes back in its place."""
-        if not urls:
-            return []
         got: list[Any] = [None] * len(urls)
         if len({protocol_of(u) for u in urls}) == 1:  # else each is read on its own
             fs = self.fs(urls[0])
@@ -314,9 +312,6 @@ class _RangeFile(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
-    def tell(self) -> int:
-        return self.at
-
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self.at, io.SEEK_END: self.size}[whence]
         self.at = max(0, base + offset)
@@ -401,7 +396,7 @@ def _failure(url: str, exc: BaseException, attempts: int, kind: str | None) -> s
             f"{url} does not exist; check the URL (data.root and data.splits) and that the "
             "object was uploaded"
         )
-    if _no_credentials(exc):
+    if any(_class_names(chain) & _NO_CREDENTIALS for chain in _chain(exc)):
         return (
             f"no credentials were found to read {url} ({reason}); give credentials "
             f"{WHERE_CREDENTIALS_GO}"
@@ -425,11 +420,6 @@ def _failure(url: str, exc: BaseException, attempts: int, kind: str | None) -> s
             "where this run stopped"
         )
     return f"cannot read {url}: {reason}"
-
-
-def _no_credentials(exc: BaseException) -> bool:
-    """Whether ``exc`` (or one it was raised from) says that no credentials were found."""
-    return any(_class_names(chain) & _NO_CREDENTIALS for chain in _chain(exc))
 
 
 def _option_path(name: str, options: Mapping[str, Any], at: str = "") -> str | None:

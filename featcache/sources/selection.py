@@ -14,20 +14,14 @@ from featcache.sources.base import SourceDataset
 from featcache.util.fingerprints import lines_sha256
 
 
-def spread_positions(total: int, count: int) -> list[int]:
-    """``min(count, total)`` positions of ``range(total)``, evenly spaced from the first
-    to the last, without repeats."""
-    if count >= total:
-        return list(range(total))
-    # spacing (total - 1) / (count - 1) >= 1, so rounding never repeats a position
-    return [int(p) for p in np.linspace(0, total - 1, count).round()]
-
-
 def limit_source(source: SourceDataset, limit: int) -> SourceDataset:
-    """``source`` limited to ``limit`` rows spread over it (itself when no longer)."""
+    """``source`` limited to ``limit`` rows evenly spaced from its first to its last
+    (itself when no longer)."""
     if limit >= len(source):
         return source
-    return SpreadRows(source, spread_positions(len(source), limit))
+    # spacing (len - 1) / (limit - 1) >= 1, so rounding never repeats a position
+    positions = np.linspace(0, len(source) - 1, limit).round()
+    return SpreadRows(source, [int(p) for p in positions])
 
 
 class SpreadRows(SourceDataset):

@@ -55,7 +55,6 @@ class TextSource(SourceDataset):
         tokenizer_name: str,
         max_length: int | None,
         identity: str,
-        file: str | None = None,
     ) -> None:
         super().__init__(ids, class_names, labels is not None, None)
         self.token_ids = token_ids  # int64 [sum of T_i]
@@ -66,7 +65,7 @@ class TextSource(SourceDataset):
         self.pad_values = {"input_ids": int(pad_id), "attention_mask": 0}
         self.tokenizer_name, self.max_length = tokenizer_name, max_length
         self.identity = identity
-        self.file = file  # the file the texts were read from, for the fingerprint
+        self.file: str | None = None  # the file the texts were read from, for the fingerprint
         self.remote: Remote | None = None  # reads ``file`` when it is a URL
 
     @property
@@ -261,24 +260,22 @@ def _text_file(data: DataSpec, split: str, value: Any) -> Path | str:
         raise ConfigError(
             f"data.splits.{split} must be a text file ({', '.join(TEXT_SUFFIXES)}), got {value!r}"
         )
+    file: Path | str
     if is_url(value) or is_url(data.root):
-        url = join(str(data.root), value) if data.root else value
-        check_url(url, f"data.splits.{split}")
-        if _suffix(url) not in TEXT_SUFFIXES:
-            raise ConfigError(
-                f"text file {url} must end in one of {', '.join(TEXT_SUFFIXES)}, "
-                f"not {_suffix(url) or '(no suffix)'}"
-            )
-        return url  # a missing object is named when it is read
-    file = Path(value).expanduser()
-    if data.root and not file.is_absolute():
-        file = Path(data.root).expanduser() / file
-    if file.suffix.lower() not in TEXT_SUFFIXES:
+        file = join(str(data.root), value) if data.root else value
+        check_url(file, f"data.splits.{split}")
+        suffix = _suffix(file)
+    else:
+        file = Path(value).expanduser()
+        if data.root and not file.is_absolute():
+            file = Path(data.root).expanduser() / file
+        suffix = file.suffix
+    if suffix.lower() not in TEXT_SUFFIXES:
         raise ConfigError(
             f"text file {file} must end in one of {', '.join(TEXT_SUFFIXES)}, "
-            f"not {file.suffix or '(no suffix)'}"
+            f"not {suffix or '(no suffix)'}"
         )
-    if not file.is_file():
+    if isinstance(file, Path) and not file.is_file():  # a missing object is named when read
         where = " (relative to data.root)" if data.root else ""
         raise ConfigError(
             f"text file not found: {file}; set data.splits.{split} to an existing file{where}"

@@ -289,9 +289,12 @@ def _cached_index(path: Path, name: str, options: _Options) -> list[_Sample]:
     except OSError:
         return _index_shard(path, name, options)  # names the shard in its error
     identity = [
-        INDEX_VERSION, str(path.resolve()), stat.st_size, stat.st_mtime_ns,
+        INDEX_VERSION,
+        str(path.resolve()),
+        stat.st_size,
+        stat.st_mtime_ns,
         dataclasses.astuple(options),
-    ]  # fmt: skip
+    ]
     return _through_cache(identity, lambda: _index_shard(path, name, options))
 
 

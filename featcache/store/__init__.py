@@ -1,7 +1,4 @@
-"""The HDF5 store: one file per split, readable by any HDF5 tool.
-
-docs/store-format.md is the specification; each module's first line says its one job.
-"""
+"""The HDF5 store: one file per split, readable by any HDF5 tool (docs/store-format.md)."""
 
 from featcache.store import codec
 from featcache.store.checks import BadChunk, has_checksums, scan_chunks

@@ -36,9 +36,8 @@ class BadChunk:
 
 
 def scan_chunks(store: str | os.PathLike | FeatureStore) -> list[BadChunk]:
-    """The chunks of ``store`` that fail their checksum (or, in a format-2 store, HDF5's
-    Fletcher-32 filter); a combined store's shard by shard, an incomplete one's durable
-    chunks only."""
+    """The chunks of ``store`` failing their checksum (format 2: HDF5's Fletcher-32 filter); a
+    combined store's shard by shard, an incomplete one's durable chunks only."""
     return _of_file(store, scan_file)
 
 

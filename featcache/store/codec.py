@@ -57,8 +57,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def value_dtype(name: str) -> torch.dtype:
-    """The torch dtype readers give values of store dtype ``name`` in: its own, or float32
-    for quantized codes (dequantized)."""
+    """The torch dtype values of store dtype ``name`` are read in (float32 for quantized codes)."""
     import torch
 
     return torch.float32 if name in QUANTIZED else torch_dtype(name)
@@ -82,8 +81,7 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """float32 ``[n, ...]`` values of int8 ``codes`` ``[n, ...]`` with their ``[n]``
-    ``scales``."""
+    """float32 ``[n, ...]`` values of int8 ``codes`` ``[n, ...]`` with their ``[n]`` ``scales``."""
     # int8 times float32 is float32 in one pass, without a float copy of the codes first.
     return codes * scales.float().view(-1, *([1] * (codes.dim() - 1)))
 
@@ -145,8 +143,7 @@ HDF5Object: TypeAlias = h5py.File | h5py.Group | h5py.Dataset
 
 
 def fixed_texts(texts: Sequence[str]) -> np.ndarray:
-    """``texts`` as fixed-length UTF-8 strings: an ``S<n>`` array, ``n`` the longest's
-    bytes and at least 1."""
+    """``texts`` as fixed-length UTF-8: an ``S<n>`` array, ``n`` the longest's bytes, at least 1."""
     raw = [text.encode("utf-8") for text in texts]
     width = max((len(r) for r in raw), default=1) or 1
     return np.array(raw, dtype=h5py.string_dtype("utf-8", width))
@@ -158,8 +155,7 @@ def set_attr(target: HDF5Object, key: str, value: Any) -> None:
 
 
 def copy_attrs(source: HDF5Object, target: HDF5Object, skip: Collection[str] = ()) -> None:
-    """Copy every attribute of ``source`` but those in ``skip`` to ``target``, as
-    :func:`set_attr` writes them."""
+    """Copy the attributes of ``source`` but ``skip`` to ``target``, as :func:`set_attr` writes."""
     for key, value in source.attrs.items():
         if key not in skip:
             set_attr(target, key, value)

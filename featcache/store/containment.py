@@ -1,9 +1,5 @@
-"""A store reads only its own bytes, and the shard files beside it that it lists.
-
-HDF5 lets a file take values from elsewhere (external links, external storage, virtual
-datasets over other files), so a store shared or downloaded could make its readers
-return any file they can open: anything but a combined store's shards is refused.
-"""
+"""A store reads only its own bytes, and the shard files beside it that it lists: else a
+store shared or downloaded could make its readers return any file they can open."""
 
 from __future__ import annotations
 

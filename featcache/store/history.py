@@ -2,8 +2,6 @@
 
 An update copies the list of the store it replaces and adds its own record; a store
 combined over shards has one record per launch (:func:`featcache.store.merge.launch_records`).
-Records written before ``rows_resumed`` was kept lack it, and read as 0
-(docs/guides/update.md#history).
 """
 
 from __future__ import annotations

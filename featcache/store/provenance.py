@@ -1,8 +1,4 @@
-"""What decides a store's contents: the config fingerprint, the store key, library versions.
-
-:class:`StoreKey` is the one record of the settings that decide a store's bytes: a run
-resumes, skips, combines or verifies a store by it.
-"""
+"""What decides a store's contents: the config fingerprint, the store key, library versions."""
 
 from __future__ import annotations
 
@@ -150,8 +146,9 @@ def short_value(value: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class StoreKey:
-    """The settings that decide a store's bytes (its ``resume_key`` attribute); equal keys
-    make equal stores. ``rows`` is the block of source positions the file holds."""
+    """The settings that decide a store's bytes (its ``resume_key`` attribute): a run resumes,
+    skips, combines or verifies a store by it, as equal keys make equal stores. ``rows`` is
+    the block of source positions the file holds."""
 
     config_fingerprint: str | None
     weights: Any
@@ -173,8 +170,7 @@ class StoreKey:
     bucket_window: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """Plain JSON data, as stored; ``world_size``, ``tokens`` and ``bucket_window``
-        only when set."""
+        """Plain JSON data as stored; ``world_size``, ``tokens``, ``bucket_window`` if set."""
         data = json.loads(json.dumps(dataclasses.asdict(self)))
         for optional in ("world_size", "tokens", "bucket_window"):
             if data[optional] is None:

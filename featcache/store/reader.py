@@ -132,8 +132,7 @@ class StoreFile:
         self._datasets, self._known, self._memo = {}, {}, {}
 
     def __getstate__(self) -> dict[str, Any]:
-        empty: dict[str, Any] = {"_file": None, "_pid": None}
-        return {"path": self.path, "_datasets": {}, "_known": {}, "_memo": {}, **empty}
+        return vars(StoreFile(self.path))  # pickled as a handle not opened yet
 
 
 class FeatureStore:
@@ -326,11 +325,9 @@ class FeatureStore:
         return self._dtypes[layer]
 
     def _quantized(self, layer: str) -> bool:
-        """Whether ``layer`` holds int8 codes with a scale per row (or token)."""
         return self._stored_dtype(layer) in codec.QUANTIZED
 
     def _scales(self, layer: str) -> Rows | PartRows:
-        """The reads of the scales of the quantized ``layer``."""
         return self._handle.rows(codec.scales_name(layer))
 
     def layer_attrs(self, layer: str) -> dict[str, Any]:
@@ -431,8 +428,7 @@ class FeatureStore:
 
 
 def _incomplete(store: Path, rows: int, where: str, rerun: str) -> IncompleteStoreError:
-    """The refusal of an incomplete ``store`` holding ``rows`` durable rows in ``where``,
-    with its fixes (``rerun``: to what end)."""
+    """The refusal of ``store`` holding ``rows`` durable rows ``where``; ``rerun``: to what end."""
     return IncompleteStoreError(
         f"store {store} is incomplete ({rows} rows written{where}); rerun the extraction "
         f"{rerun}, or pass allow_incomplete=True to read those rows",
@@ -442,8 +438,7 @@ def _incomplete(store: Path, rows: int, where: str, rerun: str) -> IncompleteSto
 
 
 def _rows_in(file: Path) -> int:
-    """The rows a store file holds: all of a complete one, the durable ones of a
-    ``.partial``; 0 when it cannot be read."""
+    """All rows of a complete store file, a ``.partial``'s durable ones; 0 when unreadable."""
     try:
         with open_readonly(file) as f:
             return int(f.attrs["num_rows"] if f.attrs.get("complete") else f["progress"][0])

@@ -150,7 +150,6 @@ class Rows:
         self._advise_chunks(start, stop, "MADV_DONTNEED")
 
     def _advise_chunks(self, start: int, stop: int, advice: str) -> None:
-        """``madvise`` the mapped chunks that hold rows ``[start, stop)``."""
         if self.chunks.map is None or not hasattr(mmap, advice):
             return
         size = self.chunk_rows * self.chunks.row_bytes

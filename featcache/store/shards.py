@@ -109,8 +109,11 @@ def check_same_run(shards: Sequence[Shard], key: Mapping[str, Any]) -> None:
         ConfigError: naming the shard and the first entry that differs.
     """
     for shard in shards:
-        differ = [k for k in sorted(set(shard.key) | set(key)) if k != "rows"
-                  and shard.key.get(k) != key.get(k)]  # fmt: skip
+        differ = [
+            k
+            for k in sorted(set(shard.key) | set(key))
+            if k != "rows" and shard.key.get(k) != key.get(k)
+        ]
         if differ:
             raise ConfigError(
                 f"shard {shard.file} was made with another {differ[0]} than this run; "

@@ -92,8 +92,13 @@ class StoreWriter:
         elif log.exists():
             log.unlink()
 
-    def _create(self, features: Mapping[str, np.ndarray], feature_attrs: Mapping,
-                ragged: frozenset[str], token_ids: bool) -> None:  # fmt: skip
+    def _create(
+        self,
+        features: Mapping[str, np.ndarray],
+        feature_attrs: Mapping,
+        ragged: frozenset[str],
+        token_ids: bool,
+    ) -> None:
         """Create the whole file under a temporary name, sync it, rename it to ``.partial``."""
         plan = self.plan
         if ragged and plan.token_capacity is None:
@@ -152,7 +157,7 @@ class StoreWriter:
         """Open the ``.partial`` file for raw writes and find where each dataset lies."""
         durable = self.resume.durable if self.resume else {}
         with open_readonly(self.partial) as f:
-            names = json.loads(codec.attr(f[layout.PROGRESS], "datasets"))
+            names = layout.dataset_names(f)
             self._progress_at = int(f[layout.PROGRESS].id.get_offset())
             columns = {}
             for name in names:
@@ -167,9 +172,14 @@ class StoreWriter:
                 per_token = name == "token_ids" or codec.attr(dataset, "layout") == "tokens"
                 start = self.tokens_appended if per_token else self.rows_appended
                 columns[name] = _Column(
-                    dataset, addresses, None if sums is None else int(sums.id.get_offset()),
-                    start, durable.get(name, 0), int(name == "offsets"), per_token,
-                )  # fmt: skip
+                    dataset,
+                    addresses,
+                    None if sums is None else int(sums.id.get_offset()),
+                    start,
+                    durable.get(name, 0),
+                    int(name == "offsets"),
+                    per_token,
+                )
         self.fd = os.open(self.partial, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
         for column in columns.values():
             column.fd = self.fd
@@ -414,8 +424,16 @@ class _Column:
     place in the file (``addresses``) with its checksum. ``start`` is the entry the first
     pushed value is; values below ``durable`` (already written) are dropped."""
 
-    def __init__(self, dataset: h5py.Dataset, addresses: np.ndarray, sums_at: int | None,
-                 start: int, durable: int, lead: int, per_token: bool):  # fmt: skip
+    def __init__(
+        self,
+        dataset: h5py.Dataset,
+        addresses: np.ndarray,
+        sums_at: int | None,
+        start: int,
+        durable: int,
+        lead: int,
+        per_token: bool,
+    ):
         self.name, self.addresses, self.sums_at = dataset.name, addresses, sums_at
         self.lead, self.per_token, self.length = lead, per_token, len(dataset)
         self.fd = -1

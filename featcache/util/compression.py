@@ -14,9 +14,7 @@ from typing import Any
 from featcache.errors import ConfigError
 from featcache.util.extras import install_command
 
-PLUGIN_PACKAGE = "hdf5plugin"
-PLUGIN_EXTRA = "codecs"
-PLUGIN_INSTALL = install_command(PLUGIN_EXTRA)  # pip install 'featcache[codecs]'
+PLUGIN_INSTALL = install_command("codecs")  # pip install 'featcache[codecs]'
 FORMS = (
     "gzip, gzip:<1-9>, lzf, zstd, zstd:<1-22>, blosc2-lz4 or blosc2-zstd (optionally "
     "-shuffle or -bitshuffle, then :<0-9>, e.g. blosc2-zstd-bitshuffle:5), or null"
@@ -50,7 +48,6 @@ class Codec:
 
     @property
     def needs_plugin(self) -> bool:
-        """Whether the codec comes from hdf5plugin rather than HDF5 itself."""
         return self.family not in BUILTIN
 
 
@@ -118,6 +115,6 @@ def _plugin(value: str, at: str = "store.compression") -> ModuleType:
 def load_plugins() -> ModuleType | None:
     """hdf5plugin, imported once (which registers its filters), or None when not installed."""
     try:
-        return importlib.import_module(PLUGIN_PACKAGE)
+        return importlib.import_module("hdf5plugin")
     except ImportError:
         return None

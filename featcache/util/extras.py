@@ -23,15 +23,6 @@ def install_command(extra: str) -> str:
     return f"pip install 'featcache[{extra}]'"
 
 
-def has_module(name: str) -> bool:
-    """Whether the optional package ``name`` can be imported."""
-    try:
-        importlib.import_module(name)
-    except ImportError:
-        return False
-    return True
-
-
 def require(name: str, purpose: str) -> ModuleType:
     """Import the optional package ``name`` (a key of :data:`EXTRAS`) and return it.
 

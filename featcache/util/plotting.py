@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from featcache.util.extras import has_module, install_command, require
+import importlib
+
+from featcache.util.extras import install_command, require
 
 PLOT_EXTRA = install_command("plot")
 
 
 def has_matplotlib() -> bool:
     """Whether matplotlib (the ``plot`` extra) can be imported."""
-    return has_module("matplotlib")
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError:
+        return False
+    return True
 
 
 def require_matplotlib(purpose: str = "drawing charts") -> None:
