@@ -153,3 +153,32 @@ def test_verify_finds_an_int8_row_whose_scale_changed(tmp_path):
     values = next(c for c in result.checks if c.name == "values")
     assert not values.ok and "mean: rows 4 differ" in values.detail
     assert FeatureStore(store.path).read("mean").shape[0] == 60
+
+
+def test_a_recomputation_copies_codes_and_scales_out_of_reused_host_buffers():
+    """On CUDA a batch arrives in pinned host buffers that the next batch reuses: what a
+    recomputation keeps (a resume's continuity check, verify) must be its own copy."""
+    from featcache.extraction.run import Collected
+    from featcache.extraction.writer_thread import CapturedBatch
+
+    codes, scales = torch.full((4, 3), 7, dtype=torch.int8), torch.full((4,), 0.5)
+    released = []
+    batch = CapturedBatch(
+        index=np.arange(4),
+        ids=["a", "b", "c", "d"],
+        labels=np.zeros(4, dtype=np.int64),
+        features={"layer": codes[:4]},
+        ready=None,
+        skipped=[],
+        release=lambda: released.append(True),
+        scales={"layer": scales[:4]},
+    )
+    collected = Collected()
+    collected.put(batch, {})
+    codes.zero_()  # the next batch fills the same buffers
+    scales.zero_()
+    assert released == [True]
+    kept = collected.batches[0]
+    assert torch.equal(kept.features["layer"], torch.full((4, 3), 7, dtype=torch.int8))
+    assert torch.equal(kept.scales["layer"], torch.full((4,), 0.5))
+    assert torch.equal(kept.values("layer", "int8"), torch.full((4, 3), 3.5))

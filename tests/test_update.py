@@ -338,6 +338,36 @@ def test_a_stopped_update_is_redone_by_update_and_refused_by_a_plain_run(tmp_pat
     assert_equal_stores(updated, fresh["train"], tolerance_of("float32", None)[0])
 
 
+@pytest.mark.parametrize("then", ["store deleted", "folder restored"])
+def test_update_over_a_stopped_update_it_no_longer_needs(tmp_path, monkeypatch, then):
+    """The stopped update is dropped: the store is extracted afresh (its store was
+    deleted), or found complete (the folder is back as the store holds it)."""
+    root = tmp_path / "photos"
+    image_folder(root, 40)
+    cfg = config(root, tmp_path / "out", layers=[{"name": "layer2", "reduce": "avg"}])
+    store = featcache.extract_from_config(cfg)["train"]
+    stored = store.path.read_bytes()
+    store.close()
+    added = [root / "train" / CLASSES[i % len(CLASSES)] / f"img{i:04d}.png" for i in range(40, 48)]
+    for i, file in enumerate(added, start=40):
+        write_image(file, i)
+    stop_an_update(cfg, monkeypatch)
+    if then == "store deleted":
+        store.path.unlink()
+    else:
+        for file in added:
+            file.unlink()
+    got = featcache.extract_from_config(cfg, update=True)["train"]
+    assert not partial_path(store.path).exists()
+    if then == "store deleted":
+        fresh = featcache.extract_from_config(dict(cfg, output={"dir": str(tmp_path / "fresh")}))
+        assert len(got) == 48
+        assert_equal_stores(got, fresh["train"])
+    else:
+        got.close()
+        assert store.path.read_bytes() == stored
+
+
 def test_info_of_a_stopped_update_says_to_rerun_it_with_update(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 

@@ -194,7 +194,9 @@ def run_plan(
     ):
         return update_store(plan, path, check_space=check_space)
     if options.update and state.update_partial:
-        remove_partial(path)  # a stopped update of a store no longer there
+        # A stopped update this run does not redo: its store is gone, or current again.
+        remove_partial(path)
+        state = store_state(path)
     if options.overwrite:
         remove_partial(path)  # a complete store stays until the new one replaces it
     elif state.update_partial:

@@ -94,6 +94,7 @@ class Collected:
             batch.ready.synchronize()
         if batch.release is not None:  # the values sit in reused host buffers
             batch.features = {key: value.clone() for key, value in batch.features.items()}
+            batch.scales = {key: value.clone() for key, value in batch.scales.items()}
             batch.release()
             batch.release = batch.ready = None
         self.batches.append(batch)
