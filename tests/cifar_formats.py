@@ -22,6 +22,7 @@ import torch
 from featcache.sources.tokenizer import Tokenized
 from featcache.store import FeatureStore, partial_path
 from tests.conftest import shared_file
+from tests.stores import durable_rows
 
 PER_CLASS = 20
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -169,9 +170,7 @@ def killed_mid_run(config_file: Path, store: Path, rows: int, cwd: Path) -> int:
     process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline, written = time.monotonic() + 180, 0
     while process.poll() is None and time.monotonic() < deadline and written < rows:
-        if partial_path(store).exists():
-            with h5py.File(partial_path(store), "r", locking=False) as f:
-                written = int(f["progress"][0]) if "progress" in f else 0
+        written = durable_rows(partial_path(store))
         time.sleep(0.05)
     assert process.poll() is None, process.stderr.read() if process.stderr else ""
     process.send_signal(signal.SIGKILL)

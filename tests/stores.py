@@ -17,6 +17,16 @@ from featcache.store.layout import stored_checksums
 from featcache.store.paths import open_readonly
 
 
+def durable_rows(partial: Path) -> int:
+    """The durable rows of the partial store file ``partial``, read while another process
+    may be writing it (0 while it is absent or not yet readable)."""
+    try:
+        with h5py.File(partial, "r", locking=False) as f:
+            return int(f["progress"][0])
+    except (OSError, KeyError):
+        return 0
+
+
 def synthetic_config(out: Path, rows: int = 30, **store: Any) -> dict[str, Any]:
     """A config of ``rows`` synthetic 32 px images through a random resnet18, capturing
     layer2 ([128, 4, 4], after a ReLU: many zeros) and pooled layer4, batches of 8, into

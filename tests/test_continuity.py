@@ -17,6 +17,7 @@ from torch.utils.data import ConcatDataset, Subset
 import featcache
 from featcache.errors import ConfigError, FeatcacheError
 from featcache.store import FeatureStore, partial_path
+from tests.stores import durable_rows
 from tests.test_resume import assert_same_store
 
 CLASSES = ("cat", "dog", "fox")
@@ -77,11 +78,7 @@ def _killed_mid_run(script: Path, folder: Path, store: Path, size: int) -> int:
     try:
         while time.monotonic() < deadline and process.poll() is None and rows < 10:
             time.sleep(0.05)
-            if partial.exists():
-                try:
-                    rows = len(FeatureStore(partial, allow_incomplete=True))
-                except (OSError, FeatcacheError):
-                    rows = 0
+            rows = durable_rows(partial)
     finally:
         process.kill()
         process.wait()

@@ -37,6 +37,7 @@ from featcache.extraction.distributed import (
 from featcache.extraction.from_config import resume_command
 from featcache.store import FeatureStore, StorePlan, StoreWriter, merge_store, partial_path
 from featcache.store.paths import store_path_of
+from tests.stores import durable_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -161,15 +162,6 @@ def _wait_until(condition: Callable[[], bool], process: subprocess.Popen, what: 
         assert process.poll() is None, f"the run ended before {what}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
-
-
-def _progress(partial: Path) -> int:
-    """The durable rows of the partial store file ``partial`` (0 while it is not there)."""
-    try:
-        with h5py.File(partial, "r", locking=False) as f:
-            return int(f["progress"][0])
-    except (OSError, KeyError):
-        return 0
 
 
 def _shard_rows(store: Path, batch_size: int) -> tuple[int, int, int]:
@@ -352,7 +344,7 @@ def test_three_killed_ranks_resume_with_two_to_the_single_process_store(single, 
 
     def stop_ranks_with_rows() -> bool:
         for rank, pid in pids.items():
-            if rank not in paused and _progress(partials[rank]) >= 24:
+            if rank not in paused and durable_rows(partials[rank]) >= 24:
                 os.kill(pid, signal.SIGSTOP)
                 paused.add(rank)
         return len(paused) == 3
@@ -449,7 +441,7 @@ def test_shard_jobs_in_any_order_one_killed_and_rerun_combine_the_store(slow_sin
     _wait_until(lambda: computing.exists() or store_path_of(computing).exists(), first, "job 2")
     killed = _extract(config, "--shard", "0/4")
     stopped = partial_path(shard_path(store, 0))
-    _wait_until(lambda: _progress(stopped) >= 16, killed, "job 0 had durable rows")
+    _wait_until(lambda: durable_rows(stopped) >= 16, killed, "job 0 had durable rows")
     (tmp_path / "hold").touch()  # the jobs wait before their next batch: job 0 is part way
     killed.kill()
     killed.communicate(timeout=60)
@@ -457,7 +449,7 @@ def test_shard_jobs_in_any_order_one_killed_and_rerun_combine_the_store(slow_sin
     assert stopped.exists()
     output = _finished(first)
     assert "rows of shard 2/4 done; other jobs' rows remain" in output and not store.exists()
-    durable = _progress(stopped)
+    durable = durable_rows(stopped)
     kept = durable // 8 * 8
     assert 0 < kept < 80
     with FeatureStore(stopped, allow_incomplete=True) as fs:

@@ -19,6 +19,7 @@ from featcache.commands.verify import verify_store
 from featcache.errors import IncompleteStoreError
 from featcache.store import FeatureStore, partial_path
 from featcache.store.lock import StoreBusyError, holder, lock_path, writer_lock
+from tests.stores import durable_rows
 
 REPO = Path(__file__).resolve().parents[1]
 HOLD = """
@@ -177,7 +178,7 @@ def test_info_on_a_partial_store_names_its_writer_and_the_resume_command(tmp_pat
     store = tmp_path / "out" / "train.h5"
     run = _start(config)
     try:
-        _wait_for(lambda: _durable(store) > 0, run)
+        _wait_for(lambda: durable_rows(partial_path(store)) > 0, run)
         text = CliRunner().invoke(app, ["info", str(store)]).stdout
         assert "status     INCOMPLETE (" in text
         assert f"writer     pid {run.pid} on host {socket.gethostname()}, started" in text
@@ -201,19 +202,6 @@ def test_info_on_a_partial_store_names_its_writer_and_the_resume_command(tmp_pat
     with FeatureStore(store) as fs:
         assert len(fs) == 320 and fs.complete
     assert not lock_path(store).exists()
-
-
-def _durable(store: Path) -> int:
-    import h5py
-
-    partial = partial_path(store)
-    if not partial.exists():
-        return 0
-    try:
-        with h5py.File(partial, "r", locking=False) as f:
-            return int(f["progress"][0])
-    except (OSError, KeyError):
-        return 0
 
 
 def test_merge_writes_its_output_under_the_lock(held, tmp_path):

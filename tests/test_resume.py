@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import random
@@ -22,7 +21,7 @@ import featcache
 from featcache.errors import ConfigError, CorruptStoreError, FeatcacheError
 from featcache.store import FeatureStore, partial_path
 from featcache.store import writer as store_writer
-from tests.stores import break_chunk_key, overwrite_chunk
+from tests.stores import break_chunk_key, durable_rows, overwrite_chunk
 
 KILL_CONFIG = {
     "model": {"name": "resnet18"},
@@ -68,14 +67,6 @@ def assert_same_store(a: Path, b: Path) -> None:
             assert fa.attrs.get(key) == fb.attrs.get(key), key
 
 
-def _progress(partial: Path) -> int:
-    """Durable rows of a partial store, read while another process writes it."""
-    if not partial.exists():
-        return 0
-    with h5py.File(partial, "r", locking=False) as f:
-        return int(f["progress"][0])
-
-
 @pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_equals_uninterrupted(tmp_path):
     reference = _config_file(tmp_path / "reference")
@@ -103,7 +94,8 @@ def test_sigkill_at_random_moments_then_resume_equals_uninterrupted(tmp_path):
             kills += 1
         process.wait(timeout=60)
         if not store.exists():
-            progress_seen.append(_progress(partial))  # readable after every kill
+            with h5py.File(partial, "r", locking=False) as f:  # readable after every kill
+                progress_seen.append(int(f["progress"][0]))
     assert kills >= 3, f"only {kills} kills landed during the run; the test proves nothing"
     assert progress_seen[-1] > progress_seen[0] > 0, progress_seen  # each rerun resumed
     if not store.exists():
@@ -128,8 +120,7 @@ def test_with_default_chunks_a_killed_run_keeps_whole_chunks(tmp_path):
     durable, deadline = 0, time.monotonic() + 120
     while not durable and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
-        with contextlib.suppress(OSError, KeyError):  # not created yet
-            durable = _progress(partial_path(store))
+        durable = durable_rows(partial_path(store))
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
     assert not store.exists(), "the run finished before it was killed; the test proves nothing"
@@ -342,7 +333,7 @@ def test_a_chunk_torn_after_the_last_mark_is_written_again(resnet18, tmp_path):
     with pytest.raises(FeatcacheError, match="simulated crash"):
         featcache.extract(resnet18, Flaky(fail_at=27), LAYERS, path, **options)
     partial = partial_path(path)
-    assert _progress(partial) == 20
+    assert durable_rows(partial) == 20
     for name in ("features/layer2", "features/layer4", "labels", "index", "ids"):
         overwrite_chunk(partial, name, 22)
     featcache.extract(resnet18, Flaky(), LAYERS, path, **options)
