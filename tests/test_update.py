@@ -317,31 +317,9 @@ def stop_an_update(config: Any, monkeypatch: pytest.MonkeyPatch) -> None:
             featcache.extract_from_config(config, update=True)
 
 
-def test_a_stopped_update_is_redone_by_update_and_refused_by_a_plain_run(tmp_path, monkeypatch):
-    root = tmp_path / "photos"
-    image_folder(root, 40)
-    cfg = config(root, tmp_path / "out", layers=[{"name": "layer2", "reduce": "avg"}])
-    store = featcache.extract_from_config(cfg)["train"]
-    stored = store.path.read_bytes()
-    store.close()
-    for i in range(40, 48):
-        write_image(root / "train" / CLASSES[i % len(CLASSES)] / f"img{i:04d}.png", i)
-    stop_an_update(cfg, monkeypatch)
-    assert store_state(store.path).update_partial
-    assert store.path.read_bytes() == stored  # the old store, whole
-    with pytest.raises(ConfigError, match="stopped update.*--update"):
-        featcache.extract_from_config(cfg)
-    updated = featcache.extract_from_config(cfg, update=True)["train"]
-    assert not partial_path(store.path).exists()
-    assert last_run(updated)["rows_computed"] == 8
-    fresh = featcache.extract_from_config(dict(cfg, output={"dir": str(tmp_path / "fresh")}))
-    assert_equal_stores(updated, fresh["train"], tolerance_of("float32", None)[0])
-
-
-@pytest.mark.parametrize("then", ["store deleted", "folder restored"])
-def test_update_over_a_stopped_update_it_no_longer_needs(tmp_path, monkeypatch, then):
-    """The stopped update is dropped: the store is extracted afresh (its store was
-    deleted), or found complete (the folder is back as the store holds it)."""
+def stopped_over_added_images(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A store of 40 images, 8 images added, and an update of it stopped: the config, the
+    store's path and bytes, and the added images."""
     root = tmp_path / "photos"
     image_folder(root, 40)
     cfg = config(root, tmp_path / "out", layers=[{"name": "layer2", "reduce": "avg"}])
@@ -352,20 +330,41 @@ def test_update_over_a_stopped_update_it_no_longer_needs(tmp_path, monkeypatch, 
     for i, file in enumerate(added, start=40):
         write_image(file, i)
     stop_an_update(cfg, monkeypatch)
+    assert store_state(store.path).update_partial
+    return cfg, store.path, stored, added
+
+
+def test_a_stopped_update_is_redone_by_update_and_refused_by_a_plain_run(tmp_path, monkeypatch):
+    cfg, path, stored, _ = stopped_over_added_images(tmp_path, monkeypatch)
+    assert path.read_bytes() == stored  # the old store, whole
+    with pytest.raises(ConfigError, match="stopped update.*--update"):
+        featcache.extract_from_config(cfg)
+    updated = featcache.extract_from_config(cfg, update=True)["train"]
+    assert not partial_path(path).exists()
+    assert last_run(updated)["rows_computed"] == 8
+    fresh = featcache.extract_from_config(dict(cfg, output={"dir": str(tmp_path / "fresh")}))
+    assert_equal_stores(updated, fresh["train"], tolerance_of("float32", None)[0])
+
+
+@pytest.mark.parametrize("then", ["store deleted", "folder restored"])
+def test_update_over_a_stopped_update_it_no_longer_needs(tmp_path, monkeypatch, then):
+    """The stopped update is dropped: the store is extracted afresh (its store was
+    deleted), or found complete (the folder is back as the store holds it)."""
+    cfg, path, stored, added = stopped_over_added_images(tmp_path, monkeypatch)
     if then == "store deleted":
-        store.path.unlink()
+        path.unlink()
     else:
         for file in added:
             file.unlink()
     got = featcache.extract_from_config(cfg, update=True)["train"]
-    assert not partial_path(store.path).exists()
+    assert not partial_path(path).exists()
     if then == "store deleted":
         fresh = featcache.extract_from_config(dict(cfg, output={"dir": str(tmp_path / "fresh")}))
         assert len(got) == 48
         assert_equal_stores(got, fresh["train"])
     else:
         got.close()
-        assert store.path.read_bytes() == stored
+        assert path.read_bytes() == stored
 
 
 def test_info_of_a_stopped_update_says_to_rerun_it_with_update(tmp_path, monkeypatch):
