@@ -112,7 +112,7 @@ def class_index(label: Any) -> int:
     Raises:
         ValueError: anything else (a class name, a float such as 1.7, several values).
     """
-    if isinstance(label, np.generic) or isinstance(label, torch.Tensor) and label.numel() == 1:
+    if isinstance(label, np.generic) or (isinstance(label, torch.Tensor) and label.numel() == 1):
         label = label.item()
     if isinstance(label, float) and label.is_integer():
         label = int(label)

@@ -90,13 +90,7 @@ class Collected:
         return sum(len(batch.skipped) for batch in self.batches)
 
     def put(self, batch: CapturedBatch, feature_attrs: Mapping[str, Any]) -> None:
-        if batch.ready is not None:
-            batch.ready.synchronize()
-        if batch.release is not None:  # the values sit in reused host buffers
-            batch.features = {key: value.clone() for key, value in batch.features.items()}
-            batch.scales = {key: value.clone() for key, value in batch.scales.items()}
-            batch.release()
-            batch.release = batch.ready = None
+        batch.own()
         self.batches.append(batch)
 
 

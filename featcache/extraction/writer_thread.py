@@ -44,6 +44,17 @@ class CapturedBatch:
     # int8 stores: each layer's float32 scales, one per row [rows] (per token [tokens])
     scales: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
+    def own(self) -> None:
+        """Copy the values (codes and scales) out of reused host buffers and hand the
+        buffers back: for a sink that keeps the batch after ``put``."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        if self.release is not None:
+            self.features = {key: value.clone() for key, value in self.features.items()}
+            self.scales = {key: value.clone() for key, value in self.scales.items()}
+            self.release()
+        self.release = self.ready = None
+
     def values(self, key: str, dtype: str) -> torch.Tensor:
         """Layer ``key``'s captured values as float32 (int8 codes dequantized)."""
         value = self.features[key]
